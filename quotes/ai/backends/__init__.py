@@ -1,0 +1,69 @@
+"""Backends: one module per upstream. Each turns a GenerationRequest into a stream of events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from ..events import Event, GenerationRequest
+
+
+class Backend(Protocol):
+    #: the name in settings and in the log: "local", "workers-ai", "openai"
+    name: str
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Yield Meta/Token/Usage events and end with exactly one Done or Error.
+
+        Cancellation (the consumer stops iterating, or the task is cancelled) must stop the
+        upstream work at once: close the HTTP response, or stop the model thread.
+        """
+        ...
+
+    def model_name(self, requested: str) -> str:
+        """The model that will actually answer a request for `requested`."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release process-wide resources (HTTP pools, threads)."""
+        ...
+
+
+_backends: dict[str, Backend] = {}
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The process-wide backend for `name` (default: settings.AI_BACKEND), made on first use."""
+    from django.conf import settings
+
+    name = name or settings.AI_BACKEND
+    backend = _backends.get(name)
+    if backend is None:
+        backend = _backends[name] = _make_backend(name)
+    return backend
+
+
+def _make_backend(name: str) -> Backend:
+    from django.conf import settings
+
+    if name == "local":
+        from .local import LocalBackend
+
+        return LocalBackend(**settings.LOCAL_MODEL)
+    if name == "workers-ai":
+        from .workers_ai import WorkersAIBackend
+
+        return WorkersAIBackend(workers_ai=settings.WORKERS_AI, gateway=settings.AI_GATEWAY)
+    if name == "openai":
+        from .openai_compat import OpenAICompatBackend
+
+        return OpenAICompatBackend(**settings.OPENAI_COMPAT, timeouts=settings.WORKERS_AI)
+    raise ValueError(f"unknown backend {name!r}")
+
+
+async def reset_backends() -> None:
+    """Close and forget every backend (tests use this after changing settings)."""
+    backends = list(_backends.values())
+    _backends.clear()
+    for backend in backends:
+        await backend.aclose()

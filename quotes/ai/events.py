@@ -1,0 +1,99 @@
+"""The typed events every backend yields, and the request every backend takes.
+
+A backend is an async iterator of these events. Only the view layer turns them into bytes
+(SSE, htmx fragments or WebSocket frames), so every transport sees the same stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["system", "user", "assistant"]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What one generation asks of a backend, whatever the backend.
+
+    `messages` is the chat a cloud model receives: the persona's system prompt first, then the
+    user turns. `speaker` and `topic` let a base model (the embedded one) build its own
+    completion frame instead of a chat, since chat prompts fail on it.
+    """
+
+    model: str
+    messages: tuple[Message, ...]
+    speaker: str
+    topic: str
+    max_tokens: int = 256
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    lora: str | None = None
+
+    def sampling(self) -> dict[str, float | int | str]:
+        """The sampling fields that are set, under their Workers AI names."""
+        fields = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "repetition_penalty": self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A piece of generated text (already decoded; never a partial UTF-8 character)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """Facts about the stream known before or beside the text: the model that actually
+    answered and upstream headers worth keeping (cf-aig-cache-status, cf-aig-step, ...)."""
+
+    model: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The stream ended normally."""
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """The stream failed. `code` is stable and machine-readable, `message` is for people,
+    `status` is the HTTP status to answer with when no byte has been sent yet."""
+
+    code: str
+    message: str
+    status: int = 502
+
+
+Event = Token | Usage | Meta | Done | Error

@@ -1,0 +1,1 @@
+"""Fixtures for the fake Workers AI upstream (registered from tests/conftest.py)."""
