@@ -1,3 +1,41 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
+
+from quotes.ai.backends import get_backend
+from quotes.ai.backends.local import LocalBackend
+from quotes.models import Persona
+
 pytest_plugins = ["tests.fakes.fixtures"]
+
+
+@pytest.fixture(autouse=True)
+def _local_backend_by_default(settings: pytest.FixtureRequest) -> None:
+    """Tests run on the embedded model unless they ask for another backend."""
+    settings.AI_BACKEND = "local"  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def local_backend() -> Iterator[LocalBackend]:
+    """The process-wide embedded model (loaded once for the whole test session)."""
+    backend = get_backend("local")
+    assert isinstance(backend, LocalBackend)
+    queue_timeout = backend.queue_timeout_s
+    yield backend
+    backend.queue_timeout_s = queue_timeout
+
+
+@pytest.fixture
+def persona(transactional_db: None) -> Persona:
+    """A persona with greedy sampling (temperature 0) and a small max_tokens: fast and repeatable."""
+    return Persona.objects.create(
+        slug="test-watts",
+        name="Alan Watts",
+        system_prompt="You are Alan Watts",
+        user_prompt_template="Write 1 inspiring quote that is less than 50 words about {topic} as if you were Alan Watts",
+        default_topic="hard honest work",
+        max_tokens=16,
+        temperature=0.0,
+    )

@@ -1,1 +1,98 @@
-"""Fixtures for the fake Workers AI upstream (registered from tests/conftest.py)."""
+"""Fixtures for the fake Workers AI upstream (registered from tests/conftest.py).
+
+- `fake_workers_ai_server`: the running fake, one per test session.
+- `fake_workers_ai`: the same server, reset (empty script, no records) around each test.
+- `workers_ai_settings`: Django settings pointing the workers-ai backend at the fake, with the
+  backend registry reset before and after so the settings take effect.
+- `workers_ai_backend`: a `WorkersAIBackend` built from those settings, closed after the test
+  on the test's own event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+
+from .workers_ai import FakeWorkersAI
+
+#: Secret-looking test credentials: tests assert they never reach an error, a log line or a page.
+TEST_ACCOUNT_ID = "acct-test"
+TEST_API_TOKEN = "cfut_TEST-9f8e7d6c5b4a39281706f5e4d3c2b1a0ZZ"
+TEST_GATEWAY_TOKEN = "cfgw_TEST-0a1b2c3d4e5f60718293a4b5c6d7e8f9YY"
+
+
+def workers_ai_config(fake: FakeWorkersAI, **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "account_id": TEST_ACCOUNT_ID,
+        "api_token": TEST_API_TOKEN,
+        "base_url": fake.api_base_url,
+        "connect_timeout_s": 2.0,
+        "read_timeout_s": 2.0,
+        "total_timeout_s": 10.0,
+    }
+    config.update(overrides)
+    return config
+
+
+def gateway_config(fake: FakeWorkersAI, **overrides: Any) -> dict[str, Any]:
+    """The AI_GATEWAY dict as config/settings.py builds it; `id` empty means no gateway."""
+    config: dict[str, Any] = {
+        "id": "",
+        "base_url": fake.gateway_base_url,
+        "token": "",
+        "skip_cache": False,
+        "cache_ttl": None,
+        "cache_key": "",
+        "metadata": {},
+        "collect_log": None,
+        "request_timeout_ms": None,
+        "retries": {"max_attempts": None, "retry_delay_ms": None, "backoff": None},
+    }
+    config.update(overrides)
+    return config
+
+
+def _reset_backends() -> None:
+    from quotes.ai.backends import reset_backends
+
+    async_to_sync(reset_backends)()
+
+
+@pytest.fixture(scope="session")
+def fake_workers_ai_server() -> Iterator[FakeWorkersAI]:
+    with FakeWorkersAI() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake_workers_ai(fake_workers_ai_server: FakeWorkersAI) -> Iterator[FakeWorkersAI]:
+    fake_workers_ai_server.reset()
+    yield fake_workers_ai_server
+    fake_workers_ai_server.reset()
+
+
+@pytest.fixture
+def workers_ai_settings(settings: Any, fake_workers_ai: FakeWorkersAI) -> Iterator[Any]:
+    """Settings for the workers-ai backend against the fake. Change `settings.AI_GATEWAY` (or
+    WORKERS_AI) further in a test, then call `quotes.ai.backends.reset_backends()` again."""
+    _reset_backends()
+    settings.AI_BACKEND = "workers-ai"
+    settings.CLOUDFLARE_API_TOKEN = TEST_API_TOKEN
+    settings.WORKERS_AI = workers_ai_config(fake_workers_ai)
+    settings.AI_GATEWAY = gateway_config(fake_workers_ai)
+    yield settings
+    _reset_backends()
+
+
+@pytest.fixture
+async def workers_ai_backend(workers_ai_settings: Any) -> AsyncIterator[Any]:
+    from quotes.ai.backends.workers_ai import WorkersAIBackend
+
+    backend = WorkersAIBackend(
+        workers_ai=workers_ai_settings.WORKERS_AI, gateway=workers_ai_settings.AI_GATEWAY
+    )
+    yield backend
+    await backend.aclose()

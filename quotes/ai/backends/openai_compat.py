@@ -1,0 +1,290 @@
+"""Any OpenAI-compatible `/chat/completions` server, streamed: llama.cpp's servers, vLLM,
+Workers AI's own OpenAI route, OpenAI itself.
+
+One `httpx.AsyncClient` per backend (so one per process through the registry), made on first
+use because it must be made inside a running event loop. Connect, read, write and pool
+timeouts are httpx's; the whole request also has a deadline (`total_timeout_s`) enforced with
+`asyncio.timeout_at` around each wait, never across a `yield`, so a slow consumer is not
+charged for it and a cancellation never lands in the consumer's code.
+
+Event order: `Meta` (once, before the first other event of an open stream), `Token`s, at most
+one `Usage`, then exactly one `Done` or `Error`. Failures before the stream opens yield only
+the `Error`. The API key never appears in a message: upstream text is scrubbed of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource, SSEError
+
+from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
+
+#: How much of an error body we read: enough for any JSON error, bounded against a hostile one.
+_ERROR_BODY_LIMIT = 64 * 1024
+#: How much upstream error text reaches a message.
+_MESSAGE_LIMIT = 300
+#: Upstream response headers worth keeping on Meta (lower-case prefixes).
+_KEPT_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
+
+# The OpenAI sampling fields GenerationRequest can carry. top_k and repetition_penalty are not
+# OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
+_OPENAI_SAMPLING = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
+
+
+class _Failure(Exception):
+    """Internal: carries the Error event out of nested code to the single place that yields."""
+
+    def __init__(self, event: Error) -> None:
+        super().__init__(event.message)
+        self.event = event
+
+
+class OpenAICompatBackend:
+    name = "openai"
+
+    def __init__(self, *, base_url: str, api_key: str, timeouts: Mapping[str, Any]) -> None:
+        self._url = base_url.rstrip("/") + "/chat/completions"
+        self._api_key = api_key
+        self._total_s = float(timeouts["total_timeout_s"])
+        connect = float(timeouts["connect_timeout_s"])
+        read = float(timeouts["read_timeout_s"])
+        # write: the body is small, but a stalled peer must not hang the send either.
+        self._timeout = httpx.Timeout(connect=connect, read=read, write=read, pool=connect)
+        self._headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._client: httpx.AsyncClient | None = None
+
+    def model_name(self, requested: str) -> str:
+        return requested
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def _get_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout)
+        return self._client
+
+    def _body(self, request: GenerationRequest) -> bytes:
+        body: dict[str, Any] = {
+            "model": request.model,
+            "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": request.max_tokens,
+        }
+        for field in _OPENAI_SAMPLING:
+            value = getattr(request, field)
+            if value is not None:
+                body[field] = value
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _scrub(self, text: str) -> str:
+        text = text.strip()
+        if self._api_key:
+            text = text.replace(self._api_key, "[redacted]")
+        if len(text) > _MESSAGE_LIMIT:
+            text = text[:_MESSAGE_LIMIT].rstrip() + "…"
+        return text
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._total_s
+        client = self._get_client()
+        try:
+            http_request = client.build_request(
+                "POST", self._url, content=self._body(request), headers=self._headers
+            )
+            async with asyncio.timeout_at(deadline):
+                response = await client.send(http_request, stream=True)
+        except (TimeoutError, httpx.TimeoutException):
+            yield _timeout()
+            return
+        except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.InvalidURL):
+            yield Error(
+                code="upstream_unreachable",
+                message="Could not connect to the model server. Is it running, and is OPENAI_BASE_URL right?",
+                status=502,
+            )
+            return
+        except httpx.HTTPError:
+            # Connected, but the peer hung up before answering.
+            yield _dropped()
+            return
+
+        # From here on the response is open: it is closed on every way out, including the
+        # consumer stopping early (GeneratorExit at a yield) and task cancellation.
+        try:
+            if not response.is_success:
+                yield await self._status_error(response, deadline)
+                return
+            async for event in self._events(response, request, deadline):
+                yield event
+        finally:
+            await response.aclose()
+
+    async def _events(
+        self, response: httpx.Response, request: GenerationRequest, deadline: float
+    ) -> AsyncIterator[Event]:
+        sse = EventSource(response).aiter_sse()
+        meta_sent = False
+        usage: Usage | None = None
+        loads = json.loads
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        message = await anext(sse)
+                except StopAsyncIteration:
+                    raise _Failure(_dropped()) from None
+                data = message.data
+                if not data:
+                    continue
+                if data == "[DONE]":
+                    if not meta_sent:
+                        yield self._meta(response, request.model)
+                    if usage is not None:
+                        yield usage
+                    yield Done()
+                    return
+                try:
+                    chunk = loads(data)
+                    if "error" in chunk:
+                        raise _Failure(self._stream_error(chunk["error"]))
+                    if not meta_sent:
+                        meta_sent = True
+                        yield self._meta(response, chunk.get("model") or request.model)
+                    choices = chunk.get("choices")
+                    if choices:
+                        delta = choices[0].get("delta")
+                        content = delta.get("content") if delta else None
+                        if content:
+                            yield Token(content)
+                    counts = chunk.get("usage")
+                    if counts:
+                        usage = Usage(
+                            int(counts.get("prompt_tokens") or 0), int(counts.get("completion_tokens") or 0)
+                        )
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                    raise _Failure(_malformed()) from None
+        except _Failure as failure:
+            if usage is not None:
+                yield usage
+            yield failure.event
+        except SSEError:
+            # 2xx but not text/event-stream (e.g. a JSON body from a server ignoring "stream").
+            yield _malformed()
+        except (TimeoutError, httpx.TimeoutException):
+            if usage is not None:
+                yield usage
+            yield _timeout()
+        except httpx.HTTPError:
+            # The peer closed or reset the connection mid-stream.
+            if usage is not None:
+                yield usage
+            yield _dropped()
+        finally:
+            await sse.aclose()
+
+    def _meta(self, response: httpx.Response, model: str) -> Meta:
+        kept = {
+            name: value for name, value in response.headers.items() if name.lower().startswith(_KEPT_HEADERS)
+        }
+        return Meta(model=str(model), headers=kept)
+
+    async def _status_error(self, response: httpx.Response, deadline: float) -> Error:
+        status = response.status_code
+        detail = ""
+        try:
+            async with asyncio.timeout_at(deadline):
+                raw = bytearray()
+                async for piece in response.aiter_bytes():
+                    raw += piece
+                    if len(raw) >= _ERROR_BODY_LIMIT:
+                        break
+            detail = _error_detail(bytes(raw[:_ERROR_BODY_LIMIT]))
+        except (TimeoutError, httpx.HTTPError):
+            pass  # the status alone still says what happened
+        detail = self._scrub(detail)
+        suffix = f": {detail}" if detail else "."
+        if status in (401, 403):
+            return Error(
+                code="upstream_auth",
+                message=f"The model server refused our credentials (HTTP {status}). "
+                f"Check OPENAI_API_KEY{suffix}",
+                status=502,
+            )
+        if 400 <= status < 500:
+            return Error(
+                code="upstream_rejected",
+                message=f"The model server rejected the request (HTTP {status}){suffix}",
+                status=status,
+            )
+        return Error(
+            code="upstream_unavailable",
+            message=f"The model server failed (HTTP {status}){suffix}",
+            status=502,
+        )
+
+    def _stream_error(self, error: object) -> Error:
+        detail = _message_of(error)
+        suffix = f": {self._scrub(detail)}" if detail else "."
+        return Error(
+            code="upstream_unavailable", message=f"The model server failed mid-stream{suffix}", status=502
+        )
+
+
+def _message_of(error: object) -> str:
+    if isinstance(error, dict):
+        message = error.get("message") or error.get("detail")
+        if message is not None:
+            return message if isinstance(message, str) else json.dumps(message)
+        return ""
+    return error if isinstance(error, str) else ""
+
+
+def _error_detail(raw: bytes) -> str:
+    """The readable part of an error body: OpenAI's {"error": {"message"}}, FastAPI's
+    {"detail"}, Cloudflare's {"errors": [{"message"}]}, or the text itself."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(body, dict):
+        if "error" in body:
+            return _message_of(body["error"]) or text
+        if "detail" in body:
+            return _message_of(body)
+        errors = body.get("errors")
+        if isinstance(errors, list) and errors:
+            return _message_of(errors[0]) or text
+    return text
+
+
+def _timeout() -> Error:
+    return Error(code="upstream_timeout", message="The model server took too long to answer.", status=504)
+
+
+def _dropped() -> Error:
+    return Error(
+        code="upstream_dropped",
+        message="The model server closed the stream before the quote was finished.",
+        status=502,
+    )
+
+
+def _malformed() -> Error:
+    return Error(
+        code="upstream_malformed",
+        message="The model server sent a stream we could not read.",
+        status=502,
+    )

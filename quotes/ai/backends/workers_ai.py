@@ -1,0 +1,518 @@
+"""Cloudflare Workers AI, directly or through AI Gateway, streamed over SSE.
+
+Wire facts: /work/shared/reference/workers-ai.md (docs/ in the repository). One
+`httpx.AsyncClient` per backend (the registry keeps one backend per process); the stream is
+decoded by httpx-sse, which buffers bytes, decodes UTF-8 incrementally and accepts LF, CRLF and
+CR, so a network read cut anywhere (mid-line, mid-character) is handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource
+
+from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
+
+logger = logging.getLogger(__name__)
+
+#: Response headers worth keeping on the Meta event (cache hits, fallback step, log ids).
+META_HEADERS = ("cf-aig-cache-status", "cf-aig-step", "cf-aig-log-id", "cf-aig-request-id")
+#: How much of an error body is read: enough for any envelope, bounded against a runaway body.
+MAX_ERROR_BODY_BYTES = 64 * 1024
+#: How much of the upstream's own error message a visitor gets to see.
+MAX_UPSTREAM_MESSAGE_CHARS = 200
+
+# A model id: `@cf/meta/llama-3.1-8b-instruct`. It goes into the URL path, so nothing that could
+# climb out of it ("..", "?", "#", "%", spaces) is allowed.
+_MODEL_ID = re.compile(r"@?[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*", re.ASCII)
+_BEARER = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+# -- stable errors ---------------------------------------------------------------------------------
+
+_RETRY = "Please try again shortly."
+
+# Documented Workers AI codes -> (our code, the status we answer, a message for the visitor).
+ERROR_CODES: dict[int, tuple[str, int, str]] = {
+    5007: ("model_not_found", 400, "That model does not exist on Workers AI."),
+    3042: ("model_not_found", 400, "That model id is not valid on Workers AI."),
+    3003: ("upstream_bad_request", 400, "The model service says the request was incomplete."),
+    5005: ("lora_not_supported", 400, "This model does not accept a LoRA adapter."),
+    5016: ("upstream_forbidden", 403, "This model's terms of use have not been accepted for this site."),
+    5018: ("upstream_forbidden", 403, "This model is private and not available to this site."),
+    3041: ("upstream_forbidden", 403, "This model is private and not available to this site."),
+    3023: ("upstream_forbidden", 403, "The site's Workers AI account is blocked."),
+    3006: ("request_too_large", 413, "The request is too large for the model. Try a shorter topic."),
+    3007: ("upstream_timeout", 408, f"The model took too long to answer. {_RETRY}"),
+    3008: ("upstream_timeout", 408, f"The model request was aborted. {_RETRY}"),
+    3036: (
+        "upstream_quota_exceeded",
+        429,
+        "Today's free model allowance is used up. Please try again tomorrow.",
+    ),
+    3040: ("upstream_capacity", 429, f"The model is out of capacity right now. {_RETRY}"),
+}
+
+
+def _error(code: str, message: str, status: int) -> Error:
+    return Error(code=code, message=message, status=status)
+
+
+def dropped() -> Error:
+    return _error(
+        "upstream_dropped", "The connection to the model was lost before the quote was finished.", 502
+    )
+
+
+def malformed() -> Error:
+    return _error("upstream_malformed", "The model service sent an answer we could not read.", 502)
+
+
+def timed_out() -> Error:
+    return _error("upstream_timeout", f"The model took too long to answer. {_RETRY}", 504)
+
+
+def unreachable() -> Error:
+    return _error("upstream_unreachable", f"The model service cannot be reached right now. {_RETRY}", 502)
+
+
+def invalid_model(model: str) -> Error:
+    return _error("model_not_found", f"{model[:80]!r} is not a valid model id.", 400)
+
+
+def error_for_status(status: int, body: bytes, *, secrets: Iterable[str] = ()) -> Error:
+    """The Error for a non-2xx answer: by documented envelope code first, then by status.
+
+    The upstream's own message is appended for context, scrubbed of `secrets`, bounded, and
+    only when the body is a v4 envelope (an HTML error page says nothing useful).
+    """
+    codes, upstream_message = _parse_envelope(body)
+    detail = ""
+    if upstream_message:
+        clean = _CONTROL.sub(" ", scrub(upstream_message, secrets)).strip()
+        if len(clean) > MAX_UPSTREAM_MESSAGE_CHARS:
+            clean = clean[: MAX_UPSTREAM_MESSAGE_CHARS - 1] + "…"
+        detail = f" (Workers AI said: {clean})" if clean else ""
+    for number in codes:
+        if number in ERROR_CODES:
+            code, our_status, message = ERROR_CODES[number]
+            return _error(code, message + detail, our_status)
+    if status in (401, 403):
+        # The visitor did nothing wrong: our credentials are bad or lack a permission.
+        return _error(
+            "upstream_auth",
+            "The site's connection to the model service is misconfigured. "
+            "This is not your fault; please try again later.",
+            502,
+        )
+    if status == 429:
+        return _error("upstream_rejected", f"The model service is receiving too many requests. {_RETRY}", 429)
+    if 400 <= status < 500:
+        return _error("upstream_rejected", "The model service rejected the request." + detail, status)
+    if status >= 500:
+        return _error("upstream_unavailable", f"The model service is having trouble right now. {_RETRY}", 502)
+    return _error("upstream_malformed", f"The model service gave an unexpected answer (HTTP {status}).", 502)
+
+
+def _parse_envelope(body: bytes) -> tuple[list[int], str]:
+    """The error codes and the first message of a Cloudflare v4 envelope; ([], "") otherwise."""
+    try:
+        envelope = json.loads(body)
+    except ValueError:
+        return [], ""
+    errors = envelope.get("errors") if isinstance(envelope, dict) else None
+    if not isinstance(errors, list):
+        return [], ""
+    codes: list[int] = []
+    message = ""
+    for item in errors:
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("code"), int):
+            codes.append(item["code"])
+        if not message and isinstance(item.get("message"), str):
+            message = item["message"]
+    return codes, message
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """`text` without any of `secrets`, nor anything that follows the word Bearer."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "[redacted]")
+    return _BEARER.sub("Bearer [redacted]", text)
+
+
+# -- decoding --------------------------------------------------------------------------------------
+
+
+def _usage(value: Any) -> Usage | None:
+    if not isinstance(value, dict):
+        return None
+    prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        return Usage(prompt_tokens=prompt, completion_tokens=completion)
+    return None
+
+
+async def parse_events(
+    response: httpx.Response, *, secrets: Iterable[str] = ()
+) -> AsyncGenerator[Event, None]:
+    """Decode a Workers AI event stream into Token/Usage events ending in one Done or Error.
+
+    - `response` is the text (a number is turned into a string); OpenAI-style chunks
+      (`choices[0].delta.content`) are read when it is absent; `p` padding is ignored.
+    - `usage` may come on any event, with or without text.
+    - `data: [DONE]` ends the stream (anything after it is not read); a stream that ends
+      without it is `upstream_dropped`, as is a connection that breaks.
+    - A data payload that is not a JSON object is `upstream_malformed`.
+
+    `secrets` are scrubbed from an error envelope that arrives inside the stream.
+    """
+    content_type = response.headers.get("content-type", "")
+    if "text/event-stream" not in content_type.partition(";")[0].lower():
+        yield malformed()
+        return
+    source = EventSource(response).aiter_sse()
+    try:
+        async for sse in source:
+            data = sse.data
+            if data == "[DONE]":
+                yield Done()
+                return
+            if not data:
+                continue
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                yield malformed()
+                return
+            if not isinstance(payload, dict):
+                yield malformed()
+                return
+            text = payload.get("response")
+            if text is None:
+                text = _openai_delta(payload)
+                if text is None and "errors" in payload:
+                    # An error envelope inside the stream (seen from some proxies).
+                    yield error_for_status(502, data.encode(), secrets=secrets)
+                    return
+            elif not isinstance(text, str):
+                text = str(text) if isinstance(text, int | float) and not isinstance(text, bool) else None
+            if text:
+                yield Token(text)
+            if "usage" in payload:
+                usage = _usage(payload["usage"])
+                if usage is not None:
+                    yield usage
+    except httpx.TimeoutException:
+        yield timed_out()
+        return
+    except httpx.DecodingError:
+        yield malformed()
+        return
+    except httpx.TransportError:  # RemoteProtocolError, ReadError, ...: the connection broke
+        yield dropped()
+        return
+    finally:
+        await source.aclose()
+    yield dropped()
+
+
+def _openai_delta(payload: dict[str, Any]) -> str | None:
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    content = delta.get("content") if isinstance(delta, dict) else None
+    return content if isinstance(content, str) else None
+
+
+# -- the backend -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    account_id: str
+    api_token: str
+    base_url: str
+    connect_timeout_s: float
+    read_timeout_s: float
+    total_timeout_s: float
+    max_connections: int
+    gateway_id: str
+    gateway_base_url: str
+    gateway_token: str
+    headers: Mapping[str, str]
+
+
+def _gateway_headers(gateway: Mapping[str, Any]) -> dict[str, str]:
+    """Every AI Gateway option that is set, as its cf-aig-* request header."""
+    headers: dict[str, str] = {}
+
+    def flag(value: Any) -> str:
+        return "true" if value else "false"
+
+    if gateway.get("skip_cache"):
+        headers["cf-aig-skip-cache"] = "true"
+    if gateway.get("cache_ttl") is not None:
+        headers["cf-aig-cache-ttl"] = str(int(gateway["cache_ttl"]))
+    if gateway.get("cache_key"):
+        headers["cf-aig-cache-key"] = str(gateway["cache_key"])
+    if gateway.get("metadata"):
+        headers["cf-aig-metadata"] = json.dumps(gateway["metadata"], separators=(",", ":"))
+    if gateway.get("collect_log") is not None:
+        headers["cf-aig-collect-log"] = flag(gateway["collect_log"])
+    if gateway.get("request_timeout_ms") is not None:
+        headers["cf-aig-request-timeout"] = str(int(gateway["request_timeout_ms"]))
+    retries = gateway.get("retries") or {}
+    if retries.get("max_attempts") is not None:
+        headers["cf-aig-max-attempts"] = str(int(retries["max_attempts"]))
+    if retries.get("retry_delay_ms") is not None:
+        headers["cf-aig-retry-delay"] = str(int(retries["retry_delay_ms"]))
+    if retries.get("backoff"):
+        headers["cf-aig-backoff"] = str(retries["backoff"])
+    if gateway.get("token"):
+        headers["cf-aig-authorization"] = f"Bearer {gateway['token']}"
+    return headers
+
+
+class WorkersAIBackend:
+    """Text generation on Workers AI; see `Backend` for the event contract.
+
+    Every response (any status) first yields `Meta` with the model and the cf-aig-* headers;
+    then Tokens and Usage; then exactly one Done or Error.
+    """
+
+    name = "workers-ai"
+
+    def __init__(self, *, workers_ai: Mapping[str, Any], gateway: Mapping[str, Any]) -> None:
+        gateway_id = str(gateway.get("id") or "")
+        headers = {
+            "Authorization": f"Bearer {workers_ai['api_token']}",
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            # A compressed event stream can be buffered whole by the compressor: ask for none.
+            "Accept-Encoding": "identity",
+        }
+        if gateway_id:
+            headers.update(_gateway_headers(gateway))
+        self._settings = _Settings(
+            account_id=str(workers_ai["account_id"]),
+            api_token=str(workers_ai["api_token"]),
+            base_url=str(workers_ai["base_url"]).rstrip("/"),
+            connect_timeout_s=float(workers_ai["connect_timeout_s"]),
+            read_timeout_s=float(workers_ai["read_timeout_s"]),
+            total_timeout_s=float(workers_ai["total_timeout_s"]),
+            max_connections=int(workers_ai.get("max_connections", 100)),
+            gateway_id=gateway_id,
+            gateway_base_url=str(gateway.get("base_url") or "").rstrip("/"),
+            gateway_token=str(gateway.get("token") or ""),
+            headers=headers,
+        )
+        self._secrets = tuple(s for s in (self._settings.api_token, self._settings.gateway_token) if s)
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    def model_name(self, requested: str) -> str:
+        return requested
+
+    def url(self, model: str) -> str:
+        s = self._settings
+        if s.gateway_id:
+            return f"{s.gateway_base_url}/{s.account_id}/{s.gateway_id}/workers-ai/{model}"
+        return f"{s.base_url}/accounts/{s.account_id}/ai/run/{model}"
+
+    async def aclose(self) -> None:
+        client, self._client, self._client_loop = self._client, None, None
+        if client is not None:
+            await client.aclose()
+
+    def _http(self) -> httpx.AsyncClient:
+        # Pooled connections belong to the loop that opened them: a new loop (a test, a
+        # management command) gets a new client instead of a pool it cannot use.
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            s = self._settings
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    connect=s.connect_timeout_s,
+                    read=s.read_timeout_s,
+                    write=s.read_timeout_s,
+                    pool=s.connect_timeout_s,
+                ),
+                limits=httpx.Limits(
+                    max_connections=s.max_connections,
+                    max_keepalive_connections=min(20, s.max_connections),
+                    keepalive_expiry=30.0,
+                ),
+                headers=s.headers,
+                follow_redirects=False,
+                trust_env=False,
+            )
+            self._client_loop = loop
+        return self._client
+
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+            "stream": True,
+            "max_tokens": request.max_tokens,
+            **request.sampling(),
+        }
+        if request.lora:
+            body["lora"] = request.lora
+            body["raw"] = True
+        return body
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        if not _MODEL_ID.fullmatch(request.model):
+            yield invalid_model(request.model)
+            return
+        client = self._http()
+        loop = asyncio.get_running_loop()
+        # The whole-request deadline. Each await below runs under it, but never a `yield`: a
+        # timeout spanning a yield would cancel the consumer's task wherever it happens to be.
+        deadline = loop.time() + self._settings.total_timeout_s
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    response = await stack.enter_async_context(
+                        client.stream("POST", self.url(request.model), json=self._body(request))
+                    )
+            except (httpx.TimeoutException, TimeoutError):  # connect, pool, or no headers in time
+                yield self._log(timed_out(), request)
+                return
+            except httpx.ConnectError:
+                yield self._log(unreachable(), request)
+                return
+            except httpx.TransportError:
+                yield self._log(dropped(), request)
+                return
+
+            headers = response.headers
+            yield Meta(
+                model=request.model,
+                headers={
+                    name: scrub(headers[name], self._secrets) for name in META_HEADERS if name in headers
+                },
+            )
+
+            if not response.is_success:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        body = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
+                except (httpx.TransportError, TimeoutError):
+                    body = b""
+                yield self._log(error_for_status(response.status_code, body, secrets=self._secrets), request)
+                return
+
+            events = parse_events(response, secrets=self._secrets)
+            scrubber = _Scrubber(self._secrets)
+            try:
+                while True:
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            event = await anext(events)
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        yield self._log(timed_out(), request)
+                        return
+                    if type(event) is Token:
+                        text = scrubber.feed(event.text)
+                        if text:
+                            yield Token(text)
+                        continue
+                    if isinstance(event, Done | Error):
+                        tail = scrubber.flush()
+                        if tail:
+                            yield Token(tail)
+                        if isinstance(event, Error):
+                            self._log(event, request)
+                        yield event
+                        return
+                    yield event
+            finally:
+                await events.aclose()
+
+    def _log(self, error: Error, request: GenerationRequest) -> Error:
+        # Every message here is ours or already scrubbed; the token never reaches a log line.
+        logger.warning(
+            "workers-ai %s: %s (model %s, status %s)",
+            error.code,
+            scrub(error.message, self._secrets),
+            request.model,
+            error.status,
+        )
+        return error
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)[:limit]
+
+
+class _Scrubber:
+    """Removes the credentials from streamed text, even when one is cut across tokens.
+
+    A model never writes our token unless an upstream echoes it back; this makes sure it cannot
+    reach a visitor. The tail of a token that could be the start of a secret is held back until
+    the next token shows whether it is. Cost per token: one substring test per secret.
+    """
+
+    __slots__ = ("_held", "_secrets")
+
+    def __init__(self, secrets: tuple[str, ...]) -> None:
+        self._secrets = secrets
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self._secrets:
+            return text
+        if self._held:
+            text = self._held + text
+            self._held = ""
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, "[redacted]")
+        hold = 0
+        for secret in self._secrets:
+            hold = max(hold, _prefix_overlap(text, secret))
+        if hold:
+            self._held = text[-hold:]
+            return text[:-hold]
+        return text
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _prefix_overlap(text: str, secret: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `secret`."""
+    first = secret[0]
+    start = max(0, len(text) - len(secret) + 1)
+    index = text.find(first, start)
+    while index != -1:
+        if secret.startswith(text[index:]):
+            return len(text) - index
+        index = text.find(first, index + 1)
+    return 0

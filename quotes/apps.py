@@ -1,0 +1,9 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class QuotesConfig(AppConfig):
+    name = "quotes"
+    verbose_name = "Persona Quotes"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,553 @@
+/**
+ * Persona Quotes: the browser client of the JSON quote stream, and the persona page wiring.
+ *
+ * The client half (`streamQuote`, `createSSEParser`, `tokenOf`, `QuoteStreamError`) has no DOM
+ * dependency and is the documented way to consume `POST /api/quotes/stream`:
+ *
+ *   import { streamQuote } from "/static/js/quote-stream.js";
+ *   const controller = new AbortController();
+ *   const result = await streamQuote({
+ *     url: "/api/quotes/stream",
+ *     body: { persona: "alan-watts", topic: "silence" },
+ *     signal: controller.signal,
+ *     onOpen: ({ model, modelUrl }) => {},   // 200 received, before the first token
+ *     onToken: (text) => {},                 // each non-empty token, in order
+ *     onEvent: (event) => {},                // every SSE event: { type, data, id, json }
+ *   });
+ *   // result: { text, usage, model, modelUrl, response }
+ *
+ * It rejects with a `QuoteStreamError` (`code`, `message`, `status`, `retryAfter`, `phase`)
+ * for any server or network failure, and with the signal's AbortError when aborted.
+ *
+ * The page half runs only when the page has a `[data-quote-app]` form.
+ */
+
+const SSE_CONTENT_TYPE = "text/event-stream";
+
+/** A failure a visitor can act on. `phase` is "request" (before streaming) or "stream". */
+export class QuoteStreamError extends Error {
+  constructor(code, message, { status = 0, retryAfter = null, phase = "request" } = {}) {
+    super(message);
+    this.name = "QuoteStreamError";
+    this.code = code;
+    this.status = status;
+    this.retryAfter = retryAfter;
+    this.phase = phase;
+  }
+}
+
+/**
+ * An incremental SSE parser following the WHATWG HTML rules: lines end at CRLF, LF or CR (a CRLF
+ * may be split across chunks), one leading BOM is dropped, `:` lines are comments, `data` lines
+ * are joined with "\n", a blank line dispatches, an event without data is not dispatched and an
+ * unterminated event at the end of the stream is dropped.
+ *
+ * @param {(event: {type: string, data: string, id: string}) => void} onEvent
+ * @returns {{push(chunk: string): void, end(): void, readonly retry: number|null}}
+ */
+export function createSSEParser(onEvent) {
+  let buffer = "";
+  let started = false;
+  let skipLeadingLF = false; // the previous chunk ended in CR: a LF starting this one is its pair
+  let dataLines = [];
+  let eventType = "";
+  let lastEventId = "";
+  let retry = null;
+
+  function dispatch() {
+    if (dataLines.length === 0) {
+      eventType = "";
+      return;
+    }
+    const event = { type: eventType || "message", data: dataLines.join("\n"), id: lastEventId };
+    dataLines = [];
+    eventType = "";
+    onEvent(event);
+  }
+
+  function processLine(line) {
+    if (line === "") {
+      dispatch();
+      return;
+    }
+    if (line.charCodeAt(0) === 0x3a /* ":" */) return;
+    const colon = line.indexOf(":");
+    let field = line;
+    let value = "";
+    if (colon !== -1) {
+      field = line.slice(0, colon);
+      value = line.slice(colon + 1);
+      if (value.charCodeAt(0) === 0x20) value = value.slice(1);
+    }
+    switch (field) {
+      case "event":
+        eventType = value;
+        break;
+      case "data":
+        dataLines.push(value);
+        break;
+      case "id":
+        if (!value.includes("\0")) lastEventId = value;
+        break;
+      case "retry":
+        if (/^\d+$/.test(value)) retry = Number(value);
+        break;
+      default:
+        break; // unknown fields are ignored
+    }
+  }
+
+  return {
+    push(chunk) {
+      if (!chunk) return;
+      if (!started) {
+        started = true;
+        if (chunk.charCodeAt(0) === 0xfeff) chunk = chunk.slice(1);
+      }
+      if (skipLeadingLF && chunk.charCodeAt(0) === 0x0a) chunk = chunk.slice(1);
+      skipLeadingLF = false;
+      buffer += chunk;
+
+      let start = 0;
+      const length = buffer.length;
+      for (let i = 0; i < length; i++) {
+        const code = buffer.charCodeAt(i);
+        if (code !== 0x0a && code !== 0x0d) continue;
+        processLine(buffer.slice(start, i));
+        if (code === 0x0d) {
+          if (i + 1 < length) {
+            if (buffer.charCodeAt(i + 1) === 0x0a) i++;
+          } else {
+            skipLeadingLF = true;
+          }
+        }
+        start = i + 1;
+      }
+      buffer = buffer.slice(start);
+    },
+    end() {
+      // An unterminated line or event at end of stream is dropped, as the spec says.
+      buffer = "";
+      dataLines = [];
+      eventType = "";
+    },
+    get retry() {
+      return retry;
+    },
+  };
+}
+
+/** The text of one Workers AI (`response`) or OpenAI-style (`choices[0].delta.content`) chunk. */
+export function tokenOf(payload) {
+  if (payload == null || typeof payload !== "object") return "";
+  const { response } = payload;
+  if (typeof response === "string") return response;
+  if (typeof response === "number") return String(response);
+  const content = payload.choices?.[0]?.delta?.content;
+  return typeof content === "string" ? content : "";
+}
+
+/** Seconds from a Retry-After header (delta-seconds or an HTTP date), or null. */
+export function parseRetryAfter(value) {
+  if (!value) return null;
+  const trimmed = value.trim();
+  if (/^\d+$/.test(trimmed)) return Number(trimmed);
+  const when = Date.parse(trimmed);
+  if (Number.isNaN(when)) return null;
+  return Math.max(0, Math.ceil((when - Date.now()) / 1000));
+}
+
+function errorFromPayload(payload, fallbackMessage, options) {
+  const error = payload && typeof payload === "object" ? payload.error : null;
+  if (error && typeof error === "object") {
+    return new QuoteStreamError(
+      String(error.code || "error"),
+      String(error.message || fallbackMessage),
+      options,
+    );
+  }
+  if (typeof error === "string" && error) {
+    return new QuoteStreamError("error", error, options);
+  }
+  return new QuoteStreamError("error", fallbackMessage, options);
+}
+
+function abortReason(signal) {
+  return signal.reason ?? new DOMException("The quote was stopped.", "AbortError");
+}
+
+async function errorFromResponse(response) {
+  const retryAfter = parseRetryAfter(response.headers.get("Retry-After"));
+  const options = { status: response.status, retryAfter, phase: "request" };
+  const fallback =
+    response.status === 429
+      ? "Too many quotes in a short time."
+      : `The server could not write a quote (HTTP ${response.status}).`;
+  let payload = null;
+  try {
+    payload = JSON.parse(await response.text());
+  } catch {
+    // Not JSON (a proxy's error page, say): fall back to a generic message.
+  }
+  const error = errorFromPayload(payload, fallback, options);
+  if (error.code === "error" && response.status === 429) error.code = "rate_limited";
+  return error;
+}
+
+/**
+ * POST `body` as JSON to `url` and stream the quote.
+ *
+ * @param {object} options
+ * @param {string} options.url  the stream endpoint, e.g. "/api/quotes/stream"
+ * @param {{persona: string, topic?: string}} options.body
+ * @param {AbortSignal} [options.signal]  abort to stop; the server sees a disconnect
+ * @param {(text: string) => void} [options.onToken]
+ * @param {(event: {type: string, data: string, id: string, json: any}) => void} [options.onEvent]
+ * @param {(info: {model: string|null, modelUrl: string|null, response: Response}) => void} [options.onOpen]
+ * @param {typeof fetch} [options.fetch]
+ * @returns {Promise<{text: string, usage: object|null, model: string|null, modelUrl: string|null, response: Response}>}
+ */
+export async function streamQuote({
+  url,
+  body,
+  signal,
+  onToken = () => {},
+  onEvent = () => {},
+  onOpen = () => {},
+  fetch: fetchImpl = globalThis.fetch.bind(globalThis),
+}) {
+  let response;
+  try {
+    response = await fetchImpl(url, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", Accept: SSE_CONTENT_TYPE },
+      body: JSON.stringify(body),
+      signal,
+      credentials: "same-origin",
+      cache: "no-store",
+    });
+  } catch (error) {
+    if (signal?.aborted) throw abortReason(signal);
+    throw new QuoteStreamError(
+      "network_error",
+      "Could not reach the server. Check your connection and try again.",
+    );
+  }
+
+  if (!response.ok) throw await errorFromResponse(response);
+
+  const contentType = response.headers.get("Content-Type") || "";
+  if (!contentType.toLowerCase().startsWith(SSE_CONTENT_TYPE) || !response.body) {
+    throw new QuoteStreamError("bad_response", "The server sent an answer this page cannot read.", {
+      status: response.status,
+    });
+  }
+
+  const model = response.headers.get("X-Quote-Model");
+  const modelUrl = response.headers.get("X-Quote-Model-Url");
+  onOpen({ model, modelUrl, response });
+
+  let text = "";
+  let usage = null;
+  let finished = false;
+  let failure = null;
+
+  const parser = createSSEParser((event) => {
+    if (finished || failure) return;
+    let json = null;
+    if (event.data !== "[DONE]") {
+      try {
+        json = JSON.parse(event.data);
+      } catch {
+        json = null;
+      }
+    }
+    onEvent({ ...event, json });
+
+    if (event.type === "error") {
+      failure = errorFromPayload(json, "The model stopped with an error.", {
+        status: response.status,
+        phase: "stream",
+      });
+      return;
+    }
+    if (event.type !== "message") return; // named events we do not know are someone else's
+    if (event.data === "[DONE]") {
+      finished = true;
+      return;
+    }
+    if (json === null) return;
+    if (json.error) {
+      failure = errorFromPayload(json, "The model stopped with an error.", {
+        status: response.status,
+        phase: "stream",
+      });
+      return;
+    }
+    if (json.usage) usage = json.usage;
+    const token = tokenOf(json);
+    if (token) {
+      text += token;
+      onToken(token);
+    }
+  });
+
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  try {
+    while (!finished && !failure) {
+      let chunk;
+      try {
+        chunk = await reader.read();
+      } catch (error) {
+        if (signal?.aborted) throw abortReason(signal);
+        throw new QuoteStreamError(
+          "connection_lost",
+          "The connection was lost before the quote was finished.",
+          { status: response.status, phase: "stream" },
+        );
+      }
+      if (chunk.done) {
+        parser.end();
+        break;
+      }
+      parser.push(chunk.value);
+    }
+  } finally {
+    // Closes the connection when we leave early ([DONE] or an error event); harmless at the end.
+    reader.cancel().catch(() => {});
+  }
+
+  if (failure) throw failure;
+  if (signal?.aborted) throw abortReason(signal);
+  if (!finished) {
+    throw new QuoteStreamError(
+      "connection_lost",
+      "The connection was lost before the quote was finished.",
+      { status: response.status, phase: "stream" },
+    );
+  }
+  return { text, usage, model, modelUrl, response };
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Page wiring                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+const STATES = ["idle", "loading", "streaming", "done", "error", "stopped"];
+
+function prefersReducedMotion() {
+  return window.matchMedia?.("(prefers-reduced-motion: reduce)").matches ?? false;
+}
+
+export function mountQuoteApp(form) {
+  const find = (testid) => form.ownerDocument.querySelector(`[data-testid="${testid}"]`);
+  const card = form.ownerDocument.getElementById(form.dataset.card || "quote-card");
+  const topicInput = form.querySelector("[name='topic']");
+  const generate = find("generate");
+  const stop = find("stop");
+  const placeholder = find("placeholder");
+  const loading = find("loading");
+  const quote = find("quote");
+  const quoteText = find("quote-text");
+  const stoppedNote = find("stopped");
+  const credit = find("credit");
+  const modelLink = find("model-link");
+  const creditPersona = find("credit-persona");
+  const errorBox = find("error");
+  const errorMessage = find("error-message");
+  const retryAfterNote = find("retry-after");
+  const retryButton = find("retry");
+  const modelNoteLink = find("model-note-link");
+
+  const config = {
+    url: form.dataset.streamUrl,
+    persona: form.dataset.persona,
+    personaName: form.dataset.personaName || "",
+    modelName: form.dataset.modelName || "",
+    modelUrl: form.dataset.modelUrl || "",
+  };
+
+  let controller = null;
+  let countdownTimer = null;
+  let lastTopic = "";
+
+  function setState(state) {
+    if (!STATES.includes(state)) throw new Error(`unknown state ${state}`);
+    card.dataset.state = state;
+    document.documentElement.dataset.streamState = state;
+    // Screen readers wait for the finished quote instead of reading every token.
+    card.setAttribute("aria-busy", String(state === "loading" || state === "streaming"));
+  }
+
+  function clearCountdown() {
+    if (countdownTimer !== null) {
+      clearInterval(countdownTimer);
+      countdownTimer = null;
+    }
+    retryAfterNote.hidden = true;
+    retryAfterNote.textContent = "";
+  }
+
+  function showError(message, { retry = true, retryAfter = null } = {}) {
+    errorMessage.textContent = message;
+    errorBox.hidden = false;
+    retryButton.hidden = !retry;
+    clearCountdown();
+    if (retryAfter && retryAfter > 0) {
+      let remaining = Math.ceil(retryAfter);
+      generate.disabled = true;
+      retryButton.hidden = true;
+      retryAfterNote.hidden = false;
+      const tick = () => {
+        retryAfterNote.textContent = `Try again in ${remaining} s`;
+      };
+      tick();
+      countdownTimer = setInterval(() => {
+        remaining -= 1;
+        if (remaining <= 0) {
+          clearCountdown();
+          generate.disabled = false;
+          retryButton.hidden = false;
+          return;
+        }
+        tick();
+      }, 1000);
+    }
+  }
+
+  function resetCard() {
+    clearCountdown();
+    quoteText.replaceChildren();
+    errorBox.hidden = true;
+    errorMessage.textContent = "";
+    retryButton.hidden = true;
+    stoppedNote.hidden = true;
+    credit.hidden = true;
+    quote.hidden = true;
+    placeholder.hidden = true;
+  }
+
+  function setBusy(busy) {
+    const hadFocus = document.activeElement === (busy ? generate : stop);
+    generate.disabled = busy;
+    stop.hidden = !busy;
+    form.setAttribute("aria-busy", String(busy));
+    if (hadFocus) (busy ? stop : generate).focus();
+  }
+
+  async function run(topic) {
+    controller?.abort();
+    controller = new AbortController();
+    const { signal } = controller;
+    lastTopic = topic;
+
+    resetCard();
+    loading.hidden = false;
+    setState("loading");
+    setBusy(true);
+    card.scrollIntoView({ block: "nearest", behavior: prefersReducedMotion() ? "auto" : "smooth" });
+
+    let started = false;
+    let model = config.modelName;
+    let modelUrl = config.modelUrl;
+    const body = { persona: config.persona };
+    if (topic) body.topic = topic;
+
+    try {
+      await streamQuote({
+        url: config.url,
+        body,
+        signal,
+        onOpen(info) {
+          if (info.model) model = info.model;
+          if (info.modelUrl) modelUrl = info.modelUrl;
+        },
+        onToken(token) {
+          if (signal.aborted) return;
+          // Models often open with a newline or a space; the card should not.
+          if (!started) {
+            token = token.replace(/^\s+/, "");
+            if (!token) return;
+            started = true;
+            loading.hidden = true;
+            quote.hidden = false;
+            setState("streaming");
+          }
+          quoteText.append(token);
+        },
+      });
+      if (signal.aborted) return;
+      loading.hidden = true;
+      if (!started) {
+        setState("error");
+        showError("The model did not write anything this time. Please try again.");
+        return;
+      }
+      quoteText.normalize();
+      for (const link of [modelLink, modelNoteLink]) {
+        if (!link) continue;
+        link.textContent = model || "the model";
+        if (modelUrl) link.href = modelUrl;
+        else link.removeAttribute("href");
+      }
+      creditPersona.textContent = config.personaName;
+      credit.hidden = false;
+      generate.textContent = "Another quote";
+      setState("done");
+    } catch (error) {
+      if (signal.aborted || error?.name === "AbortError") return; // stop() already drew the card
+      loading.hidden = true;
+      if (!started) quote.hidden = true;
+      setState("error");
+      if (error instanceof QuoteStreamError) {
+        showError(error.message, { retryAfter: error.retryAfter });
+      } else {
+        console.error(error);
+        showError("Something went wrong while writing the quote.");
+      }
+      generate.textContent = "Write a quote";
+    } finally {
+      if (controller?.signal === signal) {
+        controller = null;
+        setBusy(false);
+        if (countdownTimer !== null) generate.disabled = true;
+      }
+    }
+  }
+
+  function stopStreaming() {
+    if (!controller) return;
+    const hadText = quoteText.textContent.length > 0;
+    controller.abort();
+    controller = null;
+    loading.hidden = true;
+    quote.hidden = !hadText;
+    stoppedNote.hidden = false;
+    setState("stopped");
+    setBusy(false);
+    generate.textContent = "Write a quote";
+  }
+
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    if (controller || generate.disabled) return;
+    run(topicInput.value.trim());
+  });
+  stop.addEventListener("click", stopStreaming);
+  retryButton.addEventListener("click", () => {
+    if (controller) return;
+    run(lastTopic);
+  });
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && controller) stopStreaming();
+  });
+
+  setState("idle");
+  form.dataset.ready = "true";
+  return { run, stop: stopStreaming };
+}
+
+if (typeof document !== "undefined") {
+  const form = document.querySelector("form[data-quote-app]");
+  if (form) mountQuoteApp(form);
+}

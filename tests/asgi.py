@@ -1,0 +1,119 @@
+"""Drive the real ASGI application (config.asgi) the way a server would, including
+`http.disconnect`, which django.test.AsyncClient can never send."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asgiref.testing import ApplicationCommunicator
+
+
+@dataclass
+class StreamedResponse:
+    status: int
+    headers: dict[str, str]
+    chunks: list[bytes] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def http_scope(method: str, path: str, *, query: str = "", headers: dict[str, str] | None = None) -> dict[str, Any]:
+    raw_headers = [(b"host", b"testserver")]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "headers": raw_headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+
+
+class AsgiStream:
+    """One request in flight against the app."""
+
+    def __init__(self, method: str, path: str, *, body: bytes = b"", query: str = "", headers: dict[str, str] | None = None):
+        from config.asgi import application
+
+        self.communicator = ApplicationCommunicator(application, http_scope(method, path, query=query, headers=headers))
+        self.body = body
+        self.response: StreamedResponse | None = None
+
+    async def start(self, timeout: float = 30) -> StreamedResponse:
+        await self.communicator.send_input({"type": "http.request", "body": self.body, "more_body": False})
+        message = await self.communicator.receive_output(timeout)
+        assert message["type"] == "http.response.start", message
+        headers = {k.decode().lower(): v.decode() for k, v in message["headers"]}
+        self.response = StreamedResponse(status=message["status"], headers=headers)
+        return self.response
+
+    async def next_chunk(self, timeout: float = 30) -> tuple[bytes, bool]:
+        """The next body chunk and whether more follow."""
+        assert self.response is not None
+        message = await self.communicator.receive_output(timeout)
+        assert message["type"] == "http.response.body", message
+        chunk = message.get("body", b"")
+        if chunk:
+            self.response.chunks.append(chunk)
+            self.response.chunk_times.append(time.perf_counter())
+        return chunk, message.get("more_body", False)
+
+    async def read_all(self, timeout: float = 60) -> StreamedResponse:
+        assert self.response is not None
+        more = True
+        while more:
+            _, more = await self.next_chunk(timeout)
+        await self.communicator.wait(timeout)
+        return self.response
+
+    async def disconnect(self, timeout: float = 10) -> None:
+        await self.communicator.send_input({"type": "http.disconnect"})
+        await self.communicator.wait(timeout)
+
+
+async def request(method: str, path: str, *, json_body: Any = None, **kwargs: Any) -> StreamedResponse:
+    headers = kwargs.pop("headers", {})
+    body = kwargs.pop("body", b"")
+    if json_body is not None:
+        body = json.dumps(json_body).encode()
+        headers = {"content-type": "application/json", **headers}
+    stream = AsgiStream(method, path, body=body, headers=headers, **kwargs)
+    await stream.start()
+    return await stream.read_all()
+
+
+def parse_sse(body: bytes) -> list[dict[str, str]]:
+    """Split a body into events (each {'event': name, 'data': data}); strict about LF framing,
+    which is what this server sends."""
+    text = body.decode()
+    assert text.endswith("\n\n"), f"the body must end on an event boundary: {text[-40:]!r}"
+    events = []
+    for block in text[:-2].split("\n\n"):
+        event = {"event": "message", "data": ""}
+        lines = []
+        for line in block.split("\n"):
+            name, _, value = line.partition(": ")
+            if name == "data":
+                lines.append(value)
+            elif name == "event":
+                event["event"] = value
+            else:
+                raise AssertionError(f"unexpected line {line!r}")
+        event["data"] = "\n".join(lines)
+        events.append(event)
+    return events

@@ -1,0 +1,505 @@
+"""OpenAICompatBackend against a real server (llama-cpp-python's, running Gemma 3 270M; fixtures
+in tests/llama_server.py) and, for what that server cannot be made to do (usage chunks, broken
+JSON, a stall), against a scripted HTTP/1.1 upstream on 127.0.0.1 written with asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from quotes.ai.backends.openai_compat import OpenAICompatBackend
+from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Meta, Token, Usage
+from tests.llama_server import LlamaServer, free_port
+
+TIMEOUTS = {"connect_timeout_s": 2.0, "read_timeout_s": 20.0, "total_timeout_s": 60.0}
+
+QUOTE = GenerationRequest(
+    model="gemma-3-270m",
+    messages=(
+        Message("system", "A collection of short quotes."),
+        Message(
+            "user",
+            'Seneca, on time: "We suffer more often in imagination than in reality."\n'
+            'Maya Angelou, on courage: "Courage is the most important of all the virtues."\n'
+            'Alan Watts, on water: "',
+        ),
+    ),
+    speaker="Alan Watts",
+    topic="water",
+    max_tokens=16,
+    # Greedy decoding: the same 16 tokens every run, so "at least one token" is not luck.
+    temperature=0,
+    seed=7,
+)
+
+
+async def collect(backend: OpenAICompatBackend, request: GenerationRequest = QUOTE) -> list[Event]:
+    async with contextlib.aclosing(backend.stream(request)) as events:
+        return [event async for event in events]
+
+
+@pytest.fixture
+async def llama_backend(llama_server: LlamaServer) -> AsyncIterator[OpenAICompatBackend]:
+    backend = OpenAICompatBackend(base_url=llama_server.base_url, api_key=llama_server.api_key, timeouts=TIMEOUTS)
+    yield backend
+    await backend.aclose()
+
+
+# --- against the real llama.cpp server ----------------------------------------------------------
+
+
+async def test_openai_compat_streams_a_quote_from_llama_cpp(llama_backend: OpenAICompatBackend) -> None:
+    events = await collect(llama_backend)
+
+    assert isinstance(events[0], Meta)
+    assert events[0].model == "gemma-3-270m"  # llama-cpp-python echoes the requested model
+    assert "x-request-id" in events[0].headers
+    assert events[-1] == Done()
+    tokens = [e for e in events if isinstance(e, Token)]
+    # Each chunk is its own event: 16 tokens asked for, 16 (non-empty) pieces arrive.
+    assert len(tokens) == 16
+    assert all(t.text for t in tokens)
+    # llama-cpp-python 0.3.36 ignores stream_options.include_usage: no usage chunk is sent.
+    usages = [e for e in events if isinstance(e, Usage)]
+    assert len(usages) <= 1
+    assert all(u.prompt_tokens > 0 and u.completion_tokens > 0 for u in usages)
+    assert not any(isinstance(e, Error) for e in events)
+
+
+async def test_openai_compat_stopping_early_closes_the_stream(llama_backend: OpenAICompatBackend) -> None:
+    async with contextlib.aclosing(llama_backend.stream(QUOTE)) as events:
+        seen = [event async for event in _until_first_token(events)]
+    assert isinstance(seen[0], Meta)
+    assert isinstance(seen[-1], Token)
+
+    # The server (one model, one request at a time) is free again and answers in full.
+    again = await collect(llama_backend)
+    assert again[-1] == Done()
+    assert sum(isinstance(e, Token) for e in again) == 16
+
+
+async def test_openai_compat_cancelled_task_closes_the_stream(llama_backend: OpenAICompatBackend) -> None:
+    first_token = asyncio.Event()
+
+    async def consume() -> None:
+        async with contextlib.aclosing(llama_backend.stream(QUOTE)) as events:
+            async for event in events:
+                if isinstance(event, Token):
+                    first_token.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first_token.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (await collect(llama_backend))[-1] == Done()
+
+
+async def test_openai_compat_unreachable_port() -> None:
+    backend = OpenAICompatBackend(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="", timeouts=TIMEOUTS)
+    try:
+        events = await collect(backend)
+    finally:
+        await backend.aclose()
+    assert len(events) == 1
+    assert isinstance(events[0], Error)
+    assert (events[0].code, events[0].status) == ("upstream_unreachable", 502)
+
+
+async def test_openai_compat_wrong_api_key_is_upstream_auth(llama_server: LlamaServer) -> None:
+    wrong = "sk-wrong-" + llama_server.api_key[::-1]
+    backend = OpenAICompatBackend(base_url=llama_server.base_url, api_key=wrong, timeouts=TIMEOUTS)
+    try:
+        events = await collect(backend)
+    finally:
+        await backend.aclose()
+    [error] = events
+    assert isinstance(error, Error)
+    assert (error.code, error.status) == ("upstream_auth", 502)
+    assert "401" in error.message
+    assert "Invalid API key" in error.message  # FastAPI's {"detail": ...} body, read and kept
+    assert wrong not in error.message
+
+
+async def test_openai_compat_base_url_without_v1_is_rejected_with_404(llama_server: LlamaServer) -> None:
+    root = llama_server.base_url.removesuffix("/v1")
+    backend = OpenAICompatBackend(base_url=root, api_key=llama_server.api_key, timeouts=TIMEOUTS)
+    try:
+        [error] = await collect(backend)
+    finally:
+        await backend.aclose()
+    assert isinstance(error, Error)
+    assert (error.code, error.status) == ("upstream_rejected", 404)
+    assert "Not Found" in error.message
+
+
+async def test_openai_compat_out_of_range_top_p_is_upstream_unavailable(
+    llama_backend: OpenAICompatBackend,
+) -> None:
+    # top_p 1.5 is valid on older Workers AI models (0..2) but llama-cpp-python validates 0..1 and
+    # answers HTTP 500 (not 4xx) with an OpenAI-shaped error naming the field.
+    request = GenerationRequest(**{**_fields(QUOTE), "top_p": 1.5})
+    [error] = await collect(llama_backend, request)
+    assert isinstance(error, Error)
+    assert (error.code, error.status) == ("upstream_unavailable", 502)
+    assert "HTTP 500" in error.message
+    assert "top_p" in error.message
+
+
+async def test_openai_compat_prompt_over_the_context_window_is_dropped(
+    llama_backend: OpenAICompatBackend,
+) -> None:
+    # Streamed, llama-cpp-python answers 200 text/event-stream and then ends the body with no
+    # event at all (the same request unstreamed is a 400 context_length_exceeded).
+    long = GenerationRequest(**{**_fields(QUOTE), "messages": (Message("user", "word " * 3000),)})
+    [error] = await collect(llama_backend, long)
+    assert isinstance(error, Error)
+    assert (error.code, error.status) == ("upstream_dropped", 502)
+
+
+# --- against a scripted upstream ----------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """What the scripted upstream answers: a status, headers, then body pieces sent as HTTP
+    chunks. A piece may be an asyncio.Event (wait for it) or a float (sleep that long)."""
+
+    status: int = 200
+    content_type: str = "text/event-stream"
+    pieces: list[bytes | asyncio.Event | float] = field(default_factory=list)
+    finish: bool = True  # False: close the connection mid-body (no terminating chunk)
+
+
+class ScriptedUpstream:
+    def __init__(self) -> None:
+        self.reply = Reply()
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []
+        self.client_gone = asyncio.Event()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1"
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        head = await reader.readuntil(b"\r\n\r\n")
+        line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        self.requests.append((line, headers, body))
+        watcher = asyncio.create_task(self._watch_eof(reader))
+        reply = self.reply
+        try:
+            writer.write(
+                f"HTTP/1.1 {reply.status} X\r\ncontent-type: {reply.content_type}\r\n"
+                "transfer-encoding: chunked\r\nx-request-id: req-1\r\n\r\n".encode()
+            )
+            for piece in reply.pieces:
+                if isinstance(piece, asyncio.Event):
+                    await piece.wait()
+                elif isinstance(piece, float):
+                    await asyncio.sleep(piece)
+                else:
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+            if reply.finish:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                await watcher
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            watcher.cancel()
+            writer.close()
+
+    async def _watch_eof(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(4096):
+                pass
+        self.client_gone.set()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[ScriptedUpstream]:
+    server = ScriptedUpstream()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def scripted_backend(upstream: ScriptedUpstream) -> AsyncIterator[OpenAICompatBackend]:
+    assert upstream._server is not None
+    port = upstream._server.sockets[0].getsockname()[1]
+    backend = OpenAICompatBackend(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-secret-123", timeouts=TIMEOUTS
+    )
+    yield backend
+    await backend.aclose()
+
+
+def sse(data: object) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {text}\n\n".encode()
+
+
+def chunk(content: str | None = None, *, model: str = "served-model", usage: dict[str, int] | None = None) -> bytes:
+    body: dict[str, object] = {"model": model, "object": "chat.completion.chunk"}
+    body["choices"] = [] if content is None else [{"index": 0, "delta": {"content": content}}]
+    if usage is not None:
+        body["usage"] = usage
+    return sse(body)
+
+
+async def test_openai_compat_sends_openai_request(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(pieces=[chunk("Hi"), sse("[DONE]")])
+    request = GenerationRequest(**{**_fields(QUOTE), "top_k": 5, "repetition_penalty": 1.1, "lora": "x"})
+    await collect(scripted_backend, request)
+
+    [(line, headers, raw)] = upstream.requests
+    assert line == "POST /v1/chat/completions HTTP/1.1"
+    assert headers["authorization"] == "Bearer sk-secret-123"
+    assert headers["accept"] == "text/event-stream"
+    body = json.loads(raw)
+    assert body == {
+        "model": "gemma-3-270m",
+        "messages": [{"role": m.role, "content": m.content} for m in QUOTE.messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 16,
+        "temperature": 0,
+        "seed": 7,
+    }
+
+
+async def test_openai_compat_no_key_no_authorization_header(upstream: ScriptedUpstream) -> None:
+    upstream.reply = Reply(pieces=[sse("[DONE]")])
+    base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    backend = OpenAICompatBackend(base_url=base_url, api_key="", timeouts=TIMEOUTS)
+    try:
+        events = await collect(backend)
+    finally:
+        await backend.aclose()
+    assert "authorization" not in upstream.requests[0][1]
+    assert events == [Meta(model="gemma-3-270m", headers={"x-request-id": "req-1"}), Done()]
+
+
+async def test_openai_compat_usage_in_final_chunk_with_empty_choices(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(
+        pieces=[
+            sse({"model": "served-model", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+            chunk("Be "),
+            chunk("water."),
+            sse({"model": "served-model", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+            chunk(usage={"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}),
+            sse("[DONE]"),
+        ]
+    )
+    events = await collect(scripted_backend)
+    assert events == [
+        Meta(model="served-model", headers={"x-request-id": "req-1"}),
+        Token("Be "),
+        Token("water."),
+        Usage(prompt_tokens=12, completion_tokens=2),
+        Done(),
+    ]
+
+
+async def test_openai_compat_tokens_are_yielded_as_they_arrive(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    release = asyncio.Event()
+    upstream.reply = Reply(pieces=[chunk("first"), release, chunk("second"), sse("[DONE]")])
+    async with contextlib.aclosing(scripted_backend.stream(QUOTE)) as events:
+        assert isinstance(await anext(events), Meta)
+        # The upstream is holding the rest back: this token cannot have been buffered.
+        assert await anext(events) == Token("first")
+        release.set()
+        assert [e async for e in events] == [Token("second"), Done()]
+
+
+async def test_openai_compat_stopping_early_closes_the_connection(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    never = asyncio.Event()
+    upstream.reply = Reply(pieces=[chunk("only"), never])
+    async with contextlib.aclosing(scripted_backend.stream(QUOTE)) as events:
+        async for event in events:
+            if isinstance(event, Token):
+                break
+    await asyncio.wait_for(upstream.client_gone.wait(), 2)
+
+
+async def test_openai_compat_stream_without_done_is_dropped(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(pieces=[chunk("half")])
+    events = await collect(scripted_backend)
+    assert isinstance(events[0], Meta)
+    assert events[1] == Token("half")
+    assert isinstance(events[-1], Error)
+    assert (events[-1].code, events[-1].status) == ("upstream_dropped", 502)
+
+
+async def test_openai_compat_connection_cut_mid_body_is_dropped(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    upstream.reply = Reply(pieces=[chunk("half", usage=usage)], finish=False)
+    events = await collect(scripted_backend)
+    # Usage that did arrive is still reported (it was paid for), before the error.
+    assert events[-2:] == [
+        Usage(3, 1),
+        Error(code="upstream_dropped", message=events[-1].message, status=502),  # type: ignore[union-attr]
+    ]
+
+
+async def test_openai_compat_invalid_json_is_malformed(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(pieces=[chunk("ok"), b'data: {"choices": [\n\n', sse("[DONE]")])
+    events = await collect(scripted_backend)
+    assert events[1] == Token("ok")
+    assert isinstance(events[-1], Error)
+    assert (events[-1].code, events[-1].status) == ("upstream_malformed", 502)
+
+
+async def test_openai_compat_json_instead_of_event_stream_is_malformed(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(content_type="application/json", pieces=[b'{"choices": []}'])
+    [error] = await collect(scripted_backend)
+    assert isinstance(error, Error)
+    assert error.code == "upstream_malformed"
+
+
+async def test_openai_compat_error_event_mid_stream(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(pieces=[chunk("a"), sse({"error": {"message": "model crashed"}})])
+    events = await collect(scripted_backend)
+    assert isinstance(events[-1], Error)
+    assert events[-1].code == "upstream_unavailable"
+    assert "model crashed" in events[-1].message
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "answered"),
+    [
+        (400, "upstream_rejected", 400),
+        (422, "upstream_rejected", 422),
+        (429, "upstream_rejected", 429),
+        (401, "upstream_auth", 502),
+        (403, "upstream_auth", 502),
+        (500, "upstream_unavailable", 502),
+        (503, "upstream_unavailable", 502),
+    ],
+)
+async def test_openai_compat_http_errors(
+    upstream: ScriptedUpstream,
+    scripted_backend: OpenAICompatBackend,
+    status: int,
+    code: str,
+    answered: int,
+) -> None:
+    # An upstream that echoes the key (some do, in "incorrect API key" messages).
+    body = json.dumps({"error": {"message": "Bad thing for key sk-secret-123", "type": "x"}}).encode()
+    upstream.reply = Reply(status=status, content_type="application/json", pieces=[body])
+    [error] = await collect(scripted_backend)
+    assert isinstance(error, Error)
+    assert (error.code, error.status) == (code, answered)
+    assert f"HTTP {status}" in error.message
+    assert "Bad thing for key" in error.message
+    assert "sk-secret-123" not in error.message
+
+
+async def test_openai_compat_huge_error_body_is_bounded(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(status=502, content_type="text/html", pieces=[b"<p>" + b"x" * 200_000])
+    [error] = await collect(scripted_backend)
+    assert isinstance(error, Error)
+    assert error.code == "upstream_unavailable"
+    assert len(error.message) < 400
+
+
+async def test_openai_compat_read_stall_times_out(upstream: ScriptedUpstream) -> None:
+    upstream.reply = Reply(pieces=[chunk("a"), asyncio.Event()])
+    timeouts = {**TIMEOUTS, "read_timeout_s": 0.3}
+    base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    backend = OpenAICompatBackend(base_url=base_url, api_key="", timeouts=timeouts)
+    try:
+        events = await collect(backend)
+    finally:
+        await backend.aclose()
+    assert events[1] == Token("a")
+    assert isinstance(events[-1], Error)
+    assert (events[-1].code, events[-1].status) == ("upstream_timeout", 504)
+
+
+async def test_openai_compat_total_deadline_covers_a_trickling_stream(upstream: ScriptedUpstream) -> None:
+    # Every read is quick, but the whole answer would take 5 s: the 0.5 s deadline ends it.
+    upstream.reply = Reply(pieces=[piece for _ in range(50) for piece in (chunk("."), 0.1)])
+    timeouts = {**TIMEOUTS, "read_timeout_s": 1.0, "total_timeout_s": 0.5}
+    base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    backend = OpenAICompatBackend(base_url=base_url, api_key="", timeouts=timeouts)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        events = await collect(backend)
+        elapsed = loop.time() - started
+    finally:
+        await backend.aclose()
+    assert isinstance(events[-1], Error)
+    assert events[-1].code == "upstream_timeout"
+    assert 2 <= sum(isinstance(e, Token) for e in events) < 50
+    assert elapsed < 2
+
+
+async def test_openai_compat_one_client_per_backend_and_aclose(
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+) -> None:
+    upstream.reply = Reply(pieces=[sse("[DONE]")])
+    assert scripted_backend.model_name("@cf/meta/llama-3.1-8b-instruct") == "@cf/meta/llama-3.1-8b-instruct"
+    await collect(scripted_backend)
+    client = scripted_backend._client
+    assert client is not None
+    await collect(scripted_backend)
+    assert scripted_backend._client is client
+    await scripted_backend.aclose()
+    assert client.is_closed
+    assert scripted_backend._client is None
+
+
+async def _until_first_token(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    async for event in events:
+        yield event
+        if isinstance(event, Token):
+            return
+
+
+def _fields(request: GenerationRequest) -> dict[str, object]:
+    return {name: getattr(request, name) for name in request.__dataclass_fields__}

@@ -1,0 +1,55 @@
+"""The pages a visitor opens and the terminal client."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+
+from quotes.models import Generation, Persona
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_index_lists_only_active_personas(persona: Persona, client: Client) -> None:
+    Persona.objects.create(
+        slug="hidden", name="Hidden Person", system_prompt="x", user_prompt_template="{topic}", default_topic="t", is_active=False
+    )
+    response = client.get("/")
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert persona.name in html and f"/personas/{persona.slug}/" in html
+    assert "Hidden Person" not in html
+
+
+def test_persona_page_has_the_streaming_hooks(persona: Persona, client: Client) -> None:
+    response = client.get(f"/personas/{persona.slug}/")
+    html = response.content.decode()
+    assert response.status_code == 200
+    for hook in ('data-testid="generate"', 'data-testid="loading"', 'data-testid="quote-text"', 'aria-live="polite"'):
+        assert hook in html
+    assert "gemma-3-270m" in html and "https://huggingface.co/google/gemma-3-270m" in html
+    assert "<script>" not in html and " onclick=" not in html  # no inline script: CSP-ready
+    assert 'type="module"' in html
+
+
+def test_unknown_persona_page_is_a_readable_404(client: Client) -> None:
+    response = client.get("/personas/nobody/")
+    assert response.status_code == 404
+    assert b"Persona Quotes" in response.content
+
+
+def test_quote_command_streams_to_stdout_and_logs(persona: Persona) -> None:
+    out = StringIO()
+    call_command("quote", persona.slug, "--topic", "the sea", stdout=out)
+    row = Generation.objects.get()
+    assert row.status == Generation.Status.OK
+    assert out.getvalue() == f"{row.text}\n  — gemma-3-270m as {persona.name}\n"
+
+
+def test_quote_command_names_the_personas_when_one_is_unknown(persona: Persona) -> None:
+    with pytest.raises(CommandError, match="test-watts"):
+        call_command("quote", "nobody")

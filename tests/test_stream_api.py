@@ -1,0 +1,192 @@
+"""The stream endpoint, through the real ASGI application, on the real embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from quotes.ai.backends.local import LocalBackend
+from quotes.models import Generation, Persona
+from tests.asgi import AsgiStream, parse_sse, request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TOKEN_EVENT = re.compile(r'data: \{"response":"(?:[^"\\]|\\.)*"\}\n\n')
+
+
+def post_stream(body: dict[str, object], **headers: str) -> AsgiStream:
+    return AsgiStream(
+        "POST",
+        "/api/quotes/stream",
+        body=json.dumps(body).encode(),
+        headers={"content-type": "application/json", **headers},
+    )
+
+
+async def test_stream_post_sends_the_workers_ai_wire_format(persona: Persona) -> None:
+    response = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug})
+
+    assert response.status == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    assert response.headers["cache-control"] == "no-cache"
+    assert response.headers["x-accel-buffering"] == "no"
+    assert "content-encoding" not in response.headers
+    assert response.headers["x-quote-model"] == "gemma-3-270m"
+
+    events = parse_sse(response.body)
+    *tokens, usage, done = events
+    assert done == {"event": "message", "data": "[DONE]"}
+    assert tokens, "at least one token"
+    body_text = response.body.decode()
+    for token in tokens:
+        assert token["event"] == "message"
+        assert TOKEN_EVENT.fullmatch(f"data: {token['data']}\n\n"), token
+    usage_payload = json.loads(usage["data"])
+    assert usage_payload["response"] == ""
+    counts = usage_payload["usage"]
+    assert counts["prompt_tokens"] > 0 < counts["completion_tokens"]
+    assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
+    assert body_text.endswith('}}\n\ndata: [DONE]\n\n')
+
+    text = "".join(json.loads(t["data"])["response"] for t in tokens)
+    row = await Generation.objects.aget()
+    assert row.status == Generation.Status.OK
+    assert row.backend == "local"
+    assert row.model == "gemma-3-270m"
+    assert row.text == text
+    assert row.topic == "hard honest work"
+    assert row.prompt_tokens == counts["prompt_tokens"]
+    assert row.completion_tokens == counts["completion_tokens"]
+    assert row.ttft_ms is not None and row.duration_ms is not None and row.ttft_ms <= row.duration_ms
+
+
+async def test_stream_get_for_eventsource_matches_post(persona: Persona) -> None:
+    response = await request("GET", "/api/quotes/stream", query=f"persona={persona.slug}&topic=the%20sea")
+
+    assert response.status == 200
+    events = parse_sse(response.body)
+    assert events[-1]["data"] == "[DONE]"
+    assert "usage" in json.loads(events[-2]["data"])
+    row = await Generation.objects.aget()
+    assert (row.status, row.topic) == (Generation.Status.OK, "the sea")
+
+
+async def test_stream_sends_the_first_event_before_generation_finishes(
+    persona: Persona, local_backend: LocalBackend
+) -> None:
+    stream = post_stream({"persona": persona.slug})
+    await stream.start()
+    first, more = await stream.next_chunk()
+    job = local_backend.jobs[-1]
+    assert first.startswith(b'data: {"response":')
+    assert more
+    response = await stream.read_all()
+    # The first token left the server while the model thread was still writing.
+    assert job.finished_at is not None
+    assert response.chunk_times[0] < job.finished_at
+    assert job.generated_tokens >= 2
+
+
+async def test_stream_client_disconnect_stops_the_model_and_logs_cancelled(
+    persona: Persona, local_backend: LocalBackend
+) -> None:
+    await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=200)
+    stream = post_stream({"persona": persona.slug})
+    await stream.start()
+    first, _ = await stream.next_chunk()
+    job = local_backend.jobs[-1]
+
+    await stream.disconnect()
+
+    for _ in range(100):  # the thread notices at its next token (~30 ms)
+        if job.finished_at is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert job.stop_reason == "stopped"
+    assert job.generated_tokens < 200
+    row = await Generation.objects.aget()
+    assert row.status == Generation.Status.CANCELLED
+    assert row.text.startswith(json.loads(first[len(b"data: ") :])["response"])
+    assert row.duration_ms is not None
+
+    # The model is fine afterwards: the next request streams a whole quote.
+    after = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug})
+    assert parse_sse(after.body)[-1]["data"] == "[DONE]"
+
+
+async def test_stream_answers_busy_when_the_model_is_taken(persona: Persona, local_backend: LocalBackend) -> None:
+    await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=40)
+    local_backend.queue_timeout_s = 0.05
+    first = post_stream({"persona": persona.slug})
+    await first.start()
+    await first.next_chunk()
+
+    second = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug})
+
+    assert second.status == 503
+    assert second.headers["content-type"] == "application/json"
+    assert second.json()["error"]["code"] == "busy"
+    finished = await first.read_all()
+    assert parse_sse(finished.body)[-1]["data"] == "[DONE]"
+    statuses = sorted([row.status async for row in Generation.objects.all()])
+    assert statuses == [Generation.Status.BUSY, Generation.Status.OK]
+
+
+BAD_REQUESTS = [
+    pytest.param("POST", {"content-type": "text/plain"}, b'{"persona": "test-watts"}', 415, "unsupported_media_type", id="not-json-type"),
+    pytest.param("POST", {"content-type": "application/x-www-form-urlencoded"}, b"persona=test-watts", 415, "unsupported_media_type", id="form-post"),
+    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": ', 400, "invalid_json", id="truncated-json"),
+    pytest.param("POST", {"content-type": "application/json"}, b"\xff\xfe{}", 400, "invalid_json", id="invalid-utf8"),
+    pytest.param("POST", {"content-type": "application/json"}, b'["test-watts"]', 400, "invalid_json", id="json-array"),
+    pytest.param("POST", {"content-type": "application/json"}, b"{}", 400, "missing_persona", id="missing-persona"),
+    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": 7}', 400, "invalid_persona", id="persona-number"),
+    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": "nobody"}', 404, "unknown_persona", id="unknown-persona"),
+    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": "test-watts", "topic": ["a"]}', 400, "invalid_topic", id="topic-list"),
+    pytest.param("POST", {"content-type": "application/json"}, json.dumps({"persona": "test-watts", "topic": "x" * 201}).encode(), 400, "topic_too_long", id="topic-too-long"),
+    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": "' + b"x" * 40000 + b'"}', 413, "body_too_large", id="huge-body"),
+    pytest.param("PUT", {"content-type": "application/json"}, b'{"persona": "test-watts"}', 405, "method_not_allowed", id="put"),
+    pytest.param("DELETE", {}, b"", 405, "method_not_allowed", id="delete"),
+]
+
+
+@pytest.mark.parametrize(("method", "headers", "body", "status", "code"), BAD_REQUESTS)
+async def test_stream_rejects_bad_input_with_a_json_error(
+    persona: Persona, method: str, headers: dict[str, str], body: bytes, status: int, code: str
+) -> None:
+    headers = {**headers, "content-length": str(len(body))}
+    response = await request(method, "/api/quotes/stream", body=body, headers=headers)
+
+    assert response.status == status
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert error["message"]
+    assert not await Generation.objects.aexists()  # nothing was generated, so nothing to log
+
+
+async def test_stream_rejects_an_inactive_persona(persona: Persona) -> None:
+    await Persona.objects.filter(pk=persona.pk).aupdate(is_active=False)
+    response = await request("GET", "/api/quotes/stream", query=f"persona={persona.slug}")
+    assert response.status == 404
+    assert response.json()["error"]["code"] == "unknown_persona"
+
+
+async def test_stream_is_never_compressed(persona: Persona) -> None:
+    response = await request(
+        "POST", "/api/quotes/stream", json_body={"persona": persona.slug}, headers={"accept-encoding": "gzip, br"}
+    )
+    assert response.status == 200
+    assert "content-encoding" not in response.headers
+    assert response.body.startswith(b"data: ")
+
+
+async def test_stream_treats_the_topic_as_text_not_a_template(persona: Persona) -> None:
+    topic = "{topic} {0} {__class__} %s"
+    response = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug, "topic": topic})
+    assert response.status == 200
+    row = await Generation.objects.aget()
+    assert row.topic == topic
+    assert row.request["messages"][1]["content"].endswith(f"about {topic} as if you were Alan Watts")
