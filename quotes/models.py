@@ -17,11 +17,15 @@ def validate_prompt_template(value: str) -> None:
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(value) if name is not None]
     except ValueError as exc:
-        raise ValidationError(f"The template is not valid: {exc}. Write a literal brace as {{{{ or }}}}.") from exc
+        raise ValidationError(
+            f"The template is not valid: {exc}. Write a literal brace as {{{{ or }}}}."
+        ) from exc
     unknown = sorted({name for name in fields if name not in TEMPLATE_VARIABLES})
     if unknown:
         allowed = ", ".join("{" + name + "}" for name in sorted(TEMPLATE_VARIABLES))
-        raise ValidationError(f"Unknown variable {', '.join('{' + n + '}' for n in unknown)}; use only {allowed}.")
+        raise ValidationError(
+            f"Unknown variable {', '.join('{' + n + '}' for n in unknown)}; use only {allowed}."
+        )
 
 
 class PersonaQuerySet(models.QuerySet["Persona"]):
@@ -41,7 +45,9 @@ class Persona(models.Model):
     )
     default_topic = models.CharField(max_length=200)
     model = models.CharField(max_length=200, default="@cf/meta/llama-3.1-8b-instruct")
-    max_tokens = models.PositiveIntegerField(default=96, validators=[MinValueValidator(1), MaxValueValidator(4096)])
+    max_tokens = models.PositiveIntegerField(
+        default=96, validators=[MinValueValidator(1), MaxValueValidator(4096)]
+    )
     temperature = models.FloatField(default=0.7, validators=[MinValueValidator(0.0), MaxValueValidator(5.0)])
     is_active = models.BooleanField(default=True)
     display_order = models.IntegerField(default=0)

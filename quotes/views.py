@@ -6,12 +6,19 @@ This module is the only place that turns events into bytes for HTTP.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 from django.conf import settings
-from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    JsonResponse,
+    StreamingHttpResponse,
+)
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
@@ -57,7 +64,7 @@ def error_response(error: QuoteError | Error, headers: dict[str, str] | None = N
 
 
 @csrf_exempt  # the JSON API requires Content-Type: application/json instead, which needs CORS cross-site
-async def stream_quote(request: HttpRequest) -> HttpResponse:
+async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     """POST a JSON body, or GET with query parameters (for EventSource); answer an SSE stream."""
     try:
         params = _read_params(request)
@@ -76,7 +83,9 @@ def _read_params(request: HttpRequest) -> dict[str, Any]:
         raise QuoteError("method_not_allowed", "Use POST with a JSON body, or GET for EventSource.", 405)
     content_type = request.content_type or ""
     if content_type != "application/json":
-        raise QuoteError("unsupported_media_type", "Send the body as JSON with Content-Type: application/json.", 415)
+        raise QuoteError(
+            "unsupported_media_type", "Send the body as JSON with Content-Type: application/json.", 415
+        )
     length = int(request.headers.get("Content-Length") or 0)
     if length > settings.QUOTES_MAX_BODY_BYTES:
         raise QuoteError("body_too_large", f"The body is over {settings.QUOTES_MAX_BODY_BYTES} bytes.", 413)
@@ -108,25 +117,27 @@ def _clean_topic(topic: object, *, default: str) -> str:
     topic = " ".join(topic.split())
     if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
         raise QuoteError(
-            "topic_too_long", f"The topic is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters.", 400
+            "topic_too_long",
+            f"The topic is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters.",
+            400,
         )
     return topic or default
 
 
-async def _stream_response(events: AsyncIterator[Event]) -> HttpResponse:
+async def _stream_response(events: AsyncGenerator[Event, None]) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error that happens before
     any text gets its real HTTP status; after that, stream."""
     meta = Meta()
     try:
         first = await anext(events)
         while type(first) is Meta:
-            meta = Meta(model=first.model or meta.model, headers={**meta.headers, **first.headers})  # type: ignore[union-attr]
+            meta = Meta(model=first.model or meta.model, headers={**meta.headers, **first.headers})
             first = await anext(events)
     except StopAsyncIteration:
         first = internal()
     if type(first) is Error:
-        await events.aclose()  # type: ignore[attr-defined]
-        return error_response(first)  # type: ignore[arg-type]
+        await events.aclose()
+        return error_response(first)
     headers = {**SSE_HEADERS, **meta.headers}
     if meta.model:
         headers["X-Quote-Model"] = meta.model
@@ -134,20 +145,19 @@ async def _stream_response(events: AsyncIterator[Event]) -> HttpResponse:
     return StreamingHttpResponse(_sse_body(first, events), content_type="text/event-stream", headers=headers)
 
 
-async def _sse_body(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-    async with aclosing(events):  # type: ignore[type-var]
+async def _sse_body(first: Event, events: AsyncGenerator[Event, None]) -> AsyncGenerator[bytes, None]:
+    async with aclosing(events):
         event: Event = first
         while True:
-            cls = type(event)
-            if cls is Token:
-                yield sse.token(event.text)  # type: ignore[union-attr]
-            elif cls is Usage:
-                yield sse.usage(event)  # type: ignore[arg-type]
-            elif cls is Done:
+            if type(event) is Token:
+                yield sse.token(event.text)
+            elif type(event) is Usage:
+                yield sse.usage(event)
+            elif type(event) is Done:
                 yield sse.DONE
                 return
-            elif cls is Error:
+            elif type(event) is Error:
                 # After the first byte the status is sent: end with an error event and no [DONE].
-                yield sse.error(event.code, event.message)  # type: ignore[union-attr]
+                yield sse.error(event.code, event.message)
                 return
             event = await anext(events, None) or internal()

@@ -26,7 +26,9 @@ class StreamedResponse:
         return json.loads(self.body)
 
 
-def http_scope(method: str, path: str, *, query: str = "", headers: dict[str, str] | None = None) -> dict[str, Any]:
+def http_scope(
+    method: str, path: str, *, query: str = "", headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     raw_headers = [(b"host", b"testserver")]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     return {
@@ -47,10 +49,20 @@ def http_scope(method: str, path: str, *, query: str = "", headers: dict[str, st
 class AsgiStream:
     """One request in flight against the app."""
 
-    def __init__(self, method: str, path: str, *, body: bytes = b"", query: str = "", headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes = b"",
+        query: str = "",
+        headers: dict[str, str] | None = None,
+    ):
         from config.asgi import application
 
-        self.communicator = ApplicationCommunicator(application, http_scope(method, path, query=query, headers=headers))
+        self.communicator = ApplicationCommunicator(
+            application, http_scope(method, path, query=query, headers=headers)
+        )
         self.body = body
         self.response: StreamedResponse | None = None
 

@@ -135,7 +135,14 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServ
         api_key,
     ]
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Unbuffered, so the log shows what the server did as it did it (tests read it).
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         _wait_ready(process, base_url, api_key, log_path)
         yield LlamaServer(base_url=base_url, api_key=api_key, model_path=model_path, log_path=log_path)

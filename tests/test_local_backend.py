@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from quotes.ai.backends.local import LocalBackend, completion_prompt, text_decoder
 from quotes.ai.events import Done, GenerationRequest, Token, Usage
@@ -88,7 +89,7 @@ async def test_local_generations_take_turns_and_all_complete(local_backend: Loca
     jobs = local_backend.jobs[-3:]
     # One at a time on the model thread: no two jobs overlap.
     spans = sorted((j.started_at, j.finished_at) for j in jobs)
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert end is not None and start is not None and end <= start
 
 

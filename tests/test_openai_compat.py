@@ -74,11 +74,22 @@ async def test_openai_compat_streams_a_quote_from_llama_cpp(llama_backend: OpenA
     assert not any(isinstance(e, Error) for e in events)
 
 
-async def test_openai_compat_stopping_early_closes_the_stream(llama_backend: OpenAICompatBackend) -> None:
-    async with contextlib.aclosing(llama_backend.stream(QUOTE)) as events:
+async def test_openai_compat_stopping_early_closes_the_stream(
+    llama_server: LlamaServer, llama_backend: OpenAICompatBackend
+) -> None:
+    disconnects = _count_disconnects(llama_server)
+    long = replace(QUOTE, max_tokens=256)
+    async with contextlib.aclosing(llama_backend.stream(long)) as events:
         seen = [event async for event in _until_first_token(events)]
     assert isinstance(seen[0], Meta)
     assert isinstance(seen[-1], Token)
+
+    # The server saw the connection go and stopped generating (it logs each such stop).
+    for _ in range(100):
+        if _count_disconnects(llama_server) > disconnects:
+            break
+        await asyncio.sleep(0.1)
+    assert _count_disconnects(llama_server) > disconnects
 
     # The server (one model, one request at a time) is free again and answers in full.
     again = await collect(llama_backend)
@@ -512,3 +523,7 @@ async def _until_first_token(events: AsyncIterator[Event]) -> AsyncIterator[Even
         yield event
         if isinstance(event, Token):
             return
+
+
+def _count_disconnects(server: LlamaServer) -> int:
+    return server.log_path.read_text(errors="replace").count("Disconnected from client")

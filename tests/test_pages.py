@@ -16,7 +16,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def test_index_lists_only_active_personas(persona: Persona, client: Client) -> None:
     Persona.objects.create(
-        slug="hidden", name="Hidden Person", system_prompt="x", user_prompt_template="{topic}", default_topic="t", is_active=False
+        slug="hidden",
+        name="Hidden Person",
+        system_prompt="x",
+        user_prompt_template="{topic}",
+        default_topic="t",
+        is_active=False,
     )
     response = client.get("/")
     html = response.content.decode()
@@ -29,7 +34,12 @@ def test_persona_page_has_the_streaming_hooks(persona: Persona, client: Client) 
     response = client.get(f"/personas/{persona.slug}/")
     html = response.content.decode()
     assert response.status_code == 200
-    for hook in ('data-testid="generate"', 'data-testid="loading"', 'data-testid="quote-text"', 'aria-live="polite"'):
+    for hook in (
+        'data-testid="generate"',
+        'data-testid="loading"',
+        'data-testid="quote-text"',
+        'aria-live="polite"',
+    ):
         assert hook in html
     assert "gemma-3-270m" in html and "https://huggingface.co/google/gemma-3-270m" in html
     assert "<script>" not in html and " onclick=" not in html  # no inline script: CSP-ready

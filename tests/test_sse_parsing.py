@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -32,7 +33,9 @@ class ChunkStream(httpx.AsyncByteStream):
             raise self.fail
 
 
-async def parse_async(chunks: Sequence[bytes], headers: dict[str, str] = SSE, fail: Exception | None = None) -> list[Event]:
+async def parse_async(
+    chunks: Sequence[bytes], headers: dict[str, str] = SSE, fail: Exception | None = None
+) -> list[Event]:
     response = httpx.Response(200, headers=headers, stream=ChunkStream(chunks, fail))
     return [event async for event in parse_events(response)]
 
@@ -43,14 +46,16 @@ def parse(chunks: Sequence[bytes], **kwargs: Any) -> list[Event]:
 
 def cut(body: bytes, offsets: Sequence[int]) -> list[bytes]:
     bounds = [0, *sorted(set(offsets)), len(body)]
-    return [body[start:end] for start, end in zip(bounds, bounds[1:], strict=False) if end > start]
+    return [body[start:end] for start, end in itertools.pairwise(bounds) if end > start]
 
 
 # -- a random stream in the Workers AI wire format, with the events it must decode to ----------------
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # Multi-byte characters, and characters str.splitlines() would wrongly treat as line breaks.
-_TRICKY = st.sampled_from(["é", "日", "本", "🎉", "\u200d", "\u2028", "\x85", "\x0b", "\x0c", "\x1c", "\r", "\n", " ", "\\", '"'])
+_TRICKY = st.sampled_from(
+    ["é", "日", "本", "🎉", "\u200d", "\u2028", "\x85", "\x0b", "\x0c", "\x1c", "\r", "\n", " ", "\\", '"']
+)
 _TEXT = st.text(st.one_of(st.characters(exclude_categories=("Cs",)), _TRICKY), max_size=8)
 _COMMENT = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\r\n"), max_size=12)
 _PADDING = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz0123456789"), max_size=40)
@@ -79,9 +84,13 @@ def wire_events(draw: st.DrawFn) -> tuple[str, list[Event]]:
         expected += [Token(text)] if text else []
     else:
         payload = {"response": ""}
-    if kind == "usage" or draw(st.booleans()) and draw(st.booleans()):
+    if kind == "usage" or (draw(st.booleans()) and draw(st.booleans())):
         prompt, completion = draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6))
-        payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        payload["usage"] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
         expected.append(Usage(prompt, completion))
     if draw(st.booleans()):
         payload["p"] = draw(_PADDING)
@@ -223,7 +232,10 @@ def test_parse_events_accepts_an_event_stream_content_type_with_parameters():
 @pytest.mark.parametrize(
     ("failure", "error"),
     [
-        (httpx.RemoteProtocolError("peer closed connection without sending complete message body"), dropped()),
+        (
+            httpx.RemoteProtocolError("peer closed connection without sending complete message body"),
+            dropped(),
+        ),
         (httpx.ReadError("connection reset by peer"), dropped()),
         (httpx.ReadTimeout("timed out"), timed_out()),
     ],

@@ -49,7 +49,7 @@ async def test_stream_post_sends_the_workers_ai_wire_format(persona: Persona) ->
     counts = usage_payload["usage"]
     assert counts["prompt_tokens"] > 0 < counts["completion_tokens"]
     assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
-    assert body_text.endswith('}}\n\ndata: [DONE]\n\n')
+    assert body_text.endswith("}}\n\ndata: [DONE]\n\n")
 
     text = "".join(json.loads(t["data"])["response"] for t in tokens)
     row = await Generation.objects.aget()
@@ -117,7 +117,9 @@ async def test_stream_client_disconnect_stops_the_model_and_logs_cancelled(
     assert parse_sse(after.body)[-1]["data"] == "[DONE]"
 
 
-async def test_stream_answers_busy_when_the_model_is_taken(persona: Persona, local_backend: LocalBackend) -> None:
+async def test_stream_answers_busy_when_the_model_is_taken(
+    persona: Persona, local_backend: LocalBackend
+) -> None:
     await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=40)
     local_backend.queue_timeout_s = 0.05
     first = post_stream({"persona": persona.slug})
@@ -136,18 +138,87 @@ async def test_stream_answers_busy_when_the_model_is_taken(persona: Persona, loc
 
 
 BAD_REQUESTS = [
-    pytest.param("POST", {"content-type": "text/plain"}, b'{"persona": "test-watts"}', 415, "unsupported_media_type", id="not-json-type"),
-    pytest.param("POST", {"content-type": "application/x-www-form-urlencoded"}, b"persona=test-watts", 415, "unsupported_media_type", id="form-post"),
-    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": ', 400, "invalid_json", id="truncated-json"),
-    pytest.param("POST", {"content-type": "application/json"}, b"\xff\xfe{}", 400, "invalid_json", id="invalid-utf8"),
-    pytest.param("POST", {"content-type": "application/json"}, b'["test-watts"]', 400, "invalid_json", id="json-array"),
-    pytest.param("POST", {"content-type": "application/json"}, b"{}", 400, "missing_persona", id="missing-persona"),
-    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": 7}', 400, "invalid_persona", id="persona-number"),
-    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": "nobody"}', 404, "unknown_persona", id="unknown-persona"),
-    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": "test-watts", "topic": ["a"]}', 400, "invalid_topic", id="topic-list"),
-    pytest.param("POST", {"content-type": "application/json"}, json.dumps({"persona": "test-watts", "topic": "x" * 201}).encode(), 400, "topic_too_long", id="topic-too-long"),
-    pytest.param("POST", {"content-type": "application/json"}, b'{"persona": "' + b"x" * 40000 + b'"}', 413, "body_too_large", id="huge-body"),
-    pytest.param("PUT", {"content-type": "application/json"}, b'{"persona": "test-watts"}', 405, "method_not_allowed", id="put"),
+    pytest.param(
+        "POST",
+        {"content-type": "text/plain"},
+        b'{"persona": "test-watts"}',
+        415,
+        "unsupported_media_type",
+        id="not-json-type",
+    ),
+    pytest.param(
+        "POST",
+        {"content-type": "application/x-www-form-urlencoded"},
+        b"persona=test-watts",
+        415,
+        "unsupported_media_type",
+        id="form-post",
+    ),
+    pytest.param(
+        "POST",
+        {"content-type": "application/json"},
+        b'{"persona": ',
+        400,
+        "invalid_json",
+        id="truncated-json",
+    ),
+    pytest.param(
+        "POST", {"content-type": "application/json"}, b"\xff\xfe{}", 400, "invalid_json", id="invalid-utf8"
+    ),
+    pytest.param(
+        "POST", {"content-type": "application/json"}, b'["test-watts"]', 400, "invalid_json", id="json-array"
+    ),
+    pytest.param(
+        "POST", {"content-type": "application/json"}, b"{}", 400, "missing_persona", id="missing-persona"
+    ),
+    pytest.param(
+        "POST",
+        {"content-type": "application/json"},
+        b'{"persona": 7}',
+        400,
+        "invalid_persona",
+        id="persona-number",
+    ),
+    pytest.param(
+        "POST",
+        {"content-type": "application/json"},
+        b'{"persona": "nobody"}',
+        404,
+        "unknown_persona",
+        id="unknown-persona",
+    ),
+    pytest.param(
+        "POST",
+        {"content-type": "application/json"},
+        b'{"persona": "test-watts", "topic": ["a"]}',
+        400,
+        "invalid_topic",
+        id="topic-list",
+    ),
+    pytest.param(
+        "POST",
+        {"content-type": "application/json"},
+        json.dumps({"persona": "test-watts", "topic": "x" * 201}).encode(),
+        400,
+        "topic_too_long",
+        id="topic-too-long",
+    ),
+    pytest.param(
+        "POST",
+        {"content-type": "application/json"},
+        b'{"persona": "' + b"x" * 40000 + b'"}',
+        413,
+        "body_too_large",
+        id="huge-body",
+    ),
+    pytest.param(
+        "PUT",
+        {"content-type": "application/json"},
+        b'{"persona": "test-watts"}',
+        405,
+        "method_not_allowed",
+        id="put",
+    ),
     pytest.param("DELETE", {}, b"", 405, "method_not_allowed", id="delete"),
 ]
 
@@ -176,7 +247,10 @@ async def test_stream_rejects_an_inactive_persona(persona: Persona) -> None:
 
 async def test_stream_is_never_compressed(persona: Persona) -> None:
     response = await request(
-        "POST", "/api/quotes/stream", json_body={"persona": persona.slug}, headers={"accept-encoding": "gzip, br"}
+        "POST",
+        "/api/quotes/stream",
+        json_body={"persona": persona.slug},
+        headers={"accept-encoding": "gzip, br"},
     )
     assert response.status == 200
     assert "content-encoding" not in response.headers
@@ -185,7 +259,9 @@ async def test_stream_is_never_compressed(persona: Persona) -> None:
 
 async def test_stream_treats_the_topic_as_text_not_a_template(persona: Persona) -> None:
     topic = "{topic} {0} {__class__} %s"
-    response = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug, "topic": topic})
+    response = await request(
+        "POST", "/api/quotes/stream", json_body={"persona": persona.slug, "topic": topic}
+    )
     assert response.status == 200
     row = await Generation.objects.aget()
     assert row.topic == topic

@@ -8,7 +8,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import pytest
@@ -100,10 +100,8 @@ def unaccepting_port() -> Iterator[int]:
     for _ in range(3):
         filler = socket.socket()
         filler.setblocking(False)
-        try:
+        with suppress(BlockingIOError):
             filler.connect(("127.0.0.1", port))
-        except BlockingIOError:
-            pass
         fillers.append(filler)
     yield port
     for filler in fillers:
@@ -151,7 +149,12 @@ async def test_backend_meta_keeps_only_cf_aig_response_headers(workers_ai_backen
 
     assert events[0] == Meta(
         model=MODEL,
-        headers={"cf-aig-cache-status": "HIT", "cf-aig-step": "1", "cf-aig-log-id": "01JLOGID", "cf-aig-request-id": "req-42"},
+        headers={
+            "cf-aig-cache-status": "HIT",
+            "cf-aig-step": "1",
+            "cf-aig-log-id": "01JLOGID",
+            "cf-aig-request-id": "req-42",
+        },
     )
 
 
@@ -239,7 +242,9 @@ async def test_backend_ignores_gateway_options_without_a_gateway_id(fake_workers
     assert not [name for name in request.headers if name.startswith("cf-aig-")]
 
 
-async def test_backend_body_has_messages_stream_and_max_tokens_only_by_default(workers_ai_backend, fake_workers_ai):
+async def test_backend_body_has_messages_stream_and_max_tokens_only_by_default(
+    workers_ai_backend, fake_workers_ai
+):
     await collect(workers_ai_backend)
 
     assert fake_workers_ai.requests[0].json == {
@@ -286,7 +291,9 @@ async def test_backend_body_has_every_sampling_field_that_is_set(workers_ai_back
 
 async def test_backend_body_has_lora_and_raw_when_a_lora_is_asked(workers_ai_backend, fake_workers_ai):
     model = "@cf/google/gemma-2b-it-lora"
-    request = GenerationRequest(model=model, messages=REQUEST.messages, speaker="s", topic="t", lora="ada-adapter")
+    request = GenerationRequest(
+        model=model, messages=REQUEST.messages, speaker="s", topic="t", lora="ada-adapter"
+    )
 
     await collect(workers_ai_backend, request)
 
@@ -296,8 +303,12 @@ async def test_backend_body_has_lora_and_raw_when_a_lora_is_asked(workers_ai_bac
     assert recorded.json["raw"] is True
 
 
-@pytest.mark.parametrize("model", ["../../../user/tokens", "@cf/meta/x?y=1", "@cf/a/../../b", "@cf/a b", "", "a//b"])
-async def test_backend_refuses_a_model_id_that_could_leave_the_url_path(workers_ai_backend, fake_workers_ai, model):
+@pytest.mark.parametrize(
+    "model", ["../../../user/tokens", "@cf/meta/x?y=1", "@cf/a/../../b", "@cf/a b", "", "a//b"]
+)
+async def test_backend_refuses_a_model_id_that_could_leave_the_url_path(
+    workers_ai_backend, fake_workers_ai, model
+):
     request = GenerationRequest(model=model, messages=REQUEST.messages, speaker="s", topic="t")
 
     events = await collect(workers_ai_backend, request)
@@ -320,11 +331,15 @@ async def test_backend_reassembles_split_reads(workers_ai_backend, fake_workers_
     assert events[1:] == [Token(str(t)) for t in NON_ASCII] + [Usage(12, 6), Done()]
 
 
-async def test_backend_reassembles_a_body_cut_at_every_single_byte_offset(workers_ai_backend, fake_workers_ai):
+async def test_backend_reassembles_a_body_cut_at_every_single_byte_offset(
+    workers_ai_backend, fake_workers_ai
+):
     scenario = Scenario(tokens=NON_ASCII, crlf=True)
     body = render_body(scenario, model=MODEL)
     expected = [Meta(model=MODEL, headers={}), *(Token(str(t)) for t in NON_ASCII), Usage(12, 6), Done()]
-    fake_workers_ai.script(*(Scenario(tokens=NON_ASCII, crlf=True, split=[offset]) for offset in range(1, len(body))))
+    fake_workers_ai.script(
+        *(Scenario(tokens=NON_ASCII, crlf=True, split=[offset]) for offset in range(1, len(body)))
+    )
 
     for offset in range(1, len(body)):
         assert await collect(workers_ai_backend) == expected, f"cut at byte {offset}"
@@ -337,7 +352,9 @@ async def test_backend_reads_random_splits_with_any_line_ending_padding_and_comm
 ):
     options = {"crlf": ending == "crlf", "cr_only": ending == "cr_only"}
     fake_workers_ai.script(
-        Scenario(tokens=NON_ASCII, split="random", seed=seed, padding=True, comments=bool(seed % 2), **options)
+        Scenario(
+            tokens=NON_ASCII, split="random", seed=seed, padding=True, comments=bool(seed % 2), **options
+        )
     )
 
     events = await collect(workers_ai_backend)
@@ -346,7 +363,8 @@ async def test_backend_reads_random_splits_with_any_line_ending_padding_and_comm
 
 
 @pytest.mark.parametrize(
-    "options", [{"crlf": True}, {"cr_only": True}, {"padding": True}, {"comments": True}, {"split_delay_s": 0.002}]
+    "options",
+    [{"crlf": True}, {"cr_only": True}, {"padding": True}, {"comments": True}, {"split_delay_s": 0.002}],
 )
 async def test_backend_reads_each_wire_variant(workers_ai_backend, fake_workers_ai, options):
     split = 3 if "split_delay_s" in options else None
@@ -382,7 +400,9 @@ async def test_backend_turns_a_number_response_into_text(workers_ai_backend, fak
 
 
 async def test_backend_reads_openai_style_chunks(workers_ai_backend, fake_workers_ai):
-    fake_workers_ai.script(Scenario(tokens=NON_ASCII[:3], openai_style=True, usage=(9, 3), split="random", seed=1))
+    fake_workers_ai.script(
+        Scenario(tokens=NON_ASCII[:3], openai_style=True, usage=(9, 3), split="random", seed=1)
+    )
 
     events = await collect(workers_ai_backend)
 
@@ -406,7 +426,9 @@ async def test_backend_delivers_an_over_long_line_whole(workers_ai_backend, fake
 
 
 async def test_backend_ignores_anything_after_done(workers_ai_backend, fake_workers_ai):
-    fake_workers_ai.script(Scenario(raw_body=b'data: {"response":"a"}\n\ndata: [DONE]\n\ndata: {"response":"b"}\n\n'))
+    fake_workers_ai.script(
+        Scenario(raw_body=b'data: {"response":"a"}\n\ndata: [DONE]\n\ndata: {"response":"b"}\n\n')
+    )
 
     events = await collect(workers_ai_backend)
 
@@ -446,7 +468,9 @@ ERROR_TABLE = [
 
 
 @pytest.mark.parametrize(("scenario", "code", "status"), ERROR_TABLE)
-async def test_backend_maps_upstream_errors_to_stable_codes(workers_ai_backend, fake_workers_ai, scenario, code, status):
+async def test_backend_maps_upstream_errors_to_stable_codes(
+    workers_ai_backend, fake_workers_ai, scenario, code, status
+):
     fake_workers_ai.script(scenario)
 
     events = await collect(workers_ai_backend)
@@ -496,7 +520,9 @@ async def test_backend_reports_a_refused_connection_as_unreachable(fake_workers_
 
 async def test_backend_reports_a_connect_timeout_as_a_timeout(fake_workers_ai, unaccepting_port):
     base_url = f"http://127.0.0.1:{unaccepting_port}/client/v4"
-    async with make_backend(fake_workers_ai, base_url=base_url, connect_timeout_s=0.2, read_timeout_s=30) as backend:
+    async with make_backend(
+        fake_workers_ai, base_url=base_url, connect_timeout_s=0.2, read_timeout_s=30
+    ) as backend:
         events = await collect(backend)
 
     assert events == [last_error(events)]
@@ -568,7 +594,9 @@ async def test_backend_reports_a_dropped_connection(workers_ai_backend, fake_wor
 
 
 @pytest.mark.parametrize("chunked", [True, False])
-async def test_backend_reports_a_stream_that_ends_without_done_as_dropped(workers_ai_backend, fake_workers_ai, chunked):
+async def test_backend_reports_a_stream_that_ends_without_done_as_dropped(
+    workers_ai_backend, fake_workers_ai, chunked
+):
     fake_workers_ai.script(Scenario(send_done=False, chunked=chunked))
 
     events = await collect(workers_ai_backend)
@@ -588,7 +616,9 @@ async def test_backend_reports_a_malformed_event(workers_ai_backend, fake_worker
 
 
 @pytest.mark.parametrize("data", [b"[1, 2]", b'"text"', b"42", b"null"])
-async def test_backend_reports_json_that_is_not_an_object_as_malformed(workers_ai_backend, fake_workers_ai, data):
+async def test_backend_reports_json_that_is_not_an_object_as_malformed(
+    workers_ai_backend, fake_workers_ai, data
+):
     fake_workers_ai.script(Scenario(raw_body=b"data: " + data + b"\n\ndata: [DONE]\n\n"))
 
     events = await collect(workers_ai_backend)
@@ -597,7 +627,9 @@ async def test_backend_reports_json_that_is_not_an_object_as_malformed(workers_a
 
 
 async def test_backend_maps_an_error_envelope_inside_the_stream(workers_ai_backend, fake_workers_ai):
-    envelope = b'{"success":false,"errors":[{"code":3040,"message":"Capacity temporarily exceeded"}],"result":null}'
+    envelope = (
+        b'{"success":false,"errors":[{"code":3040,"message":"Capacity temporarily exceeded"}],"result":null}'
+    )
     fake_workers_ai.script(Scenario(raw_body=b'data: {"response":"a"}\n\ndata: ' + envelope + b"\n\n"))
 
     events = await collect(workers_ai_backend)
@@ -616,7 +648,9 @@ async def wait_for_disconnect(fake: FakeWorkersAI) -> float:
     return request.disconnected_at
 
 
-async def test_backend_closes_the_upstream_connection_when_the_consumer_stops(workers_ai_backend, fake_workers_ai):
+async def test_backend_closes_the_upstream_connection_when_the_consumer_stops(
+    workers_ai_backend, fake_workers_ai
+):
     fake_workers_ai.script(Scenario(tokens=["tick"] * 500, token_delay_s=0.02))
     stream = workers_ai_backend.stream(REQUEST)
     tokens = 0
@@ -631,7 +665,9 @@ async def test_backend_closes_the_upstream_connection_when_the_consumer_stops(wo
     assert disconnected_at - closed_at < 1.0
 
 
-async def test_backend_closes_the_upstream_connection_when_its_task_is_cancelled(workers_ai_backend, fake_workers_ai):
+async def test_backend_closes_the_upstream_connection_when_its_task_is_cancelled(
+    workers_ai_backend, fake_workers_ai
+):
     fake_workers_ai.script(Scenario(stall_before_s=30))
     task = asyncio.create_task(collect(workers_ai_backend))
     await asyncio.to_thread(fake_workers_ai.wait_for_requests, 1)
@@ -668,7 +704,9 @@ def assert_no_secret(text: str) -> None:
     "scenario",
     [
         Scenario.unauthorized(message=f"Invalid API token {TEST_API_TOKEN}"),
-        Scenario(status=400, error_code=9999, error_message=f"bad: Bearer {TEST_GATEWAY_TOKEN}, {TEST_API_TOKEN}"),
+        Scenario(
+            status=400, error_code=9999, error_message=f"bad: Bearer {TEST_GATEWAY_TOKEN}, {TEST_API_TOKEN}"
+        ),
         Scenario.error(3040, f"capacity for {TEST_API_TOKEN} / {TEST_GATEWAY_TOKEN}"),
         Scenario(status=500, raw_body=f"<html>{TEST_API_TOKEN}</html>".encode()),
         Scenario(headers={"cf-aig-log-id": TEST_API_TOKEN, "cf-aig-step": f"Bearer {TEST_GATEWAY_TOKEN}"}),
@@ -701,7 +739,15 @@ async def test_backend_scrubs_tokens_echoed_into_the_stream(fake_workers_ai):
 
 
 async def test_backend_scrubs_a_token_cut_across_several_tokens(workers_ai_backend, fake_workers_ai):
-    pieces = ["key=", TEST_API_TOKEN[:1], TEST_API_TOKEN[1:9], TEST_API_TOKEN[9:30], TEST_API_TOKEN[30:], " end", " c"]
+    pieces = [
+        "key=",
+        TEST_API_TOKEN[:1],
+        TEST_API_TOKEN[1:9],
+        TEST_API_TOKEN[9:30],
+        TEST_API_TOKEN[30:],
+        " end",
+        " c",
+    ]
     fake_workers_ai.script(Scenario(tokens=pieces, usage=None))
 
     events = await collect(workers_ai_backend)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 
@@ -41,7 +41,7 @@ async def stream_generation(
     topic: str,
     messages: tuple[Message, ...] = (),
     backend: Backend | None = None,
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error."""
     backend = backend or get_backend()
     request = persona.build_request(topic=topic, messages=messages)
@@ -50,21 +50,22 @@ async def stream_generation(
         yield Meta(model=record.model)
         async with aclosing(backend.stream(request)) as events:
             async for event in events:
-                cls = type(event)
-                if cls is Token:
+                if type(event) is Token:
                     if record.ttft is None:
                         record.ttft = time.perf_counter()
-                    record.parts.append(event.text)  # type: ignore[union-attr]
-                elif cls is Usage:
-                    record.usage = event  # type: ignore[assignment]
-                elif cls is Meta:
-                    record.model = event.model or record.model  # type: ignore[union-attr]
-                    record.headers.update(event.headers)  # type: ignore[union-attr]
-                elif cls is Done:
+                    record.parts.append(event.text)
+                elif type(event) is Usage:
+                    record.usage = event
+                elif type(event) is Meta:
+                    record.model = event.model or record.model
+                    record.headers.update(event.headers)
+                elif type(event) is Done:
                     record.status = Generation.Status.OK
-                elif cls is Error:
-                    record.status = Generation.Status.BUSY if event.code == "busy" else Generation.Status.ERROR  # type: ignore[union-attr]
-                    record.error = event  # type: ignore[assignment]
+                elif type(event) is Error:
+                    record.status = (
+                        Generation.Status.BUSY if event.code == "busy" else Generation.Status.ERROR
+                    )
+                    record.error = event
                 yield event
                 if record.status:
                     return
@@ -84,8 +85,9 @@ async def stream_generation(
         await _save(record, persona=persona, backend=backend.name, topic=topic, request=asdict(request))
 
 
-
-async def _save(record: _Record, *, persona: Persona, backend: str, topic: str, request: dict[str, object]) -> None:
+async def _save(
+    record: _Record, *, persona: Persona, backend: str, topic: str, request: dict[str, object]
+) -> None:
     """Write the log row. Shielded: a cancelled request must still leave its row."""
     now = time.perf_counter()
     row = Generation(

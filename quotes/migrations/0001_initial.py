@@ -2,61 +2,116 @@
 
 import django.core.validators
 import django.db.models.deletion
-import quotes.models
 from django.db import migrations, models
+
+import quotes.models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Persona',
+            name="Persona",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100)),
-                ('slug', models.SlugField(max_length=100, unique=True)),
-                ('description', models.CharField(blank=True, max_length=200)),
-                ('emoji', models.CharField(blank=True, max_length=8)),
-                ('system_prompt', models.TextField()),
-                ('user_prompt_template', models.TextField(help_text="The user prompt. {topic} is replaced with the visitor's topic.", validators=[quotes.models.validate_prompt_template])),
-                ('default_topic', models.CharField(max_length=200)),
-                ('model', models.CharField(default='@cf/meta/llama-3.1-8b-instruct', max_length=200)),
-                ('max_tokens', models.PositiveIntegerField(default=96, validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(4096)])),
-                ('temperature', models.FloatField(default=0.7, validators=[django.core.validators.MinValueValidator(0.0), django.core.validators.MaxValueValidator(5.0)])),
-                ('is_active', models.BooleanField(default=True)),
-                ('display_order', models.IntegerField(default=0)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100)),
+                ("slug", models.SlugField(max_length=100, unique=True)),
+                ("description", models.CharField(blank=True, max_length=200)),
+                ("emoji", models.CharField(blank=True, max_length=8)),
+                ("system_prompt", models.TextField()),
+                (
+                    "user_prompt_template",
+                    models.TextField(
+                        help_text="The user prompt. {topic} is replaced with the visitor's topic.",
+                        validators=[quotes.models.validate_prompt_template],
+                    ),
+                ),
+                ("default_topic", models.CharField(max_length=200)),
+                ("model", models.CharField(default="@cf/meta/llama-3.1-8b-instruct", max_length=200)),
+                (
+                    "max_tokens",
+                    models.PositiveIntegerField(
+                        default=96,
+                        validators=[
+                            django.core.validators.MinValueValidator(1),
+                            django.core.validators.MaxValueValidator(4096),
+                        ],
+                    ),
+                ),
+                (
+                    "temperature",
+                    models.FloatField(
+                        default=0.7,
+                        validators=[
+                            django.core.validators.MinValueValidator(0.0),
+                            django.core.validators.MaxValueValidator(5.0),
+                        ],
+                    ),
+                ),
+                ("is_active", models.BooleanField(default=True)),
+                ("display_order", models.IntegerField(default=0)),
             ],
             options={
-                'ordering': ['display_order', 'name'],
+                "ordering": ["display_order", "name"],
             },
         ),
         migrations.CreateModel(
-            name='Generation',
+            name="Generation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('backend', models.CharField(max_length=20)),
-                ('model', models.CharField(max_length=200)),
-                ('topic', models.CharField(blank=True, max_length=500)),
-                ('status', models.CharField(choices=[('ok', 'ok'), ('error', 'error'), ('cancelled', 'cancelled'), ('rate_limited', 'rate-limited'), ('busy', 'busy')], max_length=20)),
-                ('error_code', models.CharField(blank=True, max_length=50)),
-                ('error_message', models.TextField(blank=True)),
-                ('text', models.TextField(blank=True)),
-                ('prompt_tokens', models.PositiveIntegerField(blank=True, null=True)),
-                ('completion_tokens', models.PositiveIntegerField(blank=True, null=True)),
-                ('ttft_ms', models.FloatField(blank=True, null=True, verbose_name='time to first token (ms)')),
-                ('duration_ms', models.FloatField(blank=True, null=True)),
-                ('request', models.JSONField(blank=True, default=dict)),
-                ('upstream_headers', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('persona', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='generations', to='quotes.persona')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("backend", models.CharField(max_length=20)),
+                ("model", models.CharField(max_length=200)),
+                ("topic", models.CharField(blank=True, max_length=500)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("ok", "ok"),
+                            ("error", "error"),
+                            ("cancelled", "cancelled"),
+                            ("rate_limited", "rate-limited"),
+                            ("busy", "busy"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                ("error_code", models.CharField(blank=True, max_length=50)),
+                ("error_message", models.TextField(blank=True)),
+                ("text", models.TextField(blank=True)),
+                ("prompt_tokens", models.PositiveIntegerField(blank=True, null=True)),
+                ("completion_tokens", models.PositiveIntegerField(blank=True, null=True)),
+                (
+                    "ttft_ms",
+                    models.FloatField(blank=True, null=True, verbose_name="time to first token (ms)"),
+                ),
+                ("duration_ms", models.FloatField(blank=True, null=True)),
+                ("request", models.JSONField(blank=True, default=dict)),
+                ("upstream_headers", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                (
+                    "persona",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="generations",
+                        to="quotes.persona",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
     ]

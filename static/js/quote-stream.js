@@ -464,9 +464,21 @@ export function mountQuoteApp(form) {
         },
         onToken(token) {
           if (signal.aborted) return;
-          // Models often open with a newline or a space; the card should not.
           if (!started) {
-            token = token.replace(/^\s+/, "");
+            // Models often open with a newline or spaces. Keep them in the text (it must match
+            // what the server logged) but in a hidden span, so the card does not start blank.
+            const lead = /^\s*/.exec(token)[0];
+            if (lead) {
+              let leadSpan = quoteText.querySelector(".quote__lead");
+              if (!leadSpan) {
+                leadSpan = document.createElement("span");
+                leadSpan.className = "quote__lead";
+                leadSpan.hidden = true;
+                quoteText.append(leadSpan);
+              }
+              leadSpan.append(lead);
+              token = token.slice(lead.length);
+            }
             if (!token) return;
             started = true;
             loading.hidden = true;
@@ -517,7 +529,7 @@ export function mountQuoteApp(form) {
 
   function stopStreaming() {
     if (!controller) return;
-    const hadText = quoteText.textContent.length > 0;
+    const hadText = quoteText.textContent.trim().length > 0;
     controller.abort();
     controller = null;
     loading.hidden = true;

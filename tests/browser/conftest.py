@@ -54,7 +54,9 @@ def daphne_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneSe
         "LOCAL_MODEL_PRELOAD": "true",
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+    )
     port = _free_port()
     log = (tmp_path_factory.getbasetemp() / "daphne.log").open("w")
     process = subprocess.Popen(

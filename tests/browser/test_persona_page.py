@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from playwright.sync_api import ConsoleMessage, Page, expect
@@ -36,7 +37,9 @@ def _watch_console(page: Page) -> list[str]:
     return problems
 
 
-def test_browser_quote_streams_in_token_by_token(daphne_server: DaphneServer, page: Page, screenshot_dir: Path) -> None:
+def test_browser_quote_streams_in_token_by_token(
+    daphne_server: DaphneServer, page: Page, screenshot_dir: Path
+) -> None:
     problems = _watch_console(page)
     page.set_viewport_size({"width": 1280, "height": 800})
     page.goto(f"{daphne_server.url}/personas/alan-watts/")
@@ -58,7 +61,7 @@ def test_browser_quote_streams_in_token_by_token(daphne_server: DaphneServer, pa
     # The text grew in several visible steps while the stream was open, each extending the last.
     growing = [c["text"] for c in changes if c["state"] == "streaming" and c["text"]]
     assert len(set(growing)) >= 3, growing
-    for before, after in zip(growing, growing[1:], strict=False):
+    for before, after in itertools.pairwise(growing):
         assert after.startswith(before)
     final = page.get_by_test_id("quote-text").text_content() or ""
     assert final.startswith(growing[-1]) and len(final) > 10
@@ -66,7 +69,9 @@ def test_browser_quote_streams_in_token_by_token(daphne_server: DaphneServer, pa
     credit = page.get_by_test_id("credit")
     expect(credit).to_be_visible()
     expect(credit).to_contain_text("as Alan Watts")
-    expect(page.get_by_test_id("model-link")).to_have_attribute("href", "https://huggingface.co/google/gemma-3-270m")
+    expect(page.get_by_test_id("model-link")).to_have_attribute(
+        "href", "https://huggingface.co/google/gemma-3-270m"
+    )
     rows = daphne_server.query("SELECT status, text FROM quotes_generation ORDER BY id DESC LIMIT 1")
     assert rows == [("ok", final)]
     assert problems == []
@@ -78,7 +83,9 @@ def test_browser_shows_a_readable_error_for_a_failed_request(daphne_server: Daph
     expect(page.locator("form[data-ready=true]")).to_have_count(1)
 
     page.get_by_test_id("topic").fill("x" * 150)
-    page.get_by_test_id("topic").evaluate("(el) => { el.removeAttribute('maxlength'); el.value = 'x'.repeat(300); }")
+    page.get_by_test_id("topic").evaluate(
+        "(el) => { el.removeAttribute('maxlength'); el.value = 'x'.repeat(300); }"
+    )
     page.get_by_test_id("generate").click()
 
     error = page.get_by_test_id("error")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from ..events import Event, GenerationRequest
@@ -12,7 +12,7 @@ class Backend(Protocol):
     #: the name in settings and in the log: "local", "workers-ai", "openai"
     name: str
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         """Yield Meta/Token/Usage events and end with exactly one Done or Error.
 
         Cancellation (the consumer stops iterating, or the task is cancelled) must stop the

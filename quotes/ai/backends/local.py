@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import codecs
+import contextlib
 import ctypes
 import logging
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +131,7 @@ class LocalBackend:
             self._llm.close()
             self._llm = None
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         with self._pending_lock:
             if self._pending >= self.max_waiting:
                 yield busy()
@@ -172,9 +173,7 @@ class LocalBackend:
             path = ensure_model_file(self.path)
             _route_llama_logs()
             started = time.perf_counter()
-            self._llm = Llama(
-                model_path=str(path), n_ctx=self.n_ctx, n_threads=self.n_threads, verbose=False
-            )
+            self._llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.n_threads, verbose=False)
             logger.info("loaded %s in %.1f s", path.name, time.perf_counter() - started)
             # Free it before the interpreter tears down the modules llama.cpp's finaliser needs.
             atexit.register(self._close_model)
@@ -204,10 +203,8 @@ class LocalBackend:
     def _fail(self, job: _Job, exc: Exception) -> None:
         logger.exception("local model failed", exc_info=exc)
         job.stats.stop_reason = "error"
-        try:
+        with contextlib.suppress(RuntimeError):
             job.put(Error("local_model_unavailable", "The built-in model could not write a quote.", 503))
-        except RuntimeError:
-            pass
 
     def _generate(self, job: _Job) -> None:
         from llama_cpp import llama_vocab_is_eog
@@ -281,7 +278,7 @@ def _route_llama_logs() -> None:
         return
     import llama_cpp
 
-    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
+    @llama_cpp.llama_log_callback
     def _callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         logger.debug("llama.cpp: %s", text.decode(errors="replace").rstrip())
 

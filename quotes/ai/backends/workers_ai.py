@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,7 +222,7 @@ async def parse_events(
         yield malformed()
         return
     except httpx.TransportError:  # RemoteProtocolError, ReadError, ...: the connection broke
-        yield Done()
+        yield dropped()
         return
     finally:
         await source.aclose()
@@ -376,7 +376,7 @@ class WorkersAIBackend:
             body["raw"] = True
         return body
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         if not _MODEL_ID.fullmatch(request.model):
             yield invalid_model(request.model)
             return
