@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from whitenoise.middleware import WhiteNoiseMiddleware
 
@@ -27,9 +26,9 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
         markcoroutinefunction(self)
 
     def add_files(self, root: str, prefix: str | None = None) -> None:
-        # In development nothing is collected yet and the finders serve the files; in
-        # production a missing STATIC_ROOT keeps WhiteNoise's warning (run collectstatic).
-        if settings.DEBUG and not os.path.isdir(root):
+        # Before collectstatic has run (development, tests) the finders serve the files, so a
+        # missing STATIC_ROOT is expected; without finders WhiteNoise's warning stays.
+        if self.use_finders and not os.path.isdir(root):
             return
         super().add_files(root, prefix)
 

@@ -8,7 +8,7 @@ from quotes.ai.backends import get_backend
 from quotes.ai.backends.local import LocalBackend
 from quotes.models import Persona
 
-pytest_plugins = ["tests.fakes.fixtures"]
+pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server"]
 
 
 @pytest.fixture(autouse=True)

