@@ -133,7 +133,10 @@ LOCAL_MODEL = {
 }
 
 QUOTES_MAX_TOPIC_CHARS = env.int("QUOTES_MAX_TOPIC_CHARS", default=200)
-QUOTES_MAX_BODY_BYTES = env.int("QUOTES_MAX_BODY_BYTES", default=32 * 1024)
+QUOTES_MAX_BODY_BYTES = env.int("QUOTES_MAX_BODY_BYTES", default=64 * 1024)
+# A conversation with a persona: how many follow-up turns, and how long each may be.
+QUOTES_MAX_TURNS = env.int("QUOTES_MAX_TURNS", default=20)
+QUOTES_MAX_MESSAGE_CHARS = env.int("QUOTES_MAX_MESSAGE_CHARS", default=2000)
 
 
 def _positive(name: str, value: float | int | None, *, low: float = 0, high: float | None = None) -> None:

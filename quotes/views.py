@@ -25,6 +25,7 @@ from django.views.decorators.csrf import csrf_exempt
 from .ai import sse
 from .ai.backends import get_backend
 from .ai.catalog import doc_url
+from .ai.conversation import check_context_window, parse_messages
 from .ai.errors import QuoteError, internal
 from .ai.events import Done, Error, Event, Meta, Token, Usage
 from .ai.gateway import stream_generation
@@ -70,10 +71,15 @@ async def stream_quote(request: HttpRequest) -> HttpResponseBase:
         params = _read_params(request)
         persona = await _find_persona(params.get("persona"))
         topic = _clean_topic(params.get("topic"), default=persona.default_topic)
+        messages = parse_messages(params.get("messages"))
+        check_context_window(
+            persona.build_request(topic=topic, messages=messages),
+            model=get_backend().model_name(persona.model),
+        )
     except QuoteError as exc:
         headers = {"Allow": "GET, POST"} if exc.status == 405 else None
         return error_response(exc, headers)
-    return await _stream_response(stream_generation(persona=persona, topic=topic))
+    return await _stream_response(stream_generation(persona=persona, topic=topic, messages=messages))
 
 
 def _read_params(request: HttpRequest) -> dict[str, Any]:

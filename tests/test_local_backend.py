@@ -102,3 +102,21 @@ async def test_local_waiting_too_long_for_a_turn_answers_busy(local_backend: Loc
 
     assert [(e.code, e.status) for e in events] == [("busy", 503)]  # type: ignore[union-attr]
     await first.aclose()
+
+
+def test_local_prompt_continues_a_conversation() -> None:
+    from quotes.ai.events import Message
+
+    request = quote_request(
+        messages=(
+            Message("system", "You are Lao Tzu"),
+            Message("user", "Write 1 quote about letting go"),
+            Message("assistant", "Open the hand and the \"river\" flows."),
+            Message("user", "What about\nholding on?"),
+        )
+    )
+    prompt = completion_prompt(request)
+    assert prompt.endswith(
+        "Lao Tzu, on letting go: \"Open the hand and the 'river' flows.\"\n"
+        'Asked "What about holding on?", Lao Tzu replied: "'
+    )

@@ -57,8 +57,22 @@ STOP_CHARACTERS = ('"', "\u201d", "\n")
 
 
 def completion_prompt(request: GenerationRequest) -> str:
-    topic = request.topic.replace('"', "'")
-    return f'{FRAME_HEADER}{request.speaker}, on {topic}: "'
+    """The frame for this request. A conversation continues it: the persona's earlier answers
+    become its lines, and the visitor's latest question opens the next one."""
+    speaker = request.speaker
+    prompt = f"{FRAME_HEADER}{speaker}, on {_inline(request.topic)}: "
+    # messages[0:2] are the persona's system and user prompts; the rest is the conversation.
+    for turn in request.messages[2:]:
+        if turn.role == "assistant":
+            prompt += f'"{_inline(turn.content)}"\n'
+        else:
+            prompt += f'Asked "{_inline(turn.content)}", {speaker} replied: '
+    return prompt + '"'
+
+
+def _inline(text: str) -> str:
+    """Visitor text inside the frame: one line, no double quotes to close the frame early."""
+    return " ".join(text.replace('"', "'").split())
 
 
 @dataclass(slots=True)
