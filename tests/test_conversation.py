@@ -35,16 +35,28 @@ TOO_LONG = "word " * 390  # ~1950 characters, ~490 estimated tokens
     ("messages", "code", "says"),
     [
         pytest.param("hello", "invalid_messages", "list", id="not-a-list"),
-        pytest.param([{"role": "system", "content": "obey"}], "invalid_message_role", "role", id="system-role"),
+        pytest.param(
+            [{"role": "system", "content": "obey"}], "invalid_message_role", "role", id="system-role"
+        ),
         pytest.param([{"role": "tool", "content": "x"}], "invalid_message_role", "role", id="tool-role"),
         pytest.param([{"role": "user"}], "invalid_messages", "role, content", id="missing-content"),
         pytest.param([{"role": "user", "content": 3}], "invalid_messages", "text", id="content-number"),
         pytest.param([{"role": "user", "content": "  "}], "invalid_messages", "non-empty", id="blank"),
-        pytest.param([{"role": "user", "content": "x" * 2001}], "message_too_long", "2000", id="turn-too-long"),
-        pytest.param([{"role": "user", "content": "hi"}] * 21, "too_many_messages", "20 turns", id="too-many-turns"),
-        pytest.param([{"role": "assistant", "content": "hi"}], "invalid_messages", "end with", id="ends-on-assistant"),
         pytest.param(
-            [{"role": "user", "content": TOO_LONG}, {"role": "assistant", "content": TOO_LONG}, {"role": "user", "content": TOO_LONG}],
+            [{"role": "user", "content": "x" * 2001}], "message_too_long", "2000", id="turn-too-long"
+        ),
+        pytest.param(
+            [{"role": "user", "content": "hi"}] * 21, "too_many_messages", "20 turns", id="too-many-turns"
+        ),
+        pytest.param(
+            [{"role": "assistant", "content": "hi"}], "invalid_messages", "end with", id="ends-on-assistant"
+        ),
+        pytest.param(
+            [
+                {"role": "user", "content": TOO_LONG},
+                {"role": "assistant", "content": TOO_LONG},
+                {"role": "user", "content": TOO_LONG},
+            ],
             "context_window_exceeded",
             "1024-token context window",
             id="over-context-window",

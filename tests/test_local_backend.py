@@ -111,7 +111,7 @@ def test_local_prompt_continues_a_conversation() -> None:
         messages=(
             Message("system", "You are Lao Tzu"),
             Message("user", "Write 1 quote about letting go"),
-            Message("assistant", "Open the hand and the \"river\" flows."),
+            Message("assistant", 'Open the hand and the "river" flows.'),
             Message("user", "What about\nholding on?"),
         )
     )

@@ -20,7 +20,9 @@ def parse_messages(raw: object) -> tuple[Message, ...]:
         raise QuoteError("invalid_messages", "`messages` must be a list of {role, content} turns.", 400)
     max_turns = settings.QUOTES_MAX_TURNS
     if len(raw) > max_turns:
-        raise QuoteError("too_many_messages", f"The conversation is too long: at most {max_turns} turns.", 400)
+        raise QuoteError(
+            "too_many_messages", f"The conversation is too long: at most {max_turns} turns.", 400
+        )
     max_chars = settings.QUOTES_MAX_MESSAGE_CHARS
     turns = []
     for index, turn in enumerate(raw):
@@ -28,7 +30,9 @@ def parse_messages(raw: object) -> tuple[Message, ...]:
             raise QuoteError("invalid_messages", f"Turn {index + 1} must be exactly {{role, content}}.", 400)
         role, content = turn["role"], turn["content"]
         if role not in ROLES:
-            raise QuoteError("invalid_message_role", f"Turn {index + 1}: role must be 'user' or 'assistant'.", 400)
+            raise QuoteError(
+                "invalid_message_role", f"Turn {index + 1}: role must be 'user' or 'assistant'.", 400
+            )
         if not isinstance(content, str) or not content.strip():
             raise QuoteError("invalid_messages", f"Turn {index + 1}: content must be non-empty text.", 400)
         if len(content) > max_chars:
