@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ ARTIFACTS = ROOT / "artifacts"
 class DaphneServer:
     url: str
     db_path: Path
+    log_path: Path
 
     def query(self, sql: str, *params: object) -> list[tuple[object, ...]]:
         with sqlite3.connect(self.db_path) as connection:
@@ -43,45 +45,52 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def daphne_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneServer]:
-    db_path = tmp_path_factory.mktemp("live") / "db.sqlite3"
+@contextmanager
+def start_daphne(tmp_dir: Path, **extra_env: str) -> Iterator[DaphneServer]:
+    """Migrate a fresh SQLite file and serve the app on it with daphne, in a subprocess."""
+    db_path = tmp_dir / "db.sqlite3"
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{db_path}",
         "AI_BACKEND": "local",
         "DJANGO_DEBUG": "true",
         "LOCAL_MODEL_PRELOAD": "true",
+        **extra_env,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-    )
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
     port = _free_port()
-    log = (tmp_path_factory.getbasetemp() / "daphne.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+    log_path = tmp_dir / "daphne.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
-            urllib.request.urlopen(url + "/", timeout=2).close()
-            break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daphne did not start; see {log.name}") from None
-            time.sleep(0.2)
-    try:
-        yield DaphneServer(url=url, db_path=db_path)
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
-        log.close()
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(url + "/", timeout=2).close()
+                    break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"daphne did not start; see {log_path}") from None
+                    time.sleep(0.2)
+            yield DaphneServer(url=url, db_path=db_path, log_path=log_path)
+        finally:
+            process.terminate()
+            process.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def daphne_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneServer]:
+    """The site on the embedded model."""
+    with start_daphne(tmp_path_factory.mktemp("daphne-local")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
