@@ -11,6 +11,13 @@ from quotes.models import Persona
 pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server"]
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the browser tests last. Playwright's sync API keeps an event loop running in the main
+    thread for the rest of the session, and async tests cannot start while it does."""
+    items.sort(key=lambda item: "browser" in item.path.parts)
+
+
 @pytest.fixture(autouse=True)
 def _local_backend_by_default(settings: pytest.FixtureRequest) -> None:
     """Tests run on the embedded model unless they ask for another backend."""

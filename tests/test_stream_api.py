@@ -206,7 +206,7 @@ BAD_REQUESTS = [
     pytest.param(
         "POST",
         {"content-type": "application/json"},
-        b'{"persona": "' + b"x" * 40000 + b'"}',
+        b'{"persona": "' + b"x" * 100_000 + b'"}',
         413,
         "body_too_large",
         id="huge-body",
