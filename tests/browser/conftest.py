@@ -58,7 +58,9 @@ def start_daphne(tmp_dir: Path, **extra_env: str) -> Iterator[DaphneServer]:
         **extra_env,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+    )
     port = _free_port()
     log_path = tmp_dir / "daphne.log"
     with log_path.open("w") as log:
