@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import string
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
@@ -44,7 +43,17 @@ class Persona(models.Model):
         help_text="The user prompt. {topic} is replaced with the visitor's topic.",
     )
     default_topic = models.CharField(max_length=200)
-    model = models.CharField(max_length=200, default="@cf/meta/llama-3.1-8b-instruct")
+    model = models.CharField(
+        max_length=200,
+        default="@cf/meta/llama-3.1-8b-instruct",
+        help_text="A model from the catalog. The embedded model stands in for it when no Cloudflare credentials are set.",
+    )
+    lora = models.CharField(
+        "LoRA adapter",
+        max_length=200,
+        blank=True,
+        help_text="A fine-tuned adapter's id or name; only LoRA-capable models (the -lora ones) take one.",
+    )
     max_tokens = models.PositiveIntegerField(
         default=96, validators=[MinValueValidator(1), MaxValueValidator(4096)]
     )
@@ -59,6 +68,15 @@ class Persona(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        from .ai.catalog import validate_generation_settings
+
+        errors = validate_generation_settings(
+            self.model, max_tokens=self.max_tokens, temperature=self.temperature, lora=self.lora or None
+        )
+        if errors:
+            raise ValidationError(errors)
 
     def user_prompt(self, topic: str) -> str:
         # str.replace, not str.format: a topic is visitor input and must never be formatted.
@@ -77,6 +95,7 @@ class Persona(models.Model):
             topic=topic,
             max_tokens=self.max_tokens,
             temperature=self.temperature,
+            lora=self.lora or None,
         )
 
 
@@ -111,7 +130,3 @@ class Generation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.persona} · {self.status} · {self.created_at:%Y-%m-%d %H:%M}"
-
-
-def local_model_name() -> str:
-    return str(settings.LOCAL_MODEL["name"])
