@@ -12,5 +12,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+from quotes.ai.backends import get_backend  # noqa: E402
+
+if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL["preload"]:
+    get_backend()  # starts loading the embedded model on its thread now, not on the first request
 
 application = ProtocolTypeRouter({"http": django_asgi_app})
