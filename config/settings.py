@@ -211,3 +211,64 @@ if AI_BACKEND == "workers-ai" and not (WORKERS_AI["account_id"] and WORKERS_AI["
     )
 if AI_BACKEND == "openai" and not OPENAI_COMPAT["base_url"]:
     raise ImproperlyConfigured("AI_BACKEND=openai needs OPENAI_BASE_URL (e.g. http://127.0.0.1:8080/v1).")
+
+# --- The app's own gateway: cache, rate limits, retries, fallbacks, timeouts ----------------
+
+REDIS_URL = env.str("REDIS_URL", default="")
+CACHES = {
+    "default": (
+        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+        if REDIS_URL
+        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "persona-quotes"}
+    )
+}
+
+_RATE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _parse_rate(name: str, value: str) -> tuple[int, int]:
+    """ "20/m" -> (20, 60): at most 20 requests per fixed one-minute window."""
+    count, _, unit = value.partition("/")
+    if not count.isdigit() or int(count) < 1 or unit not in _RATE_UNITS:
+        raise ImproperlyConfigured(f"{name} must look like 20/m (a count per s, m, h or d); got {value!r}.")
+    return int(count), _RATE_UNITS[unit]
+
+
+_retries = AI_GATEWAY["retries"]
+QUOTES_GATEWAY = {
+    # Our cache sits in front of every backend: QUOTES_CACHE_TTL, else the gateway's TTL, else an
+    # hour. 0 turns it off; a persona may override it.
+    "cache_ttl": _env_or_error("QUOTES_CACHE_TTL", int, None)
+    if env.str("QUOTES_CACHE_TTL", default="")
+    else AI_GATEWAY["cache_ttl"] or 3600,
+    "skip_cache": AI_GATEWAY["skip_cache"],
+    # A cache hit is replayed as a stream, one token every N ms, so it still reads as writing.
+    "replay_pacing_ms": _env_or_error("QUOTES_CACHE_REPLAY_PACING_MS", int, 5),
+    # Per client (the user when logged in, else the IP): a fixed window, shared through the cache.
+    "rate_limit": _parse_rate("QUOTES_RATE_LIMIT", env.str("QUOTES_RATE_LIMIT", default="20/m")),
+    "max_concurrent_streams": _env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
+    # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts.
+    "max_attempts": _retries["max_attempts"] or _env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
+    "retry_delay_ms": _retries["retry_delay_ms"]
+    if _retries["retry_delay_ms"] is not None
+    else _env_or_error("QUOTES_RETRY_DELAY_MS", int, 250),
+    "backoff": _retries["backoff"] or "exponential",
+    # Tried in order after a persona's own fallbacks, only before the first token.
+    "fallback_models": env.list("QUOTES_FALLBACK_MODELS", default=[]),
+    "ttft_timeout_s": _env_or_error("QUOTES_TTFT_TIMEOUT", float, 30.0),
+    "idle_timeout_s": _env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
+    "total_timeout_s": WORKERS_AI["total_timeout_s"],
+    "keepalive_s": _env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),
+}
+for _name, _key in (
+    ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
+    ("QUOTES_MAX_ATTEMPTS", "max_attempts"),
+):
+    _positive(_name, QUOTES_GATEWAY[_key], low=1)
+for _name, _key in (
+    ("QUOTES_TTFT_TIMEOUT", "ttft_timeout_s"),
+    ("QUOTES_IDLE_TIMEOUT", "idle_timeout_s"),
+    ("QUOTES_KEEPALIVE_INTERVAL", "keepalive_s"),
+):
+    _positive(_name, QUOTES_GATEWAY[_key], low=0.001)
+_positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY["cache_ttl"], low=0)

@@ -1,28 +1,366 @@
+"""Persona editing (versions, roll-back, live preview) and the read-only request log."""
+
 from __future__ import annotations
 
-from django.contrib import admin
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from .models import Generation, Persona
+from asgiref.sync import sync_to_async
+from django.contrib import admin, messages
+from django.contrib.admin.utils import NestedObjects
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import router
+from django.db.models import Max, QuerySet
+from django.forms import ModelForm
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+    JsonResponse,
+)
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
+from django.views.decorators.cache import never_cache
+from django.views.decorators.csrf import csrf_protect
+from django_stubs_ext import StrPromise
+
+from .admin_views import InvalidPersona, persona_rollback, persona_save, preview_persona, stream_preview
+from .ai.errors import QuoteError
+from .forms import PersonaForm
+from .models import Generation, Persona, PersonaVersion
 
 
 @admin.register(Persona)
 class PersonaAdmin(admin.ModelAdmin[Persona]):
-    list_display = ("name", "slug", "model", "is_active", "display_order")
+    form = PersonaForm
+    list_display = ("emoji_name", "slug", "model", "current_version", "is_active", "display_order")
+    list_display_links = ("emoji_name",)
     list_editable = ("is_active", "display_order")
-    list_filter = ("is_active", "model")
+    list_filter = ("is_active", "model", "backend")
     search_fields = ("name", "slug", "system_prompt")
     prepopulated_fields = {"slug": ("name",)}
+    fieldsets = (
+        ("Identity", {"fields": ("name", "slug", "description", "emoji")}),
+        ("Prompts", {"fields": ("system_prompt", "user_prompt_template", "default_topic")}),
+        ("Model", {"fields": ("backend", "model", "fallback_models", "lora", "max_tokens")}),
+        (
+            "Sampling",
+            {
+                "fields": (
+                    "temperature",
+                    ("top_p", "top_k"),
+                    "seed",
+                    ("repetition_penalty", "frequency_penalty", "presence_penalty"),
+                ),
+                "description": "Each value is checked against the chosen model's documented range.",
+            },
+        ),
+        ("Publishing", {"fields": ("is_active", "display_order", "cache_ttl")}),
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Persona]:
+        return super().get_queryset(request).annotate(_latest_version=Max("versions__number"))
+
+    @admin.display(description="Persona", ordering="name")
+    def emoji_name(self, obj: Persona) -> str:
+        return f"{obj.emoji} {obj.name}".strip()
+
+    @admin.display(description="Version")
+    def current_version(self, obj: Persona) -> str:
+        count = getattr(obj, "_latest_version", None)
+        return f"v{count}" if count else "-"
+
+    # --- saving, with the version's author ------------------------------------------------------
+
+    def save_model(self, request: HttpRequest, obj: Persona, form: ModelForm[Persona], change: bool) -> None:
+        persona_save(persona=obj, created_by=request.user)
+
+    # --- deleting: a persona the log points at is deactivated instead ---------------------------
+
+    def _has_generations(self, obj: Persona) -> bool:
+        return obj.pk is not None and obj.generations.exists()
+
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        obj = self.get_object(request, object_id)
+        count = obj.generations.count() if obj is not None else 0
+        return super().delete_view(request, object_id, {**(extra_context or {}), "generation_count": count})
+
+    def get_deleted_objects(
+        self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
+    ) -> tuple[list[Any], dict[Any, Any], set[Any], list[Any]]:
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        # The log's PROTECT is handled by deactivating, so it must not block the confirmation;
+        # anything else that protects a persona still does.
+        collector = NestedObjects(using=router.db_for_write(Persona))
+        collector.collect(list(objs))
+        if all(isinstance(obj, Generation) for obj in collector.protected):
+            protected = []
+        return deleted, counts, perms_needed, protected
+
+    def log_deletions(self, request: HttpRequest, queryset: Iterable[Persona]) -> None:  # type: ignore[override]
+        kept = [obj for obj in queryset if self._has_generations(obj)]
+        for obj in kept:
+            self.log_change(request, obj, "Deactivated instead of deleted: the request log refers to it.")
+        super().log_deletions(request, [obj for obj in queryset if obj not in kept])  # type: ignore[arg-type]
+
+    def delete_model(self, request: HttpRequest, obj: Persona) -> None:
+        if self._has_generations(obj):
+            self._deactivate(request, [obj])
+            request._persona_deactivated = True  # type: ignore[attr-defined]
+        else:
+            super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Persona]) -> None:
+        kept = list(queryset.filter(generations__isnull=False).distinct())
+        self._deactivate(request, kept)
+        rest = queryset.exclude(pk__in=[p.pk for p in kept])
+        request._personas_deleted = rest.count()  # type: ignore[attr-defined]
+        super().delete_queryset(request, rest)
+
+    def message_user(
+        self,
+        request: HttpRequest,
+        message: str | StrPromise,
+        level: int | str = messages.INFO,
+        extra_tags: str = "",
+        fail_silently: bool = False,
+    ) -> None:
+        # The bulk delete action counts the deactivated personas as deleted: say what happened.
+        deleted = getattr(request, "_personas_deleted", None)
+        if deleted is not None and str(message).startswith("Successfully deleted"):
+            if not deleted:
+                return
+            message = f"Successfully deleted {deleted} persona{'s' if deleted != 1 else ''}."
+        super().message_user(request, message, level, extra_tags, fail_silently)
+
+    def _deactivate(self, request: HttpRequest, personas: list[Persona]) -> None:
+        for persona in personas:
+            persona.is_active = False
+            persona.save(update_fields=["is_active"])
+        if personas:
+            names = ", ".join(f"“{p}”" for p in personas)
+            self.message_user(
+                request,
+                f"Deactivated {names} instead of deleting: the request log refers to "
+                f"{'it' if len(personas) == 1 else 'them'}. A deactivated persona is hidden from the site.",
+                messages.WARNING,
+            )
+
+    def response_delete(self, request: HttpRequest, obj_display: str, obj_id: int) -> HttpResponse:
+        if getattr(request, "_persona_deactivated", False):
+            return HttpResponseRedirect(reverse("admin:quotes_persona_changelist"))
+        return super().response_delete(request, obj_display, obj_id)
+
+    # --- versions, roll-back and preview -------------------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        return [
+            path(
+                "<int:object_id>/history-versions/", wrap(self.versions_view), name="quotes_persona_versions"
+            ),
+            path(
+                "<int:object_id>/history-versions/<int:number>/rollback/",
+                wrap(self.rollback_view),
+                name="quotes_persona_rollback",
+            ),
+            # Not admin_view: that wrapper is sync. The view checks staff status itself.
+            path(
+                "<int:object_id>/preview/",
+                csrf_protect(never_cache(self.preview_view)),
+                name="quotes_persona_preview",
+            ),
+            *super().get_urls(),
+        ]
+
+    def _persona_or_404(self, request: HttpRequest, object_id: int) -> Persona:
+        persona = self.get_object(request, str(object_id))
+        if persona is None:
+            raise Http404("No such persona.")
+        return persona
+
+    def versions_view(self, request: HttpRequest, object_id: int) -> HttpResponse:
+        from .admin_views import version_history
+
+        persona = self._persona_or_404(request, object_id)
+        if not self.has_view_or_change_permission(request, persona):
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "original": persona,
+            "title": f"Versions of {persona}",
+            "entries": version_history(persona),
+            "can_roll_back": self.has_change_permission(request, persona),
+        }
+        return TemplateResponse(request, "admin/quotes/persona/versions.html", context)
+
+    def rollback_view(self, request: HttpRequest, object_id: int, number: int) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        persona = self._persona_or_404(request, object_id)
+        if not self.has_change_permission(request, persona):
+            raise PermissionDenied
+        version = get_object_or_404(PersonaVersion, persona=persona, number=number)
+        try:
+            new = persona_rollback(persona=persona, version=version, user=request.user)
+        except ValidationError as exc:
+            self.message_user(
+                request, f"Cannot roll back to v{number}: {' '.join(exc.messages)}", messages.ERROR
+            )
+        else:
+            if new is None:
+                self.message_user(request, f"“{persona}” already has v{number}'s settings.", messages.INFO)
+            else:
+                self.log_change(request, persona, f"Rolled back to v{number} (saved as v{new.number}).")
+                self.message_user(
+                    request,
+                    f"Rolled “{persona}” back to v{number}; saved as v{new.number}.",
+                    messages.SUCCESS,
+                )
+        return HttpResponseRedirect(reverse("admin:quotes_persona_versions", args=[persona.pk]))
+
+    async def preview_view(self, request: HttpRequest, object_id: int) -> HttpResponseBase:
+        """Stream a quote from the change form's unsaved values (POST, staff, change permission)."""
+        from .views import _clean_topic, error_response
+
+        if request.method != "POST":
+            return JsonResponse(
+                {"error": {"code": "method_not_allowed", "message": "POST the form's fields."}},
+                status=405,
+                headers={"Allow": "POST"},
+            )
+        user = await request.auser()
+        if not (user.is_active and user.is_staff):
+            return error_response(QuoteError("forbidden", "Log in to the admin as staff to preview.", 403))
+
+        def unsaved_persona() -> tuple[Persona, str]:
+            saved = Persona.objects.filter(pk=object_id).first()
+            if saved is None:
+                raise QuoteError("unknown_persona", "There is no such persona; save it first.", 404)
+            if not self.has_change_permission(request, saved):
+                raise QuoteError("forbidden", "You may not change this persona.", 403)
+            persona, topic = preview_persona(request, saved)
+            return persona, _clean_topic(topic, default=persona.default_topic)
+
+        try:
+            persona, topic = await sync_to_async(unsaved_persona)()
+        except InvalidPersona as exc:
+            return exc.response()
+        except QuoteError as exc:
+            return error_response(exc)
+        return await stream_preview(request, persona, topic)
+
+
+def _pretty_json(value: object) -> str:
+    if not value:
+        return "-"
+    return format_html(
+        '<pre class="generation-json">{}</pre>', json.dumps(value, indent=2, ensure_ascii=False)
+    )
 
 
 @admin.register(Generation)
 class GenerationAdmin(admin.ModelAdmin[Generation]):
-    list_display = ("created_at", "persona", "status", "backend", "model", "ttft_ms", "completion_tokens")
-    list_filter = ("status", "backend", "model", "persona")
+    """The request log: read-only; only superusers may delete rows."""
+
+    class Media:
+        css = {"all": ["admin/css/generation-log.css"]}
+
+    list_display = (
+        "created_at",
+        "persona",
+        "status",
+        "cache_status",
+        "model",
+        "backend",
+        "ttft",
+        "tokens",
+        "cost_usd",
+        "feedback",
+        "is_preview",
+    )
+    list_filter = ("persona", "status", "cache_status", "model", "backend", "created_at", "is_preview")
+    list_select_related = ("persona",)
     search_fields = ("text", "topic")
     date_hierarchy = "created_at"
+    fieldsets = (
+        (None, {"fields": ("created_at", "persona", "persona_version", "is_preview", "topic", "text")}),
+        (
+            "Outcome",
+            {
+                "fields": (
+                    "status",
+                    "cache_status",
+                    ("error_code", "error_message"),
+                    ("backend", "model", "fallback_step"),
+                    ("prompt_tokens", "completion_tokens", "cost_usd"),
+                    ("ttft_ms", "duration_ms"),
+                    "feedback",
+                    "client_hash",
+                )
+            },
+        ),
+        ("Request sent", {"fields": ("request_json",)}),
+        ("Upstream headers", {"fields": ("upstream_headers_json",)}),
+    )
+    readonly_fields = (
+        "created_at",
+        "persona",
+        "persona_version",
+        "is_preview",
+        "topic",
+        "text",
+        "status",
+        "cache_status",
+        "error_code",
+        "error_message",
+        "backend",
+        "model",
+        "fallback_step",
+        "prompt_tokens",
+        "completion_tokens",
+        "cost_usd",
+        "ttft_ms",
+        "duration_ms",
+        "feedback",
+        "client_hash",
+        "request_json",
+        "upstream_headers_json",
+    )
 
-    def has_add_permission(self, request: object) -> bool:
+    @admin.display(description="TTFT", ordering="ttft_ms")
+    def ttft(self, obj: Generation) -> str:
+        return f"{obj.ttft_ms:.0f} ms" if obj.ttft_ms is not None else "-"
+
+    @admin.display(description="Tokens (prompt/completion)")
+    def tokens(self, obj: Generation) -> str:
+        def show(value: int | None) -> str:
+            return "-" if value is None else str(value)
+
+        return f"{show(obj.prompt_tokens)}/{show(obj.completion_tokens)}"
+
+    @admin.display(description="Request sent")
+    def request_json(self, obj: Generation) -> str:
+        return _pretty_json(obj.request)
+
+    @admin.display(description="Upstream headers")
+    def upstream_headers_json(self, obj: Generation) -> str:
+        return _pretty_json(obj.upstream_headers)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: Generation | None = None) -> bool:
         return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Generation | None = None) -> bool:
+        return bool(request.user.is_active and request.user.is_superuser)

@@ -1,14 +1,38 @@
 from __future__ import annotations
 
 import string
+from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models
+from django.db import models, transaction
 
 from .ai.events import GenerationRequest, Message
 
 TEMPLATE_VARIABLES = frozenset({"topic"})
+
+BACKEND_CHOICES = [("local", "Embedded model"), ("workers-ai", "Workers AI"), ("openai", "OpenAI-compatible")]
+
+#: The persona fields that change what is sent to the model. Saving a change to any of them
+#: makes a new PersonaVersion.
+GENERATION_FIELDS = (
+    "system_prompt",
+    "user_prompt_template",
+    "default_topic",
+    "backend",
+    "model",
+    "fallback_models",
+    "lora",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 def validate_prompt_template(value: str) -> None:
@@ -36,17 +60,28 @@ class Persona(models.Model):
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=100, unique=True)
     description = models.CharField(max_length=200, blank=True)
-    emoji = models.CharField(max_length=8, blank=True)
+    emoji = models.CharField("avatar emoji", max_length=8, blank=True)
     system_prompt = models.TextField()
     user_prompt_template = models.TextField(
         validators=[validate_prompt_template],
         help_text="The user prompt. {topic} is replaced with the visitor's topic.",
     )
     default_topic = models.CharField(max_length=200)
+    backend = models.CharField(
+        max_length=20,
+        choices=BACKEND_CHOICES,
+        blank=True,
+        help_text="Leave empty for the site's backend (AI_BACKEND).",
+    )
     model = models.CharField(
         max_length=200,
         default="@cf/meta/llama-3.1-8b-instruct",
         help_text="A model from the catalog. The embedded model stands in for it when no Cloudflare credentials are set.",
+    )
+    fallback_models = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Models tried in order when the model fails before its first token.",
     )
     lora = models.CharField(
         "LoRA adapter",
@@ -58,6 +93,18 @@ class Persona(models.Model):
         default=96, validators=[MinValueValidator(1), MaxValueValidator(4096)]
     )
     temperature = models.FloatField(default=0.7, validators=[MinValueValidator(0.0), MaxValueValidator(5.0)])
+    top_p = models.FloatField(null=True, blank=True)
+    top_k = models.PositiveIntegerField(null=True, blank=True)
+    seed = models.BigIntegerField(null=True, blank=True)
+    repetition_penalty = models.FloatField(null=True, blank=True)
+    frequency_penalty = models.FloatField(null=True, blank=True)
+    presence_penalty = models.FloatField(null=True, blank=True)
+    cache_ttl = models.PositiveIntegerField(
+        "cache TTL (s)",
+        null=True,
+        blank=True,
+        help_text="Overrides the site's cache TTL for this persona's quotes. 0 turns caching off.",
+    )
     is_active = models.BooleanField(default=True)
     display_order = models.IntegerField(default=0)
 
@@ -70,33 +117,109 @@ class Persona(models.Model):
         return self.name
 
     def clean(self) -> None:
-        from .ai.catalog import validate_generation_settings
+        from .ai.catalog import get_model, validate_generation_settings
 
         errors = validate_generation_settings(
-            self.model, max_tokens=self.max_tokens, temperature=self.temperature, lora=self.lora or None
+            self.model,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            lora=self.lora or None,
         )
+        fallbacks = self.fallback_models
+        if not isinstance(fallbacks, list) or not all(isinstance(m, str) for m in fallbacks):
+            errors["fallback_models"] = ValidationError("Fallback models must be a list of model ids.")
+        else:
+            unknown = [m for m in fallbacks if get_model(m) is None]
+            if unknown:
+                errors["fallback_models"] = ValidationError(f"Unknown model(s): {', '.join(unknown)}.")
+            elif self.model in fallbacks:
+                errors["fallback_models"] = ValidationError("A fallback must differ from the model itself.")
         if errors:
             raise ValidationError(errors)
+
+    def generation_config(self) -> dict[str, Any]:
+        """Everything about this persona that shapes what the model is sent."""
+        return {field: getattr(self, field) for field in GENERATION_FIELDS}
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            self.record_version()
+
+    def record_version(self, *, note: str = "", created_by: Any = None) -> PersonaVersion | None:
+        """Make a new version when what is sent to the model changed since the last one."""
+        config = self.generation_config()
+        latest = self.versions.order_by("-number").first()
+        if latest is not None and latest.config == config:
+            return None
+        return PersonaVersion.objects.create(
+            persona=self,
+            number=(latest.number + 1) if latest else 1,
+            config=config,
+            note=note,
+            created_by=created_by,
+        )
 
     def user_prompt(self, topic: str) -> str:
         # str.replace, not str.format: a topic is visitor input and must never be formatted.
         return self.user_prompt_template.replace("{topic}", topic)
 
-    def build_request(self, *, topic: str, messages: tuple[Message, ...] = ()) -> GenerationRequest:
+    def build_request(
+        self, *, topic: str, messages: tuple[Message, ...] = (), model: str | None = None
+    ) -> GenerationRequest:
         chat = (
             Message("system", self.system_prompt),
             Message("user", self.user_prompt(topic)),
             *messages,
         )
         return GenerationRequest(
-            model=self.model,
+            model=model or self.model,
             messages=chat,
             speaker=self.name,
             topic=topic,
             max_tokens=self.max_tokens,
             temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
             lora=self.lora or None,
         )
+
+
+class PersonaVersion(models.Model):
+    """An immutable snapshot of what a persona sent to the model from `created_at` on."""
+
+    persona = models.ForeignKey(Persona, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    config = models.JSONField()
+    note = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["persona", "-number"]
+        constraints = [
+            models.UniqueConstraint(fields=["persona", "number"], name="unique_persona_version_number")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.persona} v{self.number}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if self.pk is not None:
+            raise ValueError("Persona versions are immutable; roll back to make a new one.")
+        super().save(*args, **kwargs)
 
 
 class Generation(models.Model):
@@ -109,20 +232,36 @@ class Generation(models.Model):
         RATE_LIMITED = "rate_limited", "rate-limited"
         BUSY = "busy", "busy"
 
+    class CacheStatus(models.TextChoices):
+        HIT = "hit", "hit"
+        MISS = "miss", "miss"
+        BYPASS = "bypass", "bypass"
+
     persona = models.ForeignKey(Persona, on_delete=models.PROTECT, related_name="generations")
+    persona_version = models.ForeignKey(
+        PersonaVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="generations"
+    )
     backend = models.CharField(max_length=20)
-    model = models.CharField(max_length=200)
+    model = models.CharField(max_length=200, help_text="The model that actually answered.")
+    fallback_step = models.PositiveSmallIntegerField(default=0, help_text="0: the primary model.")
     topic = models.CharField(max_length=500, blank=True)
-    status = models.CharField(max_length=20, choices=Status.choices)
+    status = models.CharField(max_length=20, choices=Status.choices, db_index=True)
+    cache_status = models.CharField(max_length=10, choices=CacheStatus.choices, blank=True)
     error_code = models.CharField(max_length=50, blank=True)
     error_message = models.TextField(blank=True)
     text = models.TextField(blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cost_usd = models.DecimalField(
+        "estimated cost (USD)", max_digits=12, decimal_places=8, null=True, blank=True
+    )
     ttft_ms = models.FloatField("time to first token (ms)", null=True, blank=True)
     duration_ms = models.FloatField(null=True, blank=True)
     request = models.JSONField(default=dict, blank=True)
     upstream_headers = models.JSONField(default=dict, blank=True)
+    client_hash = models.CharField(max_length=64, blank=True, help_text="A salted hash of the client IP.")
+    is_preview = models.BooleanField(default=False)
+    feedback = models.SmallIntegerField(null=True, blank=True, choices=[(1, "👍"), (-1, "👎")])
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:

@@ -27,8 +27,8 @@ from .ai.backends import get_backend
 from .ai.catalog import doc_url
 from .ai.conversation import check_context_window, parse_messages
 from .ai.errors import QuoteError, internal
-from .ai.events import Done, Error, Event, Meta, Token, Usage
-from .ai.gateway import stream_generation
+from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
+from .ai.gateway import Client, stream_generation
 from .models import Persona
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -59,8 +59,19 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
 
 
 def error_response(error: QuoteError | Error, headers: dict[str, str] | None = None) -> JsonResponse:
+    headers = dict(headers or {})
+    retry_after = getattr(error, "retry_after", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
     return JsonResponse(
         {"error": {"code": error.code, "message": error.message}}, status=error.status, headers=headers
+    )
+
+
+async def client_of(request: HttpRequest) -> Client:
+    user = await request.auser()
+    return Client.from_request(
+        request.META.get("REMOTE_ADDR") or "", user.pk if user.is_authenticated else None
     )
 
 
@@ -79,7 +90,18 @@ async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     except QuoteError as exc:
         headers = {"Allow": "GET, POST"} if exc.status == 405 else None
         return error_response(exc, headers)
-    return await _stream_response(stream_generation(persona=persona, topic=topic, messages=messages))
+    events = stream_generation(
+        persona=persona,
+        topic=topic,
+        messages=messages,
+        client=await client_of(request),
+        bypass_cache=_truthy(params.get("fresh")),
+    )
+    return await _stream_response(events)
+
+
+def _truthy(value: object) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes"))
 
 
 def _read_params(request: HttpRequest) -> dict[str, Any]:
@@ -137,18 +159,21 @@ async def _stream_response(events: AsyncGenerator[Event, None]) -> HttpResponseB
     try:
         first = await anext(events)
         while type(first) is Meta:
-            meta = Meta(model=first.model or meta.model, headers={**meta.headers, **first.headers})
+            meta = meta.merged(first)
             first = await anext(events)
     except StopAsyncIteration:
         first = internal()
-    if type(first) is Error:
-        await events.aclose()
-        return error_response(first)
-    headers = {**SSE_HEADERS, **meta.headers}
+    headers = meta.response_headers()
     if meta.model:
         headers["X-Quote-Model"] = meta.model
         headers["X-Quote-Model-Url"] = doc_url(meta.model)
-    return StreamingHttpResponse(_sse_body(first, events), content_type="text/event-stream", headers=headers)
+    if type(first) is Error:
+        await events.aclose()
+        # The gateway headers (cf-aig-log-id above all) matter most when something failed.
+        return error_response(first, headers)
+    return StreamingHttpResponse(
+        _sse_body(first, events), content_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+    )
 
 
 async def _sse_body(first: Event, events: AsyncGenerator[Event, None]) -> AsyncGenerator[bytes, None]:
@@ -162,6 +187,8 @@ async def _sse_body(first: Event, events: AsyncGenerator[Event, None]) -> AsyncG
             elif type(event) is Done:
                 yield sse.DONE
                 return
+            elif type(event) is Ping:
+                yield sse.PING
             elif type(event) is Error:
                 # After the first byte the status is sent: end with an error event and no [DONE].
                 yield sse.error(event.code, event.message)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from django.core.cache import cache
 
 from quotes.ai.backends import get_backend
 from quotes.ai.backends.local import LocalBackend
@@ -22,6 +23,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _local_backend_by_default(settings: pytest.FixtureRequest) -> None:
     """Tests run on the embedded model unless they ask for another backend."""
     settings.AI_BACKEND = "local"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache() -> Iterator[None]:
+    """Each test starts with no cached answers and no rate-limit counts."""
+    cache.clear()
+    yield
+    cache.clear()
 
 
 @pytest.fixture

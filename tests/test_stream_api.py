@@ -126,7 +126,8 @@ async def test_stream_answers_busy_when_the_model_is_taken(
     await first.start()
     await first.next_chunk()
 
-    second = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug})
+    # A different topic: an identical request would share the first one's generation.
+    second = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug, "topic": "rest"})
 
     assert second.status == 503
     assert second.headers["content-type"] == "application/json"

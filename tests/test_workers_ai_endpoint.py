@@ -43,6 +43,8 @@ DEFAULT_TOKENS = ("Stay", " hungry", ",", " stay", " foolish", ".")
 DEFAULT_TEXT = "Stay hungry, stay foolish."
 NON_ASCII = ("café", " 日本", " 🎉", "ñ", " naïve", 7, " Ω≈ç√")
 NON_ASCII_TEXT = "café 日本 🎉ñ naïve7 Ω≈ç√"
+#: OpenAI-style chunks carry text only (`delta.content` is a string)
+NON_ASCII_STR = tuple(str(token) for token in NON_ASCII)
 
 SYSTEM_PROMPT = "You are Alan Watts"
 USER_PROMPT = (
@@ -406,11 +408,17 @@ async def test_workers_ai_endpoint_passes_gateway_response_headers_on(
     response = await post_quote()
 
     assert response.status == 200
-    assert cf_aig(response.headers) == aig
+    # The client sees the upstream's headers with the app's own fallback step (the primary
+    # model answered: 0) and cache status (a miss of ours, unless Cloudflare's cache hit).
+    expected = {**aig, "cf-aig-step": "0"}
+    if aig.get("cf-aig-cache-status") != "HIT":
+        expected["cf-aig-cache-status"] = "MISS"
+    assert cf_aig(response.headers) == expected
     assert "x-upstream-internal" not in response.headers
     assert "cf-ray" not in response.headers
     row = await the_row()
-    assert row.upstream_headers == aig
+    assert row.upstream_headers == aig  # the log keeps the upstream's own, untouched
+    assert (row.fallback_step, row.cache_status) == (0, "miss")
 
 
 # -- wire variants --------------------------------------------------------------------------------------
@@ -449,9 +457,9 @@ WIRE_VARIANTS = [
     ),
     pytest.param(Scenario(tokens=NON_ASCII, usage_with_token=True), id="usage-on-the-last-token"),
     pytest.param(Scenario(tokens=(42, " is", " the", " answer")), id="numeric-response"),
-    pytest.param(Scenario(tokens=NON_ASCII, openai_style=True), id="openai-style-chunks"),
+    pytest.param(Scenario(tokens=NON_ASCII_STR, openai_style=True), id="openai-style-chunks"),
     pytest.param(
-        Scenario(tokens=NON_ASCII, openai_style=True, split="random", seed=2, crlf=True),
+        Scenario(tokens=NON_ASCII_STR, openai_style=True, split="random", seed=2, crlf=True),
         id="openai-style-random-split",
     ),
     pytest.param(Scenario(tokens=("Ok", "", " then")), id="empty-token-skipped"),
@@ -479,7 +487,7 @@ async def test_workers_ai_endpoint_reads_every_wire_variant(
 async def test_workers_ai_endpoint_streams_without_usage_when_upstream_sends_none(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, openai_style: bool
 ) -> None:
-    fake_workers_ai.script(Scenario(tokens=NON_ASCII, usage=None, openai_style=openai_style))
+    fake_workers_ai.script(Scenario(tokens=NON_ASCII_STR, usage=None, openai_style=openai_style))
 
     response = await post_quote()
 
@@ -496,18 +504,19 @@ async def test_workers_ai_endpoint_streams_without_usage_when_upstream_sends_non
 async def test_workers_ai_endpoint_first_token_leaves_before_the_upstream_finishes(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
-    fake_workers_ai.script(Scenario(tokens=("a", "b", "c", "d"), token_delay_s=0.15))
+    tokens = ("One", " two", " three", " four")
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.15))
     stream = post_stream()
     await stream.start()
 
     first, more = await stream.next_chunk()
 
-    assert first == token_event("a")
+    assert first == token_event("One")
     assert more
     [upstream] = fake_workers_ai.requests
     assert not upstream.finished.is_set()  # the upstream is still writing
     response = await stream.read_all()
-    assert response.body == expected_wire(("a", "b", "c", "d"))
+    assert response.body == expected_wire(tokens)
     assert response.chunk_times[-1] - response.chunk_times[0] > 0.3
 
 
@@ -549,7 +558,7 @@ async def test_workers_ai_endpoint_maps_each_documented_error_code(
     if route == "gateway":
         await use_gateway(workers_ai_settings, fake_workers_ai, id="gw-test")
     code, status = expected
-    upstream_status, upstream_message = FAKE_ERROR_CODES[upstream_code]
+    _, upstream_message = FAKE_ERROR_CODES[upstream_code]
     fake_workers_ai.script(Scenario.error(upstream_code, headers={"cf-aig-log-id": "log-err"}))
 
     response = await post_quote()
@@ -561,6 +570,23 @@ async def test_workers_ai_endpoint_maps_each_documented_error_code(
     row = await assert_error_row(code, message)
     assert row.upstream_headers == {"cf-aig-log-id": "log-err"}
     assert (row.prompt_tokens, row.completion_tokens) == (None, None)
+
+
+async def test_workers_ai_endpoint_error_before_the_stream_keeps_the_gateway_headers(
+    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """The gateway's log id is what an operator needs to look a failed request up, and the
+    visitor's client is told which model failed, as on a successful answer."""
+    await use_gateway(workers_ai_settings, fake_workers_ai, id="gw-test")
+    aig = {"cf-aig-cache-status": "MISS", "cf-aig-step": "0", "cf-aig-log-id": "01J0LOG3040"}
+    fake_workers_ai.script(Scenario.error(3040, headers=aig))
+
+    response = await post_quote()
+
+    assert_json_error(response, 429, "upstream_capacity")
+    assert (await the_row()).upstream_headers == aig
+    assert cf_aig(response.headers) == aig
+    assert response.headers["x-quote-model"] == MODEL
 
 
 GENERIC_ERRORS = [
@@ -689,19 +715,22 @@ async def test_workers_ai_endpoint_stall_before_the_first_token_is_504(
 
     message = assert_json_error(response, 504, "upstream_timeout")
     await assert_error_row("upstream_timeout", message)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 1.5  # the 0.3 s read timeout, not the default 2 s
 
 
 async def test_workers_ai_endpoint_total_deadline_before_the_first_token_is_504(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
-    # Keep-alive comments keep each read short, but no token comes before the whole deadline.
+    # Each read may take 5 s, but the whole request only 0.5 s: the deadline fires first.
     await use_workers_ai(workers_ai_settings, fake_workers_ai, read_timeout_s=5, total_timeout_s=0.5)
     fake_workers_ai.script(Scenario(stall_before_s=10))
+    started = time.monotonic()
 
     response = await post_quote()
 
-    assert_json_error(response, 504, "upstream_timeout")
+    message = assert_json_error(response, 504, "upstream_timeout")
+    await assert_error_row("upstream_timeout", message)
+    assert time.monotonic() - started < 3
 
 
 # -- faults after the first token ---------------------------------------------------------------------
@@ -795,6 +824,28 @@ async def test_workers_ai_endpoint_client_disconnect_closes_the_upstream_and_log
     assert len(row.text) < 4 * 500
     assert row.error_code == ""
     assert row.duration_ms is not None
+
+
+async def test_workers_ai_endpoint_client_disconnect_before_the_first_token_closes_the_upstream(
+    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    # The view waits for the first token before it answers: a visitor who leaves during that
+    # wait must stop the upstream request too.
+    fake_workers_ai.script(Scenario(stall_before_s=30))
+    stream = post_stream()
+    await stream.communicator.send_input({"type": "http.request", "body": stream.body, "more_body": False})
+    [upstream] = await asyncio.to_thread(fake_workers_ai.wait_for_requests, 1)
+    await asyncio.sleep(0.1)
+
+    disconnected_at = time.monotonic()
+    await stream.disconnect()
+
+    assert await asyncio.to_thread(upstream.client_disconnected.wait, 5)
+    assert upstream.disconnected_at is not None
+    assert upstream.disconnected_at - disconnected_at < 1.0
+    row = await wait_for_row()
+    assert row.status == Generation.Status.CANCELLED
+    assert row.text == ""
 
 
 async def test_workers_ai_endpoint_finishing_normally_is_not_a_disconnect(

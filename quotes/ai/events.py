@@ -75,10 +75,32 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class Meta:
     """Facts about the stream known before or beside the text: the model that actually
-    answered and upstream headers worth keeping (cf-aig-cache-status, cf-aig-step, ...)."""
+    answered, upstream headers worth keeping (cf-aig-log-id, ...), and the gateway's own
+    fallback `step` and `cache_status` ("HIT", "MISS" or "BYPASS") when it knows them."""
 
     model: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    step: int | None = None
+    cache_status: str | None = None
+
+    def merged(self, later: Meta) -> Meta:
+        """This Meta updated by a later one: later values win, headers accumulate."""
+        return Meta(
+            model=later.model or self.model,
+            headers={**self.headers, **later.headers},
+            step=self.step if later.step is None else later.step,
+            cache_status=later.cache_status or self.cache_status,
+        )
+
+    def response_headers(self) -> dict[str, str]:
+        """Headers for the client: the upstream's, with the gateway's step and cache status.
+        An answer from either cache (ours, or Cloudflare's gateway) reads as a HIT."""
+        headers = dict(self.headers)
+        if self.step is not None:
+            headers["cf-aig-step"] = str(self.step)
+        if self.cache_status and headers.get("cf-aig-cache-status", "").upper() != "HIT":
+            headers["cf-aig-cache-status"] = self.cache_status
+        return headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +111,18 @@ class Done:
 @dataclass(frozen=True, slots=True)
 class Error:
     """The stream failed. `code` is stable and machine-readable, `message` is for people,
-    `status` is the HTTP status to answer with when no byte has been sent yet."""
+    `status` is the HTTP status to answer with when no byte has been sent yet, and
+    `retry_after` (seconds) says when trying again makes sense."""
 
     code: str
     message: str
     status: int = 502
+    retry_after: int | None = None
 
 
-Event = Token | Usage | Meta | Done | Error
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Nothing happened for a while: transports send a keep-alive so proxies hold the line."""
+
+
+Event = Token | Usage | Meta | Done | Error | Ping

@@ -1,29 +1,229 @@
-"""The path every generation takes, whatever the transport: backend events in, the same events
-out, and one `Generation` log row written on every outcome (a client disconnect included).
+"""The path every generation takes, whatever the transport (HTTP, EventSource, WebSocket) and
+whatever the backend: rate limits, cache, coalescing, retries, fallbacks, timeouts, keep-alive,
+and one `Generation` log row on every outcome, a client disconnect included.
 
-Later layers (cache, rate limits, retries, fallbacks) wrap this same path.
+How a request flows:
+
+    listener (one per request)  <-  flight (one per distinct request in flight)  <-  backend
+
+A *flight* runs the backend in a task of its own and publishes each event to every listener,
+so identical requests arriving together share one upstream call. Retries and fallbacks happen
+inside the flight, and only before the first token; once text has flowed, a failure ends the
+stream with an error and never repeats text. When the last listener goes away the flight is
+cancelled, which closes the upstream connection or stops the model thread at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
+from typing import Any
 
-from ..models import Generation, Persona
+from django.conf import settings
+
+from ..models import Generation, Persona, PersonaVersion
+from . import limits
 from .backends import Backend, get_backend
+from .cache import CachedAnswer, answer_key, get_answer, store_answer
+from .catalog import estimate_cost
 from .errors import internal
-from .events import Done, Error, Event, Message, Meta, Token, Usage
+from .events import Done, Error, Event, GenerationRequest, Message, Meta, Ping, Token, Usage
 
 logger = logging.getLogger(__name__)
+
+#: Errors worth another attempt at the same model (before the first token only).
+RETRYABLE = frozenset(
+    {
+        "upstream_unreachable",
+        "upstream_unavailable",
+        "upstream_capacity",
+        "upstream_timeout",
+        "upstream_dropped",
+    }
+)
+#: Errors another model would not fix: no fallback for these.
+NOT_FOR_FALLBACK = frozenset({"upstream_auth", "busy", "request_too_large", "context_window_exceeded"})
+
+
+@dataclass(frozen=True, slots=True)
+class Client:
+    """Who is asking: the user when logged in, else a salted hash of the IP."""
+
+    key: str
+    ip_hash: str
+    user_id: int | None = None
+
+    @classmethod
+    def from_request(cls, ip: str, user_id: int | None = None) -> Client:
+        ip_hash = hmac.new(settings.SECRET_KEY.encode(), ip.encode(), hashlib.sha256).hexdigest()[:32]
+        return cls(key=f"user:{user_id}" if user_id else f"ip:{ip_hash}", ip_hash=ip_hash, user_id=user_id)
+
+
+ANONYMOUS = Client(key="local", ip_hash="")
+
+
+# --- flights ------------------------------------------------------------------------------
+
+
+class _Flight:
+    """One generation in progress, shared by every listener that asked for the same thing."""
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+        self.history: list[Event] = []
+        self.listeners: set[asyncio.Queue[Event]] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    def subscribe(self) -> asyncio.Queue[Event]:
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        for event in self.history:  # a late listener gets the text so far, then the rest live
+            queue.put_nowait(event)
+        self.listeners.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[Event]) -> None:
+        self.listeners.discard(queue)
+        if not self.listeners and self.task is not None and not self.task.done():
+            self.task.cancel()  # nobody is reading: stop the upstream now
+
+    def publish(self, event: Event) -> None:
+        self.history.append(event)
+        for queue in self.listeners:
+            queue.put_nowait(event)
+
+
+_flights: dict[str, _Flight] = {}
+
+
+@dataclass(slots=True)
+class _Plan:
+    backend: Backend
+    persona: Persona
+    topic: str
+    messages: tuple[Message, ...]
+    models: list[str]
+    cache_key: str | None
+    cache_ttl: int
+
+
+async def _fly(flight: _Flight, plan: _Plan) -> None:
+    try:
+        async for event in _generate(plan):
+            flight.publish(event)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("generation failed for persona %s", plan.persona.slug)
+        flight.publish(internal())
+    finally:
+        if flight.key is not None:
+            _flights.pop(flight.key, None)
+    if plan.cache_key and flight.history and type(flight.history[-1]) is Done:
+        await store_answer(plan.cache_key, _answer_from(flight.history), ttl=plan.cache_ttl)
+
+
+def _answer_from(history: list[Event]) -> CachedAnswer:
+    model, step, usage = "", 0, None
+    tokens = []
+    for event in history:
+        if type(event) is Token:
+            tokens.append(event.text)
+        elif type(event) is Meta:
+            model = event.model or model
+            step = event.step if event.step is not None else step
+        elif type(event) is Usage:
+            usage = event
+    return CachedAnswer(
+        model=model,
+        tokens=tuple(tokens),
+        prompt_tokens=usage.prompt_tokens if usage else None,
+        completion_tokens=usage.completion_tokens if usage else None,
+        step=step,
+    )
+
+
+async def _generate(plan: _Plan) -> AsyncGenerator[Event, None]:
+    """Try each model in turn (the step), each up to max_attempts times, until text flows."""
+    options = settings.QUOTES_GATEWAY
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + options["total_timeout_s"]
+    error: Error = internal()
+    for step, model in enumerate(plan.models):
+        for attempt in range(options["max_attempts"]):
+            if attempt:
+                await asyncio.sleep(_retry_delay(attempt, options))
+            request = plan.persona.build_request(topic=plan.topic, messages=plan.messages, model=model)
+            meta = Meta(model=plan.backend.model_name(model), step=step)
+            started = False
+            async with aclosing(plan.backend.stream(request)) as events:
+                while True:
+                    wait = min(
+                        options["idle_timeout_s"] if started else options["ttft_timeout_s"],
+                        deadline - loop.time(),
+                    )
+                    try:
+                        async with asyncio.timeout(wait):
+                            event = await anext(events)
+                    except TimeoutError:
+                        event = _timeout_error(started=started, total=loop.time() >= deadline)
+                    except StopAsyncIteration:
+                        event = internal("The model ended without finishing the quote.")
+                    if type(event) is Meta:
+                        # Upstream headers are kept; the step and the answering model are ours.
+                        meta = Meta(model=meta.model, headers={**meta.headers, **event.headers}, step=step)
+                        continue
+                    if type(event) is Error:
+                        error = event
+                        break
+                    if not started:
+                        started = True
+                        yield meta  # the model that answers is known once text flows
+                    yield event
+                    if type(event) is Done:
+                        return
+            if started:
+                yield error  # after text, never retry or fall back: that would repeat text
+                return
+            if loop.time() >= deadline:
+                break
+            if error.code not in RETRYABLE:
+                break  # this model will not do better on a second try
+        if error.code in NOT_FOR_FALLBACK or loop.time() >= deadline:
+            break
+    yield meta  # the last attempt's upstream headers (its cf-aig-log-id) belong in the log
+    yield error
+
+
+def _retry_delay(attempt: int, options: dict[str, Any]) -> float:
+    base = options["retry_delay_ms"] / 1000
+    if options["backoff"] == "linear":
+        return base * attempt
+    if options["backoff"] == "exponential":
+        return base * 2 ** (attempt - 1)
+    return base
+
+
+def _timeout_error(*, started: bool, total: bool) -> Error:
+    if total:
+        return Error("deadline_exceeded", "The quote took too long to write.", 504)
+    if started:
+        return Error("idle_timeout", "The model stopped writing mid-quote.", 504)
+    return Error("upstream_timeout", "The model took too long to start writing.", 504)
+
+
+# --- listeners: one per request -----------------------------------------------------------
 
 
 @dataclass(slots=True)
 class _Record:
-    """What the log row needs, gathered while the stream flows (cheaply: one append per token)."""
+    """What the log row needs, gathered while the stream flows (one append per token)."""
 
     started: float
     parts: list[str] = field(default_factory=list)
@@ -31,8 +231,10 @@ class _Record:
     usage: Usage | None = None
     model: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    step: int = 0
     status: str = ""
     error: Error | None = None
+    cache_status: str = ""
 
 
 async def stream_generation(
@@ -40,15 +242,99 @@ async def stream_generation(
     persona: Persona,
     topic: str,
     messages: tuple[Message, ...] = (),
-    backend: Backend | None = None,
+    client: Client = ANONYMOUS,
+    preview: bool = False,
+    bypass_cache: bool = False,
 ) -> AsyncGenerator[Event, None]:
-    """Stream one generation for `persona` and log it. Ends with exactly one Done or Error."""
-    backend = backend or get_backend()
-    request = persona.build_request(topic=topic, messages=messages)
-    record = _Record(started=time.perf_counter(), model=backend.model_name(request.model))
+    """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
+
+    `preview` (an admin trying unsaved values) is logged as such and never cached;
+    `bypass_cache` asks for a fresh answer (the page's "new quote" button).
+    """
+    options = settings.QUOTES_GATEWAY
+    backend = get_backend(persona.backend or None)
+    version = None if preview else await _current_version(persona)
+    primary = persona.build_request(topic=topic, messages=messages)
+    record = _Record(started=time.perf_counter(), model=backend.model_name(primary.model))
+    slot = False
+    saved = False
+
+    async def finish() -> None:
+        """Write the log row once. Called before the terminal event goes out, so a client that
+        has seen [DONE] (or an error) can rely on the row existing; on cancellation, at the end."""
+        nonlocal saved
+        if not saved:
+            saved = True
+            await _save(
+                record,
+                persona=persona,
+                version=version,
+                backend=backend.name,
+                topic=topic,
+                request=primary,
+                client=client,
+                preview=preview,
+            )
+
     try:
-        yield Meta(model=record.model)
-        async with aclosing(backend.stream(request)) as events:
+        limit, window = options["rate_limit"]
+        retry_after = await limits.count_request(client.key, limit=limit, window=window)
+        if retry_after is not None:
+            record.status = Generation.Status.RATE_LIMITED
+            record.error = Error(
+                "rate_limited",
+                f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s.",
+                429,
+                retry_after=retry_after,
+            )
+            await finish()
+            yield record.error
+            return
+        slot = await limits.acquire_stream_slot(client.key, limit=options["max_concurrent_streams"])
+        if not slot:
+            record.status = Generation.Status.RATE_LIMITED
+            record.error = Error(
+                "too_many_streams",
+                "You already have quotes being written. Wait for one to finish.",
+                429,
+                retry_after=5,
+            )
+            await finish()
+            yield record.error
+            return
+
+        ttl = options["cache_ttl"] if persona.cache_ttl is None else persona.cache_ttl
+        use_cache = ttl > 0 and not (preview or bypass_cache or options["skip_cache"])
+        key = answer_key(backend=backend.name, request=primary, version_id=version.pk if version else None)
+        record.cache_status = Generation.CacheStatus.MISS if use_cache else Generation.CacheStatus.BYPASS
+        yield Meta(model=record.model, cache_status="MISS" if use_cache else "BYPASS")
+
+        events: AsyncGenerator[Event, None]
+        if use_cache and (cached := await get_answer(key)) is not None:
+            record.cache_status = Generation.CacheStatus.HIT
+            events = _replay(cached, pacing=options["replay_pacing_ms"] / 1000)
+        else:
+            flight = _flights.get(key) if use_cache else None
+            if flight is not None:
+                record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
+            else:
+                models = [primary.model, *persona.fallback_models, *options["fallback_models"]]
+                plan = _Plan(
+                    backend=backend,
+                    persona=persona,
+                    topic=topic,
+                    messages=messages,
+                    models=list(dict.fromkeys(models)),
+                    cache_key=key if use_cache else None,
+                    cache_ttl=ttl,
+                )
+                flight = _Flight(key if use_cache else None)
+                if flight.key is not None:
+                    _flights[flight.key] = flight
+                flight.task = asyncio.create_task(_fly(flight, plan))
+            events = _listen(flight, keepalive=options["keepalive_s"])
+
+        async with aclosing(events):
             async for event in events:
                 if type(event) is Token:
                     if record.ttft is None:
@@ -59,6 +345,12 @@ async def stream_generation(
                 elif type(event) is Meta:
                     record.model = event.model or record.model
                     record.headers.update(event.headers)
+                    if event.step is not None:
+                        record.step = event.step
+                    if record.cache_status == Generation.CacheStatus.HIT:
+                        event = Meta(
+                            model=event.model, headers=event.headers, step=event.step, cache_status="HIT"
+                        )
                 elif type(event) is Done:
                     record.status = Generation.Status.OK
                 elif type(event) is Error:
@@ -66,13 +358,14 @@ async def stream_generation(
                         Generation.Status.BUSY if event.code == "busy" else Generation.Status.ERROR
                     )
                     record.error = event
-                yield event
                 if record.status:
+                    if slot:  # free the slot before the client hears "done" and asks again
+                        slot = False
+                        await _shielded(limits.release_stream_slot(client.key))
+                    await finish()
+                    yield event
                     return
-        if not record.status:
-            # The backend ended without saying how: a bug, but the visitor still gets an answer.
-            record.status, record.error = Generation.Status.ERROR, internal()
-            yield record.error
+                yield event
     except (asyncio.CancelledError, GeneratorExit):
         if not record.status:
             record.status = Generation.Status.CANCELLED
@@ -80,37 +373,98 @@ async def stream_generation(
     except Exception:
         logger.exception("generation failed for persona %s", persona.slug)
         record.status, record.error = Generation.Status.ERROR, internal()
+        await finish()
         yield record.error
     finally:
-        await _save(record, persona=persona, backend=backend.name, topic=topic, request=asdict(request))
+        if slot:
+            await _shielded(limits.release_stream_slot(client.key))
+        await finish()
 
 
-async def _save(
-    record: _Record, *, persona: Persona, backend: str, topic: str, request: dict[str, object]
-) -> None:
-    """Write the log row. Shielded: a cancelled request must still leave its row."""
-    now = time.perf_counter()
-    row = Generation(
-        persona=persona,
-        backend=backend,
-        model=record.model,
-        topic=topic,
-        status=record.status or Generation.Status.ERROR,
-        error_code=record.error.code if record.error else "",
-        error_message=record.error.message if record.error else "",
-        text="".join(record.parts),
-        prompt_tokens=record.usage.prompt_tokens if record.usage else None,
-        completion_tokens=record.usage.completion_tokens if record.usage else None,
-        ttft_ms=(record.ttft - record.started) * 1000 if record.ttft is not None else None,
-        duration_ms=(now - record.started) * 1000,
-        request=request,
-        upstream_headers=record.headers,
-    )
-    task = asyncio.ensure_future(row.asave())
+async def _listen(flight: _Flight, *, keepalive: float) -> AsyncGenerator[Event, None]:
+    queue = flight.subscribe()
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(keepalive):
+                    event = await queue.get()
+            except TimeoutError:
+                yield Ping()
+                continue
+            yield event
+            if type(event) is Done or type(event) is Error:
+                return
+    finally:
+        flight.unsubscribe(queue)
+
+
+async def _replay(answer: CachedAnswer, *, pacing: float) -> AsyncGenerator[Event, None]:
+    yield Meta(model=answer.model, step=answer.step)
+    for index, text in enumerate(answer.tokens):
+        if pacing and index:
+            await asyncio.sleep(pacing)
+        yield Token(text)
+    if answer.prompt_tokens is not None and answer.completion_tokens is not None:
+        yield Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens)
+    yield Done()
+
+
+async def _current_version(persona: Persona) -> PersonaVersion | None:
+    if persona.pk is None:
+        return None
+    return await persona.versions.order_by("-number").afirst()
+
+
+async def _shielded(coroutine: Any) -> None:
+    """Finish `coroutine` even if this task is cancelled meanwhile."""
+    task = asyncio.ensure_future(coroutine)
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
-        # Cancelled again while saving: the task goes on by itself; let the cancellation through.
-        raise
+        raise  # the task goes on by itself
     except Exception:
-        logger.exception("could not write the generation log row")
+        logger.exception("cleanup after a generation failed")
+
+
+async def _save(
+    record: _Record,
+    *,
+    persona: Persona,
+    version: PersonaVersion | None,
+    backend: str,
+    topic: str,
+    request: GenerationRequest,
+    client: Client,
+    preview: bool,
+) -> None:
+    """Write the log row. Shielded: a cancelled request must still leave its row."""
+    usage = record.usage
+    cost = None
+    if usage is not None and record.cache_status != Generation.CacheStatus.HIT:
+        estimate = estimate_cost(record.model, usage.prompt_tokens, usage.completion_tokens)
+        cost = Decimal(str(round(estimate, 8))) if estimate is not None else None
+    elif record.cache_status == Generation.CacheStatus.HIT:
+        cost = Decimal(0)  # nothing was paid for a cached or shared answer
+    row = Generation(
+        persona_id=persona.pk,
+        persona_version=version,
+        backend=backend,
+        model=record.model,
+        fallback_step=record.step,
+        topic=topic,
+        status=record.status or Generation.Status.ERROR,
+        cache_status=record.cache_status,
+        error_code=record.error.code if record.error else "",
+        error_message=record.error.message if record.error else "",
+        text="".join(record.parts),
+        prompt_tokens=usage.prompt_tokens if usage else None,
+        completion_tokens=usage.completion_tokens if usage else None,
+        cost_usd=cost,
+        ttft_ms=(record.ttft - record.started) * 1000 if record.ttft is not None else None,
+        duration_ms=(time.perf_counter() - record.started) * 1000,
+        request=asdict(request),
+        upstream_headers=record.headers,
+        client_hash=client.ip_hash,
+        is_preview=preview,
+    )
+    await _shielded(row.asave())

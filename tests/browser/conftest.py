@@ -55,6 +55,11 @@ def start_daphne(tmp_dir: Path, **extra_env: str) -> Iterator[DaphneServer]:
         "AI_BACKEND": "local",
         "DJANGO_DEBUG": "true",
         "LOCAL_MODEL_PRELOAD": "true",
+        # Servers are shared by several tests: no answer cache and a generous rate limit, so
+        # one test's quote or request count never decides another's. Tests of those opt in.
+        "QUOTES_CACHE_TTL": "0",
+        "QUOTES_RATE_LIMIT": "1000/m",
+        "QUOTES_MAX_CONCURRENT_STREAMS": "50",
         **extra_env,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)

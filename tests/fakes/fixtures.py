@@ -83,6 +83,9 @@ def workers_ai_settings(settings: Any, fake_workers_ai: FakeWorkersAI) -> Iterat
     settings.CLOUDFLARE_API_TOKEN = TEST_API_TOKEN
     settings.WORKERS_AI = workers_ai_config(fake_workers_ai)
     settings.AI_GATEWAY = gateway_config(fake_workers_ai)
+    # One attempt, no fallbacks: each scripted upstream answer maps straight to what the client
+    # sees. The gateway tests turn retries and fallbacks on where they test them.
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "max_attempts": 1, "fallback_models": []}
     yield settings
     _reset_backends()
 

@@ -81,6 +81,8 @@ class JobStats:
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    #: how many tokens were generated when the stop was asked for (None: never asked)
+    generated_at_stop: int | None = None
     stop_reason: str = ""  # "quote_end", "eos", "max_tokens", "stopped", "abandoned", "error"
     started_at: float | None = None
     finished_at: float | None = None
@@ -176,6 +178,8 @@ class LocalBackend:
                     return
         finally:
             # Whatever ended the stream (done, closed, cancelled), the thread stops at the next token.
+            if not job.stop.is_set() and job.stats.finished_at is None:
+                job.stats.generated_at_stop = job.stats.generated_tokens
             job.stop.set()
 
     # --- on the model thread -------------------------------------------------------------------

@@ -1,0 +1,487 @@
+"""Shared pieces of the benchmarks: upstream servers in their own processes, the app under
+daphne or uvicorn in a subprocess, an incremental SSE reader that times the first token, and
+percentiles.
+
+Clocks: `time.perf_counter()` and `time.monotonic()` are both CLOCK_MONOTONIC on Linux, one
+clock for the whole machine, so a time stamped by the upstream process (`received_at`) can be
+compared with the driver's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import socket
+import sqlite3
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts" / "bench"
+PYTHON = sys.executable
+
+ACCOUNT_ID = "bench-account"
+API_TOKEN = "bench-token-0123456789abcdef"
+PERSONA = "alan-watts"
+
+Server = Literal["daphne", "uvicorn"]
+UpstreamKind = Literal["fake", "keepalive", "keepalive-tls"]
+
+
+# -- machine and numbers ---------------------------------------------------------------------------
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"{os.cpu_count()} CPUs ({model}), Python {platform.python_version()}, {platform.system()}; "
+        f"load average {load} (other work on the machine skews absolute figures, less so ratios)"
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (pasted as is into docs/benchmarks.md)."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
+    return "\n".join(
+        [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])]
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rss_kib(pid: int) -> dict[str, int]:
+    """VmRSS and its split (anonymous memory vs mapped files such as the GGUF), in KiB; Threads."""
+    values: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile", "VmHWM", "Threads"):
+                values[name] = int(rest.split()[0])
+    return values
+
+
+# -- reading a stream --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    """One stream, timed from just before the request is sent (seconds, perf_counter)."""
+
+    started: float
+    first_token: float = 0.0
+    last_token: float = 0.0
+    done: float = 0.0
+    tokens: int = 0
+    #: the client's local address: tells whether a keep-alive connection was reused
+    local_addr: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.started
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The streaming rate once the first token is in (TTFT is reported on its own)."""
+        span = self.last_token - self.first_token
+        return (self.tokens - 1) / span if span > 0 else float("nan")
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        """Tokens over the whole wait, request to last token (TTFT included)."""
+        span = self.last_token - self.started
+        return self.tokens / span if span > 0 else float("nan")
+
+
+class SSETimer:
+    """Incremental parser for the Workers AI wire format (LF line ends, as the fake and the app
+    send): counts events whose `response` is non-empty and stamps the first, the last and
+    `[DONE]`. The same code reads both paths, so its own cost cancels out of the ratios."""
+
+    __slots__ = ("_buffer", "finished", "timing")
+
+    def __init__(self, timing: StreamTiming) -> None:
+        self.timing = timing
+        self._buffer = b""
+        self.finished = False
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk
+        while (end := self._buffer.find(b"\n\n")) >= 0:
+            block, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
+            for line in block.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    self.timing.done = time.perf_counter()
+                    self.finished = True
+                    continue
+                if json.loads(data).get("response"):
+                    now = time.perf_counter()
+                    if not self.timing.tokens:
+                        self.timing.first_token = now
+                    self.timing.last_token = now
+                    self.timing.tokens += 1
+
+
+def read_stream(client: httpx.Client, url: str, *, content: bytes, headers: dict[str, str]) -> StreamTiming:
+    """POST and read the whole response (so a keep-alive connection goes back to the pool)."""
+    timing = StreamTiming(started=time.perf_counter())
+    parser = SSETimer(timing)
+    with client.stream("POST", url, content=content, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.read()[:300]!r}")
+        stream = response.extensions.get("network_stream")
+        if stream is not None:
+            timing.local_addr = str(stream.get_extra_info("client_addr"))
+        for chunk in response.iter_raw():
+            parser.feed(chunk)
+    if not parser.finished or not timing.tokens:
+        raise RuntimeError(f"{url}: the stream ended without tokens and [DONE]")
+    return timing
+
+
+# -- upstreams in their own process ------------------------------------------------------------------
+
+
+class KeepAliveUpstream:
+    """A Workers-AI-shaped SSE upstream that, unlike tests/fakes/workers_ai.py, keeps each
+    connection open for the next request (HTTP/1.1 keep-alive), optionally over TLS. It sends
+    the fake's own body for the scenario (`render_body`), one chunk per event, so the bytes on
+    the wire are the fake's; only the connection handling differs."""
+
+    def __init__(self, scenario: Any, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.scenario = scenario
+        self.ssl_context = ssl_context
+        self.connections = 0
+        self.requests = 0
+        self.last: dict[str, Any] = {}
+        self.port = 0
+
+    async def serve(self, ready: threading.Event) -> None:
+        import asyncio
+
+        server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ssl_context)
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        await server.serve_forever()
+
+    async def _handle(self, reader: Any, writer: Any) -> None:
+        import asyncio
+
+        from tests.fakes.workers_ai import render_body
+
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                request_line, *lines = head.decode("latin-1").split("\r\n")
+                headers = {}
+                for line in lines:
+                    if line:
+                        name, _, value = line.partition(":")
+                        headers[name.strip().lower()] = value.strip()
+                body = await reader.readexactly(int(headers.get("content-length") or 0))
+                self.requests += 1
+                self.last = {
+                    "path": request_line.split(" ")[1],
+                    "headers": headers,
+                    "body": body,
+                    "received_at": time.monotonic(),
+                }
+                scenario = self.scenario
+                events = [e + b"\n\n" for e in render_body(scenario).split(b"\n\n") if e]
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                )
+                await writer.drain()
+                for event in events:
+                    writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+                    await writer.drain()
+                    if scenario.token_delay_s:
+                        await asyncio.sleep(scenario.token_delay_s)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    return
+        finally:
+            writer.close()
+
+
+def _upstream_main(conn: Connection, kind: UpstreamKind, scenario: Any, tls: tuple[str, str] | None) -> None:
+    """The upstream process: serve, and answer the driver's commands on `conn`."""
+    import asyncio
+
+    from tests.fakes.workers_ai import FakeWorkersAI
+
+    if kind == "fake":
+        fake = FakeWorkersAI().start()
+        fake.default = scenario
+        conn.send(fake.port)
+        while True:
+            command, arg = conn.recv()
+            if command == "scenario":
+                fake.default = arg
+                conn.send(True)
+            elif command == "stats":
+                requests = fake.requests
+                last = requests[-1] if requests else None
+                conn.send(
+                    {
+                        "requests": len(requests),
+                        "connections": len(requests),  # one connection per request, always
+                        "last": {
+                            "path": last.path,
+                            "headers": last.headers,
+                            "body": last.body,
+                            "received_at": last.received_at,
+                        }
+                        if last
+                        else {},
+                    }
+                )
+            else:
+                fake.stop()
+                conn.send(True)
+                return
+    context = None
+    if tls is not None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*tls)
+    upstream = KeepAliveUpstream(scenario, context)
+    ready = threading.Event()
+    threading.Thread(target=lambda: asyncio.run(upstream.serve(ready)), daemon=True).start()
+    ready.wait(10)
+    conn.send(upstream.port)
+    while True:
+        command, arg = conn.recv()
+        if command == "scenario":
+            upstream.scenario = arg
+            conn.send(True)
+        elif command == "stats":
+            conn.send(
+                {"requests": upstream.requests, "connections": upstream.connections, "last": upstream.last}
+            )
+        else:
+            conn.send(True)
+            return
+
+
+class Upstream:
+    """An upstream server in a process of its own (so its work does not share the driver's GIL)."""
+
+    def __init__(self, kind: UpstreamKind, scenario: Any, tls: tuple[str, str] | None = None) -> None:
+        self.kind = kind
+        self.tls = tls
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_upstream_main, args=(child, kind, scenario, tls), daemon=True, name=f"upstream-{kind}"
+        )
+        self._process.start()
+        self.port: int = self._conn.recv()
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None
+        return self._process.pid
+
+    @property
+    def base_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def api_base_url(self) -> str:
+        return f"{self.base_url}/client/v4"
+
+    def set_scenario(self, scenario: Any) -> None:
+        self._conn.send(("scenario", scenario))
+        self._conn.recv()
+
+    def stats(self) -> dict[str, Any]:
+        self._conn.send(("stats", None))
+        result: dict[str, Any] = self._conn.recv()
+        return result
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            self._conn.send(("stop", None))
+            self._conn.recv()
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+
+    def __enter__(self) -> Upstream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def self_signed_cert(directory: Path) -> tuple[str, str] | None:
+    """A throw-away certificate for 127.0.0.1 (None when the openssl CLI is missing)."""
+    if shutil.which("openssl") is None:
+        return None
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    command = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+    command += ["-keyout", str(key), "-out", str(cert), "-days", "1", "-nodes", "-subj", "/CN=127.0.0.1"]
+    command += ["-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        command,
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)
+
+
+# -- the app in a subprocess -------------------------------------------------------------------------
+
+
+@dataclass
+class AppServer:
+    server: Server
+    url: str
+    process: subprocess.Popen[bytes]
+    db_path: Path
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def stream_url(self) -> str:
+        return f"{self.url}/api/quotes/stream"
+
+    def sql(self, statement: str, *params: object) -> None:
+        with sqlite3.connect(self.db_path) as connection:
+            connection.execute(statement, params)
+
+
+def app_env(db_path: Path, **extra: str) -> dict[str, str]:
+    """Production-like settings: DEBUG off (so its secrets are required), logging at WARNING."""
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{db_path}",
+        "DJANGO_DEBUG": "false",
+        "DJANGO_SECRET_KEY": "bench-only-secret-key-0123456789abcdefghijklmnopqrstuvwxyz",
+        "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
+        "DJANGO_LOG_LEVEL": "WARNING",
+        "LOCAL_MODEL_PRELOAD": "false",
+        # Every request must reach the backend: no answer cache, no per-client limits (the
+        # driver is one client sending thousands of requests). Distinct concurrent requests
+        # are used where the gateway's coalescing of identical requests would matter.
+        "QUOTES_CACHE_TTL": "0",
+        "QUOTES_RATE_LIMIT": "1000000/s",
+        "QUOTES_MAX_CONCURRENT_STREAMS": "100000",
+        **extra,
+    }
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    return env
+
+
+def workers_ai_env(upstream: Upstream) -> dict[str, str]:
+    return {
+        "AI_BACKEND": "workers-ai",
+        "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
+        "CLOUDFLARE_API_TOKEN": API_TOKEN,
+        "CLOUDFLARE_API_BASE_URL": upstream.api_base_url,
+    }
+
+
+@contextlib.contextmanager
+def serve_app(server: Server, *, migrate_sql: Sequence[str] = (), **extra_env: str) -> Iterator[AppServer]:
+    """Migrate a fresh SQLite file and serve the app on it, in a subprocess."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-{server}-") as tmp:
+        db_path = Path(tmp) / "db.sqlite3"
+        env = app_env(db_path, **extra_env)
+        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+        with sqlite3.connect(db_path) as connection:
+            for statement in migrate_sql:
+                connection.execute(statement)
+        port = free_port()
+        if server == "daphne":
+            command = [PYTHON, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"]
+        else:
+            command = [PYTHON, "-m", "uvicorn", "config.asgi:application", "--host", "127.0.0.1"]
+            command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
+        log_path = ARTIFACTS / f"{server}-{port}.log"
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        urllib.request.urlopen(url + "/", timeout=2).close()
+                        break
+                    except OSError:
+                        if process.poll() is not None or time.monotonic() > deadline:
+                            raise RuntimeError(f"{server} did not start; see {log_path}") from None
+                        time.sleep(0.1)
+                yield AppServer(server, url, process, db_path, log_path, env)
+            finally:
+                process.terminate()
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()

@@ -1,0 +1,415 @@
+"""The embedded model (Gemma 3 270M through llama-cpp-python): what the app costs over raw
+llama-cpp-python, and what memory a process and a stream take.
+
+    .venv/bin/python -m bench.local_model            # about two minutes
+    .venv/bin/python -m bench.local_model --help
+
+One run, interleaved (the order rotates every round), the same topic for every path in a round
+(topics change between rounds, so llama-cpp-python's prompt-prefix reuse helps each path alike):
+
+- raw: `Llama(model_path=settings.LOCAL_MODEL path, n_ctx=1024, n_threads=2)` in this process,
+  the app's own completion prompt (`completion_prompt`), the backend's sampling (temperature 0,
+  so greedy and deterministic; top_p 0.95, top_k 40, repeat penalty 1.15), `generate()` +
+  `detokenize` with an incremental UTF-8 decoder, and the backend's stop rule (closing quote,
+  end of line, end of generation, or the token budget) so both stop on the same token;
+- the app's `LocalBackend.stream()` in this process (its own `Llama`, on its model thread);
+- the HTTP endpoint under daphne (AI_BACKEND=local, the persona set to temperature 0 and the
+  same budget), read by an incremental SSE parser.
+
+TTFT is from the call (or the request) to the first non-empty token; tokens/s is tokens over
+the whole wait (call to last token). The rate after the first token, (tokens - 1) / (last -
+first), is shown as a second ratio: over HTTP it is flattered when tokens arrive bunched.
+
+Memory: RSS (/proc/<pid>/status) of daphne idle before the model loads and after; then, with the
+Workers AI backend on a fake upstream that stalls after one token, RSS with 0, 30, 60, 90 open
+streams (distinct topics, so the gateway does not coalesce them), and the slope per stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tests.fakes.workers_ai import Scenario
+
+from .common import (
+    PERSONA,
+    SSETimer,
+    StreamTiming,
+    Upstream,
+    machine,
+    median,
+    ms,
+    percentile,
+    read_stream,
+    rss_kib,
+    serve_app,
+    table,
+    workers_ai_env,
+)
+
+TOPICS = (
+    "hard honest work",
+    "patience",
+    "rivers",
+    "getting lost",
+    "silence",
+    "cooking for friends",
+    "old maps",
+    "the first snow",
+    "failure",
+    "gardens",
+    "laughter",
+    "the sea at night",
+)
+SPEAKER = "Alan Watts"
+
+
+@dataclass
+class Series:
+    name: str
+    run: Callable[[str], StreamTiming]
+    timings: list[StreamTiming] = field(default_factory=list)
+
+
+def setup_django() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    os.environ.setdefault("AI_BACKEND", "local")
+    os.environ.setdefault("DJANGO_LOG_LEVEL", "WARNING")
+    import django
+
+    django.setup()
+
+
+def make_request(topic: str, max_tokens: int) -> Any:
+    from quotes.ai.events import GenerationRequest, Message
+
+    return GenerationRequest(
+        model="gemma-3-270m",
+        messages=(
+            Message("system", "You are Alan Watts"),
+            Message("user", f"Write 1 inspiring quote that is less than 50 words about {topic}"),
+        ),
+        speaker=SPEAKER,
+        topic=topic,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        seed=1,
+    )
+
+
+def raw_runner(llm: Any, max_tokens: int) -> Callable[[str], StreamTiming]:
+    from llama_cpp import llama_vocab_is_eog
+
+    from quotes.ai.backends.local import STOP_CHARACTERS, completion_prompt, text_decoder
+
+    def run(topic: str) -> StreamTiming:
+        request = make_request(topic, max_tokens)
+        timing = StreamTiming(started=time.perf_counter())
+        prompt = llm.tokenize(completion_prompt(request).encode(), add_bos=True)
+        budget = min(max_tokens, llm.n_ctx() - len(prompt) - 1)
+        llm.set_seed(1)
+        decoder = text_decoder()
+        vocab = llm._model.vocab
+        tokens = llm.generate(prompt, temp=0.0, top_p=0.95, top_k=40, repeat_penalty=1.15)
+        generated = 0
+        try:
+            for token in tokens:
+                if llama_vocab_is_eog(vocab, token):
+                    break
+                generated += 1
+                text = decoder.decode(llm.detokenize([token]))
+                ends = [i for i in (text.find(c) for c in STOP_CHARACTERS) if i >= 0]
+                if ends:
+                    text = text[: min(ends)]
+                if text and (generated > 1 or text.strip()):
+                    now = time.perf_counter()
+                    if not timing.tokens:
+                        timing.first_token = now
+                    timing.last_token = now
+                    timing.tokens += 1
+                if ends or generated >= budget:
+                    break
+        finally:
+            tokens.close()
+        timing.done = time.perf_counter()
+        return timing
+
+    return run
+
+
+def backend_runner(
+    backend: Any, loop: asyncio.AbstractEventLoop, max_tokens: int
+) -> Callable[[str], StreamTiming]:
+    from quotes.ai.events import Done, Error, Token
+
+    async def stream(topic: str) -> StreamTiming:
+        timing = StreamTiming(started=time.perf_counter())
+        async for event in backend.stream(make_request(topic, max_tokens)):
+            if type(event) is Token and event.text:
+                now = time.perf_counter()
+                if not timing.tokens:
+                    timing.first_token = now
+                timing.last_token = now
+                timing.tokens += 1
+            elif type(event) is Error:
+                raise RuntimeError(f"backend error: {event}")
+            elif type(event) is Done:
+                timing.done = time.perf_counter()
+        return timing
+
+    return lambda topic: loop.run_until_complete(stream(topic))
+
+
+def http_runner(client: httpx.Client, url: str) -> Callable[[str], StreamTiming]:
+    def run(topic: str) -> StreamTiming:
+        import json
+
+        body = json.dumps({"persona": PERSONA, "topic": topic}).encode()
+        return read_stream(client, url, content=body, headers={"Content-Type": "application/json"})
+
+    return run
+
+
+def speed_rows(series: list[Series]) -> list[list[object]]:
+    raw = series[0]
+    raw_rate = median([t.end_to_end_tokens_per_s for t in raw.timings])
+    raw_stream = median([t.tokens_per_s for t in raw.timings])
+    raw_ttft = [t.ttft for t in raw.timings]
+    rows: list[list[object]] = []
+    for s in series:
+        rate = median([t.end_to_end_tokens_per_s for t in s.timings])
+        stream = median([t.tokens_per_s for t in s.timings])
+        ttft = [t.ttft for t in s.timings]
+        rows.append(
+            [
+                s.name,
+                f"{rate:.1f}",
+                f"{rate / raw_rate:.3f}",
+                f"{stream / raw_stream:.3f}",
+                ms(median(ttft)),
+                ms(percentile(ttft, 99)),
+                "" if s is raw else ms(median(ttft) - median(raw_ttft)),
+                "" if s is raw else ms(percentile(ttft, 99) - percentile(raw_ttft, 99)),
+                f"{median([t.tokens for t in s.timings]):.0f}",
+            ]
+        )
+    return rows
+
+
+SPEED_HEADERS = [
+    "path",
+    "tokens/s p50 (request to last token)",
+    "ratio to raw",
+    "ratio, after the first token",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "added p50 ms",
+    "added p99 ms",
+    "tokens p50",
+]
+
+
+def speed_section(args: argparse.Namespace) -> list[str]:
+    from django.conf import settings
+    from llama_cpp import Llama
+
+    from quotes.ai.backends.local import LocalBackend, ensure_model_file
+
+    path = ensure_model_file(settings.LOCAL_MODEL["path"])
+    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=2, verbose=False)
+    loop = asyncio.new_event_loop()
+    backend = LocalBackend(path=path, n_ctx=1024, n_threads=2)
+    series = [
+        Series("raw llama-cpp-python", raw_runner(llm, args.max_tokens)),
+        Series("LocalBackend.stream() in-process", backend_runner(backend, loop, args.max_tokens)),
+    ]
+    sql = [
+        f"UPDATE quotes_persona SET temperature = 0, max_tokens = {args.max_tokens} WHERE slug = '{PERSONA}'"
+    ]
+    with (
+        serve_app("daphne", migrate_sql=sql, AI_BACKEND="local", LOCAL_MODEL_PRELOAD="true") as app,
+        httpx.Client(timeout=60, trust_env=False) as client,
+    ):
+        if not args.no_http:
+            series.append(Series("HTTP endpoint under daphne", http_runner(client, app.stream_url)))
+        for s in series:  # warm up: the first call after loading is slow
+            for topic in TOPICS[:3]:
+                s.run(topic)
+        print(f"speed: {args.rounds} interleaved generations per path ...", flush=True)
+        for i in range(args.rounds):
+            topic = TOPICS[i % len(TOPICS)]
+            shift = i % len(series)
+            for s in series[shift:] + series[:shift]:
+                s.timings.append(s.run(topic))
+    loop.run_until_complete(backend.aclose())
+    loop.close()
+    llm.close()
+    mismatched = sum(
+        1
+        for i in range(args.rounds)
+        if len({s.timings[i].tokens for s in series}) > 1  # same topic, greedy: same tokens expected
+    )
+    section = [
+        f"## Embedded model speed: {args.rounds} generations per path, greedy, budget {args.max_tokens} "
+        "tokens, stop at the closing quote",
+        "",
+        table(SPEED_HEADERS, speed_rows(series)),
+        "",
+        f"Rounds where the paths emitted different token counts: {mismatched} of {args.rounds} "
+        "(the HTTP path uses the persona's own sampling fields where set).",
+        "",
+    ]
+    print("\n".join(section), flush=True)
+    return section
+
+
+# -- memory -----------------------------------------------------------------------------------------
+
+
+def memory_section(args: argparse.Namespace) -> list[str]:
+    rows: list[list[object]] = []
+    with (
+        serve_app("daphne", AI_BACKEND="local", LOCAL_MODEL_PRELOAD="false") as app,
+        httpx.Client(timeout=60, trust_env=False) as client,
+    ):
+        idle = rss_kib(app.pid)
+        body = b'{"persona": "%s"}' % PERSONA.encode()
+        read_stream(client, app.stream_url, content=body, headers={"Content-Type": "application/json"})
+        loaded = rss_kib(app.pid)
+    rows.append(["daphne idle, model not loaded", idle["VmRSS"], idle["RssAnon"], idle["RssFile"], ""])
+    rows.append(
+        [
+            "after the model loads (one generation)",
+            loaded["VmRSS"],
+            loaded["RssAnon"],
+            loaded["RssFile"],
+            f"+{(loaded['VmRSS'] - idle['VmRSS']) / 1024:.0f} MiB",
+        ]
+    )
+    section = [
+        "## Memory (KiB, daphne process)",
+        "",
+        table(["state", "VmRSS", "RssAnon", "RssFile", "added"], rows),
+        "",
+    ]
+    section += stream_memory(args.streams)
+    print("\n".join(section), flush=True)
+    return section
+
+
+def stream_memory(steps: list[int]) -> list[str]:
+    fast = Scenario(tokens=(" a", " b", " c"), usage=(24, 3), padding=True)
+    slow = Scenario(
+        tokens=(" a", " b", " c"), usage=(24, 3), padding=True, stall_after_tokens=1, stall_s=60.0
+    )
+    with Upstream("fake", fast) as fake, serve_app("daphne", **workers_ai_env(fake)) as app:
+        readings: list[tuple[int, dict[str, int]]] = []
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=max(steps) + 10)
+            async with httpx.AsyncClient(timeout=120, trust_env=False, limits=limits) as client:
+                for i in range(30):  # warm up every lazily built thing on the path
+                    await open_stream(client, app.stream_url, f"warm {i}", None)
+                await asyncio.sleep(0.5)
+                readings.append((0, rss_kib(app.pid)))
+                fake.set_scenario(slow)
+                release = asyncio.Event()
+                tasks: list[asyncio.Task[None]] = []
+                for count in steps:
+                    started = [asyncio.Event() for _ in range(count - len(tasks))]
+                    for event in started:
+                        topic = f"topic {len(tasks)}"
+                        tasks.append(
+                            asyncio.create_task(open_stream(client, app.stream_url, topic, release, event))
+                        )
+                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                    await asyncio.sleep(0.5)
+                    readings.append((count, rss_kib(app.pid)))
+                release.set()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(main())
+    base = readings[0][1]["VmRSS"]
+    rows = [
+        [
+            count,
+            r["VmRSS"],
+            r["RssAnon"],
+            r["Threads"],
+            r["VmRSS"] - base,
+            f"{(r['VmRSS'] - base) / count:.0f}" if count else "",
+        ]
+        for count, r in readings
+    ]
+    xs = [c for c, _ in readings]
+    ys = [r["VmRSS"] for _, r in readings]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    return [
+        "Open streams (Workers AI backend, fake upstream stalled after the first token):",
+        "",
+        table(["open streams", "VmRSS", "RssAnon", "threads", "added KiB", "KiB/stream"], rows),
+        "",
+        f"Least-squares slope: {slope:.0f} KiB per open stream.",
+        "",
+    ]
+
+
+async def open_stream(
+    client: httpx.AsyncClient,
+    url: str,
+    topic: str,
+    release: asyncio.Event | None,
+    started: asyncio.Event | None = None,
+) -> None:
+    """Open a stream, signal once its first token is in, then hold it until `release`."""
+    import json
+
+    timing = StreamTiming(started=time.perf_counter())
+    parser = SSETimer(timing)
+    body = json.dumps({"persona": PERSONA, "topic": topic}).encode()
+    async with client.stream("POST", url, content=body, headers={"Content-Type": "application/json"}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for chunk in r.aiter_raw():
+            parser.feed(chunk)
+            if timing.tokens and started is not None and not started.is_set():
+                started.set()
+                if release is not None:
+                    await release.wait()
+                    return
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="generations per path (interleaved)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="token budget per generation")
+    parser.add_argument("--no-http", action="store_true", help="skip the daphne HTTP path")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--streams", type=int, nargs="+", default=[30, 60, 90], help="open-stream steps")
+    args = parser.parse_args(argv)
+    print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
+    setup_django()
+    report = [] if args.no_speed else speed_section(args)
+    if not args.no_memory:
+        report += memory_section(args)
+    print("\n\n" + "\n".join(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Complete answers, kept in Django's cache and replayed as the same stream."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+from django.core.cache import cache
+
+from .events import GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CachedAnswer:
+    model: str
+    tokens: tuple[str, ...]
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    step: int
+
+
+def answer_key(*, backend: str, request: GenerationRequest, version_id: int | None) -> str:
+    """A hash of the backend, the model, the full request and the persona version."""
+    material = json.dumps(
+        {"backend": backend, "request": asdict(request), "version": version_id},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return "quotes:answer:" + hashlib.sha256(material.encode()).hexdigest()
+
+
+async def get_answer(key: str) -> CachedAnswer | None:
+    value = await cache.aget(key)
+    if not isinstance(value, dict):
+        return None
+    try:
+        return CachedAnswer(**{**value, "tokens": tuple(value["tokens"])})
+    except TypeError:
+        return None  # written by an older release: treat as a miss
+
+
+async def store_answer(key: str, answer: CachedAnswer, *, ttl: int) -> None:
+    await cache.aset(key, {**asdict(answer), "tokens": list(answer.tokens)}, timeout=ttl)
