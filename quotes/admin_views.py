@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from django.db import transaction
-from django.db.models import Max
 from django.http import HttpRequest, HttpResponseBase, JsonResponse, QueryDict
 
 from .ai.backends import get_backend
 from .ai.conversation import check_context_window
 from .ai.errors import QuoteError
-from .ai.events import Done, Error, Event
 from .ai.gateway import stream_generation
 from .forms import PersonaForm
 from .models import GENERATION_FIELDS, Persona, PersonaVersion
@@ -29,25 +24,9 @@ from .models import GENERATION_FIELDS, Persona, PersonaVersion
 
 
 def persona_save(*, persona: Persona, created_by: Any = None, note: str = "") -> PersonaVersion | None:
-    """Save `persona`; when that makes a new version, record who made it and why.
-
-    `Persona.save()` makes the version itself. Its author and note are filled in here, in the
-    same transaction, before anyone else can see the row, so the version is still written once
-    as far as the rest of the site is concerned.
-    """
-    with transaction.atomic():
-        before = 0
-        if persona.pk is not None:
-            before = persona.versions.aggregate(latest=Max("number"))["latest"] or 0
-        persona.save()
-        version = persona.versions.filter(number__gt=before).order_by("-number").first()
-        if version is not None and (created_by is not None or note):
-            PersonaVersion.objects.filter(pk=version.pk).update(
-                created_by=created_by if created_by is not None else version.created_by,
-                note=(note or version.note)[:200],
-            )
-            version.refresh_from_db()
-    return version
+    """Save `persona`; when that makes a new version, it records who made it and why."""
+    persona.save(version_note=note, version_author=created_by)
+    return persona.saved_version
 
 
 def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) -> PersonaVersion | None:
@@ -217,20 +196,4 @@ async def stream_preview(request: HttpRequest, persona: Persona, topic: str) -> 
     except QuoteError as exc:
         return error_response(exc)
     events = stream_generation(persona=persona, topic=topic, client=await client_of(request), preview=True)
-    return await _stream_response(_logged_before_the_end(events))
-
-
-async def _logged_before_the_end(events: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:
-    """Pass the events through, but close the gateway's stream (which writes the log row) before
-    handing on the final Done or Error.
-
-    A client that hangs up as soon as it reads `[DONE]` cancels the response mid-send, leaving the
-    stream suspended until garbage collection finalizes it; the log row would come late, if ever.
-    """
-    async with aclosing(events):
-        async for event in events:
-            if type(event) is Done or type(event) is Error:
-                await events.aclose()
-                yield event
-                return
-            yield event
+    return await _stream_response(events)

@@ -110,6 +110,9 @@ class Persona(models.Model):
 
     objects = PersonaQuerySet.as_manager()
 
+    #: the version the last save() made, if it made one
+    saved_version: PersonaVersion | None = None
+
     class Meta:
         ordering = ["display_order", "name"]
 
@@ -147,10 +150,20 @@ class Persona(models.Model):
         """Everything about this persona that shapes what the model is sent."""
         return {field: getattr(self, field) for field in GENERATION_FIELDS}
 
-    def save(self, *args: Any, **kwargs: Any) -> None:
+    def save(self, *args: Any, version_note: str = "", version_author: Any = None, **kwargs: Any) -> None:
+        """Save, and record a new version (with its note and author) when what is sent to the
+        model changed."""
         with transaction.atomic():
             super().save(*args, **kwargs)
-            self.record_version()
+            self.saved_version = self.record_version(note=version_note, created_by=version_author)
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        """A persona with generations is deactivated instead: its log must keep pointing at it."""
+        if self.pk is not None and self.generations.exists():
+            self.is_active = False
+            self.save(update_fields=["is_active"])
+            return 0, {}
+        return super().delete(*args, **kwargs)
 
     def record_version(self, *, note: str = "", created_by: Any = None) -> PersonaVersion | None:
         """Make a new version when what is sent to the model changed since the last one."""
@@ -162,7 +175,7 @@ class Persona(models.Model):
             persona=self,
             number=(latest.number + 1) if latest else 1,
             config=config,
-            note=note,
+            note=note[:200],
             created_by=created_by,
         )
 

@@ -104,3 +104,31 @@ def test_admin_edits_personas_and_rejects_a_bad_template(admin_client: Client) -
 def test_admin_generation_log_is_read_only(admin_client: Client) -> None:
     assert admin_client.get("/admin/quotes/generation/").status_code == 200
     assert admin_client.get("/admin/quotes/generation/add/").status_code == 403
+
+
+@pytest.mark.django_db
+def test_persona_with_generations_is_deactivated_not_deleted() -> None:
+    from quotes.models import Generation
+
+    watts = Persona.objects.get(slug="alan-watts")
+    Generation.objects.create(persona=watts, backend="local", model="gemma-3-270m", status="ok")
+    watts.delete()
+    watts.refresh_from_db()
+    assert watts.is_active is False
+    lonely = make_persona(slug="lonely")
+    lonely.save()
+    lonely.delete()
+    assert not Persona.objects.filter(slug="lonely").exists()
+
+
+@pytest.mark.django_db
+def test_persona_save_records_the_version_author_and_note(django_user_model: type) -> None:
+    editor = django_user_model.objects.create_user("ed", password="x")
+    persona = make_persona(slug="noted")
+    persona.save(version_note="first draft", version_author=editor)
+    assert persona.saved_version is not None
+    assert (persona.saved_version.number, persona.saved_version.note) == (1, "first draft")
+    assert persona.saved_version.created_by == editor
+    persona.display_order = 5
+    persona.save()
+    assert persona.saved_version is None  # nothing the model sees changed

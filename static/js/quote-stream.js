@@ -358,6 +358,7 @@ export function mountQuoteApp(form) {
   const retryAfterNote = find("retry-after");
   const retryButton = find("retry");
   const modelNoteLink = find("model-note-link");
+  const cacheNote = find("cache-note");
 
   const config = {
     url: form.dataset.streamUrl,
@@ -370,6 +371,8 @@ export function mountQuoteApp(form) {
   let controller = null;
   let countdownTimer = null;
   let lastTopic = "";
+  let lastFresh = false;
+  let shownQuote = false; // after a finished quote, the button asks for a new one, not the cached one
 
   function setState(state) {
     if (!STATES.includes(state)) throw new Error(`unknown state ${state}`);
@@ -435,11 +438,12 @@ export function mountQuoteApp(form) {
     if (hadFocus) (busy ? stop : generate).focus();
   }
 
-  async function run(topic) {
+  async function run(topic, { fresh = false } = {}) {
     controller?.abort();
     controller = new AbortController();
     const { signal } = controller;
     lastTopic = topic;
+    lastFresh = fresh;
 
     resetCard();
     loading.hidden = false;
@@ -450,8 +454,10 @@ export function mountQuoteApp(form) {
     let started = false;
     let model = config.modelName;
     let modelUrl = config.modelUrl;
+    let fromCache = false;
     const body = { persona: config.persona };
     if (topic) body.topic = topic;
+    if (fresh) body.fresh = true;
 
     try {
       await streamQuote({
@@ -461,6 +467,7 @@ export function mountQuoteApp(form) {
         onOpen(info) {
           if (info.model) model = info.model;
           if (info.modelUrl) modelUrl = info.modelUrl;
+          fromCache = (info.response.headers.get("cf-aig-cache-status") || "").toUpperCase() === "HIT";
         },
         onToken(token) {
           if (signal.aborted) return;
@@ -503,8 +510,10 @@ export function mountQuoteApp(form) {
         else link.removeAttribute("href");
       }
       creditPersona.textContent = config.personaName;
+      if (cacheNote) cacheNote.hidden = !fromCache;
       credit.hidden = false;
       generate.textContent = "Another quote";
+      shownQuote = true;
       setState("done");
     } catch (error) {
       if (signal.aborted || error?.name === "AbortError") return; // stop() already drew the card
@@ -543,12 +552,13 @@ export function mountQuoteApp(form) {
   form.addEventListener("submit", (event) => {
     event.preventDefault();
     if (controller || generate.disabled) return;
-    run(topicInput.value.trim());
+    const topic = topicInput.value.trim();
+    run(topic, { fresh: shownQuote && topic === lastTopic });
   });
   stop.addEventListener("click", stopStreaming);
   retryButton.addEventListener("click", () => {
     if (controller) return;
-    run(lastTopic);
+    run(lastTopic, { fresh: lastFresh });
   });
   document.addEventListener("keydown", (event) => {
     if (event.key === "Escape" && controller) stopStreaming();
