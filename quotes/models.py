@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import string
+import uuid
 from typing import Any
 
 from django.conf import settings
@@ -250,6 +251,8 @@ class Generation(models.Model):
         MISS = "miss", "miss"
         BYPASS = "bypass", "bypass"
 
+    #: the id in the quote's public permalink: random, so quotes cannot be enumerated
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     persona = models.ForeignKey(Persona, on_delete=models.PROTECT, related_name="generations")
     persona_version = models.ForeignKey(
         PersonaVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="generations"

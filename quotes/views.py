@@ -167,6 +167,8 @@ async def _stream_response(events: AsyncGenerator[Event, None]) -> HttpResponseB
     if meta.model:
         headers["X-Quote-Model"] = meta.model
         headers["X-Quote-Model-Url"] = doc_url(meta.model)
+    if meta.generation_id:
+        headers["X-Quote-Id"] = meta.generation_id
     if type(first) is Error:
         await events.aclose()
         # The gateway headers (cf-aig-log-id above all) matter most when something failed.

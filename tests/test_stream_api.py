@@ -53,6 +53,7 @@ async def test_stream_post_sends_the_workers_ai_wire_format(persona: Persona) ->
 
     text = "".join(json.loads(t["data"])["response"] for t in tokens)
     row = await Generation.objects.aget()
+    assert response.headers["x-quote-id"] == str(row.public_id)  # the permalink, known up front
     assert row.status == Generation.Status.OK
     assert row.backend == "local"
     assert row.model == "gemma-3-270m"

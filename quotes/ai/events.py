@@ -82,6 +82,8 @@ class Meta:
     headers: dict[str, str] = field(default_factory=dict)
     step: int | None = None
     cache_status: str | None = None
+    #: the log row's public id (its permalink), known from the start of the stream
+    generation_id: str | None = None
 
     def merged(self, later: Meta) -> Meta:
         """This Meta updated by a later one: later values win, headers accumulate."""
@@ -90,6 +92,7 @@ class Meta:
             headers={**self.headers, **later.headers},
             step=self.step if later.step is None else later.step,
             cache_status=later.cache_status or self.cache_status,
+            generation_id=later.generation_id or self.generation_id,
         )
 
     def response_headers(self) -> dict[str, str]:

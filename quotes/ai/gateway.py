@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
@@ -235,6 +236,7 @@ class _Record:
     status: str = ""
     error: Error | None = None
     cache_status: str = ""
+    public_id: str = field(default_factory=lambda: str(uuid.uuid4()))
 
 
 async def stream_generation(
@@ -307,7 +309,11 @@ async def stream_generation(
         use_cache = ttl > 0 and not (preview or bypass_cache or options["skip_cache"])
         key = answer_key(backend=backend.name, request=primary, version_id=version.pk if version else None)
         record.cache_status = Generation.CacheStatus.MISS if use_cache else Generation.CacheStatus.BYPASS
-        yield Meta(model=record.model, cache_status="MISS" if use_cache else "BYPASS")
+        yield Meta(
+            model=record.model,
+            cache_status="MISS" if use_cache else "BYPASS",
+            generation_id=record.public_id,
+        )
 
         events: AsyncGenerator[Event, None]
         if use_cache and (cached := await get_answer(key)) is not None:
@@ -446,6 +452,7 @@ async def _save(
     elif record.cache_status == Generation.CacheStatus.HIT:
         cost = Decimal(0)  # nothing was paid for a cached or shared answer
     row = Generation(
+        public_id=record.public_id,
         persona_id=persona.pk,
         persona_version=version,
         backend=backend,
