@@ -43,6 +43,7 @@ from .common import (
     PERSONA,
     PYTHON,
     AppServer,
+    Server,
     StreamTiming,
     Upstream,
     machine,
@@ -323,13 +324,14 @@ def attribution_worker() -> None:
             name = getattr(func, "__qualname__", None) or type(func).__name__
             hops.append((name, started, time.perf_counter() - started))
 
-    SyncToAsync.__call__ = timed  # type: ignore[method-assign]
+    SyncToAsync.__call__ = timed  # type: ignore[method-assign,assignment]
     rounds = int(sys.argv[-1]) if sys.argv[-1].isdigit() else 150
     direct_url, direct_body = os.environ["BENCH_DIRECT_URL"], os.environ["BENCH_DIRECT_BODY"].encode()
     direct_headers = json.loads(os.environ["BENCH_DIRECT_HEADERS"])
 
-    async def through_app() -> tuple[float, float]:
-        """TTFT through the ASGI app; the time before it spent in sync_to_async hops."""
+    async def through_app() -> tuple[float, float, float]:
+        """TTFT through the ASGI app, the time before it spent in sync_to_async hops, and the
+        first token's time stamp."""
         done = asyncio.Event()
         first = 0.0
         sent = False
@@ -377,7 +379,7 @@ def attribution_worker() -> None:
         started = time.perf_counter()
         await application(scope, receive, send)
         in_hops = sum(d for _, t, d in hops if t < first)
-        return first - started, in_hops
+        return first - started, in_hops, first
 
     async def direct(client: httpx.AsyncClient) -> float:
         started = time.perf_counter()
@@ -397,14 +399,13 @@ def attribution_worker() -> None:
                 await direct(client)
             app_ttft, app_hops, direct_ttft = [], [], []
             per_name: collections.Counter[str] = collections.Counter()
-            per_name_s: collections.Counter[str] = collections.Counter()
+            per_name_s: collections.defaultdict[str, float] = collections.defaultdict(float)
             for _ in range(rounds):
-                ttft, in_hops = await through_app()
+                ttft, in_hops, first = await through_app()
                 app_ttft.append(ttft)
                 app_hops.append(in_hops)
-                cutoff = hops[0][1] + ttft if hops else 0.0
                 for name, t, d in hops:
-                    if t < cutoff:
+                    if t < first:
                         per_name[name] += 1
                         per_name_s[name] += d
                 direct_ttft.append(await direct(client))
@@ -481,11 +482,11 @@ def main(argv: list[str] | None = None) -> None:
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
-    servers = ["daphne"] if args.no_uvicorn else ["daphne", "uvicorn"]
+    servers: list[Server] = ["daphne"] if args.no_uvicorn else ["daphne", "uvicorn"]
     report: list[str] = []
 
     with Upstream("fake", ttft_scenario(args.ttft_tokens)) as fake, contextlib.ExitStack() as stack:
-        apps = [stack.enter_context(serve_app(s, **workers_ai_env(fake))) for s in servers]  # type: ignore[arg-type]
+        apps = [stack.enter_context(serve_app(s, **workers_ai_env(fake))) for s in servers]
         clients = [stack.enter_context(client()) for _ in apps]
         app_paths = [
             Reader(f"app under {app.server}", app_request(app, c), fake)

@@ -45,15 +45,17 @@ INSTALLED_APPS = [
 ]
 
 # No GZipMiddleware: it buffers streamed bodies, and text/event-stream must never be compressed.
+# Django's own middleware, subclassed to run on the event loop (see quotes/middleware.py): the
+# stock classes cost two thread hops each per request under ASGI.
 MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
+    "quotes.middleware.SecurityMiddleware",
     "quotes.middleware.StaticFilesMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "quotes.middleware.SessionMiddleware",
+    "quotes.middleware.CommonMiddleware",
+    "quotes.middleware.CsrfViewMiddleware",
+    "quotes.middleware.AuthenticationMiddleware",
+    "quotes.middleware.MessageMiddleware",
+    "quotes.middleware.XFrameOptionsMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"

@@ -1,15 +1,20 @@
-"""Persona editing (versions, roll-back, live preview) and the read-only request log."""
+"""Persona editing (versions, roll-back, live preview), the read-only request log with its CSV
+export, and the gateway analytics page."""
 
 from __future__ import annotations
 
+import csv
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
+from urllib.parse import urlencode
 
 from asgiref.sync import sync_to_async
 from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import NestedObjects
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.handlers.asgi import ASGIRequest
 from django.db import router
 from django.db.models import Max, QuerySet
 from django.forms import ModelForm
@@ -21,15 +26,18 @@ from django.http import (
     HttpResponseNotAllowed,
     HttpResponseRedirect,
     JsonResponse,
+    StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_protect
 from django_stubs_ext import StrPromise
 
+from . import analytics, charts
 from .admin_views import InvalidPersona, persona_rollback, persona_save, preview_persona, stream_preview
 from .ai.errors import QuoteError
 from .forms import PersonaForm
@@ -362,5 +370,140 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
     def has_change_permission(self, request: HttpRequest, obj: Generation | None = None) -> bool:
         return False
 
+    # --- analytics and the CSV export: whoever may view the log --------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        return [
+            path("analytics/", wrap(self.analytics_view), name="quotes_generation_analytics"),
+            path("export.csv", wrap(self.export_csv_view), name="quotes_generation_export"),
+            *super().get_urls(),
+        ]
+
+    def analytics_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        # Always bound: no parameters means the default range (the last 24 hours).
+        form = analytics.StatsRangeForm(request.GET)
+        stats, charts_by_name, log_query = None, None, ""
+        if form.is_valid():
+            data = form.cleaned_data
+            stats = analytics.gateway_stats(
+                since=data["since"],
+                until=data["until"],
+                bucket=data["bucket"] or None,
+                include_previews=data["previews"],
+            )
+            charts_by_name = charts.stats_charts(stats)
+            log_filter = {
+                "created_at__gte": stats.since.isoformat(),
+                "created_at__lt": stats.until.isoformat(),
+            }
+            if not stats.include_previews:
+                log_filter["is_preview__exact"] = "0"
+            log_query = "?" + urlencode(log_filter)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Gateway analytics",
+            "form": form,
+            "stats": stats,
+            "charts": charts_by_name,
+            "tiles": charts.kpi_tiles(stats) if stats else [],
+            "persona_rows": charts.breakdown_display(stats.by_persona, stats.requests) if stats else [],
+            "model_rows": charts.breakdown_display(stats.by_model, stats.requests) if stats else [],
+            "log_url": reverse("admin:quotes_generation_changelist") + log_query,
+            "export_url": reverse("admin:quotes_generation_export") + log_query,
+            "presets": [(key, label) for key, label in form.fields["range"].choices if key != "custom"],  # type: ignore[attr-defined]
+        }
+        return TemplateResponse(request, "admin/quotes/analytics.html", context)
+
+    def export_csv_view(self, request: HttpRequest) -> HttpResponseBase:
+        """The changelist's rows as they are filtered now (every page), streamed as CSV."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        try:
+            changelist = self.get_changelist_instance(request)
+        except IncorrectLookupParameters:
+            return HttpResponseRedirect(reverse("admin:quotes_generation_changelist") + "?e=1")
+        rows = changelist.get_queryset(request).select_related("persona", "persona_version")
+        filename = f"generations-{timezone.now():%Y%m%d-%H%M%S}.csv"
+        # Under ASGI a sync iterator would be read whole before sending; give each server its kind.
+        content = _csv_async(rows) if isinstance(request, ASGIRequest) else _csv_sync(rows)
+        return StreamingHttpResponse(
+            content,
+            content_type="text/csv; charset=utf-8",
+            headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+        )
+
     def has_delete_permission(self, request: HttpRequest, obj: Generation | None = None) -> bool:
         return bool(request.user.is_active and request.user.is_superuser)
+
+
+CSV_COLUMNS = (
+    "created_at",
+    "persona",
+    "version",
+    "backend",
+    "model",
+    "fallback_step",
+    "status",
+    "cache_status",
+    "error_code",
+    "prompt_tokens",
+    "completion_tokens",
+    "cost_usd",
+    "ttft_ms",
+    "duration_ms",
+    "is_preview",
+    "feedback",
+    "topic",
+    "text",
+)
+
+
+class _Echo:
+    """A file-like object whose write() hands the line back, for csv.writer in a generator."""
+
+    def write(self, value: str) -> str:
+        return value
+
+
+def _csv_row(row: Generation) -> list[object]:
+    def blank(value: object) -> object:
+        return "" if value is None else value
+
+    return [
+        row.created_at.isoformat(),
+        row.persona.slug,
+        row.persona_version.number if row.persona_version else "",
+        row.backend,
+        row.model,
+        row.fallback_step,
+        row.status,
+        row.cache_status,
+        row.error_code,
+        blank(row.prompt_tokens),
+        blank(row.completion_tokens),
+        blank(row.cost_usd),
+        blank(row.ttft_ms),
+        blank(row.duration_ms),
+        "true" if row.is_preview else "false",
+        blank(row.feedback),
+        row.topic,
+        row.text,
+    ]
+
+
+def _csv_sync(rows: QuerySet[Generation]) -> Iterator[str]:
+    writer = csv.writer(_Echo())
+    yield writer.writerow(CSV_COLUMNS)
+    for row in rows.iterator(chunk_size=2000):
+        yield writer.writerow(_csv_row(row))
+
+
+async def _csv_async(rows: QuerySet[Generation]) -> AsyncIterator[str]:
+    writer = csv.writer(_Echo())
+    yield writer.writerow(CSV_COLUMNS)
+    async for row in rows.aiterator(chunk_size=2000):
+        yield writer.writerow(_csv_row(row))

@@ -13,7 +13,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
+from django.conf import settings
+from django.contrib.auth import middleware as auth
+from django.contrib.messages import middleware as messages
+from django.contrib.sessions import middleware as sessions
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.middleware import clickjacking, common, csrf, security
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 
@@ -55,3 +60,64 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
         for key, value in found.headers:
             response[key] = value
         return response
+
+
+# --- Django's own middleware, run on the event loop ----------------------------------------------
+#
+# Django's MiddlewareMixin runs process_request and process_response in a thread each
+# (sync_to_async) under ASGI: with seven middleware that is over a dozen thread hops per request,
+# most of the time the stream endpoint adds to the first token. These middleware do no I/O (the
+# session only when it must save, and that keeps its hop), so their methods run inline here.
+
+
+class InlineMiddlewareMixin:
+    """Swap Django's thread-hopping `__acall__` for one that calls the methods directly."""
+
+    get_response: Any
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
+        response = None
+        if hasattr(self, "process_request"):
+            response = self.process_request(request)
+        response = response or await self.get_response(request)
+        if hasattr(self, "process_response"):
+            response = await self.aprocess_response(request, response)
+        return response
+
+    async def aprocess_response(self, request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
+        return self.process_response(request, response)  # type: ignore[attr-defined]
+
+
+class SecurityMiddleware(InlineMiddlewareMixin, security.SecurityMiddleware):
+    pass
+
+
+class SessionMiddleware(InlineMiddlewareMixin, sessions.SessionMiddleware):
+    async def aprocess_response(self, request: HttpRequest, response: Any) -> HttpResponseBase:
+        session = getattr(request, "session", None)
+        if session is not None and (session.modified or settings.SESSION_SAVE_EVERY_REQUEST):
+            # Saving writes to the session store: that I/O belongs in a thread.
+            return await sync_to_async(self.process_response)(request, response)
+        return self.process_response(request, response)
+
+
+class CommonMiddleware(InlineMiddlewareMixin, common.CommonMiddleware):
+    pass
+
+
+class CsrfViewMiddleware(InlineMiddlewareMixin, csrf.CsrfViewMiddleware):
+    async def process_view(self, request: HttpRequest, *args: Any) -> HttpResponseBase | None:  # type: ignore[override]
+        # A coroutine, so Django calls it on the loop instead of adapting it into a thread.
+        return super().process_view(request, *args)
+
+
+class AuthenticationMiddleware(InlineMiddlewareMixin, auth.AuthenticationMiddleware):
+    pass
+
+
+class MessageMiddleware(InlineMiddlewareMixin, messages.MessageMiddleware):
+    pass
+
+
+class XFrameOptionsMiddleware(InlineMiddlewareMixin, clickjacking.XFrameOptionsMiddleware):
+    pass

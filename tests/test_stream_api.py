@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Any
 
 import pytest
 
@@ -268,3 +269,24 @@ async def test_stream_treats_the_topic_as_text_not_a_template(persona: Persona) 
     row = await Generation.objects.aget()
     assert row.topic == topic
     assert row.request["messages"][1]["content"].endswith(f"about {topic} as if you were Alan Watts")
+
+
+async def test_stream_rate_limit_counts_concurrent_requests_exactly(persona: Persona, settings: Any) -> None:
+    """Counting is atomic: of 12 requests at once under a limit of 5, exactly 5 get through.
+    (Django's async cache `aincr` is a get then a set, and would let more through.)"""
+    settings.QUOTES_GATEWAY = {
+        **settings.QUOTES_GATEWAY,
+        "rate_limit": (5, 60),
+        "max_concurrent_streams": 100,
+    }
+    bodies = [{"persona": persona.slug, "topic": f"topic {i}"} for i in range(12)]
+    streams = [post_stream(body) for body in bodies]
+    starts = await asyncio.gather(*(stream.start(timeout=120) for stream in streams))
+    for stream in streams:
+        await stream.read_all(timeout=120)
+
+    statuses = sorted(response.status for response in starts)
+    assert statuses == [200] * 5 + [429] * 7
+    assert all(
+        s.response and s.response.headers.get("retry-after") for s in streams if s.response.status == 429
+    )

@@ -996,3 +996,32 @@ async def test_openai_backend_endpoint_streams_a_quote_from_llama_cpp(
     assert row.backend == "openai"
     assert row.status == Generation.Status.OK
     assert row.text == text
+
+
+async def test_workers_ai_endpoint_reuses_the_upstream_connection(
+    persona: Persona, workers_ai_settings: Any
+) -> None:
+    """After [DONE] the body is read to its end, so the pooled connection serves the next
+    request: no new TCP (and, to Cloudflare, TLS) handshake before every first token."""
+    import asyncio as _asyncio
+    import threading
+
+    from tests.fakes.keepalive import KeepAliveUpstream
+
+    upstream = KeepAliveUpstream(Scenario(tokens=["One", " line."]))
+    ready = threading.Event()
+    threading.Thread(target=lambda: _asyncio.run(upstream.serve(ready)), daemon=True).start()
+    assert ready.wait(10)
+    workers_ai_settings.WORKERS_AI = {
+        **workers_ai_settings.WORKERS_AI,
+        "base_url": f"http://127.0.0.1:{upstream.port}/client/v4",
+    }
+    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "cache_ttl": 0}
+    await reset_backends()
+
+    for _ in range(3):
+        response = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug})
+        assert response.body.endswith(b"data: [DONE]\n\n")
+
+    assert (upstream.requests, upstream.connections) == (3, 1)
+    await reset_backends()

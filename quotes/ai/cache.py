@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from django.core.cache import cache
 
 from .events import GenerationRequest
+from .limits import run_on_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ def answer_key(*, backend: str, request: GenerationRequest, version_id: int | No
 
 
 async def get_answer(key: str) -> CachedAnswer | None:
-    value = await cache.aget(key)
+    value = await run_on_cache(cache.get, key)
     if not isinstance(value, dict):
         return None
     try:
@@ -41,4 +42,4 @@ async def get_answer(key: str) -> CachedAnswer | None:
 
 
 async def store_answer(key: str, answer: CachedAnswer, *, ttl: int) -> None:
-    await cache.aset(key, {**asdict(answer), "tokens": list(answer.tokens)}, timeout=ttl)
+    await run_on_cache(cache.set, key, {**asdict(answer), "tokens": list(answer.tokens)}, timeout=ttl)

@@ -280,30 +280,25 @@ async def stream_generation(
 
     try:
         limit, window = options["rate_limit"]
-        retry_after = await limits.count_request(client.key, limit=limit, window=window)
-        if retry_after is not None:
+        refused = await limits.run_on_cache(
+            limits.admit,
+            client.key,
+            limit=limit,
+            window=window,
+            max_streams=options["max_concurrent_streams"],
+        )
+        if refused is not None:
+            reason, retry_after = refused
             record.status = Generation.Status.RATE_LIMITED
-            record.error = Error(
-                "rate_limited",
-                f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s.",
-                429,
-                retry_after=retry_after,
-            )
+            if reason == "rate_limited":
+                message = f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s."
+            else:
+                message = "You already have quotes being written. Wait for one to finish."
+            record.error = Error(reason, message, 429, retry_after=retry_after)
             await finish()
             yield record.error
             return
-        slot = await limits.acquire_stream_slot(client.key, limit=options["max_concurrent_streams"])
-        if not slot:
-            record.status = Generation.Status.RATE_LIMITED
-            record.error = Error(
-                "too_many_streams",
-                "You already have quotes being written. Wait for one to finish.",
-                429,
-                retry_after=5,
-            )
-            await finish()
-            yield record.error
-            return
+        slot = True
 
         ttl = options["cache_ttl"] if persona.cache_ttl is None else persona.cache_ttl
         use_cache = ttl > 0 and not (preview or bypass_cache or options["skip_cache"])
@@ -367,7 +362,7 @@ async def stream_generation(
                 if record.status:
                     if slot:  # free the slot before the client hears "done" and asks again
                         slot = False
-                        await _shielded(limits.release_stream_slot(client.key))
+                        await _shielded(limits.run_on_cache(limits.release_stream_slot, client.key))
                     await finish()
                     yield event
                     return
@@ -383,7 +378,7 @@ async def stream_generation(
         yield record.error
     finally:
         if slot:
-            await _shielded(limits.release_stream_slot(client.key))
+            await _shielded(limits.run_on_cache(limits.release_stream_slot, client.key))
         await finish()
 
 

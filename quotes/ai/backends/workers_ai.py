@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +165,21 @@ def _usage(value: Any) -> Usage | None:
     return None
 
 
+#: How long to wait for the end of the body after [DONE] (normally it is already there).
+BODY_END_WAIT_S = 0.05
+
+
+async def _finish_body(source: AsyncIterator[Any]) -> None:
+    """Read what follows [DONE] (normally only the end of the chunked body), so httpx can return
+    the connection to its pool: the next request then skips the TCP and TLS handshakes, which
+    to Cloudflare cost round trips on every first token. Bounded, so a lingering server cannot
+    hold the stream's end back."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(BODY_END_WAIT_S):
+            async for _ in source:
+                pass
+
+
 async def parse_events(
     response: httpx.Response, *, secrets: Iterable[str] = ()
 ) -> AsyncGenerator[Event, None]:
@@ -188,6 +203,7 @@ async def parse_events(
         async for sse in source:
             data = sse.data
             if data == "[DONE]":
+                await _finish_body(source)
                 yield Done()
                 return
             if not data:

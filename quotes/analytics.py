@@ -1,0 +1,422 @@
+"""The gateway's analytics: what the request log (`Generation`) says about a time range.
+
+Everything is counted by the database (aggregate/annotate, buckets with TruncHour/TruncDay),
+except percentiles: SQLite has none and PostgreSQL's `percentile_cont` is not portable, so
+`gateway_stats` reads the range's `(bucket, persona, model, ttft_ms)` tuples once with
+`values_list` and ranks them in Python. That is four numbers a row, bounded by the range; at
+this site's scale (thousands of requests a day, 30 days at most from the admin) it is a few
+hundred thousand floats at worst. A much busier site would move this to `percentile_cont` or
+a rollup table.
+
+Definitions, the same in the admin page, the CSV and `manage.py gateway_stats`:
+
+- *Requests*: log rows in `[since, until)`. Preview rows (the admin's live preview) are left out
+  unless asked for.
+- *Cache hit rate*: hits / (hits + misses). Bypassed requests (caching off for the persona, or
+  refused before the cache was asked) are not lookups and do not count either way.
+- *Errors*: requests that failed: status `error`, `busy` or `rate_limited`. A cancelled request
+  is the visitor leaving, not a failure. *Error rate* is errors / requests; *by code* groups
+  them by `error_code` (the stable code the visitor saw).
+- *Cost* is the gateway's estimate from the catalog's prices; requests on models without a
+  published price have no cost and are counted in `unpriced`.
+- *Percentiles* interpolate linearly between the closest ranks (numpy's default), over the
+  requests that produced a first token.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal
+from typing import Any, Literal
+
+from django import forms
+from django.db.models import Count, Q, QuerySet, Sum
+from django.db.models.functions import TruncDay, TruncHour
+from django.utils import timezone
+
+from .ai.catalog import get_model
+from .models import Generation
+
+Bucket = Literal["hour", "day"]
+
+FAILED_STATUSES = (Generation.Status.ERROR, Generation.Status.BUSY, Generation.Status.RATE_LIMITED)
+STATUSES: tuple[str, ...] = tuple(Generation.Status.values)
+
+#: The admin's and the command's named ranges.
+PRESET_RANGES: dict[str, dt.timedelta] = {
+    "24h": dt.timedelta(hours=24),
+    "7d": dt.timedelta(days=7),
+    "30d": dt.timedelta(days=30),
+}
+
+#: The longest custom range the admin page accepts.
+MAX_RANGE = dt.timedelta(days=366)
+
+#: Ranges up to this long are bucketed by hour, longer ones by day.
+HOURLY_UP_TO = dt.timedelta(days=2)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) of `values`, sorted ascending; None for no values."""
+    if not values:
+        return None
+    rank = (len(values) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return values[low] + (values[high] - values[low]) * (rank - low)
+
+
+def _rate(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+@dataclass(frozen=True, slots=True)
+class TimeBucket:
+    start: dt.datetime
+    requests: int
+    by_status: dict[str, int]
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Decimal
+    ttft_p50: float | None
+    ttft_p95: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class BreakdownRow:
+    """One persona's or one model's share of the range."""
+
+    key: str
+    label: str
+    requests: int
+    errors: int
+    cache_hits: int
+    cache_lookups: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Decimal
+    #: Requests with tokens on a model without a published price: not in `cost_usd`.
+    unpriced: int
+    thumbs_up: int
+    thumbs_down: int
+    ttft_p50: float | None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.cache_hits, self.cache_lookups)
+
+    @property
+    def error_rate(self) -> float | None:
+        return _rate(self.errors, self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    since: dt.datetime
+    until: dt.datetime
+    bucket: Bucket
+    include_previews: bool
+    requests: int
+    by_status: dict[str, int]
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Decimal
+    unpriced: int
+    cache_hits: int
+    cache_lookups: int
+    errors: int
+    errors_by_code: list[tuple[str, int]]
+    ttft_p50: float | None
+    ttft_p95: float | None
+    buckets: list[TimeBucket] = field(default_factory=list)
+    by_persona: list[BreakdownRow] = field(default_factory=list)
+    by_model: list[BreakdownRow] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.cache_hits, self.cache_lookups)
+
+    @property
+    def error_rate(self) -> float | None:
+        return _rate(self.errors, self.requests)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: datetimes in ISO 8601, money as a decimal string."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, dt.datetime):
+                return value.isoformat()
+            if isinstance(value, Decimal):
+                return str(value)
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [plain(v) for v in value]
+            return value
+
+        data = plain(asdict(self))
+        data["errors_by_code"] = [{"code": code, "count": count} for code, count in self.errors_by_code]
+        data["hit_rate"] = self.hit_rate
+        data["error_rate"] = self.error_rate
+        for name in ("by_persona", "by_model"):
+            for row, obj in zip(data[name], getattr(self, name), strict=True):
+                row["hit_rate"] = obj.hit_rate
+                row["error_rate"] = obj.error_rate
+        return data
+
+
+def default_bucket(since: dt.datetime, until: dt.datetime) -> Bucket:
+    return "hour" if until - since <= HOURLY_UP_TO else "day"
+
+
+def generations_in_range(
+    *, since: dt.datetime, until: dt.datetime, include_previews: bool = False
+) -> QuerySet[Generation]:
+    rows = Generation.objects.filter(created_at__gte=since, created_at__lt=until)
+    return rows if include_previews else rows.filter(is_preview=False)
+
+
+def _bucket_starts(since: dt.datetime, until: dt.datetime, bucket: Bucket) -> list[dt.datetime]:
+    """Every bucket's start in the range, in the current time zone, so empty ones show as 0."""
+    tz = timezone.get_current_timezone()
+    start = since.astimezone(tz)
+    start = start.replace(minute=0, second=0, microsecond=0)
+    if bucket == "day":
+        start = start.replace(hour=0)
+    step = dt.timedelta(hours=1) if bucket == "hour" else dt.timedelta(days=1)
+    starts = []
+    while start < until:
+        starts.append(start)
+        # Add in UTC, then convert back: a DST change must not skip or repeat a bucket.
+        start = (start.astimezone(dt.UTC) + step).astimezone(tz)
+        if bucket == "day":
+            start = start.replace(hour=0)
+    return starts
+
+
+def _totals() -> dict[str, Any]:
+    return {
+        "requests": Count("id"),
+        "errors": Count("id", filter=Q(status__in=FAILED_STATUSES)),
+        "cache_hits": Count("id", filter=Q(cache_status=Generation.CacheStatus.HIT)),
+        "cache_lookups": Count(
+            "id", filter=Q(cache_status__in=[Generation.CacheStatus.HIT, Generation.CacheStatus.MISS])
+        ),
+        # Named apart from the fields they sum: an aggregate may not shadow a field.
+        "prompt_sum": Sum("prompt_tokens", default=0),
+        "completion_sum": Sum("completion_tokens", default=0),
+        "cost_sum": Sum("cost_usd", default=Decimal(0)),
+        "unpriced": Count("id", filter=Q(cost_usd__isnull=True, completion_tokens__isnull=False)),
+        "thumbs_up": Count("id", filter=Q(feedback=1)),
+        "thumbs_down": Count("id", filter=Q(feedback=-1)),
+    }
+
+
+def _breakdown(
+    rows: Iterable[dict[str, Any]], *, key: str, label: Any, ttft: dict[Any, list[float]]
+) -> list[BreakdownRow]:
+    result = [
+        BreakdownRow(
+            key=str(row[key]),
+            label=label(row),
+            requests=row["requests"],
+            errors=row["errors"],
+            cache_hits=row["cache_hits"],
+            cache_lookups=row["cache_lookups"],
+            prompt_tokens=row["prompt_sum"],
+            completion_tokens=row["completion_sum"],
+            cost_usd=Decimal(row["cost_sum"]),
+            unpriced=row["unpriced"],
+            thumbs_up=row["thumbs_up"],
+            thumbs_down=row["thumbs_down"],
+            ttft_p50=percentile(sorted(ttft.get(row[key], [])), 50),
+        )
+        for row in rows
+    ]
+    return sorted(result, key=lambda r: (-r.requests, r.label))
+
+
+def _model_label(model_id: str) -> str:
+    info = get_model(model_id)
+    return info.name if info is not None else model_id
+
+
+def gateway_stats(
+    *,
+    since: dt.datetime,
+    until: dt.datetime,
+    bucket: Bucket | None = None,
+    include_previews: bool = False,
+) -> Stats:
+    """Requests, tokens, cost, cache, errors and time to first token in `[since, until)`."""
+    bucket = bucket or default_bucket(since, until)
+    rows = generations_in_range(since=since, until=until, include_previews=include_previews)
+    trunc = TruncHour if bucket == "hour" else TruncDay
+    tz = timezone.get_current_timezone()
+
+    totals = rows.aggregate(**_totals())
+    by_status = {status: 0 for status in STATUSES}
+    for row in rows.values("status").annotate(n=Count("id")).order_by():
+        by_status[row["status"]] = row["n"]
+    errors_by_code = [
+        (row["error_code"] or row["status"], row["n"])
+        for row in rows.filter(status__in=FAILED_STATUSES)
+        .values("error_code", "status")
+        .annotate(n=Count("id"))
+        .order_by("-n", "error_code")
+    ]
+
+    # The one read of raw values: time to first token, for the percentiles.
+    samples = (
+        rows.filter(ttft_ms__isnull=False)
+        .annotate(bucket=trunc("created_at", tzinfo=tz))
+        .values_list("bucket", "persona__slug", "model", "ttft_ms")
+        .order_by()
+    )
+    all_ttft: list[float] = []
+    ttft_by_bucket: dict[dt.datetime, list[float]] = defaultdict(list)
+    ttft_by_persona: dict[str, list[float]] = defaultdict(list)
+    ttft_by_model: dict[str, list[float]] = defaultdict(list)
+    for start, slug, model, ttft in samples.iterator(chunk_size=5000):
+        if ttft is None:  # filtered out above; this tells the type checker
+            continue
+        all_ttft.append(ttft)
+        ttft_by_bucket[start].append(ttft)
+        ttft_by_persona[slug].append(ttft)
+        ttft_by_model[model].append(ttft)
+    all_ttft.sort()
+
+    per_bucket: dict[dt.datetime, dict[str, Any]] = {}
+    for row in (
+        rows.annotate(bucket=trunc("created_at", tzinfo=tz))
+        .values("bucket")
+        .annotate(
+            requests=Count("id"),
+            prompt_sum=Sum("prompt_tokens", default=0),
+            completion_sum=Sum("completion_tokens", default=0),
+            cost_sum=Sum("cost_usd", default=Decimal(0)),
+            **{f"s_{status}": Count("id", filter=Q(status=status)) for status in STATUSES},
+        )
+        .order_by("bucket")
+    ):
+        per_bucket[row["bucket"]] = row
+    buckets = []
+    for start in _bucket_starts(since, until, bucket):
+        row = per_bucket.get(start, {})
+        values = sorted(ttft_by_bucket.get(start, []))
+        buckets.append(
+            TimeBucket(
+                start=start,
+                requests=row.get("requests", 0),
+                by_status={status: row.get(f"s_{status}", 0) for status in STATUSES},
+                prompt_tokens=row.get("prompt_sum", 0),
+                completion_tokens=row.get("completion_sum", 0),
+                cost_usd=Decimal(row.get("cost_sum", 0)),
+                ttft_p50=percentile(values, 50),
+                ttft_p95=percentile(values, 95),
+            )
+        )
+
+    by_persona = _breakdown(
+        rows.values("persona__slug", "persona__name", "persona__emoji").annotate(**_totals()).order_by(),
+        key="persona__slug",
+        label=lambda row: f"{row['persona__emoji']} {row['persona__name']}".strip(),
+        ttft=ttft_by_persona,
+    )
+    by_model = _breakdown(
+        rows.values("model").annotate(**_totals()).order_by(),
+        key="model",
+        label=lambda row: _model_label(row["model"]),
+        ttft=ttft_by_model,
+    )
+
+    return Stats(
+        since=since,
+        until=until,
+        bucket=bucket,
+        include_previews=include_previews,
+        requests=totals["requests"],
+        by_status=by_status,
+        prompt_tokens=totals["prompt_sum"],
+        completion_tokens=totals["completion_sum"],
+        cost_usd=Decimal(totals["cost_sum"]),
+        unpriced=totals["unpriced"],
+        cache_hits=totals["cache_hits"],
+        cache_lookups=totals["cache_lookups"],
+        errors=totals["errors"],
+        errors_by_code=errors_by_code,
+        ttft_p50=percentile(all_ttft, 50),
+        ttft_p95=percentile(all_ttft, 95),
+        buckets=buckets,
+        by_persona=by_persona,
+        by_model=by_model,
+    )
+
+
+def parse_since(value: str, *, now: dt.datetime | None = None) -> dt.datetime:
+    """`24h`, `7d`, `90m`-style spans back from now. Raises ValueError on anything else."""
+    value = value.strip().lower()
+    units = {"m": "minutes", "h": "hours", "d": "days"}
+    number, unit = value[:-1], value[-1:]
+    if unit not in units or not number.isdigit() or int(number) <= 0:
+        raise ValueError(f"{value!r} is not a span such as 24h, 7d or 30d.")
+    return (now or timezone.now()) - dt.timedelta(**{units[unit]: int(number)})
+
+
+# --- the admin page's range filter -----------------------------------------------------------
+
+
+class StatsRangeForm(forms.Form):
+    """The analytics page's GET parameters: a named range, or a custom from-to in whole days."""
+
+    range = forms.ChoiceField(
+        choices=[
+            ("24h", "Last 24 hours"),
+            ("7d", "Last 7 days"),
+            ("30d", "Last 30 days"),
+            ("custom", "Custom"),
+        ],
+        required=False,
+    )
+    start = forms.DateField(
+        label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d")
+    )
+    end = forms.DateField(
+        label="To", required=False, widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d")
+    )
+    bucket = forms.ChoiceField(
+        choices=[("", "Auto"), ("hour", "Hour"), ("day", "Day")], required=False, label="Per"
+    )
+    previews = forms.BooleanField(label="Include previews", required=False)
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        chosen = data.get("range") or ("custom" if data.get("start") or data.get("end") else "24h")
+        data["range"] = chosen
+        now = timezone.now()
+        if chosen != "custom":
+            data["since"], data["until"] = now - PRESET_RANGES[chosen], now
+        else:
+            start, end = data.get("start"), data.get("end")
+            if start is None and "start" not in self.errors:
+                self.add_error("start", "Choose the first day of the range.")
+            if end is None and "end" not in self.errors:
+                self.add_error("end", "Choose the last day of the range.")
+            if start is None or end is None:
+                return data
+            if end < start:
+                raise forms.ValidationError("The range ends before it starts: swap From and To.")
+            tz = timezone.get_current_timezone()
+            since = dt.datetime.combine(start, dt.time.min, tzinfo=tz)
+            until = dt.datetime.combine(end + dt.timedelta(days=1), dt.time.min, tzinfo=tz)
+            if until - since > MAX_RANGE:
+                raise forms.ValidationError(f"Choose at most {MAX_RANGE.days} days.")
+            if since > now:
+                raise forms.ValidationError("The range starts in the future.")
+            data["since"], data["until"] = since, until
+        if data.get("bucket") == "hour" and data["until"] - data["since"] > dt.timedelta(days=31):
+            self.add_error("bucket", "Hourly buckets go up to 31 days; choose Day or Auto.")
+        return data
