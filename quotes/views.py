@@ -158,8 +158,11 @@ async def _stream_response(events: AsyncGenerator[Event, None]) -> HttpResponseB
     meta = Meta()
     try:
         first = await anext(events)
-        while type(first) is Meta:
-            meta = meta.merged(first)
+        # Keep-alive pings before the first token are dropped: the headers are not sent yet, and
+        # the status and model headers must stay truthful (the first-token timeout bounds this wait).
+        while type(first) is Meta or type(first) is Ping:
+            if type(first) is Meta:
+                meta = meta.merged(first)
             first = await anext(events)
     except StopAsyncIteration:
         first = internal()

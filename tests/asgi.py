@@ -27,7 +27,12 @@ class StreamedResponse:
 
 
 def http_scope(
-    method: str, path: str, *, query: str = "", headers: dict[str, str] | None = None
+    method: str,
+    path: str,
+    *,
+    query: str = "",
+    headers: dict[str, str] | None = None,
+    client: tuple[str, int] = ("127.0.0.1", 50000),
 ) -> dict[str, Any]:
     raw_headers = [(b"host", b"testserver")]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -41,7 +46,7 @@ def http_scope(
         "raw_path": path.encode(),
         "query_string": query.encode(),
         "headers": raw_headers,
-        "client": ("127.0.0.1", 50000),
+        "client": client,
         "server": ("testserver", 80),
     }
 
@@ -57,11 +62,12 @@ class AsgiStream:
         body: bytes = b"",
         query: str = "",
         headers: dict[str, str] | None = None,
+        client: tuple[str, int] = ("127.0.0.1", 50000),
     ):
         from config.asgi import application
 
         self.communicator = ApplicationCommunicator(
-            application, http_scope(method, path, query=query, headers=headers)
+            application, http_scope(method, path, query=query, headers=headers, client=client)
         )
         self.body = body
         self.response: StreamedResponse | None = None

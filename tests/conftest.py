@@ -9,7 +9,7 @@ from quotes.ai.backends import get_backend
 from quotes.ai.backends.local import LocalBackend
 from quotes.models import Persona
 
-pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server"]
+pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server", "tests.redis_server"]
 
 
 @pytest.hookimpl(trylast=True)
@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _local_backend_by_default(settings: pytest.FixtureRequest) -> None:
     """Tests run on the embedded model unless they ask for another backend."""
     settings.AI_BACKEND = "local"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A file, not SQLite's shared in-memory database: concurrent streams write their log rows
+    at once, and in-memory SQLite fails a locked write at once instead of waiting for it."""
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] == "django.db.backends.sqlite3":
+        database.setdefault("TEST", {})["NAME"] = str(tmp_path_factory.mktemp("db") / "test.sqlite3")
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
+from django.db import OperationalError
 
 from ..models import Generation, Persona, PersonaVersion
 from . import limits
@@ -469,4 +470,17 @@ async def _save(
         client_hash=client.ip_hash,
         is_preview=preview,
     )
-    await _shielded(row.asave())
+    await _shielded(_save_row(row))
+
+
+async def _save_row(row: Generation, attempts: int = 5) -> None:
+    """Insert the row, retrying a briefly locked database (SQLite under concurrent streams):
+    a log row must not be lost to a transient lock."""
+    for attempt in range(attempts):
+        try:
+            await row.asave()
+            return
+        except OperationalError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.05 * 2**attempt)

@@ -1,0 +1,1054 @@
+"""The app's own gateway (quotes/ai/gateway.py), through the real stream endpoint and the real ASGI
+app: the request log, the answer cache, coalescing, rate limits, retries, fallbacks, timeouts and
+keep-alive. Upstream is the fake Workers AI server (a real HTTP server on 127.0.0.1) or, where
+stated, the embedded model; the cache is LocMem, or a real redis-server for the Redis tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import json
+import re
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.conf import settings as django_settings
+from django.core.cache import cache
+from django.utils import timezone
+
+from quotes.ai import gateway
+from quotes.ai.backends import reset_backends
+from quotes.ai.backends.local import LocalBackend
+from quotes.ai.catalog import estimate_cost
+from quotes.models import Generation, Persona
+from tests.asgi import AsgiStream, StreamedResponse, parse_sse
+from tests.fakes.fixtures import workers_ai_config
+from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STREAM_URL = "/api/quotes/stream"
+MODEL = "@cf/meta/llama-3.1-8b-instruct"
+FALLBACK = "@cf/meta/llama-3.2-3b-instruct"
+LOCAL_MODEL = "gemma-3-270m"
+DEFAULT_TOKENS = ("Stay", " hungry", ",", " stay", " foolish", ".")
+DEFAULT_TEXT = "Stay hungry, stay foolish."
+DEFAULT_USAGE = (12, 6)
+HEX32 = re.compile(r"[0-9a-f]{32}")
+PING = b": ping\n\n"
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
+    """The workers-ai backend against the fake; its httpx client is closed on the test's loop."""
+    yield fake_workers_ai
+    await reset_backends()
+
+
+@pytest.fixture(autouse=True)
+async def _no_flight_left_behind() -> AsyncIterator[None]:
+    """Every flight (a generation shared by listeners) must be gone once its requests are."""
+    yield
+    for _ in range(100):
+        if not gateway._flights:
+            break
+        await asyncio.sleep(0.02)
+    left = dict(gateway._flights)
+    for flight in left.values():
+        if flight.task is not None:
+            flight.task.cancel()
+    gateway._flights.clear()
+    assert not left, f"flights still registered after the test: {list(left)}"
+
+
+@dataclass
+class Upstream:
+    """What answers the persona, and how many times it was asked."""
+
+    name: str
+    model: str
+    calls: Callable[[], int]
+    fake: FakeWorkersAI | None = None
+
+
+def local_calls(backend: LocalBackend) -> Callable[[], int]:
+    """Jobs started on the embedded model since now (its `jobs` list is bounded: count by identity)."""
+    marker = backend.jobs[-1] if backend.jobs else None
+
+    def calls() -> int:
+        jobs = backend.jobs
+        if marker is None:
+            return len(jobs)
+        for index, job in enumerate(jobs):
+            if job is marker:
+                return len(jobs) - index - 1
+        return len(jobs)
+
+    return calls
+
+
+@pytest.fixture(params=["workers-ai", "local"])
+def upstream(request: pytest.FixtureRequest) -> Upstream:
+    if request.param == "workers-ai":
+        fake_server: FakeWorkersAI = request.getfixturevalue("fake")
+        return Upstream("workers-ai", MODEL, lambda: len(fake_server.requests), fake_server)
+    backend: LocalBackend = request.getfixturevalue("local_backend")
+    return Upstream("local", LOCAL_MODEL, local_calls(backend))
+
+
+@pytest.fixture
+def unaccepting_port() -> Iterator[int]:
+    """A port whose listen backlog is full, so a new connection hangs in the handshake."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    yield port
+    for filler in fillers:
+        filler.close()
+    server.close()
+
+
+@pytest.fixture
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def configure(settings: Any, **options: Any) -> None:
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, **options}
+
+
+async def use_workers_ai(settings: Any, fake_server: FakeWorkersAI, **overrides: Any) -> None:
+    settings.WORKERS_AI = workers_ai_config(fake_server, **overrides)
+    await reset_backends()
+
+
+def post_stream(
+    body: dict[str, Any] | None = None,
+    *,
+    client: tuple[str, int] = ("127.0.0.1", 50000),
+    headers: dict[str, str] | None = None,
+) -> AsgiStream:
+    return AsgiStream(
+        "POST",
+        STREAM_URL,
+        body=json.dumps(body or {"persona": "test-watts"}).encode(),
+        headers={"content-type": "application/json", **(headers or {})},
+        client=client,
+    )
+
+
+async def post(body: dict[str, Any] | None = None, **kwargs: Any) -> StreamedResponse:
+    stream = post_stream(body, **kwargs)
+    await stream.start()
+    return await stream.read_all()
+
+
+def without_pings(body: bytes) -> bytes:
+    return body.replace(PING, b"")
+
+
+def events_of(body: bytes) -> list[dict[str, str]]:
+    return parse_sse(without_pings(body))
+
+
+def text_of(body: bytes) -> str:
+    """The quote in an SSE body (token events only; usage, [DONE] and errors ignored)."""
+    text = ""
+    for event in events_of(body):
+        if event["event"] != "message" or event["data"] == "[DONE]":
+            continue
+        text += json.loads(event["data"]).get("response", "")
+    return text
+
+
+def assert_complete(response: StreamedResponse) -> None:
+    assert response.status == 200, response.body
+    assert response.headers["content-type"] == "text/event-stream"
+    assert response.body.endswith(b"data: [DONE]\n\n"), response.body[-200:]
+
+
+def assert_error_event(response: StreamedResponse, code: str) -> dict[str, str]:
+    assert response.status == 200
+    assert b"[DONE]" not in response.body
+    *_, last = events_of(response.body)
+    assert last["event"] == "error", response.body
+    error = json.loads(last["data"])["error"]
+    assert error["code"] == code, error
+    assert error["message"]
+    return error
+
+
+def assert_json_error(response: StreamedResponse, status: int, code: str) -> str:
+    assert response.status == status, response.body
+    assert response.headers["content-type"] == "application/json"
+    payload = response.json()
+    assert payload["error"]["code"] == code, payload
+    assert payload["error"]["message"]
+    return str(payload["error"]["message"])
+
+
+def cost_of(model: str, prompt: int, completion: int) -> Decimal | None:
+    estimate = estimate_cost(model, prompt, completion)
+    return None if estimate is None else Decimal(str(round(estimate, 8)))
+
+
+def ip_hash(ip: str) -> str:
+    return hmac.new(django_settings.SECRET_KEY.encode(), ip.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+async def rows() -> list[Generation]:
+    return [row async for row in Generation.objects.order_by("id")]
+
+
+async def wait_for_rows(count: int, timeout_s: float = 5.0) -> list[Generation]:
+    """For requests that ended with a disconnect: their handler may still be writing the row."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await rows()
+        if len(found) >= count or time.monotonic() > deadline:
+            assert len(found) == count, [(r.status, r.text) for r in found]
+            return found
+        await asyncio.sleep(0.02)
+
+
+async def latest_version_id(persona: Persona) -> int:
+    version = await persona.versions.order_by("-number").afirst()
+    assert version is not None
+    return version.pk
+
+
+def answer_keys_in_locmem() -> list[str]:
+    from django.core.cache.backends.locmem import _caches
+
+    return [key for store in _caches.values() for key in store if "quotes:answer:" in key]
+
+
+async def at_start_of_window(window: int, margin_s: float = 5.0) -> None:
+    """Fixed-window limits reset on the window's edge: don't start a count right before it."""
+    remaining = window - time.time() % window
+    if remaining < margin_s:
+        await asyncio.sleep(remaining + 0.05)
+
+
+async def read_tokens(stream: AsgiStream, count: int) -> bytes:
+    """Start the response and read `count` body chunks (one SSE event each)."""
+    if stream.response is None:
+        response = await stream.start()
+        assert response.status == 200, response
+    received = b""
+    for _ in range(count):
+        chunk, more = await stream.next_chunk()
+        assert more
+        received += chunk
+    return received
+
+
+# -- 1. the request log --------------------------------------------------------------------------
+
+
+async def test_log_ok_row_has_every_field_by_the_time_done_is_read(
+    persona: Persona, upstream: Upstream
+) -> None:
+    persona.system_prompt = "You are Alan Watts, the philosopher"
+    await persona.asave()  # a second version: the row must point at the latest
+    started = timezone.now()
+
+    response = await post(client=("203.0.113.7", 4242))
+
+    assert_complete(response)
+    [row] = await rows()  # no sleep: the row is written before [DONE] goes out
+    assert row.status == Generation.Status.OK
+    assert row.persona_id == persona.pk
+    assert row.persona_version_id == await latest_version_id(persona)
+    assert (await persona.versions.acount()) == 2
+    assert row.backend == upstream.name
+    assert row.model == upstream.model
+    assert row.fallback_step == 0
+    assert row.cache_status == Generation.CacheStatus.MISS
+    assert row.text == text_of(response.body) != ""
+    usage = json.loads(events_of(response.body)[-2]["data"])["usage"]
+    assert (row.prompt_tokens, row.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+    if upstream.name == "workers-ai":
+        assert (row.prompt_tokens, row.completion_tokens) == DEFAULT_USAGE
+    expected_cost = cost_of(row.model, row.prompt_tokens, row.completion_tokens)
+    assert row.cost_usd == expected_cost
+    assert isinstance(row.cost_usd, Decimal)
+    if upstream.name == "workers-ai":
+        assert row.cost_usd > 0
+    assert row.ttft_ms is not None and row.duration_ms is not None
+    assert 0 < row.ttft_ms <= row.duration_ms
+    assert HEX32.fullmatch(row.client_hash)
+    assert "203.0.113.7" not in row.client_hash
+    assert row.client_hash == ip_hash("203.0.113.7")
+    assert row.client_hash != hashlib.sha256(b"203.0.113.7").hexdigest()[:32]  # salted
+    assert started - timedelta(seconds=1) <= row.created_at <= timezone.now()
+    assert (row.error_code, row.error_message) == ("", "")
+
+
+async def test_log_error_row_has_the_code_and_message(persona: Persona, fake: FakeWorkersAI) -> None:
+    fake.script(Scenario.server_error(503))
+
+    response = await post()
+
+    message = assert_json_error(response, 502, "upstream_unavailable")
+    [row] = await rows()
+    assert row.status == Generation.Status.ERROR
+    assert (row.error_code, row.error_message) == ("upstream_unavailable", message)
+    assert row.text == ""
+    assert row.backend == "workers-ai" and row.model == MODEL
+    assert row.persona_version_id == await latest_version_id(persona)
+    assert row.cost_usd is None and row.ttft_ms is None
+    assert HEX32.fullmatch(row.client_hash)
+
+
+async def test_log_cancelled_row_keeps_the_partial_text_and_closes_the_upstream(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    fake.script(Scenario(tokens=["tick"] * 300, token_delay_s=0.02))
+    stream = post_stream()
+    received = await read_tokens(stream, 3)
+
+    disconnected_at = time.monotonic()
+    await stream.disconnect()
+
+    [upstream_request] = fake.requests
+    assert await asyncio.to_thread(upstream_request.client_disconnected.wait, 5)
+    assert upstream_request.disconnected_at is not None
+    assert upstream_request.disconnected_at - disconnected_at < 2.0
+    [row] = await wait_for_rows(1)
+    assert row.status == Generation.Status.CANCELLED
+    assert row.text.startswith(text_of(received + b"data: [DONE]\n\n")) and row.text.startswith("ticktick")
+    assert row.text == "tick" * (len(row.text) // 4) and len(row.text) < 4 * 300
+    assert row.error_code == ""
+    assert row.persona_version_id == await latest_version_id(persona)
+    assert row.ttft_ms is not None and row.duration_ms is not None and row.ttft_ms <= row.duration_ms
+
+
+async def test_log_busy_row_on_the_embedded_model(
+    persona: Persona, local_backend: LocalBackend, settings: Any
+) -> None:
+    await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=40)
+    local_backend.queue_timeout_s = 0.05
+    first = post_stream()
+    await read_tokens(first, 1)
+
+    # Another topic: an identical request would share the first one's generation.
+    second = await post({"persona": persona.slug, "topic": "rest"})
+
+    assert_json_error(second, 503, "busy")
+    finished = await first.read_all()
+    assert_complete(finished)
+    statuses = {row.topic: row for row in await rows()}
+    busy = statuses["rest"]
+    assert busy.status == Generation.Status.BUSY
+    assert busy.error_code == "busy" and busy.backend == "local" and busy.model == LOCAL_MODEL
+    assert statuses["hard honest work"].status == Generation.Status.OK
+
+
+# -- 2. the answer cache ----------------------------------------------------------------------------
+
+
+async def test_cache_second_identical_request_is_a_hit_replayed_as_the_same_stream(
+    persona: Persona, upstream: Upstream
+) -> None:
+    first = await post()
+    calls_after_first = upstream.calls()
+    second = await post()
+
+    assert_complete(first)
+    assert_complete(second)
+    assert calls_after_first == 1
+    assert upstream.calls() == 1  # nothing reached the upstream the second time
+    assert first.headers["cf-aig-cache-status"] == "MISS"
+    assert second.headers["cf-aig-cache-status"] == "HIT"
+    assert second.body == first.body  # same wire format, same text, same usage
+    assert second.headers["x-quote-model"] == first.headers["x-quote-model"] == upstream.model
+    miss, hit = await rows()
+    assert (miss.cache_status, hit.cache_status) == ("miss", "hit")
+    assert hit.status == Generation.Status.OK
+    assert hit.cost_usd == Decimal(0)
+    assert hit.text == miss.text == text_of(first.body)
+    assert hit.model == miss.model == upstream.model
+    assert (hit.prompt_tokens, hit.completion_tokens) == (miss.prompt_tokens, miss.completion_tokens)
+    assert hit.persona_version_id == miss.persona_version_id
+
+
+async def test_cache_fresh_true_bypasses_the_cache(persona: Persona, upstream: Upstream) -> None:
+    first = await post()
+    fresh = await post({"persona": persona.slug, "fresh": True})
+
+    assert_complete(fresh)
+    assert first.headers["cf-aig-cache-status"] == "MISS"
+    assert fresh.headers["cf-aig-cache-status"] == "BYPASS"
+    assert upstream.calls() == 2
+    assert [row.cache_status for row in await rows()] == ["miss", "bypass"]
+
+
+@pytest.mark.parametrize("how", ["persona-ttl-0", "skip_cache"])
+async def test_cache_can_be_turned_off(
+    persona: Persona, fake: FakeWorkersAI, settings: Any, how: str
+) -> None:
+    if how == "persona-ttl-0":
+        persona.cache_ttl = 0
+        await persona.asave()
+    else:
+        configure(settings, skip_cache=True)
+
+    first = await post()
+    second = await post()
+
+    assert_complete(first)
+    assert_complete(second)
+    assert first.headers["cf-aig-cache-status"] == second.headers["cf-aig-cache-status"] == "BYPASS"
+    assert len(fake.requests) == 2
+    assert answer_keys_in_locmem() == []
+    assert [row.cache_status for row in await rows()] == ["bypass", "bypass"]
+
+
+async def test_cache_uses_the_persona_ttl_override(persona: Persona, fake: FakeWorkersAI) -> None:
+    persona.cache_ttl = 120
+    await persona.asave()
+
+    await post()
+
+    [key] = answer_keys_in_locmem()
+    expires_in = cache._expire_info[key] - time.time()  # type: ignore[attr-defined]
+    assert 100 < expires_in <= 121
+    assert (await post()).headers["cf-aig-cache-status"] == "HIT"
+
+
+@pytest.mark.parametrize("fault", ["upstream-drop", "client-disconnect", "upstream-error"])
+async def test_cache_stores_only_complete_answers(persona: Persona, fake: FakeWorkersAI, fault: str) -> None:
+    if fault == "upstream-drop":
+        fake.script(Scenario(drop_after_tokens=2))
+        assert_error_event(await post(), "upstream_dropped")
+    elif fault == "client-disconnect":
+        fake.script(Scenario(tokens=["tick"] * 100, token_delay_s=0.02))
+        stream = post_stream()
+        await read_tokens(stream, 2)
+        await stream.disconnect()
+        await asyncio.to_thread(fake.requests[0].client_disconnected.wait, 5)
+        await wait_for_rows(1)
+    else:
+        fake.script(Scenario.server_error(503))
+        assert_json_error(await post(), 502, "upstream_unavailable")
+
+    after = await post()
+
+    assert_complete(after)
+    assert after.headers["cf-aig-cache-status"] == "MISS"
+    assert text_of(after.body) == DEFAULT_TEXT
+    assert len(fake.requests) == 2
+    assert [row.cache_status for row in await rows()] == ["miss", "miss"]
+
+
+async def test_cache_local_disconnect_is_not_stored(persona: Persona, local_backend: LocalBackend) -> None:
+    await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=200)
+    calls = local_calls(local_backend)
+    stream = post_stream()
+    await read_tokens(stream, 1)
+    await stream.disconnect()
+    [cancelled] = await wait_for_rows(1)
+    assert cancelled.status == Generation.Status.CANCELLED
+
+    after = await post()
+
+    assert_complete(after)
+    assert after.headers["cf-aig-cache-status"] == "MISS"
+    assert calls() == 2
+
+
+@pytest.mark.parametrize("change", ["system-prompt", "fallback-models"])
+async def test_cache_a_new_persona_version_is_a_miss(
+    persona: Persona, fake: FakeWorkersAI, change: str
+) -> None:
+    first = await post()
+    if change == "system-prompt":
+        persona.system_prompt = "You are Alan Watts, speaking softly"
+    else:
+        persona.fallback_models = [FALLBACK]  # same request to the primary model, new version
+    await persona.asave()
+
+    second = await post()
+
+    assert first.headers["cf-aig-cache-status"] == second.headers["cf-aig-cache-status"] == "MISS"
+    assert len(fake.requests) == 2
+    one, two = await rows()
+    assert one.persona_version_id != two.persona_version_id == await latest_version_id(persona)
+    assert (await post()).headers["cf-aig-cache-status"] == "HIT"  # the new version is cached in turn
+
+
+async def test_cache_hit_is_replayed_with_pacing(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, replay_pacing_ms=50)
+    await post()
+
+    hit = await post()
+
+    assert hit.headers["cf-aig-cache-status"] == "HIT"
+    assert_complete(hit)
+    n = len(DEFAULT_TOKENS)
+    assert len(hit.chunks) >= n  # several chunks, not one buffered body
+    spread = hit.chunk_times[-1] - hit.chunk_times[0]
+    assert spread >= 0.8 * (n - 1) * 0.05, spread
+
+
+# -- 3. coalescing --------------------------------------------------------------------------------
+
+
+async def test_coalescing_identical_concurrent_requests_share_one_upstream_call(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_concurrent_streams=10)
+    fake.default = Scenario(token_delay_s=0.1)
+
+    responses = await asyncio.gather(*(post() for _ in range(5)))
+
+    assert len(fake.requests) == 1
+    for response in responses:
+        assert_complete(response)
+        assert response.body == responses[0].body
+    assert text_of(responses[0].body) == DEFAULT_TEXT
+    statuses = sorted(response.headers["cf-aig-cache-status"] for response in responses)
+    assert statuses == ["HIT", "HIT", "HIT", "HIT", "MISS"]
+    logged = await rows()
+    assert len(logged) == 5
+    assert sorted(row.cache_status for row in logged) == ["hit", "hit", "hit", "hit", "miss"]
+    assert all(row.status == Generation.Status.OK and row.text == DEFAULT_TEXT for row in logged)
+    [miss] = [row for row in logged if row.cache_status == "miss"]
+    assert miss.cost_usd == cost_of(MODEL, *DEFAULT_USAGE)
+    assert all(row.cost_usd == 0 for row in logged if row.cache_status == "hit")
+
+
+async def test_log_every_coalesced_listener_leaves_its_row(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """Ten listeners of one flight all finish at the same instant, each writing its row from its
+    own request thread: none may be lost (a failed write is only logged by `_shielded`)."""
+    configure(settings, max_concurrent_streams=20)
+    fake.default = Scenario(token_delay_s=0.05)
+
+    responses = await asyncio.gather(*(post() for _ in range(10)))
+
+    assert all(response.body.endswith(b"data: [DONE]\n\n") for response in responses)
+    assert len(await rows()) == 10
+
+
+async def test_coalescing_a_late_joiner_gets_the_whole_text_from_the_start(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    fake.script(Scenario(token_delay_s=0.1))
+    leader = post_stream()
+    await read_tokens(leader, 2)
+
+    joiner = await post()
+    led = await leader.read_all()
+
+    assert len(fake.requests) == 1
+    assert_complete(joiner)
+    assert joiner.body == led.body
+    assert text_of(joiner.body) == DEFAULT_TEXT
+    assert joiner.headers["cf-aig-cache-status"] == "HIT"
+    assert sorted(row.cache_status for row in await rows()) == ["hit", "miss"]
+
+
+async def test_coalescing_all_listeners_gone_closes_the_upstream(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    fake.script(Scenario(tokens=["tick"] * 300, token_delay_s=0.02))
+    first = post_stream()
+    await read_tokens(first, 2)
+    second = post_stream()
+    await read_tokens(second, 2)
+    [upstream_request] = fake.requests
+
+    await first.disconnect()
+    await asyncio.sleep(0.2)
+    assert not upstream_request.client_disconnected.is_set()  # one listener is still reading
+    disconnected_at = time.monotonic()
+    await second.disconnect()
+
+    assert await asyncio.to_thread(upstream_request.client_disconnected.wait, 5)
+    assert upstream_request.disconnected_at is not None
+    assert upstream_request.disconnected_at - disconnected_at < 2.0
+    logged = await wait_for_rows(2)
+    assert [row.status for row in logged] == ["cancelled", "cancelled"]
+    assert len(fake.requests) == 1
+
+
+async def test_coalescing_one_listener_leaving_does_not_stop_the_other(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    fake.script(Scenario(token_delay_s=0.1))
+    leaving = post_stream()
+    await read_tokens(leaving, 1)
+    staying = post_stream()
+    await read_tokens(staying, 1)
+
+    await leaving.disconnect()
+    stayed = await staying.read_all()
+
+    assert_complete(stayed)
+    assert text_of(stayed.body) == DEFAULT_TEXT
+    [upstream_request] = fake.requests
+    assert await asyncio.to_thread(upstream_request.finished.wait, 5)
+    assert not upstream_request.client_disconnected.is_set()
+    logged = await wait_for_rows(2)
+    assert sorted(row.status for row in logged) == ["cancelled", "ok"]
+    # The answer was complete, so it was cached although its first listener left.
+    again = await post()
+    assert again.headers["cf-aig-cache-status"] == "HIT"
+    assert len(fake.requests) == 1
+
+
+# -- 4. rate limits -------------------------------------------------------------------------------
+
+
+def assert_rate_limited(response: StreamedResponse, code: str = "rate_limited") -> int:
+    assert_json_error(response, 429, code)
+    retry_after = response.headers["retry-after"]
+    assert retry_after.isdigit(), retry_after
+    return int(retry_after)
+
+
+async def test_rate_limit_fourth_request_from_a_client_is_429(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, rate_limit=(3, 60))
+    await at_start_of_window(60)
+    for _ in range(3):
+        assert_complete(await post(client=("198.51.100.1", 1000)))
+
+    limited = await post(client=("198.51.100.1", 1001))
+    other_ip = await post(client=("198.51.100.2", 1000))
+
+    assert 1 <= assert_rate_limited(limited) <= 60
+    assert_complete(other_ip)
+    logged = await rows()
+    assert [row.status for row in logged] == ["ok", "ok", "ok", "rate_limited", "ok"]
+    row = logged[3]
+    assert row.error_code == "rate_limited" and row.error_message == limited.json()["error"]["message"]
+    assert row.client_hash == ip_hash("198.51.100.1")
+    assert row.persona_version_id == await latest_version_id(persona)
+    assert len(fake.requests) == 1  # the rest were hits; the limited request never got that far
+
+
+async def test_rate_limit_a_logged_in_user_is_limited_across_ips(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    from django.contrib.auth.models import User
+    from django.test import AsyncClient
+
+    configure(settings, rate_limit=(3, 60))
+    await User.objects.acreate_user(username="reader", password="a-long-test-password-42")
+    browser = AsyncClient()
+    assert await browser.alogin(username="reader", password="a-long-test-password-42")
+    cookie = {
+        "cookie": f"{settings.SESSION_COOKIE_NAME}={browser.cookies[settings.SESSION_COOKIE_NAME].value}"
+    }
+    await at_start_of_window(60)
+
+    for index in range(3):
+        assert_complete(await post(client=(f"192.0.2.{index + 1}", 1000), headers=cookie))
+    limited = await post(client=("192.0.2.9", 1000), headers=cookie)
+    anonymous_same_ip = await post(client=("192.0.2.9", 1000))
+
+    assert_rate_limited(limited)
+    assert_complete(anonymous_same_ip)  # that IP itself had asked nothing yet
+    logged = await rows()
+    assert [row.status for row in logged] == ["ok", "ok", "ok", "rate_limited", "ok"]
+    assert logged[3].client_hash == ip_hash("192.0.2.9")
+
+
+async def test_rate_limit_concurrent_streams_are_capped(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_concurrent_streams=2)
+    fake.default = Scenario(token_delay_s=0.1)
+    first = post_stream({"persona": persona.slug, "topic": "one"})
+    second = post_stream({"persona": persona.slug, "topic": "two"})
+    await read_tokens(first, 1)
+    await read_tokens(second, 1)
+
+    third = await post({"persona": persona.slug, "topic": "three"})
+
+    retry_after = assert_rate_limited(third, "too_many_streams")
+    assert 1 <= retry_after <= 60
+    assert_complete(await first.read_all())
+    fourth = await post({"persona": persona.slug, "topic": "four"})
+    assert_complete(fourth)
+    assert_complete(await second.read_all())
+    by_topic = {row.topic: row for row in await rows()}
+    assert by_topic["three"].status == Generation.Status.RATE_LIMITED
+    assert by_topic["three"].error_code == "too_many_streams"
+    assert {by_topic[t].status for t in ("one", "two", "four")} == {"ok"}
+
+
+# -- 5. retries (before the first token only) ------------------------------------------------------
+
+
+async def test_retry_503_then_3040_then_success(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
+    configure(settings, max_attempts=3, retry_delay_ms=10)
+    fake.script(Scenario.server_error(503), Scenario.out_of_capacity())
+
+    response = await post()
+
+    assert_complete(response)
+    assert text_of(response.body) == DEFAULT_TEXT
+    assert len(fake.requests) == 3
+    assert {r.model for r in fake.requests} == {MODEL}
+    [row] = await rows()
+    assert (row.status, row.model, row.fallback_step) == ("ok", MODEL, 0)
+
+
+async def test_retry_a_connection_dropped_before_the_first_token(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_attempts=2, retry_delay_ms=10)
+    # An empty-text event, then the TCP connection is aborted: no token was seen.
+    fake.script(Scenario(tokens=("",), usage=None, drop_after_tokens=1))
+
+    response = await post()
+
+    assert_complete(response)
+    assert text_of(response.body) == DEFAULT_TEXT
+    assert len(fake.requests) == 2
+
+
+async def test_retry_model_not_found_is_not_retried(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_attempts=3, retry_delay_ms=10)
+    fake.script(Scenario.model_not_found())
+
+    response = await post()
+
+    assert_json_error(response, 400, "model_not_found")
+    await asyncio.sleep(0.1)
+    assert len(fake.requests) == 1
+    [row] = await rows()
+    assert (row.status, row.error_code) == ("error", "model_not_found")
+
+
+@pytest.mark.parametrize(
+    ("backoff", "minimum_gaps"),
+    [
+        ("constant", (0.15, 0.15, 0.15)),
+        ("linear", (0.15, 0.30, 0.45)),
+        ("exponential", (0.15, 0.30, 0.60)),
+    ],
+)
+async def test_retry_backoff(
+    persona: Persona, fake: FakeWorkersAI, settings: Any, backoff: str, minimum_gaps: tuple[float, ...]
+) -> None:
+    configure(settings, max_attempts=4, retry_delay_ms=150, backoff=backoff)
+    fake.script(*[Scenario.server_error(503)] * 3)
+
+    response = await post()
+
+    assert_complete(response)
+    times = [r.received_at for r in fake.requests]
+    assert len(times) == 4
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    for gap, minimum in zip(gaps, minimum_gaps, strict=True):
+        assert gap >= minimum * 0.9, gaps
+    if backoff == "constant":
+        assert gaps[2] < 0.55, gaps  # generous: not growing like the others (0.45 / 0.60)
+
+
+# -- 6. fallbacks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["persona", "settings"])
+async def test_fallback_model_answers_when_the_primary_is_out_of_capacity(
+    persona: Persona, fake: FakeWorkersAI, settings: Any, where: str
+) -> None:
+    configure(settings, max_attempts=2, retry_delay_ms=10)
+    if where == "persona":
+        persona.fallback_models = [FALLBACK]
+        await persona.asave()
+    else:
+        configure(settings, fallback_models=[FALLBACK])
+    fake.script(Scenario.out_of_capacity(), Scenario.out_of_capacity())
+
+    response = await post()
+
+    assert_complete(response)
+    assert text_of(response.body) == DEFAULT_TEXT
+    assert [r.model for r in fake.requests] == [MODEL, MODEL, FALLBACK]
+    assert fake.requests[-1].path.endswith(f"/ai/run/{FALLBACK}")
+    assert response.headers["cf-aig-step"] == "1"
+    assert response.headers["x-quote-model"] == FALLBACK
+    [row] = await rows()
+    assert (row.status, row.model, row.fallback_step) == ("ok", FALLBACK, 1)
+    assert row.cost_usd == cost_of(FALLBACK, *DEFAULT_USAGE)
+    assert row.persona_version_id == await latest_version_id(persona)
+
+
+async def test_fallback_never_after_the_first_token(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_attempts=3, retry_delay_ms=10, fallback_models=[FALLBACK])
+    fake.script(Scenario(drop_after_tokens=2))
+
+    response = await post()
+
+    assert_error_event(response, "upstream_dropped")
+    assert text_of(response.body) == "Stay hungry"  # no text repeated
+    await asyncio.sleep(0.2)
+    assert len(fake.requests) == 1  # no retry, no fallback
+    [row] = await rows()
+    assert (row.status, row.error_code, row.text) == ("error", "upstream_dropped", "Stay hungry")
+
+
+async def test_fallback_not_for_an_auth_error(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
+    configure(settings, max_attempts=3, retry_delay_ms=10, fallback_models=[FALLBACK])
+    fake.script(Scenario.unauthorized())
+
+    response = await post()
+
+    assert_json_error(response, 502, "upstream_auth")
+    await asyncio.sleep(0.1)
+    assert len(fake.requests) == 1
+
+
+# -- 7. timeouts ----------------------------------------------------------------------------------
+
+
+async def test_timeout_connect_is_retried_then_504(
+    persona: Persona, fake: FakeWorkersAI, settings: Any, unaccepting_port: int
+) -> None:
+    configure(settings, max_attempts=2, retry_delay_ms=10, ttft_timeout_s=5)
+    await use_workers_ai(
+        settings,
+        fake,
+        base_url=f"http://127.0.0.1:{unaccepting_port}/client/v4",
+        connect_timeout_s=0.2,
+        read_timeout_s=30,
+    )
+    started = time.monotonic()
+
+    response = await post()
+
+    elapsed = time.monotonic() - started
+    assert_json_error(response, 504, "upstream_timeout")
+    assert 0.35 <= elapsed < 4, elapsed  # two connect timeouts of 0.2 s
+    [row] = await rows()
+    assert (row.status, row.error_code) == ("error", "upstream_timeout")
+
+
+async def test_timeout_unreachable_is_retried_then_502(
+    persona: Persona, fake: FakeWorkersAI, settings: Any, closed_port: int
+) -> None:
+    configure(settings, max_attempts=2, retry_delay_ms=300)
+    await use_workers_ai(settings, fake, base_url=f"http://127.0.0.1:{closed_port}/client/v4")
+    started = time.monotonic()
+
+    response = await post()
+
+    assert_json_error(response, 502, "upstream_unreachable")
+    assert time.monotonic() - started >= 0.27  # the retry's delay was waited
+    assert fake.requests == []
+
+
+async def test_timeout_first_token_is_retried_then_504(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_attempts=2, retry_delay_ms=10, ttft_timeout_s=0.3)
+    await use_workers_ai(settings, fake, read_timeout_s=10)
+    fake.script(Scenario(stall_before_s=5), Scenario(stall_before_s=5))
+    started = time.monotonic()
+
+    response = await post()
+
+    assert_json_error(response, 504, "upstream_timeout")
+    assert time.monotonic() - started < 3
+    assert len(fake.requests) == 2
+    assert await asyncio.to_thread(fake.requests[0].client_disconnected.wait, 2)  # abandoned attempt closed
+    [row] = await rows()
+    assert (row.status, row.error_code) == ("error", "upstream_timeout")
+
+
+async def test_timeout_idle_mid_stream_ends_with_an_error_event(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_attempts=2, retry_delay_ms=10, idle_timeout_s=0.3)
+    await use_workers_ai(settings, fake, read_timeout_s=10)
+    fake.script(Scenario(stall_after_tokens=2, stall_s=5))
+    started = time.monotonic()
+
+    response = await post()
+
+    assert_error_event(response, "idle_timeout")
+    assert text_of(response.body) == "Stay hungry"
+    assert time.monotonic() - started < 3
+    assert len(fake.requests) == 1
+    assert await asyncio.to_thread(fake.requests[0].client_disconnected.wait, 2)
+    [row] = await rows()
+    assert (row.status, row.error_code, row.text) == ("error", "idle_timeout", "Stay hungry")
+
+
+async def test_timeout_total_deadline_mid_stream(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, total_timeout_s=0.6)
+    await use_workers_ai(settings, fake, read_timeout_s=10, total_timeout_s=30)
+    fake.script(Scenario(tokens=DEFAULT_TOKENS * 50, token_delay_s=0.05))
+    started = time.monotonic()
+
+    response = await post()
+
+    assert_error_event(response, "deadline_exceeded")
+    assert time.monotonic() - started < 3
+    text = text_of(response.body)
+    assert text.startswith("Stay hungry") and len(text) < len(DEFAULT_TEXT) * 50
+    [row] = await rows()
+    assert (row.status, row.error_code, row.text) == ("error", "deadline_exceeded", text)
+
+
+# -- 8. keep-alive ---------------------------------------------------------------------------------
+
+
+async def test_keepalive_pings_during_a_stall_and_the_stream_completes(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, keepalive_s=0.15, idle_timeout_s=5)
+    await use_workers_ai(settings, fake, read_timeout_s=10)
+    fake.script(Scenario(stall_after_tokens=2, stall_s=0.7))
+
+    response = await post()
+
+    assert_complete(response)
+    body = response.body
+    assert body.count(PING) >= 2
+    first_ping = body.index(PING)
+    assert b'{"response":" hungry"}' in body[:first_ping]
+    assert b'{"response":","}' in body[first_ping:]  # pings sit between tokens
+    assert text_of(body) == DEFAULT_TEXT
+    [row] = await rows()
+    assert (row.status, row.text) == ("ok", DEFAULT_TEXT)
+
+
+async def test_keepalive_before_the_first_token_keeps_the_error_status(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The defaults have keepalive (15 s) < ttft timeout (30 s): a ping sent while waiting for
+    the first token must not commit a 200, or a TTFT timeout can never be the documented 504."""
+    configure(settings, max_attempts=1, ttft_timeout_s=0.6, keepalive_s=0.1)
+    await use_workers_ai(settings, fake, read_timeout_s=10)
+    fake.script(Scenario(stall_before_s=5))
+
+    response = await post()
+
+    assert_json_error(response, 504, "upstream_timeout")
+
+
+async def test_keepalive_before_the_first_token_keeps_the_fallback_headers(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    configure(settings, max_attempts=1, keepalive_s=0.1, fallback_models=[FALLBACK])
+    await use_workers_ai(settings, fake, read_timeout_s=10)
+    fake.script(Scenario.error(3040, stall_before_headers_s=0.4))
+
+    response = await post()
+
+    assert_complete(response)
+    assert response.headers["x-quote-model"] == FALLBACK
+    assert response.headers.get("cf-aig-step") == "1"
+
+
+# -- 9. Redis ------------------------------------------------------------------------------------
+
+
+def redis_keys(client: Any, pattern: str) -> list[bytes]:
+    return sorted(client.scan_iter(match=pattern))
+
+
+async def test_redis_cache_hit_lives_in_redis(
+    persona: Persona, fake: FakeWorkersAI, redis_cache: Any
+) -> None:
+    persona.cache_ttl = 120
+    await persona.asave()
+
+    first = await post()
+    second = await post()
+
+    assert first.headers["cf-aig-cache-status"] == "MISS"
+    assert second.headers["cf-aig-cache-status"] == "HIT"
+    assert second.body == first.body
+    assert len(fake.requests) == 1
+    [answer_key] = redis_keys(redis_cache, "*quotes:answer:*")
+    assert 100 < redis_cache.ttl(answer_key) <= 120  # the persona's TTL, not the site's hour
+    assert redis_keys(redis_cache, "*quotes:rate:*")
+    assert answer_keys_in_locmem() == []
+    assert [row.cache_status for row in await rows()] == ["miss", "hit"]
+    # Gone from Redis means gone: the next request is a miss again.
+    redis_cache.delete(answer_key)
+    assert (await post()).headers["cf-aig-cache-status"] == "MISS"
+    assert len(fake.requests) == 2
+
+
+async def test_redis_coalescing_then_cached(
+    persona: Persona, fake: FakeWorkersAI, settings: Any, redis_cache: Any
+) -> None:
+    configure(settings, max_concurrent_streams=10)
+    fake.default = Scenario(token_delay_s=0.1)
+
+    responses = await asyncio.gather(*(post() for _ in range(5)))
+
+    assert len(fake.requests) == 1
+    for response in responses:
+        assert_complete(response)
+        assert response.body == responses[0].body
+    assert sorted(row.cache_status for row in await rows()) == ["hit", "hit", "hit", "hit", "miss"]
+    assert len(redis_keys(redis_cache, "*quotes:answer:*")) == 1
+    assert answer_keys_in_locmem() == []
+    assert (await post()).headers["cf-aig-cache-status"] == "HIT"
+    assert len(fake.requests) == 1
+
+
+async def test_redis_rate_limit_counts_in_redis(
+    persona: Persona, fake: FakeWorkersAI, settings: Any, redis_cache: Any
+) -> None:
+    configure(settings, rate_limit=(3, 60))
+    await at_start_of_window(60)
+    for _ in range(3):
+        assert_complete(await post())
+
+    [rate_key] = redis_keys(redis_cache, "*quotes:rate:*")
+    assert int(redis_cache.get(rate_key)) == 3
+    limited = await post()
+    assert 1 <= assert_rate_limited(limited) <= 60
+    assert int(redis_cache.get(rate_key)) == 4
+    assert 0 < redis_cache.ttl(rate_key) <= 61
+    # The count is Redis's: remove it there and the client may ask again.
+    redis_cache.delete(rate_key)
+    assert_complete(await post())
+    assert [row.status for row in await rows()] == ["ok", "ok", "ok", "rate_limited", "ok"]
