@@ -14,8 +14,7 @@ import json
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import suppress
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -107,26 +106,6 @@ def upstream(request: pytest.FixtureRequest) -> Upstream:
         return Upstream("workers-ai", MODEL, lambda: len(fake_server.requests), fake_server)
     backend: LocalBackend = request.getfixturevalue("local_backend")
     return Upstream("local", LOCAL_MODEL, local_calls(backend))
-
-
-@pytest.fixture
-def unaccepting_port() -> Iterator[int]:
-    """A port whose listen backlog is full, so a new connection hangs in the handshake."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(0)
-    port = server.getsockname()[1]
-    fillers = []
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        with suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    yield port
-    for filler in fillers:
-        filler.close()
-    server.close()
 
 
 @pytest.fixture

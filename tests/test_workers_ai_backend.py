@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -79,34 +78,6 @@ def full_gateway(fake: FakeWorkersAI) -> dict[str, Any]:
         request_timeout_ms=5000,
         retries={"max_attempts": 3, "retry_delay_ms": 500, "backoff": "exponential"},
     )
-
-
-@pytest.fixture
-def closed_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    yield port
-
-
-@pytest.fixture
-def unaccepting_port() -> Iterator[int]:
-    """A port whose listen backlog is full, so a new connection hangs in the handshake."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(0)
-    port = server.getsockname()[1]
-    fillers = []
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        with suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    yield port
-    for filler in fillers:
-        filler.close()
-    server.close()
 
 
 # -- the happy path -------------------------------------------------------------------------------

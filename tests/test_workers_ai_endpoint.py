@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import suppress
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -164,34 +162,6 @@ async def assert_error_row(code: str, message: str | None = None, text: str = ""
     assert row.backend == "workers-ai"
     assert row.model == MODEL
     return row
-
-
-@pytest.fixture
-def closed_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    yield port
-
-
-@pytest.fixture
-def unaccepting_port() -> Iterator[int]:
-    """A port whose listen backlog is full, so a new connection hangs in the handshake."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(0)
-    port = server.getsockname()[1]
-    fillers = []
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        with suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    yield port
-    for filler in fillers:
-        filler.close()
-    server.close()
 
 
 # -- the happy path ----------------------------------------------------------------------------------

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterator
+from contextlib import suppress
 from typing import Any
 
 import pytest
@@ -99,3 +101,32 @@ async def workers_ai_backend(workers_ai_settings: Any) -> AsyncIterator[Any]:
     )
     yield backend
     await backend.aclose()
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A port nothing listens on: connecting is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    yield port
+
+
+@pytest.fixture
+def unaccepting_port() -> Iterator[int]:
+    """A port whose listen backlog is full, so a new connection hangs in the handshake."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    yield port
+    for filler in fillers:
+        filler.close()
+    server.close()
