@@ -41,14 +41,19 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "csp",
     "quotes",
 ]
 
 # No GZipMiddleware: it buffers streamed bodies, and text/event-stream must never be compressed.
 # Django's own middleware, subclassed to run on the event loop (see quotes/middleware.py): the
 # stock classes cost two thread hops each per request under ASGI.
+# Every entry is async-native: a sync-only one would put the SSE stream back on a thread.
 MIDDLEWARE = [
+    # First, so every log line of the request (and its response) carries the request id.
+    "quotes.logging.RequestIdMiddleware",
     "quotes.middleware.SecurityMiddleware",
+    "quotes.middleware.CSPMiddleware",
     "quotes.middleware.StaticFilesMiddleware",
     "quotes.middleware.SessionMiddleware",
     "quotes.middleware.CommonMiddleware",
@@ -99,16 +104,44 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = BASE_DIR / "staticfiles"
-# WhiteNoise serves from STATIC_ROOT after collectstatic, and through the finders before it.
-WHITENOISE_USE_FINDERS = True
+STATIC_ROOT = Path(env.str("DJANGO_STATIC_ROOT", default=str(BASE_DIR / "staticfiles")))
+# Development serves files through the finders, as they are. Production serves collectstatic's
+# output: names carry a content hash (cached forever) and each file has .gz and .br siblings.
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
+        if DEBUG
+        else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    },
+}
+WHITENOISE_USE_FINDERS = DEBUG
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# One JSON object per line in production (DJANGO_LOG_FORMAT=json), readable text in development;
+# either way every line carries the id of the request it belongs to (quotes/logging.py).
+_LOG_FORMATS = ("json", "text")
+LOG_FORMAT = env.str("DJANGO_LOG_FORMAT", default="text" if DEBUG else "json")
+if LOG_FORMAT not in _LOG_FORMATS:
+    raise ImproperlyConfigured(f"DJANGO_LOG_FORMAT must be json or text; got {LOG_FORMAT!r}.")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {"request_id": {"()": "quotes.logging.RequestIdFilter"}},
+    "formatters": {
+        "json": {
+            "()": "quotes.logging.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s",
+        },
+        "text": {
+            "()": "quotes.logging.TextFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s",
+        },
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["request_id"]}
+    },
     "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="INFO")},
 }
 
@@ -274,3 +307,77 @@ for _name, _key in (
 ):
     _positive(_name, QUOTES_GATEWAY[_key], low=0.001)
 _positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY["cache_ttl"], low=0)
+
+# --- Shared state across processes ----------------------------------------------------------
+
+# With REDIS_URL every daphne process shares one cache (answers, rate-limit counters, stream
+# slots) and one channel layer; without it each process keeps its own, in memory.
+CHANNEL_LAYERS = {
+    "default": (
+        {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+        if REDIS_URL
+        else {"BACKEND": "channels.layers.InMemoryChannelLayer"}
+    )
+}
+
+# --- Logging of content ---------------------------------------------------------------------
+
+# Prompts, topics and answers stay out of the logs (the access line drops the query string, which
+# can carry a topic) unless this is on: they are the visitors' words, and the Generation table
+# already keeps them where admins can see them.
+QUOTES_LOG_CONTENT = _env_or_error("QUOTES_LOG_CONTENT", bool, False)
+
+# --- HTTPS, cookies and browser security headers --------------------------------------------
+#
+# Secure by default: with DJANGO_DEBUG=false everything below is on unless turned off by name.
+# `manage.py check --deploy` passes clean on these defaults (tests/test_deploy.py runs it).
+
+CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+for _origin in CSRF_TRUSTED_ORIGINS:
+    if "://" not in _origin:
+        raise ImproperlyConfigured(
+            f"DJANGO_CSRF_TRUSTED_ORIGINS entries need a scheme (https://quotes.example.com); got {_origin!r}."
+        )
+
+# Behind a TLS-terminating proxy (nginx) that sets X-Forwarded-Proto and strips any client copy.
+if _env_or_error("DJANGO_SECURE_PROXY_SSL_HEADER", bool, False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = _env_or_error("DJANGO_SECURE_SSL_REDIRECT", bool, not DEBUG)
+# Load balancers and monitors call /healthz over plain HTTP on the process's own port.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SESSION_COOKIE_SECURE = _env_or_error("DJANGO_SECURE_COOKIES", bool, not DEBUG)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+SECURE_HSTS_SECONDS = _env_or_error("DJANGO_SECURE_HSTS_SECONDS", int, 0 if DEBUG else 31_536_000)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_or_error("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", bool, not DEBUG)
+SECURE_HSTS_PRELOAD = _env_or_error("DJANGO_SECURE_HSTS_PRELOAD", bool, False)
+# Django's deploy checks look for its middleware by dotted path, and ours are subclasses of
+# them (quotes/middleware.py) that run on the event loop: W001 (security), W002 (X-Frame-Options)
+# and W003 (CSRF) would be false alarms. tests/test_deploy.py checks the subclasses are in place.
+SILENCED_SYSTEM_CHECKS = ["security.W001", "security.W002", "security.W003"]
+if not SECURE_HSTS_PRELOAD:
+    # Asking browsers to preload the domain is a commitment for the whole domain that only its
+    # owner can make (DJANGO_SECURE_HSTS_PRELOAD=true); not making it is not a finding.
+    SILENCED_SYSTEM_CHECKS.append("security.W021")
+SECURE_CONTENT_TYPE_NOSNIFF = True  # X-Content-Type-Options: nosniff
+SECURE_REFERRER_POLICY = env.str("DJANGO_REFERRER_POLICY", default="same-origin")
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+
+# Content-Security-Policy (django-csp), the same in development so the browser tests enforce it:
+# scripts, styles and connections only from this origin, nothing inline. 'self' in connect-src
+# covers the same-origin WebSocket (ws:/wss:) too.
+_SELF = "'self'"
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [_SELF],
+        "script-src": [_SELF],
+        "style-src": [_SELF],
+        "img-src": [_SELF, "data:"],
+        "font-src": [_SELF],
+        "connect-src": [_SELF],
+        "object-src": ["'none'"],
+        "base-uri": [_SELF],
+        "form-action": [_SELF],
+        "frame-ancestors": ["'none'"],
+    }
+}

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
+from csp import middleware as csp_middleware
 from django.conf import settings
 from django.contrib.auth import middleware as auth
 from django.contrib.messages import middleware as messages
@@ -121,3 +122,7 @@ class MessageMiddleware(InlineMiddlewareMixin, messages.MessageMiddleware):
 
 class XFrameOptionsMiddleware(InlineMiddlewareMixin, clickjacking.XFrameOptionsMiddleware):
     pass
+
+
+class CSPMiddleware(InlineMiddlewareMixin, csp_middleware.CSPMiddleware):
+    """django-csp's middleware (a MiddlewareMixin) without its thread hops: it only sets headers."""

@@ -356,7 +356,16 @@ def test_csv_export_with_a_bad_filter_goes_back_to_the_changelist(admin_client: 
 @pytest.mark.django_db(transaction=True)
 async def test_csv_export_streams_under_asgi() -> None:
     def setup() -> str:
-        watts = Persona.objects.get(slug="alan-watts")
+        # A transactional test: earlier ones may have flushed the seeded personas.
+        watts, _ = Persona.objects.get_or_create(
+            slug="alan-watts",
+            defaults={
+                "name": "Alan Watts",
+                "system_prompt": "You are Alan Watts",
+                "user_prompt_template": "Write 1 quote about {topic}",
+                "default_topic": "hard honest work",
+            },
+        )
         for i in range(5):
             log(watts, timezone.now(), topic=f'topic, with "quotes" {i}', text="line one\nline two")
         user = User.objects.create_superuser("root", password="root-password-123")

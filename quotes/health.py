@@ -1,0 +1,103 @@
+"""`GET /healthz`: can this process serve a quote right now?
+
+Checks the database (one trivial query), the cache (a write and a read back) and the AI backend
+(the embedded model loaded, or the upstream configured). Answers 200 with
+`{"status": "ok", "checks": {...}}`, or 503 with `"status": "error"` and the failing check's
+`detail`, so a load balancer takes the process out of rotation. Each check is bounded in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from django.conf import settings
+from django.core.cache import cache
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_safe
+
+from .models import Persona
+
+CHECK_TIMEOUT_S = 3.0
+
+Check = dict[str, Any]
+
+
+async def _database() -> Check:
+    await Persona.objects.order_by().values("pk")[:1].aexists()
+    return {"status": "ok"}
+
+
+async def _cache() -> Check:
+    key = f"healthz:{uuid.uuid4().hex}"
+    await cache.aset(key, "ok", timeout=30)
+    value = await cache.aget(key)
+    await cache.adelete(key)
+    if value != "ok":
+        return {"status": "error", "detail": "a value written to the cache did not read back"}
+    return {"status": "ok"}
+
+
+async def _backend() -> Check:
+    name = settings.AI_BACKEND
+    if name == "local":
+        from .ai.backends import get_backend
+        from .ai.backends.local import LocalBackend
+
+        backend = get_backend("local")
+        loaded = isinstance(backend, LocalBackend) and backend.loaded
+        # Not loaded yet is not a failure: the first request loads it (or LOCAL_MODEL_PRELOAD
+        # already is) and waits for it.
+        return {"status": "ok" if loaded else "loading", "backend": name}
+    if name == "workers-ai":
+        missing = [
+            variable
+            for variable, value in (
+                ("CLOUDFLARE_ACCOUNT_ID", settings.WORKERS_AI.get("account_id")),
+                ("CLOUDFLARE_API_TOKEN", settings.WORKERS_AI.get("api_token")),
+            )
+            if not value
+        ]
+    elif name == "openai":
+        missing = [] if settings.OPENAI_COMPAT.get("base_url") else ["OPENAI_BASE_URL"]
+    else:
+        return {"status": "error", "backend": name, "detail": f"unknown backend {name!r}"}
+    if missing:
+        return {"status": "error", "backend": name, "detail": f"not configured: {', '.join(missing)}"}
+    return {"status": "ok", "backend": name}
+
+
+CHECKS: dict[str, Callable[[], Awaitable[Check]]] = {
+    "database": _database,
+    "cache": _cache,
+    "backend": _backend,
+}
+
+
+async def _run(check: Callable[[], Awaitable[Check]]) -> Check:
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S):
+            result = await check()
+    except TimeoutError:
+        result = {"status": "error", "detail": f"no answer within {CHECK_TIMEOUT_S:g} s"}
+    except Exception as exc:  # a health check reports every failure instead of raising it
+        result = {"status": "error", "detail": f"{type(exc).__name__}: {exc}"[:300]}
+    result["ms"] = round((time.perf_counter() - started) * 1000, 1)
+    return result
+
+
+@require_safe
+async def healthz(request: HttpRequest) -> JsonResponse:
+    names = list(CHECKS)
+    results = await asyncio.gather(*(_run(CHECKS[name]) for name in names))
+    checks = dict(zip(names, results, strict=True))
+    healthy = all(check["status"] != "error" for check in checks.values())
+    return JsonResponse(
+        {"status": "ok" if healthy else "error", "checks": checks},
+        status=200 if healthy else 503,
+        headers={"Cache-Control": "no-store"},
+    )

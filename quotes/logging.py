@@ -1,0 +1,120 @@
+"""Request ids and log formats.
+
+`RequestIdMiddleware` gives every request an id (the proxy's `X-Request-ID` when it looks sane,
+else a fresh one), keeps it in a context variable for the request's task, which is also the task
+that streams the body, and returns it as `X-Request-ID`. `RequestIdFilter` puts it on every log
+record, so lines from the view, the gateway and the backend of one request can be found together.
+The formatters also blank out the configured credentials, whatever a message contains.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any
+
+from asgiref.sync import markcoroutinefunction
+from django.conf import settings
+from django.http import HttpRequest
+from django.http.response import HttpResponseBase
+from pythonjsonlogger.json import JsonFormatter as _JsonFormatter
+
+REQUEST_ID_HEADER = "X-Request-ID"
+#: ids we accept from outside: no spaces, quotes or newlines can reach a log line this way
+_VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_request_id: ContextVar[str] = ContextVar("request_id", default="-")
+
+access_logger = logging.getLogger("quotes.request")
+
+
+def current_request_id() -> str:
+    """The id of the request this code runs for, or "-" outside a request."""
+    return _request_id.get()
+
+
+class RequestIdMiddleware:
+    """Async-native (no thread hop): reads or makes the id, logs one access line per request."""
+
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        incoming = request.headers.get(REQUEST_ID_HEADER, "")
+        request_id = incoming if _VALID_ID.fullmatch(incoming) else uuid.uuid4().hex
+        token = _request_id.set(request_id)
+        started = time.perf_counter()
+        response = await self.get_response(request)
+        response[REQUEST_ID_HEADER] = request_id
+        path = request.get_full_path() if settings.QUOTES_LOG_CONTENT else request.path
+        access_logger.info(
+            "%s %s %s",
+            request.method,
+            path,
+            response.status_code,
+            extra={
+                "method": request.method,
+                "path": path,
+                "status": response.status_code,
+                # For a stream: the time to its headers, i.e. to the first token.
+                "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+                "streaming": response.streaming,
+            },
+        )
+        if not response.streaming:
+            # A streamed body is sent later by this same task (each request has a task of its
+            # own under ASGI), and its log lines (gateway, backend) must keep the id. Otherwise
+            # forget it, so a caller that shares our context (async_to_sync) does not inherit it.
+            _request_id.reset(token)
+        return response
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = _request_id.get()
+        return True
+
+
+def _secrets() -> list[str]:
+    try:
+        values = [
+            settings.CLOUDFLARE_API_TOKEN,
+            settings.WORKERS_AI.get("api_token", ""),
+            settings.AI_GATEWAY.get("token", ""),
+            settings.OPENAI_COMPAT.get("api_key", ""),
+            settings.SECRET_KEY,
+        ]
+    except Exception:  # settings not configured yet: nothing to hide
+        return []
+    return [value for value in values if isinstance(value, str) and len(value) >= 8]
+
+
+def redact(text: str) -> str:
+    for secret in _secrets():
+        if secret in text:
+            text = text.replace(secret, "[redacted]")
+    return text
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+class JsonFormatter(_JsonFormatter):
+    """One JSON object per line: timestamp, level, logger, message, request_id, and any extras."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("rename_fields", {"asctime": "timestamp", "levelname": "level", "name": "logger"})
+        kwargs.setdefault("timestamp", False)
+        super().__init__(*args, **kwargs)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))

@@ -1,0 +1,258 @@
+"""Real PostgreSQL, Redis and nginx servers on 127.0.0.1, in a temporary directory, for tests.
+
+Each runs from the Debian package on a free port and is stopped (and its files removed) on exit.
+Used by `scripts/test-services` (the suite's second run) and by the scale-out check (run.py).
+
+    python -m tests.scaleout.services -- pytest -q     # runs pytest with DATABASE_URL/REDIS_URL set
+
+PostgreSQL refuses to run as root: as root the cluster belongs to the `postgres` user (created by
+the Debian package) and its commands run through `runuser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+START_TIMEOUT_S = 30.0
+DB_NAME = "persona_quotes"
+DB_USER = "persona_quotes"
+DB_PASSWORD = "persona-quotes-test"  # a throwaway cluster on 127.0.0.1, gone after the run
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, *, process: subprocess.Popen[bytes] | None, name: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        if process is not None and process.poll() is not None:
+            raise ServiceError(f"{name} exited with {process.returncode}:\n{tail(log)}")
+        if time.monotonic() > deadline:
+            raise ServiceError(
+                f"{name} did not listen on port {port} within {START_TIMEOUT_S:g} s:\n{tail(log)}"
+            )
+        time.sleep(0.05)
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+
+
+# --- PostgreSQL -----------------------------------------------------------------------------------
+
+
+def _postgres_bin() -> Path:
+    candidates = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3]), reverse=True
+    )
+    if not candidates:
+        raise ServiceError("PostgreSQL is not installed: apt-get install -y postgresql")
+    return candidates[0].parent
+
+
+@dataclass
+class Postgres:
+    url: str
+    port: int
+    data_dir: Path
+
+
+@contextlib.contextmanager
+def postgres(workdir: Path) -> Iterator[Postgres]:
+    """A fresh cluster: a database and an owner that may create the test database."""
+    bin_dir = _postgres_bin()
+    as_root = os.geteuid() == 0
+    base = workdir / "postgres"
+    base.mkdir()
+    data_dir, log = base / "data", base / "postgres.log"
+    if as_root:
+        # runuser needs to reach the directory: make the whole path traversable, the cluster its own.
+        for parent in (workdir, base):
+            parent.chmod(0o755)
+        shutil.chown(base, "postgres", "postgres")
+
+    def run(*command: str) -> None:
+        full = ["runuser", "-u", "postgres", "--", *command] if as_root else list(command)
+        result = subprocess.run(full, cwd=base, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ServiceError(f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}\n{tail(log)}")
+
+    port = free_port()
+    run(
+        str(bin_dir / "initdb"),
+        "-D",
+        str(data_dir),
+        "-U",
+        "postgres",
+        "--auth-local=trust",
+        "--auth-host=scram-sha-256",
+        "--encoding=UTF8",
+        "--no-sync",
+    )
+    options = (
+        f"-p {port} -k {base} -c listen_addresses=127.0.0.1 "
+        # A throwaway cluster: durability only costs time here.
+        "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+    )
+    run(
+        str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-l", str(log), "-o", options, "-w", "-t", "30", "start"
+    )
+    try:
+        psql = [str(bin_dir / "psql"), "-h", str(base), "-p", str(port), "-U", "postgres", "-d", "postgres"]
+        run(
+            *psql,
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-c",
+            f"CREATE ROLE {DB_USER} LOGIN CREATEDB PASSWORD '{DB_PASSWORD}'",
+            "-c",
+            f"CREATE DATABASE {DB_NAME} OWNER {DB_USER}",
+        )
+        url = f"postgres://{DB_USER}:{DB_PASSWORD}@127.0.0.1:{port}/{DB_NAME}"
+        yield Postgres(url=url, port=port, data_dir=data_dir)
+    finally:
+        with contextlib.suppress(ServiceError):
+            run(str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-m", "immediate", "-w", "stop")
+
+
+# --- Redis ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def redis(workdir: Path) -> Iterator[str]:
+    executable = shutil.which("redis-server")
+    if executable is None:
+        raise ServiceError("redis-server is not installed: apt-get install -y redis-server")
+    base = workdir / "redis"
+    base.mkdir()
+    port, log = free_port(), base / "redis.log"
+    command = [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    with log.open("wb") as out:
+        process = subprocess.Popen([*command, "--dir", str(base)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, process=process, name="redis-server", log=log)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop_process(process)
+
+
+# --- nginx ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Nginx:
+    url: str
+    port: int
+    log_dir: Path
+
+
+@contextlib.contextmanager
+def nginx(workdir: Path, *, site: str, port: int) -> Iterator[Nginx]:
+    """nginx in the foreground with `site` (server and upstream blocks) as its whole http config."""
+    executable = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(executable).exists():
+        raise ServiceError("nginx is not installed: apt-get install -y nginx")
+    base = workdir / "nginx"
+    base.mkdir()
+    base.chmod(0o755)  # the worker (nobody, when started as root) reaches its temp paths
+    temp = {name: base / name for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")}
+    conf = base / "nginx.conf"
+    conf.write_text(
+        f"""
+worker_processes 1;
+daemon off;
+pid {base}/nginx.pid;
+error_log {base}/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    access_log {base}/access.log;
+    client_body_temp_path {temp["client_body"]};
+    proxy_temp_path {temp["proxy"]};
+    fastcgi_temp_path {temp["fastcgi"]};
+    uwsgi_temp_path {temp["uwsgi"]};
+    scgi_temp_path {temp["scgi"]};
+    types {{ text/html html; text/css css; application/javascript js; }}
+    default_type application/octet-stream;
+{site}
+}}
+"""
+    )
+    log = base / "stderr.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [executable, "-p", str(base), "-e", str(base / "error.log"), "-c", str(conf)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for_port(port, process=process, name="nginx", log=base / "error.log")
+        yield Nginx(url=f"http://127.0.0.1:{port}", port=port, log_dir=base)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGQUIT)  # graceful: finish open requests, then exit
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                stop_process(process)
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run a command with DATABASE_URL and REDIS_URL pointing at a fresh PostgreSQL and Redis."
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give a command to run, after --")
+    with tempfile.TemporaryDirectory(prefix="persona-quotes-services-") as tmp:
+        workdir = Path(tmp)
+        try:
+            with postgres(workdir) as pg, redis(workdir) as redis_url:
+                print(f"==> PostgreSQL on 127.0.0.1:{pg.port}, Redis at {redis_url}", flush=True)
+                env = {**os.environ, "DATABASE_URL": pg.url, "REDIS_URL": redis_url}
+                return subprocess.run(command, env=env).returncode
+        except ServiceError as exc:
+            print(f"test-services: {exc}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

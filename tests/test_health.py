@@ -1,0 +1,87 @@
+"""GET /healthz against the ASGI app: database, cache and backend readiness."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.asgi import request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def test_healthz_reports_ok_with_each_check() -> None:
+    response = await request("GET", "/healthz")
+    assert response.status == 200
+    body = response.json()
+    assert body["status"] == "ok"
+    assert set(body["checks"]) == {"database", "cache", "backend"}
+    assert body["checks"]["database"]["status"] == "ok"
+    assert body["checks"]["cache"]["status"] == "ok"
+    assert body["checks"]["backend"]["status"] in ("ok", "loading")
+    assert response.headers["cache-control"] == "no-store"
+
+
+async def test_healthz_workers_ai_is_ready_when_configured(workers_ai_settings: Any) -> None:
+    body = (await request("GET", "/healthz")).json()
+    assert body["checks"]["backend"] == {
+        "status": "ok",
+        "backend": "workers-ai",
+        "ms": body["checks"]["backend"]["ms"],
+    }
+
+
+async def test_healthz_answers_503_with_detail_when_the_cache_is_down(settings: Any) -> None:
+    # A Redis cache on a port nothing listens on (port 9 is "discard", closed here).
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": "redis://127.0.0.1:9/0",
+            "OPTIONS": {"socket_connect_timeout": 0.5},
+        }
+    }
+    response = await request("GET", "/healthz")
+    assert response.status == 503
+    body = response.json()
+    assert body["status"] == "error"
+    assert (
+        body["checks"]["cache"]["status"] == "error"
+        and "ConnectionError" in body["checks"]["cache"]["detail"]
+    )
+    assert body["checks"]["database"]["status"] == "ok"
+
+
+async def test_healthz_answers_503_when_the_upstream_is_not_configured(settings: Any) -> None:
+    settings.AI_BACKEND = "openai"
+    settings.OPENAI_COMPAT = {"base_url": "", "api_key": ""}
+    response = await request("GET", "/healthz")
+    assert response.status == 503
+    assert response.json()["checks"]["backend"]["detail"] == "not configured: OPENAI_BASE_URL"
+
+
+async def test_healthz_reports_the_local_model_loaded_or_loading(settings: Any) -> None:
+    from quotes.ai.backends import get_backend
+
+    backend: Any = get_backend("local")
+    body = (await request("GET", "/healthz")).json()
+    assert body["checks"]["backend"]["status"] == ("ok" if backend.loaded else "loading")
+    assert body["status"] == "ok"
+
+
+async def test_healthz_is_not_redirected_to_https(settings: Any) -> None:
+    """Load balancers call it over plain HTTP on the process's port, under SECURE_SSL_REDIRECT."""
+    from django.http import HttpRequest, HttpResponse
+    from django.test import RequestFactory
+
+    from quotes.middleware import SecurityMiddleware
+
+    settings.SECURE_SSL_REDIRECT = True
+
+    async def ok(request: HttpRequest) -> HttpResponse:
+        return HttpResponse("ok")
+
+    middleware = SecurityMiddleware(ok)  # reads the settings when made
+    factory = RequestFactory()
+    assert (await middleware(factory.get("/healthz"))).status_code == 200
+    assert (await middleware(factory.get("/"))).status_code == 301

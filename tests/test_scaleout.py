@@ -1,0 +1,24 @@
+"""The scale-out check (tests/scaleout/run.py) as part of the suite: two daphne processes behind
+a real nginx, sharing a real PostgreSQL and Redis. Needs the Debian packages nginx, postgresql
+and redis-server (scripts/bootstrap --dev installs them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_scaleout_script_passes_every_check() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.scaleout.run"], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    report = "\n".join(
+        line
+        for line in result.stdout.splitlines()
+        if line.startswith(("PASS", "FAIL", "SKIPPED", "setup", "ALL"))
+    )
+    assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    assert "FAIL" not in report and report.count("PASS") + report.count("SKIPPED") == 5, report
