@@ -410,7 +410,11 @@ async def test_cache_can_be_turned_off(
     assert [row.cache_status for row in await rows()] == ["bypass", "bypass"]
 
 
-async def test_cache_uses_the_persona_ttl_override(persona: Persona, fake: FakeWorkersAI) -> None:
+async def test_cache_uses_the_persona_ttl_override(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    # Read the expiry from the in-memory cache (the Redis variant checks Redis's own TTL).
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     persona.cache_ttl = 120
     await persona.asave()
 

@@ -96,9 +96,9 @@ async def test_local_generations_take_turns_and_all_complete(local_backend: Loca
 
 
 async def test_local_waiting_too_long_for_a_turn_answers_busy(local_backend: LocalBackend) -> None:
-    local_backend.queue_timeout_s = 0.01
     first = local_backend.stream(quote_request(max_tokens=40))
-    assert isinstance(await anext(first), Token)
+    assert isinstance(await anext(first), Token)  # it has the model now
+    local_backend.queue_timeout_s = 0.01
 
     events = [event async for event in local_backend.stream(quote_request())]
 

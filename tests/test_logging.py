@@ -87,7 +87,7 @@ def _record(message: str, *args: object) -> logging.LogRecord:
 def test_json_formatter_writes_one_object_per_line_with_the_request_id() -> None:
     formatter = JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s")
     # A fresh context: outside any request there is no request id, whatever ran before.
-    line = contextvars.Context().run(formatter.format, _record("hello %s", "world"))
+    line = contextvars.Context().run(lambda: formatter.format(_record("hello %s", "world")))
     data = json.loads(line)
     assert data["message"] == "hello world" and data["level"] == "WARNING" and data["logger"] == "quotes.test"
     assert data["request_id"] == "-" and "timestamp" in data

@@ -123,10 +123,10 @@ async def test_stream_answers_busy_when_the_model_is_taken(
     persona: Persona, local_backend: LocalBackend
 ) -> None:
     await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=40)
-    local_backend.queue_timeout_s = 0.05
     first = post_stream({"persona": persona.slug})
     await first.start()
-    await first.next_chunk()
+    await first.next_chunk()  # the first request has the model now
+    local_backend.queue_timeout_s = 0.05
 
     # A different topic: an identical request would share the first one's generation.
     second = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug, "topic": "rest"})
