@@ -63,3 +63,18 @@ def test_quote_command_streams_to_stdout_and_logs(persona: Persona) -> None:
 def test_quote_command_names_the_personas_when_one_is_unknown(persona: Persona) -> None:
     with pytest.raises(CommandError, match="test-watts"):
         call_command("quote", "nobody")
+
+
+def test_templates_have_no_inline_script_style_or_handlers() -> None:
+    """The Content-Security-Policy allows no inline script or style: keep every template clean."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "templates"
+    inline = re.compile(r"<script(?![^>]*\bsrc=)[^>]*>|\sstyle=|\son[a-z]+=", re.IGNORECASE)
+    offenders = [
+        f"{path.relative_to(root)}: {match.group(0).strip()}"
+        for path in root.rglob("*.html")
+        for match in inline.finditer(path.read_text())
+    ]
+    assert offenders == []
