@@ -357,6 +357,8 @@ def app_env(db_path: Path, **extra: str) -> dict[str, str]:
         "DJANGO_DEBUG": "false",
         "DJANGO_SECRET_KEY": "bench-only-secret-key-0123456789abcdefghijklmnopqrstuvwxyz",
         "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
+        # Plain HTTP on loopback: production settings would redirect to https otherwise.
+        "DJANGO_SECURE_SSL_REDIRECT": "false",
         "DJANGO_LOG_LEVEL": "WARNING",
         "LOCAL_MODEL_PRELOAD": "false",
         # Every request must reach the backend: no answer cache, no per-client limits (the
@@ -407,7 +409,8 @@ def serve_app(server: Server, *, migrate_sql: Sequence[str] = (), **extra_env: s
                 deadline = time.monotonic() + 60
                 while True:
                     try:
-                        urllib.request.urlopen(url + "/", timeout=2).close()
+                        # /healthz, not /: the home page needs collected static files.
+                        urllib.request.urlopen(url + "/healthz", timeout=2).close()
                         break
                     except OSError:
                         if process.poll() is not None or time.monotonic() > deadline:

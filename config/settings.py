@@ -204,10 +204,13 @@ WORKERS_AI = {
     "connect_timeout_s": _env_or_error("AI_CONNECT_TIMEOUT", float, 5.0),
     "read_timeout_s": _env_or_error("AI_READ_TIMEOUT", float, 30.0),
     "total_timeout_s": _env_or_error("AI_TOTAL_TIMEOUT", float, 120.0),
+    # Upstream connections one process may hold: each open stream needs one.
+    "max_connections": _env_or_error("AI_MAX_CONNECTIONS", int, 1000),
 }
 _positive("AI_CONNECT_TIMEOUT", WORKERS_AI["connect_timeout_s"], low=0.01)
 _positive("AI_READ_TIMEOUT", WORKERS_AI["read_timeout_s"], low=0.01)
 _positive("AI_TOTAL_TIMEOUT", WORKERS_AI["total_timeout_s"], low=0.01)
+_positive("AI_MAX_CONNECTIONS", WORKERS_AI["max_connections"], low=1)
 
 # Mirrors the Workers AI binding's `gateway` option. `id` empty means: call Workers AI directly.
 _BACKOFFS = ("constant", "linear", "exponential")

@@ -1,0 +1,575 @@
+"""Hold N concurrent streams through the app under daphne, against an upstream streaming 50
+tokens/s per stream, and report errors, lost log rows, the delay the app adds to every token,
+and daphne's RSS per open stream.
+
+    .venv/bin/python -m bench.load --streams 300 --duration 60
+    .venv/bin/python -m bench.load --ladder 100,300,1000 --duration 60   # the ceiling, one run each
+
+The upstream (in its own process, like every bench upstream) speaks the Workers AI wire format
+the fake in tests/fakes/workers_ai.py speaks (chunked SSE, `{"response": ...}` events, usage,
+`[DONE]`, Connection: close), with one difference: each token's text is the upstream's
+`time.monotonic_ns()` at the moment it is written, in decimal. The client reads the same clock
+(CLOCK_MONOTONIC, one clock for the machine), so every token's *added delay* is exact: arrival
+at the client minus the upstream's send time, i.e. the app's whole hop (daphne, Django, the
+gateway, httpx) plus two loopback transfers. No "gap minus nominal 20 ms" estimate needed.
+
+Why not the tests' fake with Scenario(token_delay_s=0.02): it sleeps per stream and per token
+(one timer, one write and one drain per token per stream), 50,000 of each per second at 1,000
+streams; `--upstream fake --direct` measures what it manages on this machine (see
+docs/benchmarks.md). This upstream schedules all streams from one 1 ms ticker, spread over 20
+phases so the writes do not arrive in one burst every 20 ms.
+
+The load client is one asyncio loop with raw sockets (no HTTP library: its own cost must stay
+small next to the app's); it measures its own event-loop lag so a slow client is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import resource
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    ACCOUNT_ID,
+    API_TOKEN,
+    ARTIFACTS,
+    PERSONA,
+    PYTHON,
+    ROOT,
+    app_env,
+    free_port,
+    machine,
+    percentile,
+    rss_kib,
+    table,
+)
+
+# -- the stamping upstream (its own process) ----------------------------------------------------------
+
+
+def _upstream_main(conn: Connection, tokens: int, tps: float) -> None:
+    asyncio.run(_StampingUpstream(conn, tokens, tps).run())
+
+
+class _StampingUpstream:
+    def __init__(self, conn: Connection, tokens: int, tps: float) -> None:
+        self.conn = conn
+        self.tokens = tokens
+        self.period_ns = int(1e9 / tps)
+        self.phases = max(1, int(1000 / tps))  # one phase per ms of the period
+        self.buckets: list[set[_UpStream]] = [set() for _ in range(self.phases)]
+        self.requests = 0
+        self.completed = 0
+        self.broken = 0
+        self.tick_lag_ms: list[float] = []
+        self.next_phase = 0
+
+    async def run(self) -> None:
+        server = await asyncio.start_server(self.handle, "127.0.0.1", 0, backlog=4096)
+        self.conn.send(server.sockets[0].getsockname()[1])
+        ticker = asyncio.create_task(self.tick())
+        loop = asyncio.get_running_loop()
+        while True:
+            command = await loop.run_in_executor(None, self.conn.recv)
+            if command == "stats":
+                lags = sorted(self.tick_lag_ms)
+                self.conn.send(
+                    {
+                        "requests": self.requests,
+                        "completed": self.completed,
+                        "broken": self.broken,
+                        "open": sum(len(b) for b in self.buckets),
+                        "tick_lag_p99_ms": percentile(lags, 99) if lags else 0.0,
+                        "tick_lag_max_ms": lags[-1] if lags else 0.0,
+                    }
+                )
+                self.tick_lag_ms.clear()
+            else:
+                ticker.cancel()
+                server.close()
+                self.conn.send(True)
+                return
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if length:
+                await reader.readexactly(length)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            writer.close()
+            return
+        self.requests += 1
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+            b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        stream = _UpStream(writer)
+        phase = self.next_phase
+        self.next_phase = (phase + 1) % self.phases
+        self.buckets[phase].add(stream)
+        with contextlib.suppress(Exception):
+            await reader.read(1)  # EOF: the app closed the upstream connection
+        stream.closed = True
+
+    async def tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        step_s = self.period_ns / self.phases / 1e9
+        start = loop.time()
+        n = 0
+        while True:
+            n += 1
+            due = start + n * step_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            self.tick_lag_ms.append((loop.time() - due) * 1000)
+            bucket = self.buckets[n % self.phases]
+            for stream in list(bucket):
+                if stream.closed or stream.writer.transport.is_closing():
+                    bucket.discard(stream)
+                    self.broken += stream.sent < self.tokens
+                    continue
+                stream.sent += 1
+                # Decimal: the app holds back a token's tail that could begin its API token (the
+                # stream scrubber), and hex digits would collide with the bench token's "b".
+                text = str(time.monotonic_ns())
+                event = b'data: {"response":"' + text.encode() + b'"}\n\n'
+                if stream.sent >= self.tokens:
+                    usage = json.dumps({"prompt_tokens": 24, "completion_tokens": self.tokens})
+                    event += b'data: {"response":"","usage":' + usage.encode() + b"}\n\ndata: [DONE]\n\n"
+                chunk = b"%x\r\n%b\r\n" % (len(event), event)
+                if stream.sent >= self.tokens:
+                    chunk += b"0\r\n\r\n"
+                    bucket.discard(stream)
+                    self.completed += 1
+                stream.writer.write(chunk)
+                if stream.sent >= self.tokens:
+                    stream.writer.close()
+
+
+@dataclass(eq=False)
+class _UpStream:
+    writer: asyncio.StreamWriter
+    sent: int = 0
+    closed: bool = False
+
+
+class StampingUpstream:
+    def __init__(self, tokens: int, tps: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=_upstream_main, args=(child, tokens, tps), daemon=True)
+        self.process.start()
+        self.port: int = self._conn.recv()
+
+    @property
+    def api_base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/client/v4"
+
+    def stats(self) -> dict[str, Any]:
+        self._conn.send("stats")
+        result: dict[str, Any] = self._conn.recv()
+        return result
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            self._conn.send("stop")
+            self._conn.recv()
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.terminate()
+
+
+# -- daphne (bench.common.serve_app, plus a settings module of our own) ------------------------------
+
+
+@contextlib.contextmanager
+def serve_daphne(**extra_env: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """Like bench.common.serve_app("daphne"), but DJANGO_SETTINGS_MODULE may be chosen (app_env
+    drops it): bench.load_settings raises the upstream connection pool for --pool."""
+    with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
+        db_path = Path(tmp) / "db.sqlite3"
+        settings_module = extra_env.pop("DJANGO_SETTINGS_MODULE", "")
+        # Plain HTTP on loopback: production settings redirect to https when DEBUG is off.
+        env = app_env(db_path, **{"DJANGO_SECURE_SSL_REDIRECT": "false", **extra_env})
+        if settings_module:
+            env["DJANGO_SETTINGS_MODULE"] = settings_module
+        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+        port = free_port()
+        command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
+        command += ["config.asgi:application"]
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        log_path = ARTIFACTS / "load-daphne.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        urllib.request.urlopen(
+                            url + "/healthz", timeout=2
+                        ).close()  # "/" needs collectstatic when DEBUG is off
+                        break
+                    except OSError:
+                        if process.poll() is not None or time.monotonic() > deadline:
+                            raise RuntimeError(f"daphne did not start; see {log_path}") from None
+                        time.sleep(0.1)
+                yield process, url, db_path
+            finally:
+                process.terminate()
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def open_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+# -- the load client ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    status: int = 0
+    tokens: int = 0
+    ttft_s: float = 0.0
+    done: bool = False
+    error: str = ""
+    cancelled: bool = False
+
+
+@dataclass
+class Run:
+    streams: int
+    results: list[Result] = field(default_factory=list)
+    delays_ns: array.array[int] = field(default_factory=lambda: array.array("q"))
+    loop_lag_ms: list[float] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def one_stream(host: str, port: int, index: int, run: Run, end_by: float) -> None:
+    result = Result()
+    run.results.append(result)
+    body = json.dumps({"persona": PERSONA, "topic": f"load {index} {os.getpid()}"}).encode()
+    request = (
+        f"POST /api/quotes/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    started = time.monotonic()
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
+        writer.write(request)
+        head = await asyncio.wait_for(
+            reader.readuntil(b"\r\n\r\n"), timeout=max(1.0, end_by - time.monotonic())
+        )
+        result.status = int(head.split(b" ", 2)[1])
+        if result.status != 200:
+            result.error = f"HTTP {result.status}: {(await reader.read(300))!r}"
+            return
+        buffer = b""
+        delays = run.delays_ns
+        while True:
+            remaining = end_by - time.monotonic()
+            if remaining <= 0:
+                result.cancelled = True  # the run is over: leave, as a visitor would
+                return
+            chunk = await asyncio.wait_for(reader.read(65536), timeout=remaining)
+            if not chunk:
+                result.error = result.error or "closed before [DONE]"
+                return
+            now = time.monotonic_ns()
+            buffer += chunk
+            cut = buffer.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            complete, buffer = buffer[: cut + 2], buffer[cut + 2 :]
+            start = 0
+            while (at := complete.find(b'"response":"', start)) >= 0:
+                stop = complete.find(b'"', at + 12)
+                text = complete[at + 12 : stop]
+                start = stop
+                if text:
+                    if not result.tokens:
+                        result.ttft_s = time.monotonic() - started
+                    result.tokens += 1
+                    delays.append(now - int(text))
+            if b"event: error" in complete:
+                result.error = complete[complete.find(b"event: error") :][:300].decode(errors="replace")
+                return
+            if b"data: [DONE]" in complete:
+                result.done = True
+                return
+    except TimeoutError:
+        result.cancelled = True
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+async def loop_lag(run: Run, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.01)
+        run.loop_lag_ms.append((loop.time() - before - 0.01) * 1000)
+
+
+async def drive(
+    url: str, pid: int, upstream: StampingUpstream, streams: int, duration: float, ramp_per_s: float
+) -> tuple[Run, dict[str, Any]]:
+    host, port = url.removeprefix("http://").split(":")
+    run = Run(streams)
+    tasks = []
+    stop = asyncio.Event()
+    lag = asyncio.create_task(loop_lag(run, stop))
+    ramp_s = streams / ramp_per_s
+    # Every stream lasts `duration` s of tokens; the run ends 20 s after the last should finish.
+    end_by = time.monotonic() + ramp_s + duration + 20
+    idle = rss_kib(pid)
+    started = time.monotonic()
+    for index in range(streams):
+        due = started + index / ramp_per_s
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        tasks.append(asyncio.create_task(one_stream(host, int(port), index, run, end_by)))
+    ramped = time.monotonic()
+    # The plateau: every stream open, none finished yet (the first ends `duration` s after it began).
+    plateau_end = started + duration - 1
+    cpu_before, wall_before = cpu_seconds(pid), time.monotonic()
+    client_cpu_before = time.process_time()
+    while time.monotonic() < plateau_end:
+        sample = rss_kib(pid)
+        sample["fds"] = open_fds(pid)
+        sample["t"] = round(time.monotonic() - started, 1)
+        run.samples.append(sample)
+        await asyncio.sleep(1.0)
+    plateau = {
+        "ramp_s": round(ramped - started, 1),
+        "plateau_s": round(time.monotonic() - wall_before, 1),
+        "daphne_cpu_pct": round(100 * (cpu_seconds(pid) - cpu_before) / (time.monotonic() - wall_before), 1),
+        "client_cpu_pct": round(
+            100 * (time.process_time() - client_cpu_before) / (time.monotonic() - wall_before), 1
+        ),
+        "idle": idle,
+        "upstream": upstream.stats(),
+    }
+    await asyncio.gather(*tasks)
+    stop.set()
+    await lag
+    return run, plateau
+
+
+def count_rows(db_path: Path, expected: int, timeout_s: float = 120.0) -> dict[str, int]:
+    """Rows by status, once all are there or the count has stopped moving for 10 s (a saturated
+    server writes the cancelled streams' rows last)."""
+    deadline = time.monotonic() + timeout_s
+    previous: dict[str, int] | None = None
+    still = 0
+    while True:
+        with contextlib.closing(sqlite3.connect(db_path, timeout=20)) as connection:
+            counts = dict(
+                connection.execute(
+                    "SELECT status, COUNT(*) FROM quotes_generation GROUP BY status"
+                ).fetchall()
+            )
+        still = still + 1 if counts == previous else 0
+        if sum(counts.values()) >= expected or still >= 10 or time.monotonic() > deadline:
+            return counts
+        previous = counts
+        time.sleep(1.0)
+
+
+def raise_fd_limit(needed: int) -> str:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, max(soft, needed)) if hard != resource.RLIM_INFINITY else max(soft, needed)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} (hard {hard})"
+
+
+def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
+    tokens = int(args.duration * args.tokens_per_second)
+    upstream = StampingUpstream(tokens, args.tokens_per_second)
+    env = {
+        "AI_BACKEND": "workers-ai",
+        "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
+        "CLOUDFLARE_API_TOKEN": API_TOKEN,
+        "CLOUDFLARE_API_BASE_URL": upstream.api_base_url,
+        "QUOTES_CACHE_TTL": "0",
+        "QUOTES_RATE_LIMIT": "1000000/s",
+        "QUOTES_MAX_CONCURRENT_STREAMS": "1000000",
+        "QUOTES_IDLE_TIMEOUT": "30",
+    }
+    if args.pool:
+        env["DJANGO_SETTINGS_MODULE"] = "bench.load_settings"
+        env["BENCH_MAX_CONNECTIONS"] = str(args.pool)
+    load_before = os.getloadavg()
+    try:
+        with serve_daphne(**env) as (process, url, db_path):
+            spy = None
+            if args.profile:
+                spy_out = ARTIFACTS / f"load-{streams}.pyspy.txt"
+                command = [str(Path(PYTHON).parent / "py-spy"), "record", "--pid", str(process.pid)]
+                command += ["--format", "raw", "--rate", "50", "--duration", str(int(args.duration * 0.6))]
+                command += ["--nonblocking", "--output", str(spy_out)]
+                spy = subprocess.Popen(
+                    command,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            run, plateau = asyncio.run(
+                drive(url, process.pid, upstream, streams, args.duration, args.ramp_per_second)
+            )
+            rows = count_rows(db_path, expected=sum(1 for r in run.results if r.status))
+            if spy is not None:
+                spy.wait(timeout=args.duration * 2)
+    finally:
+        upstream.close()
+    results = run.results
+    ok = sum(r.done for r in results)
+    cancelled = sum(r.cancelled for r in results)
+    errors = [r for r in results if r.error]
+    got_response = sum(1 for r in results if r.status)
+    delays_ms = sorted(d / 1e6 for d in run.delays_ns)
+    plateau_samples = [s for s in run.samples if s["t"] >= plateau["ramp_s"]] or run.samples
+    rss_plateau = sum(s["VmRSS"] for s in plateau_samples) / max(1, len(plateau_samples))
+    threads = max((s["Threads"] for s in plateau_samples), default=0)
+    lags = sorted(run.loop_lag_ms)
+    return {
+        "streams": streams,
+        "duration_s": args.duration,
+        "tokens_per_stream": tokens,
+        "completed": ok,
+        "cancelled_by_client": cancelled,
+        "errors": len(errors),
+        "error_samples": sorted({e.error[:160] for e in errors})[:5],
+        "rows": rows,
+        "rows_total": sum(rows.values()),
+        "lost_rows": got_response - sum(rows.values()),
+        "tokens_received": len(delays_ms),
+        "tokens_expected": streams * tokens,
+        "added_delay_ms": {
+            "p50": round(percentile(delays_ms, 50), 2),
+            "p99": round(percentile(delays_ms, 99), 2),
+            "max": round(delays_ms[-1], 2) if delays_ms else None,
+        },
+        "ttft_p50_ms": round(percentile(sorted(r.ttft_s for r in results if r.tokens), 50) * 1000, 1),
+        "client_loop_lag_p99_ms": round(percentile(lags, 99), 2),
+        "rss_idle_kib": plateau["idle"]["VmRSS"],
+        "rss_plateau_kib": round(rss_plateau),
+        "rss_per_stream_kib": round((rss_plateau - plateau["idle"]["VmRSS"]) / streams, 1),
+        "daphne_threads_max": threads,
+        "daphne_fds_max": max((s["fds"] for s in plateau_samples), default=0),
+        "daphne_cpu_pct": plateau["daphne_cpu_pct"],
+        "client_cpu_pct": plateau["client_cpu_pct"],
+        "upstream": plateau["upstream"],
+        "ramp_s": plateau["ramp_s"],
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=1000, help="concurrent streams (default 1000)")
+    parser.add_argument("--ladder", default="", help="comma-separated stream counts, one run each")
+    parser.add_argument("--duration", type=float, default=60, help="seconds of tokens per stream")
+    parser.add_argument("--tokens-per-second", type=float, default=50, help="per stream")
+    parser.add_argument("--ramp-per-second", type=float, default=200, help="new streams per second")
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=0,
+        help="raise the app's upstream connection pool (default: as shipped, 100)",
+    )
+    parser.add_argument("--profile", action="store_true", help="py-spy record daphne during the run")
+    args = parser.parse_args(argv)
+    counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
+    fd_limit = raise_fd_limit(4 * max(counts) + 256)
+    print(machine(), f"; open files limit {fd_limit}", flush=True)
+    reports = []
+    for streams in counts:
+        report = one_run(streams, args)
+        reports.append(report)
+        print(json.dumps(report, indent=1), flush=True)
+    rows = [
+        [
+            r["streams"],
+            f"{r['completed']}/{r['streams']}",
+            r["errors"],
+            r["lost_rows"],
+            r["added_delay_ms"]["p50"],
+            r["added_delay_ms"]["p99"],
+            r["added_delay_ms"]["max"],
+            f"{r['tokens_received'] / max(1, r['tokens_expected']):.3f}",
+            round(r["rss_per_stream_kib"]),
+            r["daphne_threads_max"],
+            r["daphne_cpu_pct"],
+            f"{r['upstream']['tick_lag_p99_ms']:.1f}",
+            r["client_loop_lag_p99_ms"],
+            "/".join(f"{x:.1f}" for x in r["load_average_before"]),
+        ]
+        for r in reports
+    ]
+    print(
+        table(
+            [
+                "streams",
+                "completed",
+                "errors",
+                "lost rows",
+                "added p50 ms",
+                "added p99 ms",
+                "added max ms",
+                "tokens recv/expected",
+                "RSS KiB/stream",
+                "daphne threads",
+                "daphne CPU %",
+                "upstream tick lag p99 ms",
+                "client lag p99 ms",
+                "load avg before",
+            ],
+            rows,
+        )
+    )
+    out = ARTIFACTS / "load.json"
+    out.write_text(json.dumps({"pool": args.pool, "reports": reports}, indent=1) + "\n")
+    print(f"raw: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
