@@ -1,4 +1,4 @@
-"""ASGI entry point: HTTP through Django, WebSocket through Channels (added later)."""
+"""ASGI entry point: HTTP through Django, WebSocket (/ws/quotes/) through Channels."""
 
 from __future__ import annotations
 
@@ -11,12 +11,22 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 # Django must be set up before anything imports models.
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from quotes.ai.backends import get_backend  # noqa: E402
+from quotes.consumers import websocket_urlpatterns  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL["preload"]:
     get_backend()  # starts loading the embedded model on its thread now, not on the first request
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        # Origin checked against ALLOWED_HOSTS: a page on another site cannot open a socket that
+        # rides this site's session cookie.
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    }
+)

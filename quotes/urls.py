@@ -9,5 +9,7 @@ app_name = "quotes"
 urlpatterns = [
     path("", views.index, name="index"),
     path("personas/<slug:slug>/", views.persona_page, name="persona"),
+    path("q/<uuid:public_id>/", views.quote_permalink, name="permalink"),
     path("api/quotes/stream", views.stream_quote, name="stream"),
+    path("api/quotes/<uuid:public_id>/feedback", views.quote_feedback, name="feedback"),
 ]

@@ -164,22 +164,10 @@ BATTERY = [
             code="body_too_large",
         ),
         id="huge-body-without-content-length",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="app gap: the 413 is decided on the Content-Length header only; a chunked body "
-            "of any size is read whole and then refused as topic_too_long (400)",
-        ),
     ),
     pytest.param(
         post_json(nested(5000), code="invalid_json"),
         id="deeply-nested-json",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="app bug: json.loads raises RecursionError (not ValueError) at depth > ~1000; "
-            "_read_params catches only ValueError, so a 10 KB body gets a 500",
-        ),
     ),
     # -- POST /api/quotes/stream: the fields
     pytest.param(post_json({}, code="missing_persona"), id="no-persona"),
@@ -566,11 +554,6 @@ WS_FRAMES = [
         '{"type": "start", "persona": "test-watts", "topic": ' + "[" * 5000 + "]" * 5000 + "}",
         "invalid_json",
         id="deeply-nested-json",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="app bug: json.loads raises RecursionError (not ValueError) at depth > ~1000; the "
-            "consumer catches only ValueError, so the frame kills the socket",
-        ),
     ),
 ]
 

@@ -21,4 +21,7 @@ def test_scaleout_script_passes_every_check() -> None:
         if line.startswith(("PASS", "FAIL", "SKIPPED", "setup", "ALL"))
     )
     assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
-    assert "FAIL" not in report and report.count("PASS") + report.count("SKIPPED") == 5, report
+    checks = [line.split()[0] for line in report.splitlines() if line.startswith(("PASS", "FAIL", "SKIPPED"))]
+    # Five checks, all passed: the WebSocket check may only be SKIPPED when no consumer exists,
+    # and it does now.
+    assert checks == ["PASS"] * 5, report

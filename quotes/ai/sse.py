@@ -6,7 +6,9 @@ httpx-sse, which follows the WHATWG rules (CR, LF and CRLF, comments, multi-line
 
 from __future__ import annotations
 
+import html
 import json
+from typing import Any
 
 from .events import Usage
 
@@ -42,3 +44,18 @@ def usage(value: Usage) -> bytes:
 
 def error(code: str, message: str) -> bytes:
     return encode(_dumps({"error": {"code": code, "message": message}}), event="error")
+
+
+# --- htmx (hx-sse) ------------------------------------------------------------------------
+# hx-sse swaps each unnamed message's data into the target as HTML and dispatches each named
+# event as a DOM event carrying its data: text goes out HTML-escaped, facts as named JSON events.
+
+
+def fragment(text: str) -> bytes:
+    """A token as an HTML-escaped text fragment (an unnamed message, appended by hx-swap)."""
+    return encode(html.escape(text, quote=False))
+
+
+def named(event: str, payload: dict[str, Any]) -> bytes:
+    """A named event with a JSON body (`meta`, `done`, `error`)."""
+    return encode(_dumps(payload), event=event)

@@ -19,7 +19,10 @@
  * It rejects with a `QuoteStreamError` (`code`, `message`, `status`, `retryAfter`, `phase`)
  * for any server or network failure, and with the signal's AbortError when aborted.
  *
- * The page half runs only when the page has a `[data-quote-app]` form.
+ * `streamQuoteEventSource` does the same over EventSource (GET) and closes on the final `done`.
+ *
+ * The page half (`mountQuoteApp`) runs only when a page has a `[data-quote-app]` form; the persona
+ * page itself is wired by persona-page.js (htmx by default, this client with ?transport=fetch).
  */
 
 const SSE_CONTENT_TYPE = "text/event-stream";
@@ -327,6 +330,73 @@ export async function streamQuote({
     );
   }
   return { text, usage, model, modelUrl, response };
+}
+
+/**
+ * The same stream over `EventSource` (GET; no body, so no follow-up `messages`).
+ *
+ * The server ends a finished stream with `data: [DONE]` and then a named `done` event, and an
+ * interrupted one with a named `error` event; this closes the EventSource on either, because an
+ * EventSource left open reconnects when the body ends, and that would write a second quote.
+ *
+ *   const { text, id, permalink } = await streamQuoteEventSource({
+ *     url: "/api/quotes/stream", params: { persona: "alan-watts" }, onToken: (t) => {},
+ *   });
+ *
+ * @returns {Promise<{text: string, usage: object|null, id: string|null, permalink: string|null}>}
+ */
+export function streamQuoteEventSource({ url, params = {}, onToken = () => {}, signal } = {}) {
+  const query = new URLSearchParams(params).toString();
+  const source = new EventSource(query ? `${url}?${query}` : url);
+  let text = "";
+  let usage = null;
+  return new Promise((resolve, reject) => {
+    const close = () => source.close();
+    signal?.addEventListener("abort", () => {
+      close();
+      reject(abortReason(signal));
+    });
+    source.addEventListener("message", (event) => {
+      if (event.data === "[DONE]") return; // the named `done` follows
+      let json = null;
+      try {
+        json = JSON.parse(event.data);
+      } catch {
+        return;
+      }
+      if (json?.usage) usage = json.usage;
+      const token = tokenOf(json);
+      if (token) {
+        text += token;
+        onToken(token);
+      }
+    });
+    source.addEventListener("done", (event) => {
+      close();
+      let json = null;
+      try {
+        json = JSON.parse(event.data);
+      } catch {
+        json = null;
+      }
+      resolve({ text, usage, id: json?.id ?? null, permalink: json?.permalink ?? null });
+    });
+    source.addEventListener("error", (event) => {
+      close();
+      if (event.data) {
+        let json = null;
+        try {
+          json = JSON.parse(event.data);
+        } catch {
+          json = null;
+        }
+        reject(errorFromPayload(json, "The model stopped with an error.", { phase: "stream" }));
+      } else {
+        // A network error, or a non-200 answer (EventSource cannot read its status or body).
+        reject(new QuoteStreamError("connection_lost", "The quote stream could not be opened or was lost."));
+      }
+    });
+  });
 }
 
 /* ------------------------------------------------------------------------------------------ */

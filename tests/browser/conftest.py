@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,3 +122,30 @@ def screenshot_dir() -> Path:
     path = ARTIFACTS / "screenshots"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# Records every change to the card's state and the quote text, with the loading indicator's
+# visibility at that moment, so a test can tell "streamed" from "appeared all at once". An init
+# script: the page starts its quote as soon as its scripts run, so this must be in place first.
+RECORDER = """document.addEventListener('readystatechange', () => {
+  if (document.readyState !== 'interactive') return;  // parsed; the page's scripts run next
+  const card = document.querySelector('[data-testid=quote-card]');
+  const text = document.querySelector('[data-testid=quote-text]');
+  const loading = document.querySelector('[data-testid=loading]');
+  if (!card) return;
+  window.__changes = [];
+  const record = () => window.__changes.push({
+    state: card.dataset.state, text: text.textContent, loadingVisible: !loading.hidden && loading.offsetParent !== null,
+  });
+  const observer = new MutationObserver(record);
+  observer.observe(card, {attributes: true, attributeFilter: ['data-state']});
+  observer.observe(text, {childList: true, characterData: true, subtree: true});
+});"""
+
+
+def watch_console(page: Any) -> list[str]:
+    """Console errors and uncaught exceptions on `page`."""
+    problems: list[str] = []
+    page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    return problems

@@ -1,56 +1,49 @@
-"""A visitor streams a quote in a real browser (Debian's chromium) from a real daphne server."""
+"""A visitor streams a quote in a real browser (Debian's chromium) from a real daphne server,
+over htmx (the page's default) and over the fetch client (`?transport=fetch`)."""
 
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
-from playwright.sync_api import ConsoleMessage, Page, expect
+import pytest
+from playwright.sync_api import Page, expect
 
-from .conftest import DaphneServer
+from .conftest import RECORDER, DaphneServer, watch_console
 
-# Records every change to the card's state and the quote text, with the loading indicator's
-# visibility at that moment, so the test can tell "streamed" from "appeared all at once".
-RECORDER = """() => {
-  const card = document.querySelector('[data-testid=quote-card]');
-  const text = document.querySelector('[data-testid=quote-text]');
-  const loading = document.querySelector('[data-testid=loading]');
-  window.__changes = [];
-  const record = () => window.__changes.push({
-    state: card.dataset.state, text: text.textContent, loadingVisible: !loading.hidden && loading.offsetParent !== null,
-  });
-  const observer = new MutationObserver(record);
-  observer.observe(card, {attributes: true, attributeFilter: ['data-state']});
-  observer.observe(text, {childList: true, characterData: true, subtree: true});
-}"""
+_watch_console = watch_console  # test_admin_preview.py imports it from here
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["htmx", "fetch"])
 
 
-def _watch_console(page: Page) -> list[str]:
-    problems: list[str] = []
-
-    def on_console(message: ConsoleMessage) -> None:
-        if message.type == "error":
-            problems.append(message.text)
-
-    page.on("console", on_console)
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    return problems
+def persona_url(server: DaphneServer, transport: str, slug: str = "alan-watts") -> str:
+    query = "?transport=fetch" if transport == "fetch" else ""
+    return f"{server.url}/personas/{slug}/{query}"
 
 
-def test_browser_quote_streams_in_token_by_token(
-    daphne_server: DaphneServer, page: Page, screenshot_dir: Path
+def wait_done(page: Page) -> None:
+    expect(page.get_by_test_id("quote-card")).to_have_attribute(
+        "data-state", re.compile("done|error"), timeout=30_000
+    )
+
+
+@TRANSPORTS
+def test_browser_quote_starts_at_once_and_streams_in_token_by_token(
+    daphne_server: DaphneServer, page: Page, screenshot_dir: Path, transport: str
 ) -> None:
-    problems = _watch_console(page)
+    problems = watch_console(page)
     page.set_viewport_size({"width": 1280, "height": 800})
-    page.goto(f"{daphne_server.url}/personas/alan-watts/")
-    expect(page.locator("form[data-ready=true]")).to_have_count(1)
-    page.evaluate(RECORDER)
+    page.add_init_script(RECORDER)
+    page.goto(persona_url(daphne_server, transport))
 
-    page.get_by_test_id("generate").click()
+    # No click: opening the page starts a quote.
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "streaming")
-    page.screenshot(path=screenshot_dir / "persona-streaming-desktop.png")
+    if transport == "htmx":
+        page.screenshot(path=screenshot_dir / "persona-streaming-desktop.png")
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=30_000)
-    page.screenshot(path=screenshot_dir / "persona-done-desktop.png")
+    if transport == "htmx":
+        page.screenshot(path=screenshot_dir / "persona-done-desktop.png")
 
     changes = page.evaluate("window.__changes")
     states = [c["state"] for c in changes]
@@ -72,17 +65,86 @@ def test_browser_quote_streams_in_token_by_token(
     expect(page.get_by_test_id("model-link")).to_have_attribute(
         "href", "https://huggingface.co/google/gemma-3-270m"
     )
-    rows = daphne_server.query("SELECT status, text FROM quotes_generation ORDER BY id DESC LIMIT 1")
-    assert rows == [("ok", final)]
+    rows = daphne_server.query(
+        "SELECT status, text, public_id FROM quotes_generation ORDER BY id DESC LIMIT 1"
+    )
+    assert rows[0][:2] == ("ok", final)
+    public_id = str(rows[0][2]).replace("-", "")
+    href = page.get_by_test_id("permalink").get_attribute("href") or ""
+    assert href.replace("-", "") == f"/q/{public_id}/"
+    expect(page.get_by_test_id("copy")).to_be_visible()
     assert problems == []
 
 
-def test_browser_shows_a_readable_error_for_a_failed_request(daphne_server: DaphneServer, page: Page) -> None:
-    problems = _watch_console(page)
-    page.goto(f"{daphne_server.url}/personas/alan-watts/")
-    expect(page.locator("form[data-ready=true]")).to_have_count(1)
+@TRANSPORTS
+def test_browser_follow_up_question_streams_an_answer_with_the_conversation(
+    daphne_server: DaphneServer, page: Page, screenshot_dir: Path, transport: str
+) -> None:
+    problems = watch_console(page)
+    for width, height, name in ((1280, 800, "desktop"), (390, 844, "phone")):
+        page.set_viewport_size({"width": width, "height": height})
+        page.goto(persona_url(daphne_server, transport))
+        wait_done(page)
+        quote = page.get_by_test_id("quote-text").text_content() or ""
 
-    page.get_by_test_id("topic").fill("x" * 150)
+        page.get_by_test_id("question").fill("What do you mean by that?")
+        page.get_by_test_id("question").press("Enter")  # the keyboard is enough
+
+        answer = page.get_by_test_id("answer")
+        expect(answer).to_have_attribute("data-state", "done", timeout=30_000)
+        text = page.get_by_test_id("answer-text").text_content() or ""
+        assert len(text.strip()) > 3
+        [(request,)] = daphne_server.query("SELECT request FROM quotes_generation ORDER BY id DESC LIMIT 1")
+        assert "What do you mean by that?" in str(request)
+        assert quote.strip()[:20] in str(request)
+        if transport == "htmx":
+            page.screenshot(path=screenshot_dir / f"persona-follow-up-{name}.png", full_page=True)
+            assert page.evaluate("document.documentElement.scrollWidth") <= width
+    assert problems == []
+
+
+def test_browser_permalink_page_and_feedback(
+    daphne_server: DaphneServer, page: Page, screenshot_dir: Path
+) -> None:
+    problems = watch_console(page)
+    page.goto(persona_url(daphne_server, "htmx"))
+    wait_done(page)
+    quote = (page.get_by_test_id("quote-text").text_content() or "").strip()
+
+    page.get_by_test_id("feedback-up").click()
+    expect(page.get_by_test_id("feedback-up")).to_have_attribute("aria-pressed", "true")
+    page.get_by_test_id("feedback-down").click()
+    expect(page.get_by_test_id("feedback-down")).to_have_attribute("aria-pressed", "true")
+    expect(page.get_by_test_id("feedback-up")).to_have_attribute("aria-pressed", "false")
+    assert daphne_server.query("SELECT feedback FROM quotes_generation ORDER BY id DESC LIMIT 1") == [(-1,)]
+
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.get_by_test_id("copy").click()
+    expect(page.get_by_test_id("action-status")).to_contain_text("Copied")
+    assert quote in page.evaluate("navigator.clipboard.readText()")
+
+    page.get_by_test_id("permalink").click()
+    expect(page.get_by_test_id("permalink-text")).to_have_text(quote)
+    expect(page.get_by_test_id("permalink-persona")).to_have_text("Alan Watts")
+    expect(page.get_by_test_id("permalink-model")).to_have_attribute(
+        "href", "https://huggingface.co/google/gemma-3-270m"
+    )
+    assert page.locator("meta[property='og:description']").get_attribute("content") == quote
+    assert page.locator("meta[property='og:url']").get_attribute("content") == page.url
+    for width, height, name in ((1280, 800, "desktop"), (390, 844, "phone")):
+        page.set_viewport_size({"width": width, "height": height})
+        page.screenshot(path=screenshot_dir / f"permalink-{name}.png", full_page=True)
+    assert problems == []
+
+
+@TRANSPORTS
+def test_browser_shows_a_readable_error_for_a_failed_request(
+    daphne_server: DaphneServer, page: Page, transport: str
+) -> None:
+    problems = watch_console(page)
+    page.goto(persona_url(daphne_server, transport))
+    wait_done(page)
+
     page.get_by_test_id("topic").evaluate(
         "(el) => { el.removeAttribute('maxlength'); el.value = 'x'.repeat(300); }"
     )
@@ -102,9 +164,41 @@ def test_browser_phone_layout(daphne_server: DaphneServer, page: Page, screensho
     expect(page.get_by_role("link", name="Alan Watts")).to_be_visible()
     page.screenshot(path=screenshot_dir / "index-phone.png", full_page=True)
     page.goto(f"{daphne_server.url}/personas/alan-watts/")
-    expect(page.locator("form[data-ready=true]")).to_have_count(1)
-    page.get_by_test_id("generate").click()
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=30_000)
     page.screenshot(path=screenshot_dir / "persona-done-phone.png", full_page=True)
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390  # nothing overflows sideways on a phone
+
+
+def test_browser_eventsource_writes_exactly_one_quote(daphne_server: DaphneServer, page: Page) -> None:
+    """EventSource reconnects when a body ends: the final `done` event makes the client close, so
+    one call is one generation, even with the page left open well past the reconnect delay."""
+    page.goto(f"{daphne_server.url}/")
+    before = daphne_server.query("SELECT count(*) FROM quotes_generation")[0][0]
+    result = page.evaluate(
+        """async () => {
+          const { streamQuoteEventSource } = await import('/static/js/quote-stream.js');
+          const tokens = [];
+          const result = await streamQuoteEventSource({
+            url: '/api/quotes/stream', params: { persona: 'alan-watts' }, onToken: (t) => tokens.push(t),
+          });
+          return { ...result, tokens: tokens.length };
+        }"""
+    )
+    assert result["tokens"] >= 3 and result["text"]
+    page.wait_for_timeout(4000)  # EventSource's default reconnect delay is ~3 s
+    rows = daphne_server.query("SELECT status, text, public_id FROM quotes_generation ORDER BY id")
+    assert len(rows) == before + 1
+    assert rows[-1][0] == "ok" and rows[-1][1] == result["text"]
+    assert str(rows[-1][2]).replace("-", "") == result["id"].replace("-", "")
+
+    # A raw EventSource that ignores `done` is the failure mode this guards against: it reconnects.
+    count = page.evaluate(
+        """() => new Promise((resolve) => {
+          let opens = 0;
+          const source = new EventSource('/api/quotes/stream?persona=alan-watts');
+          source.addEventListener('open', () => { opens += 1; if (opens === 2) { source.close(); resolve(opens); } });
+          setTimeout(() => { source.close(); resolve(opens); }, 15000);
+        })"""
+    )
+    assert count == 2

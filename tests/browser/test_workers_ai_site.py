@@ -4,6 +4,7 @@ and through AI Gateway, daphne in a subprocess, the fake in this process."""
 from __future__ import annotations
 
 import itertools
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from playwright.sync_api import ConsoleMessage, Page, expect
 
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
-from .conftest import DaphneServer, start_daphne
+from .conftest import RECORDER, DaphneServer, start_daphne
 
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 MODEL_URL = "https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct/"
@@ -41,21 +42,6 @@ QUOTE_TOKENS = (
 )
 QUOTE = "".join(QUOTE_TOKENS)
 SLOW = Scenario(tokens=QUOTE_TOKENS, token_delay_s=0.05, headers={"cf-aig-log-id": "log-browser"})
-
-# Records every change to the card's state and the quote text, with the loading indicator's
-# visibility at that moment, so the test can tell "streamed" from "appeared all at once".
-RECORDER = """() => {
-  const card = document.querySelector('[data-testid=quote-card]');
-  const text = document.querySelector('[data-testid=quote-text]');
-  const loading = document.querySelector('[data-testid=loading]');
-  window.__changes = [];
-  const record = () => window.__changes.push({
-    state: card.dataset.state, text: text.textContent, loadingVisible: !loading.hidden && loading.offsetParent !== null,
-  });
-  const observer = new MutationObserver(record);
-  observer.observe(card, {attributes: true, attributeFilter: ['data-state']});
-  observer.observe(text, {childList: true, characterData: true, subtree: true});
-}"""
 
 
 def _watch_console(page: Page) -> list[str]:
@@ -138,8 +124,10 @@ def site(request: pytest.FixtureRequest) -> DaphneServer:
     return request.getfixturevalue(f"{request.param}_site")
 
 
-def open_persona(page: Page, site: DaphneServer) -> None:
-    page.goto(f"{site.url}/personas/alan-watts/")
+def open_persona(page: Page, site: DaphneServer, transport: str = "htmx") -> None:
+    """Open the page, which starts a quote at once."""
+    query = "?transport=fetch" if transport == "fetch" else ""
+    page.goto(f"{site.url}/personas/alan-watts/{query}")
     expect(page.locator("form[data-ready=true]")).to_have_count(1)
 
 
@@ -156,10 +144,9 @@ def test_workers_ai_site_streams_a_quote_token_by_token(
 ) -> None:
     problems = _watch_console(page)
     page.set_viewport_size({"width": 1280, "height": 800})
+    page.add_init_script(RECORDER)
     open_persona(page, site)
-    page.evaluate(RECORDER)
 
-    page.get_by_test_id("generate").click()
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "streaming")
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)
 
@@ -202,7 +189,6 @@ def test_workers_ai_site_screenshot(
 ) -> None:
     page.set_viewport_size({"width": 1280, "height": 800})
     open_persona(page, direct_site)
-    page.get_by_test_id("generate").click()
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)
     path = screenshot_dir / "workers-ai-desktop.png"
     page.screenshot(path=path)
@@ -216,7 +202,6 @@ def test_workers_ai_site_never_shows_a_token(site: DaphneServer, fake: FakeWorke
     # An upstream that echoes our request headers back as the quote.
     fake.script(Scenario(echo_headers=True, token_delay_s=0.01))
     open_persona(page, site)
-    page.get_by_test_id("generate").click()
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)
 
     expect(page.get_by_test_id("quote-text")).to_contain_text("authorization: Bearer [redacted]")
@@ -230,8 +215,6 @@ def test_workers_ai_site_shows_a_readable_error_before_the_stream(
     problems = _watch_console(page)
     fake.script(Scenario.out_of_capacity())
     open_persona(page, site)
-
-    page.get_by_test_id("generate").click()
 
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "error")
     error = page.get_by_test_id("error")
@@ -258,8 +241,6 @@ def test_workers_ai_site_shows_connection_lost_when_the_upstream_drops(
     fake.script(Scenario(tokens=QUOTE_TOKENS, token_delay_s=0.05, drop_after_tokens=4))
     open_persona(page, site)
 
-    page.get_by_test_id("generate").click()
-
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "error", timeout=15_000)
     expect(page.get_by_test_id("error")).to_be_visible()
     message = page.get_by_test_id("error-message")
@@ -277,4 +258,49 @@ def test_workers_ai_site_shows_connection_lost_when_the_upstream_drops(
     page.get_by_test_id("retry").click()
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)
     expect(page.get_by_test_id("quote-text")).to_have_text(QUOTE)
+    assert problems == []
+
+
+@pytest.mark.parametrize("transport", ["htmx", "fetch"])
+def test_workers_ai_site_stop_cancels_the_upstream_and_logs_cancelled(
+    direct_site: DaphneServer, fake: FakeWorkersAI, page: Page, transport: str
+) -> None:
+    problems = _watch_console(page)
+    fake.script(Scenario(tokens=["tick "] * 400, token_delay_s=0.05))
+    open_persona(page, direct_site, transport)
+    expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "streaming")
+    expect(page.get_by_test_id("quote-text")).to_contain_text("tick tick")  # visible, stream still open
+
+    page.get_by_test_id("stop").click()
+
+    expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "stopped")
+    expect(page.get_by_test_id("stopped")).to_be_visible()
+    upstream = fake.requests[-1]
+    assert upstream.client_disconnected.wait(5)
+    deadline = time.monotonic() + 5
+    while last_row(direct_site)[2] != "cancelled" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    row = last_row(direct_site)
+    assert row[2] == "cancelled"
+    assert str(row[4]).startswith("tick tick") and len(str(row[4])) < 5 * 400
+    # Escape works as well as the button, and a new quote can be written after a stop.
+    fake.script(Scenario(tokens=QUOTE_TOKENS, token_delay_s=0.02))
+    page.get_by_test_id("generate").click()
+    expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)
+    expect(page.get_by_test_id("quote-text")).to_have_text(QUOTE)
+    assert problems == []
+
+
+def test_workers_ai_site_fetch_transport_streams_too(
+    direct_site: DaphneServer, fake: FakeWorkersAI, page: Page
+) -> None:
+    problems = _watch_console(page)
+    page.add_init_script(RECORDER)
+    open_persona(page, direct_site, "fetch")
+    expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)
+    changes = page.evaluate("window.__changes")
+    growing = [c["text"] for c in changes if c["state"] == "streaming" and c["text"]]
+    assert len(set(growing)) >= 5, growing
+    expect(page.get_by_test_id("quote-text")).to_have_text(QUOTE)
+    expect(page.get_by_test_id("model-link")).to_have_attribute("href", MODEL_URL)
     assert problems == []

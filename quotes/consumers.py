@@ -1,0 +1,152 @@
+"""The WebSocket transport: the same quote stream as the HTTP endpoint, as JSON frames.
+
+Client -> server:
+    {"type": "start", "persona": slug, "topic": "...", "messages": [...], "fresh": false}
+    {"type": "cancel"}
+Server -> client:
+    {"type": "meta", "model", "model_url", "cache_status", "id", "permalink"}  (may repeat)
+    {"type": "token", "text": "..."}
+    {"type": "done", "usage": {...} | null, "id", "permalink"}
+    {"type": "error", "code", "message", "retry_after"}
+    {"type": "cancelled"}   after a cancel that stopped a generation
+
+One generation at a time per socket: a `start` while one runs gets an error frame with code
+`busy_socket` (cancel first). The generation runs in a task of its own, so a `cancel` or a
+disconnect stops it at once (Channels handles one message at a time); the gateway then logs
+the row as cancelled and closes the upstream or stops the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from contextlib import aclosing
+from typing import Any
+
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.urls import path
+
+from .ai.errors import QuoteError
+from .ai.events import Done, Error, Meta, Token, Usage
+from .ai.gateway import Client, stream_generation
+from .views import QuoteInput, meta_payload, parse_quote_request, permalink_of
+
+
+class QuoteConsumer(AsyncJsonWebsocketConsumer):
+    task: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        self.task = None
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        await self._cancel()
+
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
+        if text_data is None:
+            await self._send_error(QuoteError("invalid_frame", "Send JSON text frames.", 400))
+            return
+        try:
+            content = json.loads(text_data)
+        except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
+            await self._send_error(QuoteError("invalid_json", "The frame is not valid JSON.", 400))
+            return
+        await self.receive_json(content)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        kind = content.get("type") if isinstance(content, dict) else None
+        if kind == "start":
+            await self._start(content)
+        elif kind == "cancel":
+            if await self._cancel():
+                await self.send_json({"type": "cancelled"})
+        else:
+            await self._send_error(
+                QuoteError(
+                    "invalid_frame", 'A frame must be {"type": "start", ...} or {"type": "cancel"}.', 400
+                )
+            )
+
+    async def _start(self, content: dict[str, Any]) -> None:
+        if self.task is not None and not self.task.done():
+            await self._send_error(
+                QuoteError("busy_socket", "A quote is already being written here. Cancel it first.", 409)
+            )
+            return
+        try:
+            quote = await parse_quote_request(content)
+        except QuoteError as exc:
+            await self._send_error(exc)
+            return
+        self.task = asyncio.create_task(self._run(quote, self._client()))
+
+    def _client(self) -> Client:
+        ip = (self.scope.get("client") or ("",))[0] or ""
+        user = self.scope.get("user")
+        user_id = user.pk if user is not None and user.is_authenticated else None
+        return Client.from_request(ip, user_id)
+
+    async def _run(self, quote: QuoteInput, client: Client) -> None:
+
+        meta = Meta()
+        usage: Usage | None = None
+        events = stream_generation(
+            persona=quote.persona,
+            topic=quote.topic,
+            messages=quote.messages,
+            client=client,
+            bypass_cache=quote.fresh,
+        )
+        async with aclosing(events):
+            async for event in events:
+                if type(event) is Meta:
+                    meta = meta.merged(event)
+                    await self.send_json({"type": "meta", **meta_payload(meta)})
+                elif type(event) is Token:
+                    if event.text:
+                        await self.send_json({"type": "token", "text": event.text})
+                elif type(event) is Usage:
+                    usage = event
+                elif type(event) is Done:
+                    await self.send_json(
+                        {
+                            "type": "done",
+                            "usage": None
+                            if usage is None
+                            else {
+                                "prompt_tokens": usage.prompt_tokens,
+                                "completion_tokens": usage.completion_tokens,
+                                "total_tokens": usage.total_tokens,
+                            },
+                            "id": meta.generation_id,
+                            "permalink": permalink_of(meta.generation_id),
+                        }
+                    )
+                elif type(event) is Error:
+                    await self._send_error(event)
+
+    async def _cancel(self) -> bool:
+        """Stop the running generation, if any, and wait until its log row is written."""
+        task, self.task = self.task, None
+        if task is None or task.done():
+            return False
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return True
+
+    async def _send_error(self, error: QuoteError | Error) -> None:
+        await self.send_json(
+            {
+                "type": "error",
+                "code": error.code,
+                "message": error.message,
+                "retry_after": getattr(error, "retry_after", None),
+            }
+        )
+
+
+websocket_urlpatterns = [path("ws/quotes/", QuoteConsumer.as_asgi())]

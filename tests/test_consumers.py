@@ -1,0 +1,198 @@
+"""The WebSocket transport (/ws/quotes/) through the real ASGI app and Channels' communicator."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from quotes.ai.backends import reset_backends
+from quotes.models import Generation, Persona
+from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+async def _close_backends_on_this_loop() -> AsyncIterator[None]:
+    yield
+    await reset_backends()
+
+
+@pytest.fixture
+async def socket() -> AsyncIterator[WebsocketCommunicator]:
+    from config.asgi import application
+
+    communicator = WebsocketCommunicator(
+        application, "/ws/quotes/", headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
+    )
+    connected, _ = await communicator.connect()
+    assert connected
+    yield communicator
+    await communicator.disconnect(timeout=10)
+
+
+async def frames_until(socket: WebsocketCommunicator, *types: str) -> list[dict[str, Any]]:
+    frames = []
+    while True:
+        frame = await socket.receive_json_from(timeout=30)
+        frames.append(frame)
+        if frame["type"] in types:
+            return frames
+
+
+async def wait_for_row(status: str) -> Generation:
+    for _ in range(100):
+        row = await Generation.objects.afirst()
+        if row is not None and row.status == status:
+            return row
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {status} row")
+
+
+async def test_socket_streams_meta_tokens_and_done(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    await socket.send_json_to({"type": "start", "persona": persona.slug, "topic": "rain"})
+
+    frames = await frames_until(socket, "done", "error")
+
+    assert frames[0]["type"] == "meta"
+    tokens = [f["text"] for f in frames if f["type"] == "token"]
+    assert tokens == ["Stay", " hungry", ",", " stay", " foolish", "."]
+    done = frames[-1]
+    row = await Generation.objects.aget()
+    assert row.status == Generation.Status.OK and row.text == "".join(tokens)
+    assert done["type"] == "done"
+    assert done["id"] == str(row.public_id)
+    assert done["permalink"] == f"/q/{row.public_id}/"
+    assert done["usage"]["total_tokens"] > 0
+    assert any(f["type"] == "meta" and f["model"] == row.model for f in frames)
+    assert (
+        fake_workers_ai.requests[-1]
+        .json["messages"][1]["content"]
+        .endswith("about rain as if you were Alan Watts")
+    )
+
+
+async def test_socket_sends_the_conversation(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    turns = [{"role": "assistant", "content": "Be here."}, {"role": "user", "content": "Why?"}]
+    await socket.send_json_to({"type": "start", "persona": persona.slug, "messages": turns})
+    assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
+    assert fake_workers_ai.requests[-1].json["messages"][-2:] == turns
+
+
+async def test_socket_cancel_stops_the_upstream_and_logs_cancelled(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    fake_workers_ai.script(Scenario(tokens=["tick"] * 500, token_delay_s=0.02))
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    await frames_until(socket, "token")
+
+    await socket.send_json_to({"type": "cancel"})
+
+    frames = await frames_until(socket, "cancelled")
+    assert all(f["type"] in ("token", "meta", "cancelled") for f in frames)
+    [upstream] = fake_workers_ai.requests
+    assert await asyncio.to_thread(upstream.client_disconnected.wait, 5)
+    row = await wait_for_row(Generation.Status.CANCELLED)
+    assert row.text.startswith("tick") and len(row.text) < 4 * 500
+    # The socket is free again: a new start works.
+    fake_workers_ai.script(Scenario())
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
+
+
+async def test_socket_disconnect_stops_the_upstream_and_logs_cancelled(
+    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    from config.asgi import application
+
+    fake_workers_ai.script(Scenario(tokens=["tick"] * 500, token_delay_s=0.02))
+    socket = WebsocketCommunicator(application, "/ws/quotes/", headers=[(b"origin", b"http://127.0.0.1")])
+    assert (await socket.connect())[0]
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    await frames_until(socket, "token")
+
+    await socket.disconnect()
+
+    [upstream] = fake_workers_ai.requests
+    assert await asyncio.to_thread(upstream.client_disconnected.wait, 5)
+    row = await wait_for_row(Generation.Status.CANCELLED)
+    assert row.text.startswith("tick")
+
+
+async def test_socket_refuses_a_second_start_while_one_runs(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    fake_workers_ai.script(Scenario(tokens=["tick"] * 20, token_delay_s=0.02))
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    await frames_until(socket, "token")
+
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+
+    frames = await frames_until(socket, "error")
+    assert frames[-1]["code"] == "busy_socket"
+    assert (await frames_until(socket, "done"))[-1]["type"] == "done"
+    assert len(fake_workers_ai.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        ({"type": "start"}, "missing_persona"),
+        ({"type": "start", "persona": "nobody"}, "unknown_persona"),
+        ({"type": "start", "persona": "test-watts", "topic": "x" * 500}, "topic_too_long"),
+        ({"type": "start", "persona": "test-watts", "messages": "hi"}, "invalid_messages"),
+        ({"type": "dance"}, "invalid_frame"),
+        (["start"], "invalid_frame"),
+    ],
+)
+async def test_socket_bad_input_is_an_error_frame(
+    socket: WebsocketCommunicator, persona: Persona, frame: Any, code: str
+) -> None:
+    await socket.send_json_to(frame)
+
+    error = await socket.receive_json_from(timeout=10)
+
+    assert error["type"] == "error"
+    assert error["code"] == code
+    assert len(error["message"]) > 10
+    # The socket survives bad input.
+    await socket.send_json_to({"type": "cancel"})
+    assert await socket.receive_nothing(timeout=0.2)
+
+
+async def test_socket_invalid_json_is_an_error_frame(socket: WebsocketCommunicator, persona: Persona) -> None:
+    await socket.send_to(text_data="{nope")
+    error = await socket.receive_json_from(timeout=10)
+    assert (error["type"], error["code"]) == ("error", "invalid_json")
+
+
+async def test_socket_rate_limit_is_an_error_frame(
+    socket: WebsocketCommunicator, persona: Persona, settings: Any
+) -> None:
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
+
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+
+    error = (await frames_until(socket, "error"))[-1]
+    assert error["code"] == "rate_limited"
+    assert error["retry_after"] > 0
+    rows = [row.status async for row in Generation.objects.order_by("id")]
+    assert rows == [Generation.Status.OK, Generation.Status.RATE_LIMITED]
+
+
+async def test_socket_from_another_origin_is_refused(persona: Persona) -> None:
+    from config.asgi import application
+
+    socket = WebsocketCommunicator(application, "/ws/quotes/", headers=[(b"origin", b"https://evil.example")])
+    connected, _ = await socket.connect()
+    assert not connected

@@ -1,0 +1,130 @@
+"""A finished quote's permalink page (with Open Graph tags) and the feedback endpoint."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+from html.parser import HTMLParser
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from quotes.models import Generation, Persona
+from tests.asgi import request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def make_generation(persona: Persona, **fields: object) -> Generation:
+    values: dict[str, object] = {
+        "persona": persona,
+        "backend": "workers-ai",
+        "model": "@cf/meta/llama-3.1-8b-instruct",
+        "status": Generation.Status.OK,
+        "text": '\nThe rain does not <hurry> & "still" arrives.',
+        **fields,
+    }
+    return Generation.objects.create(**values)
+
+
+class MetaTags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[str, str] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        key = found.get("property") or found.get("name")
+        if tag == "meta" and key:
+            self.tags[key] = found.get("content") or ""
+
+
+def test_permalink_page_shows_the_quote_with_open_graph_tags(persona: Persona, client: Client) -> None:
+    generation = make_generation(persona)
+
+    response = client.get(f"/q/{generation.public_id}/")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "The rain does not &lt;hurry&gt; &amp; &quot;still&quot; arrives." in html
+    assert "Alan Watts" in html
+    assert 'href="https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct/"' in html
+    assert f'datetime="{generation.created_at.isoformat()}"'[:30] in html
+    parser = MetaTags()
+    parser.feed(html)
+    tags = parser.tags
+    assert tags["og:type"] == "article"
+    assert tags["og:url"] == f"http://testserver/q/{generation.public_id}/"
+    assert tags["og:description"] == 'The rain does not <hurry> & "still" arrives.'
+    assert "Alan Watts" in tags["og:title"]
+    assert tags["twitter:card"] == "summary"
+    assert tags["twitter:description"] == tags["og:description"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"status": Generation.Status.CANCELLED}, {"status": Generation.Status.ERROR}, {"is_preview": True}],
+)
+def test_permalink_page_is_404_for_unfinished_or_preview_quotes(
+    persona: Persona, client: Client, fields: dict[str, object]
+) -> None:
+    generation = make_generation(persona, **fields)
+    assert client.get(f"/q/{generation.public_id}/").status_code == 404
+    assert client.get(f"/q/{uuid.uuid4()}/").status_code == 404
+
+
+async def post_feedback(
+    public_id: object, body: object, content_type: str = "application/json"
+) -> tuple[int, dict]:
+    response = await request(
+        "POST",
+        f"/api/quotes/{public_id}/feedback",
+        body=json.dumps(body).encode(),
+        headers={"content-type": content_type},
+    )
+    return response.status, response.json()
+
+
+async def test_feedback_is_stored_and_idempotent(persona: Persona) -> None:
+    generation = await Generation.objects.acreate(
+        persona=persona, backend="local", model="gemma-3-270m", status="ok", text="Be."
+    )
+
+    assert await post_feedback(generation.public_id, {"value": 1}) == (
+        200,
+        {"id": str(generation.public_id), "feedback": 1},
+    )
+    assert (await post_feedback(generation.public_id, {"value": 1}))[0] == 200
+    await generation.arefresh_from_db()
+    assert generation.feedback == 1
+    assert (await post_feedback(generation.public_id, {"value": -1}))[1]["feedback"] == -1
+    await generation.arefresh_from_db()
+    assert generation.feedback == -1
+
+
+@pytest.mark.parametrize("body", [{"value": 2}, {"value": 0}, {"value": True}, {"value": "1"}, {}, [1]])
+async def test_feedback_rejects_bad_values(persona: Persona, body: object) -> None:
+    generation = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+    status, payload = await post_feedback(generation.public_id, body)
+    assert status == 400
+    assert payload["error"]["code"] in ("invalid_feedback", "invalid_json")
+    await generation.arefresh_from_db()
+    assert generation.feedback is None
+
+
+async def test_feedback_errors(persona: Persona) -> None:
+    assert (await post_feedback(uuid.uuid4(), {"value": 1}))[0] == 404
+    generation = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+    assert (await post_feedback(generation.public_id, {"value": 1}, content_type="text/plain"))[0] == 415
+    response = await request("GET", f"/api/quotes/{generation.public_id}/feedback")
+    assert response.status == 405
+    cancelled = await Generation.objects.acreate(
+        persona=persona, backend="local", model="m", status="cancelled"
+    )
+    assert (await post_feedback(cancelled.public_id, {"value": 1}))[0] == 409
+    old = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+    await Generation.objects.filter(pk=old.pk).aupdate(created_at=timezone.now() - timedelta(days=2))
+    status, payload = await post_feedback(old.public_id, {"value": 1})
+    assert (status, payload["error"]["code"]) == (403, "feedback_closed")
