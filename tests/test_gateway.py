@@ -414,7 +414,9 @@ async def test_cache_uses_the_persona_ttl_override(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     # Read the expiry from the in-memory cache (the Redis variant checks Redis's own TTL).
-    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "persona-quotes"}
+    }
     persona.cache_ttl = 120
     await persona.asave()
 

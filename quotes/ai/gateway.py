@@ -118,6 +118,9 @@ class _Plan:
 async def _fly(flight: _Flight, plan: _Plan) -> None:
     try:
         async for event in _generate(plan):
+            if type(event) is Done and plan.cache_key:
+                # Cached before [DONE] goes out: a client that has seen the end can count on it.
+                await _store(plan, flight.history)
             flight.publish(event)
     except asyncio.CancelledError:
         raise
@@ -127,8 +130,14 @@ async def _fly(flight: _Flight, plan: _Plan) -> None:
     finally:
         if flight.key is not None:
             _flights.pop(flight.key, None)
-    if plan.cache_key and flight.history and type(flight.history[-1]) is Done:
-        await store_answer(plan.cache_key, _answer_from(flight.history), ttl=plan.cache_ttl)
+
+
+async def _store(plan: _Plan, history: list[Event]) -> None:
+    assert plan.cache_key is not None
+    try:
+        await store_answer(plan.cache_key, _answer_from(history), ttl=plan.cache_ttl)
+    except Exception:  # a cache that is down costs a future hit, never this answer
+        logger.exception("could not cache an answer")
 
 
 def _answer_from(history: list[Event]) -> CachedAnswer:
