@@ -37,9 +37,11 @@ def test_browser_quote_starts_at_once_and_streams_in_token_by_token(
     page.add_init_script(RECORDER)
     page.goto(persona_url(daphne_server, transport))
 
-    # No click: opening the page starts a quote.
-    expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "streaming")
-    if transport == "htmx":
+    # No click: opening the page starts a quote. (The recorder proves the streaming steps; a
+    # short quote may already be done when this looks, so either state will do here.)
+    card = page.get_by_test_id("quote-card")
+    expect(card).to_have_attribute("data-state", re.compile("streaming|done"))
+    if transport == "htmx" and card.get_attribute("data-state") == "streaming":
         page.screenshot(path=screenshot_dir / "persona-streaming-desktop.png")
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=30_000)
     if transport == "htmx":
