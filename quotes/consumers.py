@@ -34,6 +34,9 @@ from .views import QuoteInput, meta_payload, parse_quote_request, permalink_of
 
 
 class QuoteConsumer(AsyncJsonWebsocketConsumer):
+    # No channel layer: a socket streams its own generation and joins no group, so it need not
+    # hold a Redis connection (and a receive loop) open for every visitor.
+    channel_layer_alias = "quotes-none"
     task: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:

@@ -6,6 +6,7 @@ This module is the only place that turns events into bytes for HTTP.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -205,11 +206,16 @@ def _read_form(request: HttpRequest) -> dict[str, Any]:
     return params
 
 
+_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
+
+
 async def _find_persona(slug: object) -> Persona:
     if slug is None or slug == "":
         raise QuoteError("missing_persona", "Say which persona should speak: the `persona` field.", 400)
     if not isinstance(slug, str):
         raise QuoteError("invalid_persona", "`persona` must be a string (a persona's slug).", 400)
+    if not _SLUG.fullmatch(slug):  # never a persona, and PostgreSQL refuses some bytes (NUL) outright
+        raise QuoteError("unknown_persona", f"There is no persona called {slug[:100]!r}.", 404)
     try:
         return await Persona.objects.active().aget(slug=slug)
     except Persona.DoesNotExist:
@@ -221,7 +227,8 @@ def _clean_topic(topic: object, *, default: str) -> str:
         return default
     if not isinstance(topic, str):
         raise QuoteError("invalid_topic", "`topic` must be a string.", 400)
-    topic = " ".join(topic.split())
+    # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
+    topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
     if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
         raise QuoteError(
             "topic_too_long",

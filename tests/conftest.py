@@ -38,10 +38,17 @@ def django_db_modify_db_settings(tmp_path_factory: pytest.TempPathFactory) -> No
 
 @pytest.fixture(autouse=True)
 def _fresh_cache() -> Iterator[None]:
-    """Each test starts with no cached answers and no rate-limit counts."""
+    """Each test starts with no cached answers and no rate-limit counts, in whichever cache is
+    the default and in every in-memory one (a test may have pointed the default elsewhere)."""
+    from django.core.cache.backends.locmem import _caches
+
     cache.clear()
+    for store in _caches.values():
+        store.clear()
     yield
     cache.clear()
+    for store in _caches.values():
+        store.clear()
 
 
 @pytest.fixture

@@ -114,7 +114,7 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServ
 
     model_path = ensure_local_model(Path(settings.LOCAL_MODEL["path"]))
     port = free_port()
-    api_key = secrets.token_urlsafe(16)
+    api_key = secrets.token_hex(16)  # hex: a leading "-" would read as an option
     base_url = f"http://127.0.0.1:{port}/v1"
     log_path = tmp_path_factory.mktemp("llama-server") / "server.log"
     command = [

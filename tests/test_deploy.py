@@ -37,7 +37,11 @@ print(json.dumps({name: getattr(settings, name, None) for name in %r}, default=s
 def _env(**overrides: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "CLOUDFLARE_", "AI_"))}
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    env.update({k: v for k, v in overrides.items() if v is not None})
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)  # None: the variable is unset
+        else:
+            env[name] = value
     return env
 
 

@@ -35,6 +35,10 @@ def parse_messages(raw: object) -> tuple[Message, ...]:
             )
         if not isinstance(content, str) or not content.strip():
             raise QuoteError("invalid_messages", f"Turn {index + 1}: content must be non-empty text.", 400)
+        if "\x00" in content:
+            raise QuoteError(
+                "invalid_messages", f"Turn {index + 1}: content must not contain NUL characters.", 400
+            )
         if len(content) > max_chars:
             raise QuoteError(
                 "message_too_long", f"Turn {index + 1} is too long: at most {max_chars} characters.", 400
