@@ -203,9 +203,12 @@ class StampingUpstream:
 
 
 @contextlib.contextmanager
-def serve_daphne(**extra_env: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+def serve_daphne(
+    application: str = "config.asgi:application", **extra_env: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """Like bench.common.serve_app("daphne"), but DJANGO_SETTINGS_MODULE may be chosen (app_env
-    drops it): bench.load_settings raises the upstream connection pool for --pool."""
+    drops it): bench.load_settings raises the upstream connection pool for --pool. The naive
+    proxy (`bench.naive.asgi:application`) has no database: nothing is migrated for it."""
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         settings_module = extra_env.pop("DJANGO_SETTINGS_MODULE", "")
@@ -213,10 +216,13 @@ def serve_daphne(**extra_env: str) -> Iterator[tuple[subprocess.Popen[bytes], st
         env = app_env(db_path, **{"DJANGO_SECURE_SSL_REDIRECT": "false", **extra_env})
         if settings_module:
             env["DJANGO_SETTINGS_MODULE"] = settings_module
-        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+        if application.startswith("config."):
+            subprocess.run(
+                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+            )
         port = free_port()
         command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
-        command += ["config.asgi:application"]
+        command += [application]
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         log_path = ARTIFACTS / "load-daphne.log"
         with log_path.open("wb") as log:
@@ -268,6 +274,9 @@ class Result:
     done: bool = False
     error: str = ""
     cancelled: bool = False
+    #: seconds to the response's headers, and whether a refusal said when to come back
+    headers_s: float = 0.0
+    retry_after: bool = False
 
 
 @dataclass
@@ -296,6 +305,8 @@ async def one_stream(host: str, port: int, index: int, run: Run, end_by: float) 
             reader.readuntil(b"\r\n\r\n"), timeout=max(1.0, end_by - time.monotonic())
         )
         result.status = int(head.split(b" ", 2)[1])
+        result.headers_s = time.monotonic() - started
+        result.retry_after = b"\r\nretry-after:" in head.lower()
         if result.status != 200:
             result.error = f"HTTP {result.status}: {(await reader.read(300))!r}"
             return
@@ -421,9 +432,21 @@ def raise_fd_limit(needed: int) -> str:
     return f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} (hard {hard})"
 
 
-def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
+NAIVE = "bench.naive.asgi:application"
+
+
+def one_run(streams: int, args: argparse.Namespace, path: str = "app") -> dict[str, Any]:
     tokens = int(args.duration * args.tokens_per_second)
     upstream = StampingUpstream(tokens, args.tokens_per_second)
+    if path == "naive":
+        naive_env = {
+            "DJANGO_SETTINGS_MODULE": "bench.naive.settings",
+            "BENCH_UPSTREAM_URL": f"{upstream.api_base_url}/accounts/{ACCOUNT_ID}/ai/run/@cf/meta/llama-3.1-8b-instruct",
+            "BENCH_UPSTREAM_HEADERS": json.dumps(
+                {"Authorization": f"Bearer {API_TOKEN}", "Content-Type": "application/json"}
+            ),
+        }
+        return _one_run(streams, args, upstream, tokens, path, NAIVE, naive_env)
     env = {
         "AI_BACKEND": "workers-ai",
         "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
@@ -437,12 +460,27 @@ def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.pool:
         env["DJANGO_SETTINGS_MODULE"] = "bench.load_settings"
         env["BENCH_MAX_CONNECTIONS"] = str(args.pool)
+    for item in args.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    return _one_run(streams, args, upstream, tokens, path, "config.asgi:application", env)
+
+
+def _one_run(
+    streams: int,
+    args: argparse.Namespace,
+    upstream: StampingUpstream,
+    tokens: int,
+    path: str,
+    application: str,
+    env: dict[str, str],
+) -> dict[str, Any]:
     load_before = os.getloadavg()
     try:
-        with serve_daphne(**env) as (process, url, db_path):
+        with serve_daphne(application, **env) as (process, url, db_path):
             spy = None
             if args.profile:
-                spy_out = ARTIFACTS / f"load-{streams}.pyspy.txt"
+                spy_out = ARTIFACTS / f"load-{path}-{streams}.pyspy.txt"
                 command = [str(Path(PYTHON).parent / "py-spy"), "record", "--pid", str(process.pid)]
                 command += ["--format", "raw", "--rate", "50", "--duration", str(int(args.duration * 0.6))]
                 command += ["--nonblocking", "--output", str(spy_out)]
@@ -454,7 +492,9 @@ def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
             run, plateau = asyncio.run(
                 drive(url, process.pid, upstream, streams, args.duration, args.ramp_per_second)
             )
-            rows = count_rows(db_path, expected=sum(1 for r in run.results if r.status))
+            # Every response, a refusal included, has its row (the app logs every attempt).
+            answered = sum(1 for r in run.results if r.status)
+            rows = count_rows(db_path, expected=answered) if path == "app" else {}
             if spy is not None:
                 spy.wait(timeout=args.duration * 2)
     finally:
@@ -469,17 +509,24 @@ def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
     rss_plateau = sum(s["VmRSS"] for s in plateau_samples) / max(1, len(plateau_samples))
     threads = max((s["Threads"] for s in plateau_samples), default=0)
     lags = sorted(run.loop_lag_ms)
+    cpu_per_token_us = (
+        plateau["daphne_cpu_pct"] / 100 / (streams * args.tokens_per_second) * 1e6 if streams else 0.0
+    )
+    refused = [r for r in results if r.status == 503]
     return {
+        "path": path,
         "streams": streams,
         "duration_s": args.duration,
         "tokens_per_stream": tokens,
         "completed": ok,
         "cancelled_by_client": cancelled,
-        "errors": len(errors),
+        "errors": len(errors) - len(refused),
+        "refused_503": len(refused),
+        "refused_with_retry_after": sum(1 for r in refused if r.retry_after),
         "error_samples": sorted({e.error[:160] for e in errors})[:5],
         "rows": rows,
         "rows_total": sum(rows.values()),
-        "lost_rows": got_response - sum(rows.values()),
+        "lost_rows": (got_response - sum(rows.values())) if path == "app" else None,
         "tokens_received": len(delays_ms),
         "tokens_expected": streams * tokens,
         "added_delay_ms": {
@@ -495,12 +542,82 @@ def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         "daphne_threads_max": threads,
         "daphne_fds_max": max((s["fds"] for s in plateau_samples), default=0),
         "daphne_cpu_pct": plateau["daphne_cpu_pct"],
+        "cpu_per_token_us": round(cpu_per_token_us, 1),
         "client_cpu_pct": plateau["client_cpu_pct"],
         "upstream": plateau["upstream"],
         "ramp_s": plateau["ramp_s"],
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def summary_table(reports: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            r["path"],
+            r["streams"],
+            f"{r['completed']}/{r['streams']}",
+            r["refused_503"],
+            r["errors"],
+            "" if r["lost_rows"] is None else r["lost_rows"],
+            r["added_delay_ms"]["p50"],
+            r["added_delay_ms"]["p99"],
+            r["added_delay_ms"]["max"],
+            f"{r['tokens_received'] / max(1, r['tokens_expected']):.3f}",
+            r["daphne_cpu_pct"],
+            r["cpu_per_token_us"],
+            round(r["rss_per_stream_kib"]),
+            r["daphne_threads_max"],
+            f"{r['upstream']['tick_lag_p99_ms']:.1f}",
+            r["client_loop_lag_p99_ms"],
+            "/".join(f"{x:.1f}" for x in r["load_average_before"]),
+        ]
+        for r in reports
+    ]
+    return table(
+        [
+            "path",
+            "streams",
+            "completed",
+            "503",
+            "errors",
+            "lost rows",
+            "added p50 ms",
+            "added p99 ms",
+            "added max ms",
+            "tokens recv/expected",
+            "daphne CPU %",
+            "CPU µs/token",
+            "RSS KiB/stream",
+            "daphne threads",
+            "upstream tick lag p99 ms",
+            "client lag p99 ms",
+            "load avg before",
+        ],
+        rows,
+    )
+
+
+def capacity_lines(reports: list[dict[str, Any]], bound_ms: float) -> list[str]:
+    """The largest stream count each path held at p99 <= bound_ms added per token, from this
+    run's ladder (a lower bound: the next step up failed or was not run)."""
+    lines = []
+    for path in dict.fromkeys(r["path"] for r in reports):
+        held = [
+            r["streams"]
+            for r in reports
+            if r["path"] == path and r["errors"] == 0 and r["added_delay_ms"]["p99"] <= bound_ms
+        ]
+        failed = [
+            r["streams"]
+            for r in reports
+            if r["path"] == path and (r["errors"] or r["added_delay_ms"]["p99"] > bound_ms)
+        ]
+        lines.append(
+            f"{path}: held {max(held) if held else 'none'} streams at p99 <= {bound_ms:g} ms"
+            + (f" (missed at {min(failed)})" if failed else "")
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -511,61 +628,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-second", type=float, default=50, help="per stream")
     parser.add_argument("--ramp-per-second", type=float, default=200, help="new streams per second")
     parser.add_argument(
+        "--paths",
+        default="naive,app",
+        help="what to serve, one run each per stream count, in this order: naive (the naive Django "
+        "proxy, the baseline) and/or app",
+    )
+    parser.add_argument(
         "--pool",
         type=int,
         default=0,
-        help="raise the app's upstream connection pool (default: as shipped, 100)",
+        help="set the app's upstream connection pool through bench.load_settings (default: "
+        "AI_MAX_CONNECTIONS as configured)",
     )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for the app"
+    )
+    parser.add_argument("--bound-ms", type=float, default=50.0, help="the p99 bound for the capacity line")
     parser.add_argument("--profile", action="store_true", help="py-spy record daphne during the run")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     fd_limit = raise_fd_limit(4 * max(counts) + 256)
     print(machine(), f"; open files limit {fd_limit}", flush=True)
     reports = []
     for streams in counts:
-        report = one_run(streams, args)
-        reports.append(report)
-        print(json.dumps(report, indent=1), flush=True)
-    rows = [
-        [
-            r["streams"],
-            f"{r['completed']}/{r['streams']}",
-            r["errors"],
-            r["lost_rows"],
-            r["added_delay_ms"]["p50"],
-            r["added_delay_ms"]["p99"],
-            r["added_delay_ms"]["max"],
-            f"{r['tokens_received'] / max(1, r['tokens_expected']):.3f}",
-            round(r["rss_per_stream_kib"]),
-            r["daphne_threads_max"],
-            r["daphne_cpu_pct"],
-            f"{r['upstream']['tick_lag_p99_ms']:.1f}",
-            r["client_loop_lag_p99_ms"],
-            "/".join(f"{x:.1f}" for x in r["load_average_before"]),
-        ]
-        for r in reports
-    ]
-    print(
-        table(
-            [
-                "streams",
-                "completed",
-                "errors",
-                "lost rows",
-                "added p50 ms",
-                "added p99 ms",
-                "added max ms",
-                "tokens recv/expected",
-                "RSS KiB/stream",
-                "daphne threads",
-                "daphne CPU %",
-                "upstream tick lag p99 ms",
-                "client lag p99 ms",
-                "load avg before",
-            ],
-            rows,
-        )
-    )
+        for path in paths:
+            report = one_run(streams, args, path)
+            reports.append(report)
+            print(json.dumps(report, indent=1), flush=True)
+    print(summary_table(reports))
+    print("\n".join(capacity_lines(reports, args.bound_ms)))
     out = ARTIFACTS / "load.json"
     out.write_text(json.dumps({"pool": args.pool, "reports": reports}, indent=1) + "\n")
     print(f"raw: {out}", file=sys.stderr)
