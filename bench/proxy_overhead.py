@@ -517,9 +517,11 @@ def main(argv: list[str] | None = None) -> None:
             fake,
         )
         # The answer cache: the same app with its cache on, asked the same question again.
-        hit_app = stack.enter_context(serve_app(
+        hit_app = stack.enter_context(
+            serve_app(
                 "daphne", **workers_ai_env(fake), QUOTES_CACHE_TTL="3600", QUOTES_CACHE_REPLAY_PACING_MS="0"
-            ))
+            )
+        )
         hit = Reader("app under daphne, cache hit", app_request(hit_app, stack.enter_context(client())))
         direct_client = stack.enter_context(client())
         direct = Reader("direct (fake upstream)", direct_request(fake, direct_client), fake)

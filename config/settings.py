@@ -50,7 +50,10 @@ INSTALLED_APPS = [
 # stock classes cost two thread hops each per request under ASGI.
 # Every entry is async-native: a sync-only one would put the SSE stream back on a thread.
 MIDDLEWARE = [
-    # First, so every log line of the request (and its response) carries the request id.
+    # Outermost: once every other middleware has seen a streaming response, the request's
+    # thread is let go (an open stream holds no OS thread).
+    "quotes.middleware.ReleaseRequestThreadMiddleware",
+    # Then, so every log line of the request (and its response) carries the request id.
     "quotes.logging.RequestIdMiddleware",
     "quotes.middleware.SecurityMiddleware",
     "quotes.middleware.CSPMiddleware",
@@ -64,6 +67,9 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "config.urls"
+# A failed CSRF check on the persona page's form (posted by htmx) is answered as an error event
+# the page can show; any other request gets Django's own page.
+CSRF_FAILURE_VIEW = "quotes.views.csrf_failure"
 
 TEMPLATES = [
     {

@@ -1,9 +1,8 @@
-"""WhiteNoise, given an async entry point.
+"""Middleware that keeps the stream path on the event loop and off Django's per-request thread.
 
-WhiteNoise's middleware is sync-only, and one sync middleware makes Django hop to a thread on
-every request, the SSE stream included. This subclass keeps WhiteNoise's file finding,
-compression negotiation and caching headers, but only requests under STATIC_URL touch a
-thread; everything else passes straight through on the event loop.
+- `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread.
+- `StaticFilesMiddleware`: WhiteNoise, given an async entry point.
+- Django's own middleware with their methods run inline instead of in a thread each.
 """
 
 from __future__ import annotations
@@ -12,18 +11,69 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import markcoroutinefunction, sync_to_async
+from asgiref.sync import SyncToAsync, markcoroutinefunction, sync_to_async
 from csp import middleware as csp_middleware
 from django.conf import settings
 from django.contrib.auth import middleware as auth
 from django.contrib.messages import middleware as messages
 from django.contrib.sessions import middleware as sessions
+from django.db import connections
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 
+class ReleaseRequestThreadMiddleware:
+    """Once a view has returned a streaming response, let the request's thread go.
+
+    Django runs each ASGI request in an asgiref `ThreadSensitiveContext`: the request's first
+    thread-sensitive `sync_to_async` call (Django's own `request_started` signal always makes
+    one) starts a thread of its own for that request, and asgiref keeps it until the context
+    ends, i.e. until the last byte of the response is sent. For a stream that is minutes, so an
+    open stream held an idle OS thread (its stack, and a database connection if the request
+    queried anything): threads = 1 + open streams. Nothing on the stream path needs that thread
+    once the headers are decided (the gateway writes log rows from its own thread), so here its
+    executor leaves the context and ends once idle. A later thread-sensitive call in the same
+    request (Django's `response.close()` at the very end) starts a short-lived one, as asgiref
+    does for any context without an executor.
+    """
+
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        response = await self.get_response(request)
+        if response.streaming:
+            release_request_thread()
+        return response
+
+
+def release_request_thread() -> None:
+    context = SyncToAsync.thread_sensitive_context.get(None)
+    if context is None:
+        return
+    executor = SyncToAsync.context_to_thread_executor.pop(context, None)
+    if executor is None:
+        return  # no thread-sensitive call yet: no thread to let go
+    # Its database connections would never be used again (they belong to that thread): close them
+    # there, as request_finished would have, then let the thread end once that is done.
+    executor.submit(connections.close_all)
+    executor.shutdown(wait=False)
+
+
 class StaticFilesMiddleware(WhiteNoiseMiddleware):
+    """WhiteNoise, given an async entry point.
+
+    WhiteNoise's middleware is sync-only, and one sync middleware makes Django hop to a thread
+    on every request, the SSE stream included. This subclass keeps WhiteNoise's file finding,
+    compression negotiation and caching headers, but only requests under STATIC_URL touch a
+    thread; everything else passes straight through on the event loop.
+    """
+
     sync_capable = False
     async_capable = True
 

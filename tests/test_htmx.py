@@ -1,6 +1,6 @@
-"""The stream endpoint's htmx dialect, through the real ASGI app: HTML-escaped text fragments
-(unnamed messages, which hx-sse appends) and named `meta`, `done` and `error` events; the
-page's form post with its CSRF token; the JSON format untouched for everyone else."""
+"""The stream's htmx dialect, through the real ASGI app: HTML-escaped text fragments (unnamed
+messages, which hx-sse appends) and named `meta`, `done` and `error` events; the page's form,
+posted to its own URL under Django's CSRF check; the JSON format untouched for everyone else."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CSRF = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
+FORM_URL = "/quotes/stream"  # the persona page's form (Django's CSRF); the JSON API takes no forms
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +35,7 @@ async def htmx_form_post(
         fields = {"csrfmiddlewaretoken": csrf, **fields}
     return await request(
         "POST",
-        "/api/quotes/stream",
+        FORM_URL,
         body=urlencode(fields).encode(),
         headers={
             "content-type": "application/x-www-form-urlencoded",
@@ -110,7 +111,7 @@ async def test_htmx_form_post_without_a_valid_csrf_token_is_refused_readably(per
     assert await Generation.objects.acount() == 0
 
 
-async def test_form_post_without_hx_request_is_still_unsupported(persona: Persona) -> None:
+async def test_the_json_api_takes_no_form_post(persona: Persona) -> None:
     response = await request(
         "POST",
         "/api/quotes/stream",

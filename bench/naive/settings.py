@@ -6,7 +6,7 @@ BENCH_UPSTREAM_URL (the full URL to POST to) and BENCH_UPSTREAM_HEADERS (a JSON 
 
 from __future__ import annotations
 
-SECRET_KEY = "bench-only-naive-proxy-0123456789abcdefghijklmnopqrstuvwxyz"  # noqa: S105
+SECRET_KEY = "bench-only-naive-proxy-0123456789abcdefghijklmnopqrstuvwxyz"
 DEBUG = False
 ALLOWED_HOSTS = ["*"]
 INSTALLED_APPS: list[str] = []

@@ -257,15 +257,21 @@ async def stream_generation(
     client: Client = ANONYMOUS,
     preview: bool = False,
     bypass_cache: bool = False,
+    version: Any = ...,  # PersonaVersion | None, or ... for 'look it up'
 ) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
 
     `preview` (an admin trying unsaved values) is logged as such and never cached;
-    `bypass_cache` asks for a fresh answer (the page's "new quote" button).
+    `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
+    persona's current version when the caller knows it (quotes.personas keeps it); looked up
+    otherwise.
     """
     options = settings.QUOTES_GATEWAY
     backend = get_backend(persona.backend or None)
-    version = None if preview else await _current_version(persona)
+    if preview:
+        version = None
+    elif version is ...:
+        version = await _current_version(persona)
     primary = persona.build_request(topic=topic, messages=messages)
     record = _Record(started=time.perf_counter(), model=backend.model_name(primary.model))
     slot = False

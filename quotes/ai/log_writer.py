@@ -1,0 +1,184 @@
+"""The request log's writer: every stream's `Generation` row, group-committed by one thread.
+
+A row per stream used to be one `asave()` on the request's own thread, with a transaction (and,
+on SQLite, an fsync) of its own: at a few hundred streams that is a commit and a thread per
+stream. Here the rows of every stream in the process go through one queue to one writer thread,
+which inserts whatever has queued up in one transaction (`bulk_create`): while it commits, the
+next batch gathers. Each stream still awaits its own row before it sends its terminal event, so
+a client that has seen `[DONE]` (or an error) can count on the row; and the row is queued
+before that wait begins, so a stream cancelled while waiting (its client left) still has its
+row written. Nothing is lost to a failed batch either: it is retried row by row, each insert
+retried on a briefly locked database.
+
+The writer thread opens its database connection on demand and, like a request, closes it when
+there is nothing left to write (per CONN_MAX_AGE), so an idle process holds no connection.
+At interpreter exit the queue is drained before the process ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+from django.db import OperationalError, close_old_connections, transaction
+
+from ..models import Generation
+
+logger = logging.getLogger(__name__)
+
+#: Attempts per row when a batch has failed and rows are written one by one.
+ROW_ATTEMPTS = 5
+#: Most rows in one INSERT (SQLite allows 32,766 variables; a row has about 25 fields).
+BATCH_SIZE = 500
+
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+class LogWriter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Generation, _Waiter | None]] = []
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._busy = False  # a batch is being written
+        #: rows written since the process started
+        self.written = 0
+
+    async def write(self, row: Generation) -> None:
+        """Queue `row` and wait until it is committed. The row is queued before the wait, so
+        cancelling the caller does not cancel the write; the error of a row that could not be
+        written at all is raised here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._enqueue(row, (loop, done))
+        await asyncio.shield(done)
+
+    def submit(self, row: Generation) -> None:
+        """Queue `row` without waiting for it (a caller that has nothing to send after it)."""
+        self._enqueue(row, None)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Block until every queued row is written (tests, shutdown). True if the queue emptied."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending and not self._busy:
+                    return True
+            self._wake.set()
+            time.sleep(0.01)
+        return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Write what is queued, then end the thread (at exit)."""
+        self._stopping = True
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._wake.set()
+            thread.join(timeout)
+
+    # -- the writer thread ----------------------------------------------------------------------
+
+    def _enqueue(self, row: Generation, waiter: _Waiter | None) -> None:
+        with self._lock:
+            self._pending.append((row, waiter))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="quotes-log-writer", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            if not self._stopping:
+                self._wake.wait()
+            with self._lock:
+                self._wake.clear()
+                batch, self._pending = self._pending[:BATCH_SIZE], self._pending[BATCH_SIZE:]
+                self._busy = bool(batch)
+                if self._pending:
+                    self._wake.set()
+            if batch:
+                failures = self._write(batch)
+                with self._lock:
+                    idle = not self._pending
+                if idle:
+                    # Like the end of a request: drop the connection unless CONN_MAX_AGE keeps it,
+                    # before the streams hear their rows are in (so a finished test, or an idle
+                    # process, holds no connection).
+                    close_old_connections()
+                self._resolve(batch, failures)
+                with self._lock:
+                    self._busy = False
+            elif self._stopping:
+                close_old_connections()
+                return
+
+    def _write(self, batch: Sequence[tuple[Generation, _Waiter | None]]) -> dict[int, BaseException]:
+        rows = [row for row, _ in batch]
+        try:
+            with transaction.atomic():
+                Generation.objects.bulk_create(rows)
+            self.written += len(rows)
+            return {}
+        except Exception:
+            logger.warning("a batch of %d log rows failed; writing them one by one", len(rows), exc_info=True)
+        failures: dict[int, BaseException] = {}
+        for index, row in enumerate(rows):
+            try:
+                self._write_one(row)
+                self.written += 1
+            except Exception as exc:
+                logger.exception("could not write the log row %s", row.public_id)
+                failures[index] = exc
+        return failures
+
+    def _write_one(self, row: Generation) -> None:
+        """Insert one row, retrying a briefly locked database: a log row must not be lost to a
+        transient lock."""
+        row.pk = None
+        row._state.adding = True
+        for attempt in range(ROW_ATTEMPTS):
+            try:
+                row.save(force_insert=True)
+                return
+            except OperationalError:
+                if attempt == ROW_ATTEMPTS - 1:
+                    raise
+                close_old_connections()
+                time.sleep(0.05 * 2**attempt)
+
+    def _resolve(
+        self, batch: Sequence[tuple[Generation, _Waiter | None]], failures: dict[int, BaseException]
+    ) -> None:
+        # One wake-up per event loop for the whole batch, not one per row.
+        by_loop: defaultdict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None], BaseException | None]]
+        ]
+        by_loop = defaultdict(list)
+        for index, (_, waiter) in enumerate(batch):
+            if waiter is not None:
+                loop, done = waiter
+                by_loop[loop].append((done, failures.get(index)))
+        for loop, waiters in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, waiters)
+
+
+def _settle(waiters: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for done, error in waiters:
+        if done.done():
+            continue
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+
+writer = LogWriter()
+atexit.register(writer.stop)
