@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -360,9 +360,26 @@ async def loop_lag(run: Run, stop: asyncio.Event) -> None:
         run.loop_lag_ms.append((loop.time() - before - 0.01) * 1000)
 
 
+def _rss(pids: Sequence[int]) -> dict[str, int]:
+    """rss_kib summed over the server processes (VmRSS, Threads, ...)."""
+    total: dict[str, int] = {}
+    for pid in pids:
+        for name, value in rss_kib(pid).items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
 async def drive(
-    url: str, pid: int, upstream: StampingUpstream, streams: int, duration: float, ramp_per_s: float
+    url: str,
+    pid: int | Sequence[int],
+    upstream: StampingUpstream,
+    streams: int,
+    duration: float,
+    ramp_per_s: float,
 ) -> tuple[Run, dict[str, Any]]:
+    """Open `streams` streams at `ramp_per_s` and read them to the end; sample the server
+    processes (`pid`: one, or several summed) during the plateau."""
+    pids = [pid] if isinstance(pid, int) else list(pid)
     host, port = url.removeprefix("http://").split(":")
     run = Run(streams)
     tasks = []
@@ -371,7 +388,7 @@ async def drive(
     ramp_s = streams / ramp_per_s
     # Every stream lasts `duration` s of tokens; the run ends 20 s after the last should finish.
     end_by = time.monotonic() + ramp_s + duration + 20
-    idle = rss_kib(pid)
+    idle = _rss(pids)
     started = time.monotonic()
     for index in range(streams):
         due = started + index / ramp_per_s
@@ -380,21 +397,20 @@ async def drive(
     ramped = time.monotonic()
     # The plateau: every stream open, none finished yet (the first ends `duration` s after it began).
     plateau_end = started + duration - 1
-    cpu_before, wall_before = cpu_seconds(pid), time.monotonic()
+    cpu_before, wall_before = sum(cpu_seconds(p) for p in pids), time.monotonic()
     client_cpu_before = time.process_time()
     while time.monotonic() < plateau_end:
-        sample = rss_kib(pid)
-        sample["fds"] = open_fds(pid)
+        sample = _rss(pids)
+        sample["fds"] = sum(open_fds(p) for p in pids)
         sample["t"] = round(time.monotonic() - started, 1)
         run.samples.append(sample)
         await asyncio.sleep(1.0)
+    wall = time.monotonic() - wall_before
     plateau = {
         "ramp_s": round(ramped - started, 1),
-        "plateau_s": round(time.monotonic() - wall_before, 1),
-        "daphne_cpu_pct": round(100 * (cpu_seconds(pid) - cpu_before) / (time.monotonic() - wall_before), 1),
-        "client_cpu_pct": round(
-            100 * (time.process_time() - client_cpu_before) / (time.monotonic() - wall_before), 1
-        ),
+        "plateau_s": round(wall, 1),
+        "daphne_cpu_pct": round(100 * (sum(cpu_seconds(p) for p in pids) - cpu_before) / wall, 1),
+        "client_cpu_pct": round(100 * (time.process_time() - client_cpu_before) / wall, 1),
         "idle": idle,
         "upstream": upstream.stats(),
     }
@@ -494,25 +510,43 @@ def _one_run(
             )
             # Every response, a refusal included, has its row (the app logs every attempt).
             answered = sum(1 for r in run.results if r.status)
-            rows = count_rows(db_path, expected=answered) if path == "app" else {}
+            rows = count_rows(db_path, expected=answered) if path == "app" else None
             if spy is not None:
                 spy.wait(timeout=args.duration * 2)
     finally:
         upstream.close()
+    return build_report(
+        run, plateau, rows, path=path, streams=streams, tokens=tokens, args=args, load_before=load_before
+    )
+
+
+def build_report(
+    run: Run,
+    plateau: dict[str, Any],
+    rows: dict[str, int] | None,
+    *,
+    path: str,
+    streams: int,
+    tokens: int,
+    args: argparse.Namespace,
+    load_before: tuple[float, float, float],
+) -> dict[str, Any]:
+    """The figures of one run. `rows` is None when the server keeps no log (the naive proxy).
+    Per-stream figures (RSS, CPU per token) count the admitted streams, not the refused ones."""
     results = run.results
     ok = sum(r.done for r in results)
     cancelled = sum(r.cancelled for r in results)
     errors = [r for r in results if r.error]
+    refused = [r for r in results if r.status == 503]
+    admitted = max(1, streams - len(refused))
     got_response = sum(1 for r in results if r.status)
     delays_ms = sorted(d / 1e6 for d in run.delays_ns)
     plateau_samples = [s for s in run.samples if s["t"] >= plateau["ramp_s"]] or run.samples
     rss_plateau = sum(s["VmRSS"] for s in plateau_samples) / max(1, len(plateau_samples))
     threads = max((s["Threads"] for s in plateau_samples), default=0)
     lags = sorted(run.loop_lag_ms)
-    cpu_per_token_us = (
-        plateau["daphne_cpu_pct"] / 100 / (streams * args.tokens_per_second) * 1e6 if streams else 0.0
-    )
-    refused = [r for r in results if r.status == 503]
+    cpu_per_token_us = plateau["daphne_cpu_pct"] / 100 / (admitted * args.tokens_per_second) * 1e6
+    refusal_ms = sorted(r.headers_s * 1000 for r in refused)
     return {
         "path": path,
         "streams": streams,
@@ -523,12 +557,16 @@ def _one_run(
         "errors": len(errors) - len(refused),
         "refused_503": len(refused),
         "refused_with_retry_after": sum(1 for r in refused if r.retry_after),
-        "error_samples": sorted({e.error[:160] for e in errors})[:5],
-        "rows": rows,
-        "rows_total": sum(rows.values()),
-        "lost_rows": (got_response - sum(rows.values())) if path == "app" else None,
+        "refusal_ms": {
+            "p50": round(percentile(refusal_ms, 50), 1) if refusal_ms else None,
+            "p99": round(percentile(refusal_ms, 99), 1) if refusal_ms else None,
+        },
+        "error_samples": sorted({e.error[:160] for e in errors if e.status != 503})[:5],
+        "rows": rows or {},
+        "rows_total": sum((rows or {}).values()),
+        "lost_rows": None if rows is None else got_response - sum(rows.values()),
         "tokens_received": len(delays_ms),
-        "tokens_expected": streams * tokens,
+        "tokens_expected": admitted * tokens,
         "added_delay_ms": {
             "p50": round(percentile(delays_ms, 50), 2),
             "p99": round(percentile(delays_ms, 99), 2),
@@ -538,7 +576,7 @@ def _one_run(
         "client_loop_lag_p99_ms": round(percentile(lags, 99), 2),
         "rss_idle_kib": plateau["idle"]["VmRSS"],
         "rss_plateau_kib": round(rss_plateau),
-        "rss_per_stream_kib": round((rss_plateau - plateau["idle"]["VmRSS"]) / streams, 1),
+        "rss_per_stream_kib": round((rss_plateau - plateau["idle"]["VmRSS"]) / admitted, 1),
         "daphne_threads_max": threads,
         "daphne_fds_max": max((s["fds"] for s in plateau_samples), default=0),
         "daphne_cpu_pct": plateau["daphne_cpu_pct"],
