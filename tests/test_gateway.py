@@ -615,6 +615,47 @@ async def test_coalescing_one_listener_leaving_does_not_stop_the_other(
     assert len(fake.requests) == 1
 
 
+async def test_coalescing_requests_arriving_as_their_flight_is_cancelled_get_an_answer(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The last listener leaving cancels a flight, whose task then takes a moment (under a
+    millisecond) to close its upstream. A request arriving in that moment used to join the dead
+    flight and wait on it for ever, holding a stream slot. Each round here, a leader waits on a
+    slow upstream, a burst of identical requests is sent, and the leader hangs up `gap` seconds
+    later; `gap` walks to where the burst stops keeping the leader's flight alive and starts a
+    flight of its own, so the rounds land requests around the moment of the cancel. Every
+    request must get its quote."""
+    configure(settings, max_concurrent_streams=100, rate_limit=(10_000, 60), ttft_timeout_s=1.0)
+    gap, step = 0.004, 0.001  # a fine step once the walk has crossed the point
+    outcomes: list[str] = []
+    for round_number in range(20):
+        body = {"persona": persona.slug, "topic": f"race {round_number}"}
+        asked = len(fake.requests)
+        fake.script(Scenario(stall_before_headers_s=0.1))  # the leader's flight: slow to start
+        leader = post_stream(body, client=("198.51.100.7", 1000 + round_number))
+        await leader.send()
+        await asyncio.to_thread(fake.wait_for_requests, asked + 1)
+        joiners = [post_stream(body, client=(f"198.51.100.{10 + index}", 1000)) for index in range(8)]
+        for joiner in joiners:
+            await joiner.send()
+        await asyncio.sleep(gap)
+        await leader.disconnect()
+        for joiner in joiners:
+            try:
+                await joiner.start(timeout=10)
+                answered = await joiner.read_all(timeout=10)
+            except TimeoutError:
+                pytest.fail(f"round {round_number}: a request joined a cancelled flight and got nothing")
+            assert_complete(answered)
+        # One upstream call: a request came before the cancel and kept the flight alive.
+        outcome = "early" if len(fake.requests) == asked + 1 else "late"
+        if outcomes and outcome != outcomes[-1]:
+            step = 0.0003
+        outcomes.append(outcome)
+        gap = max(0.0, gap - step) if outcome == "early" else gap + step
+    assert {"early", "late"} <= set(outcomes), outcomes  # the rounds did reach the moment of the cancel
+
+
 # -- 4. rate limits -------------------------------------------------------------------------------
 
 
