@@ -296,6 +296,9 @@ QUOTES_GATEWAY = {
     # Per client (the user when logged in, else the IP): a fixed window, shared through the cache.
     "rate_limit": _parse_rate("QUOTES_RATE_LIMIT", env.str("QUOTES_RATE_LIMIT", default="20/m")),
     "max_concurrent_streams": _env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
+    # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
+    # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
+    "max_open_streams": _env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 250),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts.
     "max_attempts": _retries["max_attempts"] or _env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
     "retry_delay_ms": _retries["retry_delay_ms"]
@@ -311,6 +314,7 @@ QUOTES_GATEWAY = {
 }
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
+    ("QUOTES_MAX_OPEN_STREAMS", "max_open_streams"),
     ("QUOTES_MAX_ATTEMPTS", "max_attempts"),
 ):
     _positive(_name, QUOTES_GATEWAY[_key], low=1)

@@ -90,24 +90,24 @@ async def relay(
             yield out
         event = opening.first if opening is not None else await anext(events, internal())
         while True:
-            kind = type(event)
-            if kind is Token:
-                out = encoder.token(event.text)  # type: ignore[union-attr]
-            elif kind is Ping:
+            if type(event) is Token:
+                out = encoder.token(event.text)
+            elif type(event) is Ping:
                 out = encoder.ping()
-            elif kind is Usage:
-                out = encoder.usage(event)  # type: ignore[arg-type]
-            elif kind is Meta:
-                merged = meta.merged(event)  # type: ignore[arg-type]
+            elif type(event) is Usage:
+                out = encoder.usage(event)
+            elif type(event) is Meta:
+                merged = meta.merged(event)
                 out = encoder.meta(merged) if merged != meta else None
                 meta = merged
-            elif kind is Done:
+            elif type(event) is Done:
                 out = encoder.done(meta)
                 if out is not None:
                     yield out
                 return
             else:  # Error: after the first byte the status is sent, so the error is an event
-                out = encoder.error(event)  # type: ignore[arg-type]
+                assert type(event) is Error
+                out = encoder.error(event)
                 if out is not None:
                     yield out
                 return

@@ -14,6 +14,7 @@ import pytest
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
+from tests.test_gateway import at_start_of_window
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -153,6 +154,7 @@ async def test_htmx_bad_input_is_an_error_event_with_a_readable_message(
 
 async def test_htmx_rate_limit_is_an_error_event_with_retry_after(persona: Persona, settings: Any) -> None:
     settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    await at_start_of_window(60, margin_s=20)  # a fixed window: both requests must fall in one
     first = await htmx_form_post({"persona": persona.slug})
     assert first.status == 200
 

@@ -1,4 +1,5 @@
-"""The request log's writer: every stream's `Generation` row, group-committed by one thread.
+"""The request log: what each stream gathers for its `Generation` row (`Record`), and the writer
+that group-commits every stream's row from one thread (`LogWriter`).
 
 A row per stream used to be one `asave()` on the request's own thread, with a transaction (and,
 on SQLite, an fsync) of its own: at a few hundred streams that is a commit and a thread per
@@ -23,12 +24,17 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 
 from django.db import OperationalError, close_old_connections, transaction
 
-from ..models import Generation
+from ...models import Generation, Persona, PersonaVersion
+from ..catalog import estimate_cost
+from ..events import Error, GenerationRequest, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,65 @@ ROW_ATTEMPTS = 5
 BATCH_SIZE = 500
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+@dataclass(slots=True)
+class Record:
+    """What the log row needs, gathered while the stream flows (one append per token)."""
+
+    started: float
+    parts: list[str] = field(default_factory=list)
+    ttft: float | None = None
+    usage: Usage | None = None
+    model: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    step: int = 0
+    status: str = ""
+    error: Error | None = None
+    cache_status: str = ""
+    public_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+    def row(
+        self,
+        *,
+        persona: Persona,
+        version: PersonaVersion | None,
+        backend: str,
+        topic: str,
+        request: GenerationRequest,
+        client_hash: str,
+        preview: bool,
+    ) -> Generation:
+        usage = self.usage
+        cost = None
+        if self.cache_status == Generation.CacheStatus.HIT:
+            cost = Decimal(0)  # nothing was paid for a cached or shared answer
+        elif usage is not None:
+            estimate = estimate_cost(self.model, usage.prompt_tokens, usage.completion_tokens)
+            cost = Decimal(str(round(estimate, 8))) if estimate is not None else None
+        return Generation(
+            public_id=self.public_id,
+            persona_id=persona.pk,
+            persona_version=version,
+            backend=backend,
+            model=self.model,
+            fallback_step=self.step,
+            topic=topic,
+            status=self.status or Generation.Status.ERROR,
+            cache_status=self.cache_status,
+            error_code=self.error.code if self.error else "",
+            error_message=self.error.message if self.error else "",
+            text="".join(self.parts),
+            prompt_tokens=usage.prompt_tokens if usage else None,
+            completion_tokens=usage.completion_tokens if usage else None,
+            cost_usd=cost,
+            ttft_ms=(self.ttft - self.started) * 1000 if self.ttft is not None else None,
+            duration_ms=(time.perf_counter() - self.started) * 1000,
+            request=asdict(request),
+            upstream_headers=self.headers,
+            client_hash=client_hash,
+            is_preview=preview,
+        )
 
 
 class LogWriter:
