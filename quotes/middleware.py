@@ -1,6 +1,7 @@
 """Middleware that keeps the stream path on the event loop and off Django's per-request thread.
 
-- `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread.
+- `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread
+  (quotes.request_threads).
 - `StaticFilesMiddleware`: WhiteNoise, given an async entry point.
 - Django's own middleware with their methods run inline instead of in a thread each.
 """
@@ -22,20 +23,16 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
 from whitenoise.middleware import WhiteNoiseMiddleware
 
+from .request_threads import release_request_thread
+
 
 class ReleaseRequestThreadMiddleware:
-    """Once a view has returned a streaming response, let the request's thread go.
+    """Once a view has returned a streaming response, give the request's thread back.
 
-    Django runs each ASGI request in an asgiref `ThreadSensitiveContext`: the request's first
-    thread-sensitive `sync_to_async` call (Django's own `request_started` signal always makes
-    one) starts a thread of its own for that request, and asgiref keeps it until the context
-    ends, i.e. until the last byte of the response is sent. For a stream that is minutes, so an
-    open stream held an idle OS thread (its stack, and a database connection if the request
-    queried anything): threads = 1 + open streams. Nothing on the stream path needs that thread
-    once the headers are decided (the gateway writes log rows from its own thread), so here its
-    executor leaves the context and ends once idle. A later thread-sensitive call in the same
-    request (Django's `response.close()` at the very end) starts a short-lived one, as asgiref
-    does for any context without an executor.
+    A stream's view answers within milliseconds and its body then flows for minutes, all on the
+    event loop: the request's thread (quotes.request_threads) goes back to the pool here, so an
+    open stream holds none. Under another handler (Django's own, as in its test client) the
+    thread asgiref started for the request is let go instead.
     """
 
     sync_capable = False
@@ -47,20 +44,19 @@ class ReleaseRequestThreadMiddleware:
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
         response = await self.get_response(request)
-        if response.streaming:
-            release_request_thread()
+        if response.streaming and not release_request_thread():
+            _let_go_of_asgirefs_thread()
         return response
 
 
-def release_request_thread() -> None:
+def _let_go_of_asgirefs_thread() -> None:
     context = SyncToAsync.thread_sensitive_context.get(None)
     if context is None:
         return
     executor = SyncToAsync.context_to_thread_executor.pop(context, None)
     if executor is None:
         return  # no thread-sensitive call yet: no thread to let go
-    # Its database connections would never be used again (they belong to that thread): close them
-    # there, as request_finished would have, then let the thread end once that is done.
+    # Its database connections would never be used again (they belong to that thread).
     executor.submit(connections.close_all)
     executor.shutdown(wait=False)
 

@@ -57,6 +57,10 @@ class Encoder(Protocol[Out_co]):
     def error(self, error: Error) -> Out_co | None: ...
 
 
+#: The error when the events end without Done or Error (made once: never per token).
+_ENDED = internal()
+
+
 @dataclass(frozen=True, slots=True)
 class Opening:
     """A stream's beginning: its facts (Meta, merged) and its first real event (a Token, Usage,
@@ -88,7 +92,7 @@ async def relay(
         out = encoder.start(meta)
         if out is not None:
             yield out
-        event = opening.first if opening is not None else await anext(events, internal())
+        event = opening.first if opening is not None else await anext(events, _ENDED)
         while True:
             if type(event) is Token:
                 out = encoder.token(event.text)
@@ -113,7 +117,7 @@ async def relay(
                 return
             if out is not None:
                 yield out
-            event = await anext(events, internal())
+            event = await anext(events, _ENDED)
 
 
 # -- the payloads the page and the socket share ---------------------------------------------------

@@ -14,8 +14,8 @@ import pytest
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
-from tests.test_gateway import at_start_of_window
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.test_gateway import at_start_of_window
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -22,9 +22,12 @@ keep-alive interval, not per token.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable
+
+from asgiref.sync import SyncToAsync
 
 from ..errors import internal
 from ..events import Done, Error, Event, Ping, Token
@@ -50,7 +53,10 @@ class Flight:
         identical requests join it. `store` keeps a complete answer before Done goes out."""
         if self.key is not None:
             flights[self.key] = self
-        self.task = asyncio.create_task(self._fly(plan, store))
+        # Not in the request's thread-sensitive context: the flight may outlive that request.
+        context = contextvars.copy_context()
+        context.run(SyncToAsync.thread_sensitive_context.set, None)  # type: ignore[arg-type]
+        self.task = asyncio.create_task(self._fly(plan, store), context=context)
 
     def subscribe(self, *, keepalive_s: float, idle_s: float) -> Listener:
         listener = Listener(self, keepalive_s=keepalive_s, idle_s=idle_s)

@@ -92,7 +92,8 @@ class Record:
             cache_status=self.cache_status,
             error_code=self.error.code if self.error else "",
             error_message=self.error.message if self.error else "",
-            text="".join(self.parts),
+            # PostgreSQL cannot store NUL in text: a model that writes one must not cost the row.
+            text="".join(self.parts).replace("\x00", ""),
             prompt_tokens=usage.prompt_tokens if usage else None,
             completion_tokens=usage.completion_tokens if usage else None,
             cost_usd=cost,
