@@ -90,7 +90,7 @@ def daphne_pair(fake: FakeWorkersAI, workdir: Path) -> Iterator[list[Process]]:
         QUOTES_METRICS_TOKEN=TOKEN,
         LOCAL_MODEL_SLOTS="2",
         LOCAL_MODEL_THREADS="1",
-        LOCAL_MODEL_QUEUE_TIMEOUT="1.5",
+        LOCAL_MODEL_QUEUE_TIMEOUT="3",
     )
     subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
     with contextlib.closing(sqlite3.connect(db_path)) as db, db:
@@ -181,11 +181,11 @@ class Driver:
     async def run(self, duration_s: float, visitors: int) -> None:
         stop_at = time.monotonic() + duration_s
         async with httpx.AsyncClient(timeout=30) as client:
-            await asyncio.gather(*(self.visitor(client, index, stop_at) for index in range(visitors)))
+            await asyncio.gather(*(self.visitor(client, stop_at) for _ in range(visitors)))
 
-    async def visitor(self, client: httpx.AsyncClient, index: int, stop_at: float) -> None:
-        ip = f"198.51.100.{index + 1}"
+    async def visitor(self, client: httpx.AsyncClient, stop_at: float) -> None:
         while time.monotonic() < stop_at:
+            ip = f"198.51.100.{self.random.randrange(1, 255)}"  # many visitors, each well under the limit
             roll = self.random.random()
             target = self.random.choice(self.processes)
             try:
@@ -193,10 +193,15 @@ class Driver:
                     await self.quote(client, target, ip, self.random.choice(TOPICS))
                 elif roll < 0.55:
                     await self.quote(client, target, ip, self.fresh_topic(), leave_after=3)
-                elif roll < 0.63:
+                elif roll < 0.60:
                     await self.local_burst(client)
+                elif roll < 0.64:
+                    # The model and its fallback both refuse: an error with its code.
+                    self.fake.script(Scenario.model_not_found(), Scenario.model_not_found())
+                    await self.quote(client, target, ip, self.fresh_topic(), transport="api")
                 elif roll < 0.68:
-                    self.fake.script(Scenario.model_not_found())
+                    # The upstream drops the connection mid-quote: an error after text.
+                    self.fake.script(Scenario(tokens=[f" {w}" for w in QUOTE.split()], drop_after_tokens=4))
                     await self.quote(client, target, ip, self.fresh_topic(), transport="api")
                 elif roll < 0.74:
                     self.fake.script(*[Scenario.out_of_capacity()] * self.random.choice((1, 2)))
@@ -263,6 +268,11 @@ class Driver:
             )
         response = await client.send(request, stream=True)
         try:
+            if response.status_code >= 400:
+                await response.aread()
+                code = response.json().get("error", {}).get("code") if transport != "htmx" else "(htmx)"
+                self.note(f"{transport} {response.status_code} {code}")
+                return
             self.note(f"{transport} {response.status_code}")
             chunks = 0
             async for _ in response.aiter_raw():
@@ -328,8 +338,8 @@ def fmt(value: float, unit: str) -> str:
     if unit == "bytes":
         return f"{value / 2**20:.0f} MiB"
     if unit == "reqps":
-        return f"{value:.2f}/s"
-    return f"{value:.0f}" if value == int(value) else f"{value:.2f}"
+        return f"{value:.3g}/s"
+    return f"{value:.3g}"
 
 
 @dataclass
@@ -342,15 +352,23 @@ def panel_series(prometheus_url: str, panel: dict[str, Any], start: float, end: 
     series = []
     for target in panel["targets"]:
         for result in query_range(prometheus_url, target["expr"], start, end, SCRAPE_INTERVAL_S):
-            points = [(float(t), float(v)) for t, v in result["values"]]
+            points = [(round(float(t)), float(v)) for t, v in result["values"]]
             if points and not all(math.isnan(v) for _, v in points):
                 series.append(Series(legend(target.get("legendFormat", ""), result["metric"]), points))
     series.sort(key=lambda s: s.name)
     return series
 
 
-def svg_chart(series: list[Series], unit: str, stacked: bool, start: float, end: float) -> str:
-    width, height, left, bottom = 560, 200, 64, 22
+def nice_step(value: float) -> float:
+    """The smallest 1, 2, 2.5 or 5 times a power of ten at or above `value` (axis ticks)."""
+    if value <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(value))
+    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= value)
+
+
+def svg_chart(series: list[Series], unit: str, stacked: bool, start: float, end: float, width: int) -> str:
+    height, left, bottom = 200, 64, 22
     plot_w, plot_h = width - left - 8, height - bottom - 8
     times = [start + i * SCRAPE_INTERVAL_S for i in range(int((end - start) / SCRAPE_INTERVAL_S) + 1)]
     values = []
@@ -366,8 +384,11 @@ def svg_chart(series: list[Series], unit: str, stacked: bool, start: float, end:
             row.append(v)
         values.append(row)
     finite = [v for row in values for v in row if not math.isnan(v)]
-    top = max(finite, default=1.0) or 1.0
-    top *= 1.1
+    peak = max(finite, default=0.0) or 1.0
+    scale = 2**20 if unit == "bytes" else 1  # ticks on whole MiB
+    step = nice_step(peak / scale / 4) * scale
+    top = math.ceil(peak / step) * step
+    ticks = [i * step for i in range(round(top / step) + 1)]
 
     def x(t: float) -> float:
         return left + (t - start) / max(1.0, end - start) * plot_w
@@ -376,10 +397,9 @@ def svg_chart(series: list[Series], unit: str, stacked: bool, start: float, end:
         return 8 + plot_h - v / top * plot_h
 
     parts = [
-        f'<svg viewBox="0 0 {width} {height}" width="100%" height="{height}" xmlns="http://www.w3.org/2000/svg">'
+        f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">'
     ]
-    for i in range(5):
-        v = top * i / 4
+    for v in ticks:
         parts.append(f'<line x1="{left}" x2="{width - 8}" y1="{y(v):.1f}" y2="{y(v):.1f}" class="grid"/>')
         parts.append(
             f'<text x="{left - 6}" y="{y(v) + 4:.1f}" class="axis" text-anchor="end">{html.escape(fmt(v, unit))}</text>'
@@ -387,10 +407,13 @@ def svg_chart(series: list[Series], unit: str, stacked: bool, start: float, end:
     for i in range(5):
         t = start + (end - start) * i / 4
         label = datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S")
+        anchor = "end" if i == 4 else "middle"
         parts.append(
-            f'<text x="{x(t):.1f}" y="{height - 4}" class="axis" text-anchor="middle">{label}</text>'
+            f'<text x="{x(t):.1f}" y="{height - 4}" class="axis" text-anchor="{anchor}">{label}</text>'
         )
-    for index, row in enumerate(values):
+    # Stacked: the top series first, so each one below is drawn over it and stays visible.
+    order = list(enumerate(values))
+    for index, row in reversed(order) if stacked else order:
         color = PALETTE[index % len(PALETTE)]
         runs: list[list[tuple[float, float]]] = [[]]
         for t, v in zip(times, row, strict=True):
@@ -416,6 +439,8 @@ def svg_chart(series: list[Series], unit: str, stacked: bool, start: float, end:
 
 
 def render(prometheus_url: str, start: float, end: float, note: str) -> str:
+    # Whole seconds: Prometheus answers at start + k * step, and the chart looks points up by time.
+    start, end = float(int(start)), float(int(end))
     dashboard = json.loads(DASHBOARD.read_text())
     cells = []
     for panel in dashboard["panels"]:
@@ -438,7 +463,8 @@ def render(prometheus_url: str, start: float, end: float, note: str) -> str:
             body = f'<div class="stat" style="color:{color}">{html.escape(fmt(last, unit))}</div>'
         elif series:
             stacked = "stacking" in panel["fieldConfig"]["defaults"].get("custom", {})
-            body = svg_chart(series, unit, stacked, start, end)
+            # The page is 1400 px wide in 24 columns: the panel's width in pixels, less its padding.
+            body = svg_chart(series, unit, stacked, start, end, width=int(grid["w"] * 1368 / 24 - 30))
         else:
             body = '<div class="nodata">No data</div>'
         style = f"grid-column:{grid['x'] + 1}/span {grid['w']};grid-row:{grid['y'] + 1}/span {grid['h']}"
@@ -500,6 +526,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         with daphne_pair(fake, workdir) as processes, prometheus([p.url for p in processes], workdir) as prom:
             driver = Driver(processes, fake, args.seed)
+            # Load the embedded model on A before the clock starts (its first answer waits for it).
+            httpx.post(
+                processes[0].url + "/api/quotes/stream",
+                json={"persona": LOCAL_PERSONA, "topic": "warming up"},
+                headers={"X-Real-IP": "192.0.2.200"},
+                timeout=120,
+            )
             time.sleep(2 * SCRAPE_INTERVAL_S)  # a baseline scrape before the first request
             start = time.time()
             traffic = threading.Thread(target=asyncio.run, args=(driver.run(args.duration, args.visitors),))
