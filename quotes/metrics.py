@@ -11,6 +11,12 @@ Each process serves its own metrics (see docs/deployment.md, "Metrics"): daphne 
 started one by one by systemd, not forked from a master, so prometheus-client's multiprocess
 mode (a shared directory of per-pid files, cleaned up by a master's child-exit hook) does not fit.
 
+Why prometheus-client itself and not django-prometheus: django-prometheus's middleware is a
+`MiddlewareMixin` with sync hooks, which under ASGI costs thread hops on every request (the hops
+quotes/middleware.py removed), its HTTP metrics see a streamed response end when its headers go
+out, not when the stream does, and what the operators need here (streams, tokens, cost, cache,
+the model's slots) is domain state no middleware can see.
+
 `QUOTES_METRICS_ENABLED=false` turns recording and the endpoint off. The endpoint is closed by
 default: it answers only when `QUOTES_METRICS_TOKEN` (a bearer token) or `QUOTES_METRICS_ALLOW`
 (client addresses) is set, and then only to requests that pass every check that is set.
