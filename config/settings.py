@@ -74,7 +74,7 @@ MIDDLEWARE = [
 # django-axes first: it refuses a locked-out client before the password is even checked, so a
 # correct password is refused too while the lock lasts.
 AUTHENTICATION_BACKENDS = [
-    "axes.backends.AxesStandaloneBackend",
+    "quotes.security.LoginThrottleBackend",  # axes' AxesStandaloneBackend, with async support
     "django.contrib.auth.backends.ModelBackend",
 ]
 

@@ -8,7 +8,8 @@
 - `refuse_cross_site`: a browser on another site must not start a paid generation.
 - `frame_too_large`, `count_refused_start`: the WebSocket's frame cap, and the rate limit for
   `start` frames refused before they reach the gateway (which counts the others).
-- `login_client_address` / `login_locked_out`: django-axes' hooks for the admin login.
+- `LoginThrottleBackend`, `login_client_address`, `login_locked_out`: django-axes for the admin
+  login.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from asgiref.sync import sync_to_async
+from axes.backends import AxesStandaloneBackend
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -237,6 +240,40 @@ async def count_refused_start(client_key: str) -> RateLimited | None:
 
 
 # --- the admin login (django-axes hooks, named in config/settings.py) -------------------------
+
+
+class LoginThrottleBackend(AxesStandaloneBackend):
+    """django-axes' backend (first in AUTHENTICATION_BACKENDS: it refuses a locked-out client
+    before any password is checked), made whole for Django 5.2:
+
+    - Django 5.2's `aauthenticate` calls `aauthenticate` on every backend, which axes 8.3 lacks
+      (an AttributeError for any async login);
+    - a call with no request (code logging a user in: tests, scripts) has no client to count,
+      so it is not throttled, where axes would raise.
+    """
+
+    def authenticate(
+        self,
+        request: HttpRequest | None,
+        username: str | None = None,
+        password: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if request is None:
+            return None
+        return super().authenticate(request, username, password, **kwargs)
+
+    async def aauthenticate(
+        self,
+        request: HttpRequest | None,
+        username: str | None = None,
+        password: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if request is None:
+            return None
+        # axes counts and checks in the database, with the sync ORM: one thread hop, per login only.
+        return await sync_to_async(self.authenticate)(request, username, password, **kwargs)
 
 
 def login_client_address(request: HttpRequest) -> str | None:

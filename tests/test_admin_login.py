@@ -97,3 +97,12 @@ async def test_admin_login_success_resets_the_count(admin: User, settings: Any) 
     for _ in range(2):
         assert (await log_in(browser, "wrong")).status_code == 200
     assert (await log_in(browser, PASSWORD)).status_code == 302
+
+
+async def test_async_login_works_with_the_throttling_backend(admin: User) -> None:
+    """Django 5.2's aauthenticate() asks every backend for aauthenticate, which django-axes 8.3's
+    backend lacks; and a login from code (no request, no client address) is not throttled."""
+    browser = AsyncClient()
+
+    assert await browser.alogin(username="boss", password=PASSWORD)
+    assert (await browser.get("/admin/")).status_code == 200
