@@ -376,7 +376,10 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         "frequency_penalty": request.frequency_penalty or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
-        "cache_prompt": True,  # a slot reuses the frame it has already read
+        # A slot reuses the frame it has already read, which saves most of the prompt's time to
+        # first token; but logits then differ in the last bits, so a greedy quote can change. A
+        # persona with a fixed seed asks for repeatable quotes: it reads the whole frame each time.
+        "cache_prompt": request.seed is None,
     }
 
 
