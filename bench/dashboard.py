@@ -6,7 +6,7 @@ screenshot in docs/deployment.md (docs/img/metrics-dashboard.png).
 What runs, all on 127.0.0.1:
 
 - two daphne processes (A and B) on one SQLite database, as docs/deployment.md runs them
-  (`--proxy-headers`), with the workers-ai backend pointed at the fake upstream
+  (the visitors' addresses in `X-Forwarded-For`, believed from 127.0.0.1), with the workers-ai backend pointed at the fake upstream
   (tests/fakes/workers_ai.py) and one persona on the embedded model (on A only);
 - Debian's Prometheus scraping each process's /metrics on its own port, with the bearer token;
 - a traffic driver: visitors on every transport (JSON API, EventSource, htmx, WebSocket),
@@ -102,7 +102,7 @@ def daphne_pair(fake: FakeWorkersAI, workdir: Path) -> Iterator[list[Process]]:
         for name in ("A", "B"):
             port = free_port()
             command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
-            command += ["--proxy-headers", "--proxy-headers-host", "X-Real-IP", "config.asgi:application"]
+            command += ["config.asgi:application"]
             log = (workdir / f"daphne-{name}.log").open("wb")
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             processes.append(Process(name, f"http://127.0.0.1:{port}", process))
@@ -252,7 +252,7 @@ class Driver:
         if transport == "websocket":
             await asyncio.to_thread(self.websocket_quote, target, body)
             return
-        headers = {"X-Real-IP": ip}
+        headers = {"X-Forwarded-For": ip}
         if transport == "eventsource":
             request = client.build_request(
                 "GET",
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
             httpx.post(
                 processes[0].url + "/api/quotes/stream",
                 json={"persona": LOCAL_PERSONA, "topic": "warming up"},
-                headers={"X-Real-IP": "192.0.2.200"},
+                headers={"X-Forwarded-For": "192.0.2.200"},
                 timeout=120,
             )
             time.sleep(2 * SCRAPE_INTERVAL_S)  # a baseline scrape before the first request

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from quotes.ai.backends.local import LocalBackend, completion_prompt, persona_sketch
+from quotes.ai.backends.local import LocalBackend, completion_body, completion_prompt, persona_sketch
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Token, Usage
 from tests.conftest import LONG_COMPLETION, slots_held
 
@@ -87,6 +87,14 @@ def test_local_prompt_continues_a_conversation() -> None:
         "Lao Tzu, on letting go: \"Open the hand and the 'river' flows.\"\n"
         'Asked "What about holding on?", Lao Tzu replied: "'
     )
+
+
+def test_local_body_reads_the_whole_frame_when_the_persona_fixes_a_seed() -> None:
+    """Reusing a slot's cached frame changes the logits' last bits: fine for a sampled quote, but
+    a persona with a seed asks for the same quote every time."""
+    assert completion_body(quote_request(seed=7))["cache_prompt"] is False
+    assert completion_body(quote_request())["cache_prompt"] is True
+    assert completion_body(quote_request())["stop"] == ['"', "\u201d", "\n"]
 
 
 # --- one stream --------------------------------------------------------------------------------

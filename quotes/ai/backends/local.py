@@ -44,6 +44,14 @@ from ..events import Done, Error, Event, GenerationRequest, Token, Usage
 
 logger = logging.getLogger(__name__)
 
+# llama.cpp's threads meet at a barrier after every step of a token. By default OpenMP spins
+# there, which on a busy host (a web server shares its cores with the model) burns the core the
+# partner thread needs: one 2-core run fell from 40 to 4 tokens/s, and a stop waited up to 1.2 s
+# for the next token. Sleeping at the barrier keeps both tokens/s and stop latency steady. It
+# must be set before llama.cpp's library loads (xllamacpp is imported on first use, below); an
+# OMP_WAIT_POLICY already in the environment wins. docs/benchmarks.md has the figures.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # A base model continues text; it does not follow instructions. So the persona speaks through a
 # few-shot completion frame: a collection of short quotes, each credited to a person with a few
 # words about them, ending on an open quote mark that the model fills in. The examples are ours,
@@ -377,7 +385,10 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         "frequency_penalty": request.frequency_penalty or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
-        "cache_prompt": True,  # a slot reuses the frame it has already read
+        # A slot reuses the frame it has already read, which saves most of the prompt's time to
+        # first token; but logits then differ in the last bits, so a greedy quote can change. A
+        # persona with a fixed seed asks for repeatable quotes: it reads the whole frame each time.
+        "cache_prompt": request.seed is None,
     }
 
 
