@@ -4,6 +4,7 @@ and daphne's RSS per open stream.
 
     .venv/bin/python -m bench.load --streams 300 --duration 60
     .venv/bin/python -m bench.load --ladder 100,300,1000 --duration 60   # the ceiling, one run each
+    .venv/bin/python -m bench.load --streams 100 --duration 20 --metrics both   # metrics' cost
 
 The upstream (in its own process, like every bench upstream) speaks the Workers AI wire format
 the fake in tests/fakes/workers_ai.py speaks (chunked SSE, `{"response": ...}` events, usage,
@@ -370,6 +371,7 @@ async def drive(
     # The plateau: every stream open, none finished yet (the first ends `duration` s after it began).
     plateau_end = started + duration - 1
     cpu_before, wall_before = cpu_seconds(pid), time.monotonic()
+    tokens_before = len(run.delays_ns)
     client_cpu_before = time.process_time()
     while time.monotonic() < plateau_end:
         sample = rss_kib(pid)
@@ -377,7 +379,11 @@ async def drive(
         sample["t"] = round(time.monotonic() - started, 1)
         run.samples.append(sample)
         await asyncio.sleep(1.0)
+    cpu_used, tokens_seen = cpu_seconds(pid) - cpu_before, len(run.delays_ns) - tokens_before
     plateau = {
+        # daphne's CPU time over the tokens it delivered meanwhile: the per-token cost of the path.
+        "cpu_us_per_token": round(cpu_used / max(1, tokens_seen) * 1e6, 1),
+        "plateau_tokens": tokens_seen,
         "ramp_s": round(ramped - started, 1),
         "plateau_s": round(time.monotonic() - wall_before, 1),
         "daphne_cpu_pct": round(100 * (cpu_seconds(pid) - cpu_before) / (time.monotonic() - wall_before), 1),
@@ -421,10 +427,29 @@ def raise_fd_limit(needed: int) -> str:
     return f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} (hard {hard})"
 
 
-def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A few totals from the app's own /metrics, to set beside the driver's and the database's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("quotes_requests", "quotes_log_rows_lost", "quotes_tokens"):
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
+METRICS_TOKEN = "bench-metrics-token-0123456789"
+
+
+def one_run(streams: int, args: argparse.Namespace, *, metrics: bool = True) -> dict[str, Any]:
     tokens = int(args.duration * args.tokens_per_second)
     upstream = StampingUpstream(tokens, args.tokens_per_second)
     env = {
+        "QUOTES_METRICS_ENABLED": "true" if metrics else "false",
+        "QUOTES_METRICS_TOKEN": METRICS_TOKEN,
         "AI_BACKEND": "workers-ai",
         "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
         "CLOUDFLARE_API_TOKEN": API_TOKEN,
@@ -455,6 +480,7 @@ def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
                 drive(url, process.pid, upstream, streams, args.duration, args.ramp_per_second)
             )
             rows = count_rows(db_path, expected=sum(1 for r in run.results if r.status))
+            scraped = scrape_metrics(url) if metrics else {}
             if spy is not None:
                 spy.wait(timeout=args.duration * 2)
     finally:
@@ -471,6 +497,10 @@ def one_run(streams: int, args: argparse.Namespace) -> dict[str, Any]:
     lags = sorted(run.loop_lag_ms)
     return {
         "streams": streams,
+        "metrics": "on" if metrics else "off",
+        "cpu_us_per_token": plateau["cpu_us_per_token"],
+        "plateau_tokens": plateau["plateau_tokens"],
+        "scraped": scraped,
         "duration_s": args.duration,
         "tokens_per_stream": tokens,
         "completed": ok,
@@ -517,18 +547,30 @@ def main(argv: list[str] | None = None) -> None:
         help="raise the app's upstream connection pool (default: as shipped, 100)",
     )
     parser.add_argument("--profile", action="store_true", help="py-spy record daphne during the run")
+    parser.add_argument(
+        "--metrics",
+        choices=("on", "off", "both"),
+        default="on",
+        help="QUOTES_METRICS_ENABLED for daphne; both: alternate off/on runs (--rounds each)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --metrics both: runs per setting")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     fd_limit = raise_fd_limit(4 * max(counts) + 256)
     print(machine(), f"; open files limit {fd_limit}", flush=True)
+    # With both: off and on interleaved, so a load that drifts over the runs hits both alike.
+    settings_order = [False, True] * args.rounds if args.metrics == "both" else [args.metrics == "on"]
     reports = []
     for streams in counts:
-        report = one_run(streams, args)
-        reports.append(report)
-        print(json.dumps(report, indent=1), flush=True)
+        for metrics in settings_order:
+            report = one_run(streams, args, metrics=metrics)
+            reports.append(report)
+            print(json.dumps(report, indent=1), flush=True)
     rows = [
         [
             r["streams"],
+            r["metrics"],
+            r["cpu_us_per_token"],
             f"{r['completed']}/{r['streams']}",
             r["errors"],
             r["lost_rows"],
@@ -549,6 +591,8 @@ def main(argv: list[str] | None = None) -> None:
         table(
             [
                 "streams",
+                "metrics",
+                "daphne CPU µs/token",
                 "completed",
                 "errors",
                 "lost rows",
@@ -568,6 +612,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     out = ARTIFACTS / "load.json"
     out.write_text(json.dumps({"pool": args.pool, "reports": reports}, indent=1) + "\n")
+    if args.metrics == "both":
+        for streams in counts:
+            by = {
+                setting: [
+                    r["cpu_us_per_token"]
+                    for r in reports
+                    if r["streams"] == streams and r["metrics"] == setting
+                ]
+                for setting in ("off", "on")
+            }
+            off, on = sum(by["off"]) / len(by["off"]), sum(by["on"]) / len(by["on"])
+            print(
+                f"{streams} streams: daphne CPU per token, metrics off {by['off']} (mean {off:.1f} µs), "
+                f"on {by['on']} (mean {on:.1f} µs): on - off = {on - off:+.1f} µs ({(on - off) / off:+.1%})"
+            )
     print(f"raw: {out}", file=sys.stderr)
 
 

@@ -401,6 +401,24 @@ CHANNEL_LAYERS = {
     )
 }
 
+# --- Metrics (Prometheus, GET /metrics) -----------------------------------------------------
+
+# On by default: recording costs a few counter increments per stream, nothing per token.
+QUOTES_METRICS_ENABLED = _env_or_error("QUOTES_METRICS_ENABLED", bool, True)
+# The endpoint is closed unless one of these is set; when both are, a scrape must pass both.
+QUOTES_METRICS_TOKEN = env.str("QUOTES_METRICS_TOKEN", default="")
+
+
+def _networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """ "10.0.0.7,192.168.1.0/24,::1" -> networks; a bare address is a network of one."""
+    try:
+        return tuple(ipaddress.ip_network(item, strict=False) for item in env.list(name, default=[]))
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} has a bad value: {exc}") from exc
+
+
+QUOTES_METRICS_ALLOW = _networks("QUOTES_METRICS_ALLOW")
+
 # --- Logging of content ---------------------------------------------------------------------
 
 # Prompts, topics and answers stay out of the logs (the access line drops the query string, which
@@ -424,8 +442,9 @@ for _origin in CSRF_TRUSTED_ORIGINS:
 if _env_or_error("DJANGO_SECURE_PROXY_SSL_HEADER", bool, False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_SSL_REDIRECT = _env_or_error("DJANGO_SECURE_SSL_REDIRECT", bool, not DEBUG)
-# Load balancers and monitors call /healthz over plain HTTP on the process's own port.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# Load balancers and monitors call /healthz, and Prometheus /metrics, over plain HTTP on the
+# process's own port.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
 SESSION_COOKIE_SECURE = _env_or_error("DJANGO_SECURE_COOKIES", bool, not DEBUG)
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SECURE_HSTS_SECONDS = _env_or_error("DJANGO_SECURE_HSTS_SECONDS", int, 0 if DEBUG else 31_536_000)

@@ -111,6 +111,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             messages=quote.messages,
             client=client,
             bypass_cache=quote.fresh,
+            transport="websocket",
         )
         async with aclosing(events):
             async for event in events:

@@ -90,6 +90,7 @@ def _secrets() -> list[str]:
             settings.AI_GATEWAY.get("token", ""),
             settings.OPENAI_COMPAT.get("api_key", ""),
             settings.SECRET_KEY,
+            settings.QUOTES_METRICS_TOKEN,
         ]
     except Exception:  # settings not configured yet: nothing to hide
         return []

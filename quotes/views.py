@@ -130,18 +130,19 @@ async def stream_quote(request: HttpRequest) -> HttpResponseBase:
         if htmx:
             return _htmx_error_response(exc.as_event(), Meta(), headers)
         return error_response(exc, headers)
+    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
+    # Workers AI wire format.
+    eventsource = request.method == "GET" and "text/event-stream" in request.headers.get("Accept", "")
     events = stream_generation(
         persona=quote.persona,
         topic=quote.topic,
         messages=quote.messages,
         client=await client_of(request),
         bypass_cache=quote.fresh,
+        transport="htmx" if htmx else "eventsource" if eventsource else "api",
     )
     if htmx:
         return await _htmx_stream_response(events)
-    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
-    # Workers AI wire format.
-    eventsource = request.method == "GET" and "text/event-stream" in request.headers.get("Accept", "")
     return await _stream_response(events, eventsource=eventsource)
 
 

@@ -98,3 +98,10 @@ def test_formatters_never_write_the_api_token(formatter: logging.Formatter, sett
     settings.CLOUDFLARE_API_TOKEN = TEST_API_TOKEN
     line = formatter.format(_record("upstream said: bad token %s", TEST_API_TOKEN))
     assert TEST_API_TOKEN not in line and "[redacted]" in line
+
+
+@pytest.mark.parametrize("formatter", [JsonFormatter("%(message)s"), TextFormatter("%(message)s")])
+def test_formatters_never_write_the_metrics_token(formatter: logging.Formatter, settings: Any) -> None:
+    settings.QUOTES_METRICS_TOKEN = "metrics-token-5b1e9c0d7a"
+    line = formatter.format(_record("a scrape sent %s", "Bearer metrics-token-5b1e9c0d7a"))
+    assert "metrics-token-5b1e9c0d7a" not in line and "[redacted]" in line

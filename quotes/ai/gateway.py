@@ -30,6 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.db import OperationalError
 
+from .. import metrics
 from ..models import Generation, Persona, PersonaVersion
 from ..security import client_address
 from . import limits
@@ -174,6 +175,7 @@ async def _generate(plan: _Plan) -> AsyncGenerator[Event, None]:
                 await asyncio.sleep(_retry_delay(attempt, options))
             request = plan.persona.build_request(topic=plan.topic, messages=plan.messages, model=model)
             meta = Meta(model=plan.backend.model_name(model), step=step)
+            metrics.attempt_started(backend=plan.backend.name, model=meta.model, step=step, attempt=attempt)
             started = False
             async with aclosing(plan.backend.stream(request)) as events:
                 while True:
@@ -259,11 +261,13 @@ async def stream_generation(
     client: Client = ANONYMOUS,
     preview: bool = False,
     bypass_cache: bool = False,
+    transport: str = "other",
 ) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
 
     `preview` (an admin trying unsaved values) is logged as such and never cached;
-    `bypass_cache` asks for a fresh answer (the page's "new quote" button).
+    `bypass_cache` asks for a fresh answer (the page's "new quote" button); `transport` names
+    the way the client reads the stream, for the metrics ("api", "htmx", "websocket", ...).
     """
     options = settings.QUOTES_GATEWAY
     backend = get_backend(persona.backend or None)
@@ -288,8 +292,10 @@ async def stream_generation(
                 request=primary,
                 client=client,
                 preview=preview,
+                transport=transport,
             )
 
+    metrics.stream_opened(transport)  # from here on, finish() runs whatever happens
     try:
         limit, window = options["rate_limit"]
         refused = await limits.admit_stream(
@@ -329,6 +335,7 @@ async def stream_generation(
             flight = _flights.get(key) if use_cache else None
             if flight is not None:
                 record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
+                metrics.coalesced_listener()
             else:
                 models = [primary.model, *persona.fallback_models, *options["fallback_models"]]
                 plan = _Plan(
@@ -448,6 +455,7 @@ async def _save(
     request: GenerationRequest,
     client: Client,
     preview: bool,
+    transport: str,
 ) -> None:
     """Write the log row. Shielded: a cancelled request must still leave its row."""
     usage = record.usage
@@ -480,17 +488,19 @@ async def _save(
         client_hash=client.ip_hash,
         is_preview=preview,
     )
+    metrics.stream_finished(row, transport=transport)
     await _shielded(_save_row(row))
 
 
 async def _save_row(row: Generation, attempts: int = 5) -> None:
     """Insert the row, retrying a briefly locked database (SQLite under concurrent streams):
     a log row must not be lost to a transient lock."""
-    for attempt in range(attempts):
-        try:
-            await row.asave()
-            return
-        except OperationalError:
-            if attempt == attempts - 1:
-                raise
-            await asyncio.sleep(0.05 * 2**attempt)
+    with metrics.log_row_write():  # the writer's queue depth, and the row counted lost if this fails
+        for attempt in range(attempts):
+            try:
+                await row.asave()
+                return
+            except OperationalError:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.05 * 2**attempt)

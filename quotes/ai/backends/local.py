@@ -165,6 +165,7 @@ class LocalBackend:
         # One worker thread per slot: a generation holds one for as long as it streams.
         self._executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="local-model")
         self._pending = 0
+        self._running = 0
         self._pending_lock = threading.Lock()
         self.jobs: list[JobStats] = []  # the most recent jobs, newest last (bounded)
         if preload:
@@ -186,6 +187,11 @@ class LocalBackend:
     def waiting(self) -> int:
         """Requests waiting for a free slot."""
         return self._pending
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding a generation now."""
+        return self._running
 
     async def server_slots(self) -> list[dict[str, Any]]:
         """llama.cpp's own view of its slots (GET /slots on its loopback listener), e.g. which
@@ -287,6 +293,7 @@ class LocalBackend:
     def _run(self, job: _Job) -> None:
         with self._pending_lock:
             self._pending -= 1
+            self._running += 1
         stats = job.stats
         stats.started_at = time.perf_counter()
         try:
@@ -304,6 +311,8 @@ class LocalBackend:
             self._fail(job, exc)
         finally:
             stats.finished_at = time.perf_counter()
+            with self._pending_lock:
+                self._running -= 1
 
     def _fail(self, job: _Job, exc: Exception | None, detail: object = None) -> None:
         if exc is not None:
