@@ -37,6 +37,7 @@ from .cache import CachedAnswer, answer_key, get_answer, store_answer
 from .catalog import estimate_cost
 from .errors import internal
 from .events import Done, Error, Event, GenerationRequest, Message, Meta, Ping, Token, Usage
+from .refusals import record_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +326,19 @@ async def stream_generation(
             else:
                 message = "You already have quotes being written. Wait for one to finish."
             record.error = Error(reason, message, 429, retry_after=retry_after)
-            await finish()
+            saved = True  # counted per window, not logged one full row each (see refusals.py)
+            await record_refusal(
+                persona=persona,
+                version=version,
+                backend=backend.name,
+                model=record.model,
+                client_key=client.key,
+                client_hash=client.ip_hash,
+                preview=preview,
+                code=reason,
+                message=message,
+                window=window,
+            )
             yield record.error
             return
         slot = True
