@@ -1,11 +1,12 @@
+"""A rate-limited row stands for every refusal of its client, persona and reason in one window."""
+
+from __future__ import annotations
 
 from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [
-        ("quotes", "0007_generation_public_id"),
-    ]
+    dependencies = [("quotes", "0007_generation_public_id")]
 
     operations = [
         migrations.AddField(
