@@ -313,7 +313,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
                     ("backend", "model", "fallback_step"),
                     ("prompt_tokens", "completion_tokens", "cost_usd"),
                     ("ttft_ms", "duration_ms"),
-                    "feedback",
+                    ("feedback", "shared_at"),
                     "client_hash",
                 )
             },
@@ -342,6 +342,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         "ttft_ms",
         "duration_ms",
         "feedback",
+        "shared_at",
         "client_hash",
         "request_json",
         "upstream_headers_json",

@@ -285,6 +285,10 @@ class Generation(models.Model):
         help_text="How many requests this row stands for (refusals are counted per window).",
     )
     feedback = models.SmallIntegerField(null=True, blank=True, choices=[(1, "👍"), (-1, "👎")])
+    #: when its permalink page was first opened: a quote someone shared is kept longer (pruning)
+    shared_at = models.DateTimeField(
+        "permalink first opened", null=True, blank=True, help_text="Shared quotes are kept longer."
+    )
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
