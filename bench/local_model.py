@@ -1,20 +1,23 @@
-"""The embedded model (Gemma 3 270M through llama-cpp-python): what the app costs over raw
-llama-cpp-python, and what memory a process and a stream take.
+"""The embedded model (Gemma 3 270M on llama.cpp from the xllamacpp wheel): what the app costs
+over the raw library, how the slots share the model, and what memory a process and a stream take.
 
     .venv/bin/python -m bench.local_model            # about two minutes
     .venv/bin/python -m bench.local_model --help
 
-One run, interleaved (the order rotates every round), the same topic for every path in a round
-(topics change between rounds, so llama-cpp-python's prompt-prefix reuse helps each path alike):
+Speed, one run, interleaved (the order rotates every round), the same topic for every path in a
+round (topics change between rounds, so llama.cpp's prompt-prefix reuse helps each path alike):
 
-- raw: `Llama(model_path=settings.LOCAL_MODEL path, n_ctx=1024, n_threads=2)` in this process,
-  the app's own completion prompt (`completion_prompt`), the backend's sampling (temperature 0,
-  so greedy and deterministic; top_p 0.95, top_k 40, repeat penalty 1.15), `generate()` +
-  `detokenize` with an incremental UTF-8 decoder, and the backend's stop rule (closing quote,
-  end of line, end of generation, or the token budget) so both stop on the same token;
-- the app's `LocalBackend.stream()` in this process (its own `Llama`, on its model thread);
+- raw: an `xllamacpp.Server` of its own in this process, with the backend's parameters (slots,
+  context, threads), called the library's own way: `handle_completions(body, callback)` on a
+  thread, with the exact body the backend sends (`completion_body`: the app's frame, greedy
+  sampling, the same stop strings), so both stop on the same token;
+- the app's `LocalBackend.stream()` in this process (its own server);
 - the HTTP endpoint under daphne (AI_BACKEND=local, the persona set to temperature 0 and the
   same budget), read by an incremental SSE parser.
+
+Parallel slots: the same backend, N requests at once (N = 1, 2, 4, distinct topics, greedy, so
+each request writes the same tokens however it is scheduled), the aggregate tokens/s against the
+same requests one at a time, interleaved round by round.
 
 TTFT is from the call (or the request) to the first non-empty token; tokens/s is tokens over
 the whole wait (call to last token). The rate after the first token, (tokens - 1) / (last -
@@ -105,40 +108,42 @@ def make_request(topic: str, max_tokens: int) -> Any:
     )
 
 
-def raw_runner(llm: Any, max_tokens: int) -> Callable[[str], StreamTiming]:
-    from llama_cpp import llama_vocab_is_eog
+def raw_server(backend: Any) -> Any:
+    """A bare xllamacpp.Server with the backend's own parameters."""
+    import xllamacpp
 
-    from quotes.ai.backends.local import STOP_CHARACTERS, completion_prompt, text_decoder
+    params = xllamacpp.CommonParams()
+    params.model.path = str(backend.path)
+    params.n_parallel = backend.slots
+    params.n_ctx = backend.n_ctx * backend.slots
+    params.cpuparams.n_threads = backend.n_threads
+    params.cpuparams_batch.n_threads = backend.n_threads
+    params.cache_ram_mib = 0
+    params.verbosity = -1
+    params.hostnames = ["127.0.0.1"]
+    params.port = 0
+    params.api_keys = ["bench-" + os.urandom(16).hex()]
+    return xllamacpp.Server(params)
+
+
+def raw_runner(server: Any, max_tokens: int) -> Callable[[str], StreamTiming]:
+    from quotes.ai.backends.local import completion_body
 
     def run(topic: str) -> StreamTiming:
-        request = make_request(topic, max_tokens)
+        body = completion_body(make_request(topic, max_tokens))
         timing = StreamTiming(started=time.perf_counter())
-        prompt = llm.tokenize(completion_prompt(request).encode(), add_bos=True)
-        budget = min(max_tokens, llm.n_ctx() - len(prompt) - 1)
-        llm.set_seed(1)
-        decoder = text_decoder()
-        vocab = llm._model.vocab
-        tokens = llm.generate(prompt, temp=0.0, top_p=0.95, top_k=40, repeat_penalty=1.15)
-        generated = 0
-        try:
-            for token in tokens:
-                if llama_vocab_is_eog(vocab, token):
-                    break
-                generated += 1
-                text = decoder.decode(llm.detokenize([token]))
-                ends = [i for i in (text.find(c) for c in STOP_CHARACTERS) if i >= 0]
-                if ends:
-                    text = text[: min(ends)]
-                if text and (generated > 1 or text.strip()):
-                    now = time.perf_counter()
-                    if not timing.tokens:
-                        timing.first_token = now
-                    timing.last_token = now
-                    timing.tokens += 1
-                if ends or generated >= budget:
-                    break
-        finally:
-            tokens.close()
+
+        def on_chunk(chunk: dict[str, Any]) -> bool:
+            choices = chunk.get("choices") or [{}]
+            if choices[0].get("text"):
+                now = time.perf_counter()
+                if not timing.tokens:
+                    timing.first_token = now
+                timing.last_token = now
+                timing.tokens += 1
+            return False
+
+        server.handle_completions(body, on_chunk)
         timing.done = time.perf_counter()
         return timing
 
@@ -219,16 +224,15 @@ SPEED_HEADERS = [
 
 def speed_section(args: argparse.Namespace) -> list[str]:
     from django.conf import settings
-    from llama_cpp import Llama
 
     from quotes.ai.backends.local import LocalBackend, ensure_model_file
 
     path = ensure_model_file(settings.LOCAL_MODEL["path"])
-    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=2, verbose=False)
     loop = asyncio.new_event_loop()
-    backend = LocalBackend(path=path, n_ctx=1024, n_threads=2)
+    backend = LocalBackend(**{**settings.LOCAL_MODEL, "path": path})
+    server = raw_server(backend)
     series = [
-        Series("raw llama-cpp-python", raw_runner(llm, args.max_tokens)),
+        Series("raw xllamacpp (handle_completions)", raw_runner(server, args.max_tokens)),
         Series("LocalBackend.stream() in-process", backend_runner(backend, loop, args.max_tokens)),
     ]
     sql = [
@@ -249,9 +253,10 @@ def speed_section(args: argparse.Namespace) -> list[str]:
             shift = i % len(series)
             for s in series[shift:] + series[:shift]:
                 s.timings.append(s.run(topic))
+    parallel = parallel_rows(backend, loop, args)
     loop.run_until_complete(backend.aclose())
     loop.close()
-    llm.close()
+    del server
     mismatched = sum(
         1
         for i in range(args.rounds)
@@ -266,9 +271,78 @@ def speed_section(args: argparse.Namespace) -> list[str]:
         f"Rounds where the paths emitted different token counts: {mismatched} of {args.rounds} "
         "(the HTTP path uses the persona's own sampling fields where set).",
         "",
+        f"## Parallel slots ({backend.slots} slots, budget {args.parallel_tokens} tokens, "
+        f"{args.parallel_rounds} rounds per row, median)",
+        "",
+        table(PARALLEL_HEADERS, parallel),
+        "",
     ]
     print("\n".join(section), flush=True)
     return section
+
+
+PARALLEL_HEADERS = [
+    "requests at once",
+    "aggregate tokens/s",
+    "one at a time, tokens/s",
+    "ratio",
+    "tokens/s per stream",
+    "TTFT p50 ms",
+]
+
+
+def parallel_rows(
+    backend: Any, loop: asyncio.AbstractEventLoop, args: argparse.Namespace
+) -> list[list[object]]:
+    """N requests at once on the backend's slots, against the same N one after the other."""
+    from quotes.ai.events import Done, Token
+
+    async def one(topic: str) -> tuple[int, float, float]:
+        request = make_request(topic, args.parallel_tokens)
+        started = time.perf_counter()
+        tokens, first = 0, 0.0
+        async for event in backend.stream(request):
+            if type(event) is Token:
+                tokens += 1
+                first = first or time.perf_counter() - started
+            elif type(event) is Done:
+                break
+        return tokens, first, time.perf_counter() - started
+
+    async def at_once(topics: list[str]) -> tuple[float, list[float], list[float]]:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(t) for t in topics))
+        elapsed = time.perf_counter() - started
+        return sum(r[0] for r in results) / elapsed, [r[0] / r[2] for r in results], [r[1] for r in results]
+
+    async def in_turn(topics: list[str]) -> float:
+        started = time.perf_counter()
+        tokens = sum([(await one(t))[0] for t in topics])
+        return tokens / (time.perf_counter() - started)
+
+    rows: list[list[object]] = []
+    print(f"parallel: 1, 2, 4 at once, {args.parallel_rounds} rounds ...", flush=True)
+    for n in (1, 2, 4):
+        aggregate, sequential, per_stream, ttfts = [], [], [], []
+        for r in range(args.parallel_rounds):
+            topics = [TOPICS[(r * n + i) % len(TOPICS)] for i in range(n)]
+            # Interleaved: at once, then the same requests one at a time.
+            total, rates, firsts = loop.run_until_complete(at_once(topics))
+            aggregate.append(total)
+            per_stream += rates
+            ttfts += firsts
+            sequential.append(loop.run_until_complete(in_turn(topics)))
+        rows.append(
+            [
+                n,
+                f"{median(aggregate):.1f}",
+                f"{median(sequential):.1f}",
+                f"{median(aggregate) / median(sequential):.2f}",
+                f"{median(per_stream):.1f}",
+                ms(median(ttfts)),
+            ]
+        )
+    return rows
 
 
 # -- memory -----------------------------------------------------------------------------------------
@@ -399,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="generations per path (interleaved)")
     parser.add_argument("--max-tokens", type=int, default=64, help="token budget per generation")
     parser.add_argument("--no-http", action="store_true", help="skip the daphne HTTP path")
+    parser.add_argument("--parallel-tokens", type=int, default=64, help="token budget in the slots section")
+    parser.add_argument("--parallel-rounds", type=int, default=5, help="rounds per row in the slots section")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--streams", type=int, nargs="+", default=[30, 60, 90], help="open-stream steps")

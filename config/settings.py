@@ -164,9 +164,12 @@ LOCAL_MODEL = {
         env.str("LOCAL_MODEL_PATH", default=str(QUOTES_CACHE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"))
     ),
     "name": "gemma-3-270m",
+    # The context window of each slot (the model holds LOCAL_MODEL_SLOTS of them).
     "n_ctx": env.int("LOCAL_MODEL_N_CTX", default=1024),
     "n_threads": env.int("LOCAL_MODEL_THREADS", default=2),
-    # How long a request waits for the model before it answers "busy".
+    # How many visitors stream from the model at once (continuous batching); others wait.
+    "slots": env.int("LOCAL_MODEL_SLOTS", default=4),
+    # How long a request waits for a free slot before it answers "busy".
     "queue_timeout_s": env.float("LOCAL_MODEL_QUEUE_TIMEOUT", default=20.0),
     # Load the model when the server starts instead of on the first request.
     "preload": env.bool("LOCAL_MODEL_PRELOAD", default=False),
@@ -212,6 +215,8 @@ _positive("AI_CONNECT_TIMEOUT", WORKERS_AI["connect_timeout_s"], low=0.01)
 _positive("AI_READ_TIMEOUT", WORKERS_AI["read_timeout_s"], low=0.01)
 _positive("AI_TOTAL_TIMEOUT", WORKERS_AI["total_timeout_s"], low=0.01)
 _positive("AI_MAX_CONNECTIONS", WORKERS_AI["max_connections"], low=1)
+_positive("LOCAL_MODEL_SLOTS", LOCAL_MODEL["slots"], low=1, high=64)
+_positive("LOCAL_MODEL_N_CTX", LOCAL_MODEL["n_ctx"], low=128)
 
 # Mirrors the Workers AI binding's `gateway` option. `id` empty means: call Workers AI directly.
 _BACKOFFS = ("constant", "linear", "exponential")

@@ -197,6 +197,7 @@ class Persona(models.Model):
             messages=chat,
             speaker=self.name,
             topic=topic,
+            description=self.description,
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

