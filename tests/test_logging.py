@@ -155,33 +155,6 @@ async def test_django_request_log_keeps_the_query_when_content_logging_is_on(
     assert SECRET_TOPIC in console.getvalue()
 
 
-def _deployed_daphne_command(source: str, port: int) -> list[str]:
-    """daphne's arguments as `source` (a systemd unit's ExecStart, or the Dockerfile's CMD) runs
-    it, on 127.0.0.1:`port` instead of its socket or public port."""
-    import json as json_module
-    import shlex
-    import sys
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "deploy" / source).read_text()
-    lines = text.splitlines()
-    prefix = "CMD " if source == "Dockerfile" else "ExecStart="
-    start = next(i for i, line in enumerate(lines) if line.startswith(prefix))
-    command = lines[start].removeprefix(prefix)
-    while command.endswith("\\"):
-        start += 1
-        command = command[:-1] + " " + lines[start]
-    args = json_module.loads(command) if source == "Dockerfile" else shlex.split(command)
-    assert args[0].endswith("daphne"), args
-    if "--unix-socket" in args:
-        at = args.index("--unix-socket")
-        args[at : at + 2] = ["-b", "127.0.0.1", "-p", str(port)]
-    else:
-        args[args.index("-b") + 1] = "127.0.0.1"
-        args[args.index("-p") + 1] = str(port)
-    return [sys.executable, "-m", "daphne", *args[1:]]
-
-
 @pytest.mark.parametrize(
     "source", ["systemd/persona-quotes@.service", "systemd/persona-quotes.service", "Dockerfile"]
 )
@@ -190,36 +163,19 @@ def test_deployed_nginx_and_daphne_log_no_topic(source: str, tmp_path: Any) -> N
     front of daphne started with the flags of `source` under production settings (the
     Dockerfile's CMD is run here without Docker). A topic in a query string, or in the Referer,
     reaches neither nginx's access log nor daphne's output (its access log, the app's logs)."""
-    import os
-    import subprocess
-    import time
     from pathlib import Path
 
     import httpx
 
-    from tests.scaleout.services import free_port, nginx, stop_process, tail
+    from tests.deployed import environment, running_daphne
+    from tests.scaleout.services import free_port, nginx
 
     root = Path(__file__).resolve().parents[1]
     app_port, proxy_port = free_port(), free_port()
-    prefixes = ("DJANGO_", "CLOUDFLARE_", "AI_", "QUOTES_", "DATABASE_URL", "REDIS_URL")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env.update(
-        DJANGO_DEBUG="false",
-        DJANGO_SECRET_KEY="log-test-" + "k3y" * 20,
+    env = environment(
         DJANGO_ALLOWED_HOSTS="127.0.0.1",
-        DJANGO_SECURE_SSL_REDIRECT="false",
         DATABASE_URL=f"sqlite:///{tmp_path / 'unused.sqlite3'}",  # the requests below need none
-        AI_BACKEND="local",
     )
-    app_log = tmp_path / "daphne.log"
-    with app_log.open("wb") as out:
-        daphne = subprocess.Popen(
-            _deployed_daphne_command(source, app_port),
-            cwd=root,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     site = f"""
     include {root / "deploy/nginx/persona-quotes-log.conf"};
     map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
@@ -237,22 +193,12 @@ def test_deployed_nginx_and_daphne_log_no_topic(source: str, tmp_path: Any) -> N
         ("/api/quotes/stream", f"persona=Not+A+Slug&topic={SECRET_TOPIC}", 404),
         ("/api/quotes/00000000-0000-4000-8000-000000000000/feedback", f"topic={SECRET_TOPIC}", 405),
     ]
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{app_port}/api/quotes/stream", timeout=2)
-                break
-            except httpx.TransportError:
-                assert daphne.poll() is None and time.monotonic() < deadline, tail(app_log)
-                time.sleep(0.2)
-        with nginx(tmp_path, site=site, port=proxy_port) as proxy:
-            headers = {"Referer": f"http://127.0.0.1/personas/alan-watts/?topic={SECRET_TOPIC}"}
-            for path, query, status in paths:
-                response = httpx.get(f"{proxy.url}{path}?{query}", headers=headers, timeout=10)
-                assert response.status_code == status, response.text
-    finally:
-        stop_process(daphne)
+    app_log = tmp_path / "daphne.log"
+    with running_daphne(source, app_port, env, app_log), nginx(tmp_path, site=site, port=proxy_port) as proxy:
+        headers = {"Referer": f"http://127.0.0.1/personas/alan-watts/?topic={SECRET_TOPIC}"}
+        for path, query, status in paths:
+            response = httpx.get(f"{proxy.url}{path}?{query}", headers=headers, timeout=10)
+            assert response.status_code == status, response.text
 
     access = (tmp_path / "nginx-access.log").read_text()
     app_output = app_log.read_text()
