@@ -33,11 +33,13 @@ from django.views.decorators.csrf import csrf_exempt
 from .ai import sse
 from .ai.backends import get_backend
 from .ai.catalog import doc_url
-from .ai.conversation import check_context_window, parse_messages
+from .ai.conversation import check_context_window, check_encodable, parse_messages
 from .ai.errors import QuoteError, internal
 from .ai.events import Done, Error, Event, Message, Meta, Ping, Token, Usage
 from .ai.gateway import Client, stream_generation
+from .feedback import count_vote, record_vote
 from .models import Generation, Persona
+from .security import refuse_cross_site
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -120,6 +122,7 @@ async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     """
     htmx = request.headers.get("HX-Request") == "true"
     try:
+        refuse_cross_site(request)  # another site's page must not start a (paid) generation
         params = _read_params(request, htmx=htmx)
         quote = await parse_quote_request(params)
     except QuoteError as exc:
@@ -227,6 +230,7 @@ def _clean_topic(topic: object, *, default: str) -> str:
         return default
     if not isinstance(topic, str):
         raise QuoteError("invalid_topic", "`topic` must be a string.", 400)
+    check_encodable(topic, field="`topic`")
     # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
     topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
     if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
@@ -438,11 +442,14 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
 
 @csrf_exempt  # JSON only, like the stream API: a cross-site form cannot send application/json
 async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
-    """POST {"value": 1 | -1}: a visitor's thumbs up or down on a quote. Setting the same value
-    again changes nothing (idempotent); a new value replaces the old."""
+    """POST {"value": 1 | -1}: a visitor's thumbs up or down on a quote, one per visitor (see
+    quotes/feedback.py). Setting the same value again changes nothing (idempotent); a new value
+    replaces that visitor's old one. Rate-limited per visitor (QUOTES_FEEDBACK_RATE_LIMIT)."""
     try:
         if request.method != "POST":
             raise QuoteError("method_not_allowed", "Use POST with a JSON body.", 405)
+        client = await client_of(request)
+        await count_vote(client.key)
         params = _read_params(request)
         value = params.get("value")
         if type(value) is not int or value not in (1, -1):
@@ -457,6 +464,5 @@ async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResp
             raise QuoteError("feedback_closed", "This quote is too old to be rated now.", 403)
     except QuoteError as exc:
         return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
-    if generation.feedback != value:
-        await Generation.objects.filter(pk=generation.pk).aupdate(feedback=value)
+    await record_vote(generation_id=generation.pk, client_key=client.key, value=value)
     return JsonResponse({"id": str(generation.public_id), "feedback": value})

@@ -31,6 +31,7 @@ from django.conf import settings
 from django.db import OperationalError
 
 from ..models import Generation, Persona, PersonaVersion
+from ..security import client_address
 from . import limits
 from .backends import Backend, get_backend
 from .cache import CachedAnswer, answer_key, get_answer, store_answer
@@ -57,7 +58,7 @@ NOT_FOR_FALLBACK = frozenset({"upstream_auth", "busy", "request_too_large", "con
 
 @dataclass(frozen=True, slots=True)
 class Client:
-    """Who is asking: the user when logged in, else a salted hash of the IP."""
+    """Who is asking: the user when logged in, else a salted hash of the IP (of its network for IPv6)."""
 
     key: str
     ip_hash: str
@@ -65,6 +66,7 @@ class Client:
 
     @classmethod
     def from_request(cls, ip: str, user_id: int | None = None) -> Client:
+        ip = client_address(ip)  # an IPv6 address counts as its /64 (QUOTES_IPV6_PREFIX)
         ip_hash = hmac.new(settings.SECRET_KEY.encode(), ip.encode(), hashlib.sha256).hexdigest()[:32]
         return cls(key=f"user:{user_id}" if user_id else f"ip:{ip_hash}", ip_hash=ip_hash, user_id=user_id)
 
@@ -311,8 +313,7 @@ async def stream_generation(
 
     try:
         limit, window = options["rate_limit"]
-        refused = await limits.run_on_cache(
-            limits.admit,
+        refused = await limits.admit_stream(
             client.key,
             limit=limit,
             window=window,

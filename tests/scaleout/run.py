@@ -118,7 +118,8 @@ def manage(env: dict[str, str], *args: str) -> None:
 
 @contextlib.contextmanager
 def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
-    """One daphne process as docs/deployment.md runs it (proxy headers, timeouts)."""
+    """One daphne process as docs/deployment.md runs it (timeouts; the app believes nginx's
+    X-Forwarded-For because nginx connects from loopback, a trusted proxy by default)."""
     port = free_port()
     log = workdir / f"daphne-{name}.log"
     command = [
@@ -129,9 +130,6 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
         "127.0.0.1",
         "-p",
         str(port),
-        "--proxy-headers",
-        "--proxy-headers-host",
-        "X-Real-IP",
         "--application-close-timeout",
         "5",
         "--websocket_timeout",

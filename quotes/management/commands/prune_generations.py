@@ -3,7 +3,7 @@
 Run it daily (deploy/systemd/persona-quotes-prune.timer). What it keeps:
 
 - every row younger than QUOTES_LOG_RETENTION_DAYS (0: the command keeps everything);
-- quotes someone rated or opened by their permalink (`feedback` or `shared_at` set), for
+- quotes someone voted on or opened by their permalink (a `Vote`, or `shared_at` set), for
   QUOTES_KEPT_QUOTE_RETENTION_DAYS (0: for good), since a shared link should keep working. Past
   the log retention such a quote keeps only what its permalink page and the analytics use:
   its request (prompts and the visitor's conversation), upstream headers, topic and client
@@ -21,19 +21,21 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from quotes.models import Generation
+from quotes.models import Generation, Vote
 
 #: Rows per transaction. Below SQLite's oldest limit of 999 parameters in one statement.
 DEFAULT_BATCH = 500
 
 
 def kept_quotes() -> Q:
-    """Quotes someone cared about: rated, or opened by their permalink."""
+    """Quotes someone cared about: voted on (even if the votes cancel out), or opened by their
+    permalink."""
+    voted = Exists(Vote.objects.filter(generation=OuterRef("pk")))
     return Q(status=Generation.Status.OK, is_preview=False) & (
-        Q(feedback__isnull=False) | Q(shared_at__isnull=False)
+        Q(voted) | Q(feedback__isnull=False) | Q(shared_at__isnull=False)
     )
 
 

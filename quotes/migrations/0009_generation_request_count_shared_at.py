@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("quotes", "0007_generation_public_id")]
+    dependencies = [("quotes", "0008_vote")]
 
     operations = [
         migrations.AddField(
