@@ -15,7 +15,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from quotes.models import Generation, Persona
+from quotes.models import Generation, Persona, Vote
 
 from .test_deploy import PRODUCTION, _run
 
@@ -68,10 +68,13 @@ def old_and_new(watts: Persona, client: Client) -> dict[str, Generation]:
         "old_rated_error": logged(watts, days_ago=100, status="error", feedback=-1),
         "old_rated": logged(watts, days_ago=100, feedback=1),
         "old_shared": logged(watts, days_ago=200),
+        "old_votes_cancel_out": logged(watts, days_ago=150),
         "ancient_rated": logged(watts, days_ago=800, feedback=-1),
         "new_ok": logged(watts, days_ago=89),
         "new_error": logged(watts, days_ago=1, status="error"),
     }
+    for client_key, value in (("ip:a", 1), ("ip:b", -1)):  # voted on, the verdict empty
+        Vote.objects.create(generation=rows["old_votes_cancel_out"], client_key=client_key, value=value)
     page = client.get(f"/q/{rows['old_shared'].public_id}/")
     assert page.status_code == 200
     rows["old_shared"].refresh_from_db()
@@ -105,10 +108,10 @@ def test_prune_deletes_old_rows_and_keeps_rated_and_shared_quotes(
     out = prune()
 
     kept = {name for name, row in old_and_new.items() if row.pk in remaining()}
-    assert kept == {"old_rated", "old_shared", "ancient_rated", "new_ok", "new_error"}
-    assert "Deleted 6 log rows and trimmed 3 kept quotes" in out
+    assert kept == {"old_rated", "old_shared", "old_votes_cancel_out", "ancient_rated", "new_ok", "new_error"}
+    assert "Deleted 6 log rows and trimmed 4 kept quotes" in out
     # What the permalink and the analytics need stays; the visitor's words and the request go.
-    for name in ("old_rated", "old_shared", "ancient_rated"):
+    for name in ("old_rated", "old_shared", "old_votes_cancel_out", "ancient_rated"):
         row = Generation.objects.get(pk=old_and_new[name].pk)
         assert (row.request, row.upstream_headers, row.topic, row.client_hash) == ({}, {}, "", "")
         assert row.text == "A quiet quote." and row.feedback == old_and_new[name].feedback
@@ -129,7 +132,7 @@ def test_prune_drops_kept_quotes_after_their_own_retention(
     prune()
 
     kept = {name for name, row in old_and_new.items() if row.pk in remaining()}
-    assert kept == {"old_rated", "old_shared", "new_ok", "new_error"}
+    assert kept == {"old_rated", "old_shared", "old_votes_cancel_out", "new_ok", "new_error"}
 
 
 def test_prune_works_in_bounded_batches(watts: Persona, settings: Any) -> None:
@@ -141,7 +144,9 @@ def test_prune_works_in_bounded_batches(watts: Persona, settings: Any) -> None:
     with CaptureQueriesContext(connection) as queries:
         out = prune("--batch-size", "3")
 
-    deletes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("DELETE")]
+    deletes = [
+        q["sql"] for q in queries.captured_queries if q["sql"].startswith('DELETE FROM "quotes_generation"')
+    ]
     assert len(deletes) == 3  # 3 + 3 + 1 rows, each batch in its own transaction
     assert remaining() == {young.pk}
     assert "Deleted 7 log rows" in out
@@ -153,7 +158,7 @@ def test_prune_dry_run_changes_nothing(old_and_new: dict[str, Generation], setti
 
     out = prune("--dry-run")
 
-    assert "Would delete 6 log rows and trim 3 kept quotes" in out
+    assert "Would delete 6 log rows and trim 4 kept quotes" in out
     assert remaining() == before
     assert Generation.objects.get(pk=old_and_new["old_rated"].pk).request == REQUEST
 
