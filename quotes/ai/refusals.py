@@ -13,8 +13,8 @@ request body, topic or text) whose `request_count` says how many there were:
 
 The analytics sum `request_count`, so every refusal is still counted there. The row's id is
 derived from the window's cache key (keyed with the SECRET_KEY), so processes sharing a Redis
-cache update the same row; a process that stops within a second of a refusal may leave that
-last second uncounted.
+cache update the same row (without Redis each process keeps its own); a process that stops
+within a second of a refusal may leave that last second uncounted.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import time
 import uuid
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.core.cache import cache
+from django.core.cache import cache, caches
+from django.core.cache.backends.locmem import LocMemCache
 from django.db import IntegrityError, OperationalError, close_old_connections
 
 from ..models import Generation, Persona, PersonaVersion
@@ -57,9 +59,43 @@ async def record_refusal(
     message: str,
     window: int,
 ) -> None:
-    """Count one refused request; the first of its window also writes the row."""
+    """Count one refused request; the first of its window also writes the row. Never raises
+    (but for cancellation): the visitor's 429 must go out whatever the log's trouble."""
+    try:
+        await _record(
+            persona=persona,
+            version=version,
+            backend=backend,
+            model=model,
+            client_key=client_key,
+            client_hash=client_hash,
+            preview=preview,
+            code=code,
+            message=message,
+            window=window,
+        )
+    except Exception:
+        logger.exception("could not record a refused request")
+
+
+async def _record(
+    *,
+    persona: Persona,
+    version: PersonaVersion | None,
+    backend: str,
+    model: str,
+    client_key: str,
+    client_hash: str,
+    preview: bool,
+    code: str,
+    message: str,
+    window: int,
+) -> None:
     index = int(time.time() // window)
-    key = f"quotes:refusals:{client_key}:{persona.pk}:{code}:{int(preview)}:{window}:{index}"
+    # A cache of this process's own (no Redis) counts this process's refusals only: each
+    # process then keeps its own row, so the analytics' sum is still every refusal.
+    scope = f":pid{os.getpid()}" if isinstance(caches["default"], LocMemCache) else ""
+    key = f"quotes:refusals:{client_key}:{persona.pk}:{code}:{int(preview)}:{window}:{index}{scope}"
     # Kept past the window's end, so a flush that runs after it still reads the count.
     count = await limits.run_on_cache(limits.count_in_window, key, window + int(FLUSH_AFTER_S) + 60)
     public_id = _row_id(key)
