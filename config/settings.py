@@ -426,6 +426,23 @@ QUOTES_METRICS_ALLOW = _networks("QUOTES_METRICS_ALLOW")
 # already keeps them where admins can see them.
 QUOTES_LOG_CONTENT = _env_or_error("QUOTES_LOG_CONTENT", bool, False)
 
+# --- Retention of the request log (`manage.py prune_generations`, run daily) ----------------
+
+# Log rows older than this many days are deleted; 0 keeps them all.
+QUOTES_LOG_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_LOG_RETENTION_DAYS", int, 90))
+# Quotes someone rated or opened by their permalink are kept this long instead (0: for good),
+# with their request, upstream headers, topic and client hash cleared after the log retention.
+QUOTES_KEPT_QUOTE_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_KEPT_QUOTE_RETENTION_DAYS", int, 0))
+_positive("QUOTES_LOG_RETENTION_DAYS", QUOTES_LOG_RETENTION_DAYS, low=0)
+_positive("QUOTES_KEPT_QUOTE_RETENTION_DAYS", QUOTES_KEPT_QUOTE_RETENTION_DAYS, low=0)
+if 0 < QUOTES_KEPT_QUOTE_RETENTION_DAYS < QUOTES_LOG_RETENTION_DAYS or (
+    QUOTES_KEPT_QUOTE_RETENTION_DAYS and not QUOTES_LOG_RETENTION_DAYS
+):
+    raise ImproperlyConfigured(
+        "QUOTES_KEPT_QUOTE_RETENTION_DAYS keeps rated and shared quotes longer than the log: "
+        "make it 0 (for good) or at least QUOTES_LOG_RETENTION_DAYS."
+    )
+
 # --- HTTPS, cookies and browser security headers --------------------------------------------
 #
 # Secure by default: with DJANGO_DEBUG=false everything below is on unless turned off by name.

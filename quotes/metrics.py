@@ -147,6 +147,15 @@ def stream_finished(row: Generation, *, transport: str) -> None:
         COST.labels(backend, model).inc(float(row.cost_usd))
 
 
+def stream_refused(*, transport: str, backend: str, model: str, code: str) -> None:
+    """A stream turned away by the rate or concurrency limit. Refusals are logged as one counted
+    row per client and window (quotes/ai/refusals.py), not a row each: record each one here."""
+    if not enabled():
+        return
+    OPEN_STREAMS.labels(transport).dec()
+    REQUESTS.labels(transport, backend, model, "rate_limited", code).inc()
+
+
 def cache_lookup(*, hit: bool) -> None:
     if enabled():
         CACHE_LOOKUPS.labels("hit" if hit else "miss").inc()

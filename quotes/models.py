@@ -278,12 +278,23 @@ class Generation(models.Model):
     upstream_headers = models.JSONField(default=dict, blank=True)
     client_hash = models.CharField(max_length=64, blank=True, help_text="A salted hash of the client IP.")
     is_preview = models.BooleanField(default=False)
+    #: 1, except on a rate-limited row: it stands for every refusal of its client, persona and
+    #: reason in one rate-limit window, so a flood of refusals writes one small row, not one each
+    request_count = models.PositiveIntegerField(
+        "requests",
+        default=1,
+        help_text="How many requests this row stands for (refusals are counted per window).",
+    )
     feedback = models.SmallIntegerField(
         null=True,
         blank=True,
         choices=[(1, "👍"), (-1, "👎")],
         help_text="The visitors' verdict: the sign of the sum of their votes (one per visitor), "
         "empty when there are none or they cancel out.",
+    )
+    #: when its permalink page was first opened: a quote someone shared is kept longer (pruning)
+    shared_at = models.DateTimeField(
+        "permalink first opened", null=True, blank=True, help_text="Shared quotes are kept longer."
     )
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 

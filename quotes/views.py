@@ -420,6 +420,10 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
         )
     except Generation.DoesNotExist:
         raise Http404("No such quote.") from None
+    if generation.shared_at is None:  # one write per quote, ever: it is kept longer from now on
+        await Generation.objects.filter(pk=generation.pk, shared_at__isnull=True).aupdate(
+            shared_at=timezone.now()
+        )
     text = generation.text.strip()
     return render(
         request,

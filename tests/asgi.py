@@ -70,10 +70,17 @@ class AsgiStream:
             application, http_scope(method, path, query=query, headers=headers, client=client)
         )
         self.body = body
+        self.sent = False
         self.response: StreamedResponse | None = None
 
-    async def start(self, timeout: float = 30) -> StreamedResponse:
+    async def send(self) -> None:
+        """Send the request without waiting for the response (`start` then waits for it)."""
+        self.sent = True
         await self.communicator.send_input({"type": "http.request", "body": self.body, "more_body": False})
+
+    async def start(self, timeout: float = 30) -> StreamedResponse:
+        if not self.sent:
+            await self.send()
         message = await self.communicator.receive_output(timeout)
         assert message["type"] == "http.response.start", message
         headers = {k.decode().lower(): v.decode() for k, v in message["headers"]}

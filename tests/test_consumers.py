@@ -199,6 +199,33 @@ async def test_socket_rate_limit_is_an_error_frame(
     assert rows == [Generation.Status.OK, Generation.Status.RATE_LIMITED]
 
 
+async def test_socket_flood_of_refused_starts_writes_one_counted_row(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """One socket sent 181 refused `start` frames in 0.9 s, and each wrote a full log row."""
+    settings = workers_ai_settings
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    window_left = 60 - time.time() % 60
+    if window_left < 15:  # the limit's window must not turn over mid-test
+        await asyncio.sleep(window_left + 0.05)
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
+
+    for _ in range(100):
+        await socket.send_json_to({"type": "start", "persona": persona.slug, "topic": "again"})
+        assert (await frames_until(socket, "error"))[-1]["code"] == "rate_limited"
+
+    rows = [row async for row in Generation.objects.order_by("id")]
+    assert [row.status for row in rows] == [Generation.Status.OK, Generation.Status.RATE_LIMITED]
+    refused = rows[1]
+    for _ in range(200):  # counts after the first reach the row a moment later
+        await refused.arefresh_from_db()
+        if refused.request_count == 100:
+            break
+        await asyncio.sleep(0.05)
+    assert (refused.request_count, refused.topic, refused.request) == (100, "", {})
+
+
 async def test_socket_from_another_origin_is_refused(persona: Persona) -> None:
     from config.asgi import application
 

@@ -39,6 +39,7 @@ from .cache import CachedAnswer, answer_key, get_answer, store_answer
 from .catalog import estimate_cost
 from .errors import internal
 from .events import Done, Error, Event, GenerationRequest, Message, Meta, Ping, Token, Usage
+from .refusals import record_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,10 @@ ANONYMOUS = Client(key="local", ip_hash="")
 class _Flight:
     """One generation in progress, shared by every listener that asked for the same thing."""
 
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, *, first_token_s: float) -> None:
         self.key = key
+        #: the longest this flight can take to its first token or its error, alive
+        self.first_token_s = first_token_s
         self.history: list[Event] = []
         self.listeners: set[asyncio.Queue[Event]] = set()
         self.task: asyncio.Task[None] | None = None
@@ -96,7 +99,14 @@ class _Flight:
     def unsubscribe(self, queue: asyncio.Queue[Event]) -> None:
         self.listeners.discard(queue)
         if not self.listeners and self.task is not None and not self.task.done():
+            # Out of the registry now, not once the task has unwound: a request arriving while
+            # the upstream is being closed must start a flight of its own, not join a dead one.
+            self.unregister()
             self.task.cancel()  # nobody is reading: stop the upstream now
+
+    def unregister(self) -> None:
+        if self.key is not None and _flights.get(self.key) is self:  # never a newer flight's entry
+            del _flights[self.key]
 
     def publish(self, event: Event) -> None:
         self.history.append(event)
@@ -131,8 +141,7 @@ async def _fly(flight: _Flight, plan: _Plan) -> None:
         logger.exception("generation failed for persona %s", plan.persona.slug)
         flight.publish(internal())
     finally:
-        if flight.key is not None:
-            _flights.pop(flight.key, None)
+        flight.unregister()
 
 
 async def _store(plan: _Plan, history: list[Event]) -> None:
@@ -177,12 +186,15 @@ async def _generate(plan: _Plan) -> AsyncGenerator[Event, None]:
             meta = Meta(model=plan.backend.model_name(model), step=step)
             metrics.attempt_started(backend=plan.backend.name, model=meta.model, step=step, attempt=attempt)
             started = False
+            # From the request, not from the headers: an upstream's Meta does not restart it, so
+            # a listener can tell how long a live flight may take (`_first_token_budget`).
+            first_token_by = loop.time() + options["ttft_timeout_s"]
             async with aclosing(plan.backend.stream(request)) as events:
                 while True:
-                    wait = min(
-                        options["idle_timeout_s"] if started else options["ttft_timeout_s"],
-                        deadline - loop.time(),
-                    )
+                    if started:
+                        wait = min(options["idle_timeout_s"], deadline - loop.time())
+                    else:
+                        wait = min(first_token_by, deadline) - loop.time()
                     try:
                         async with asyncio.timeout(wait):
                             event = await anext(events)
@@ -223,6 +235,15 @@ def _retry_delay(attempt: int, options: dict[str, Any]) -> float:
     if options["backoff"] == "exponential":
         return base * 2 ** (attempt - 1)
     return base
+
+
+def _first_token_budget(models: int, options: dict[str, Any]) -> float:
+    """The longest a live flight takes to its first token or its error: every model, each
+    attempt up to the first-token timeout with the retry delays between, within the total
+    (which a retry's delay may overrun)."""
+    attempts = options["max_attempts"]
+    delays = sum(_retry_delay(attempt, options) for attempt in range(1, attempts))
+    return min(models * (attempts * options["ttft_timeout_s"] + delays), options["total_timeout_s"] + delays)
 
 
 def _timeout_error(*, started: bool, total: bool) -> Error:
@@ -312,7 +333,20 @@ async def stream_generation(
             else:
                 message = "You already have quotes being written. Wait for one to finish."
             record.error = Error(reason, message, 429, retry_after=retry_after)
-            await finish()
+            saved = True  # counted per window, not logged one full row each (see refusals.py)
+            metrics.stream_refused(transport=transport, backend=backend.name, model=record.model, code=reason)
+            await record_refusal(
+                persona=persona,
+                version=version,
+                backend=backend.name,
+                model=record.model,
+                client_key=client.key,
+                client_hash=client.ip_hash,
+                preview=preview,
+                code=reason,
+                message=message,
+                window=window,
+            )
             yield record.error
             return
         slot = True
@@ -347,11 +381,14 @@ async def stream_generation(
                     cache_key=key if use_cache else None,
                     cache_ttl=ttl,
                 )
-                flight = _Flight(key if use_cache else None)
+                flight = _Flight(
+                    key if use_cache else None,
+                    first_token_s=_first_token_budget(len(plan.models), options),
+                )
                 if flight.key is not None:
                     _flights[flight.key] = flight
                 flight.task = asyncio.create_task(_fly(flight, plan))
-            events = _listen(flight, keepalive=options["keepalive_s"])
+            events = _listen(flight, keepalive=options["keepalive_s"], idle_s=options["idle_timeout_s"])
 
         async with aclosing(events):
             async for event in events:
@@ -400,16 +437,33 @@ async def stream_generation(
         await finish()
 
 
-async def _listen(flight: _Flight, *, keepalive: float) -> AsyncGenerator[Event, None]:
+#: How much longer than its flight a listener waits, so a live flight's own error comes first.
+_LISTENER_GRACE_S = 1.0
+
+
+async def _listen(flight: _Flight, *, keepalive: float, idle_s: float) -> AsyncGenerator[Event, None]:
+    """The flight's events for one request. The listener keeps deadlines of its own (to the first
+    token, then between events) so that whatever becomes of the flight, this request ends with
+    the same timeout error the flight would give and frees its stream slot."""
     queue = flight.subscribe()
+    loop = asyncio.get_running_loop()
+    started = False
+    deadline = loop.time() + flight.first_token_s + _LISTENER_GRACE_S
     try:
         while True:
             try:
-                async with asyncio.timeout(keepalive):
+                async with asyncio.timeout(max(0.0, min(keepalive, deadline - loop.time()))):
                     event = await queue.get()
             except TimeoutError:
+                if loop.time() >= deadline:
+                    yield _timeout_error(started=started, total=False)
+                    return
                 yield Ping()
                 continue
+            if type(event) is Token:
+                started = True
+            if started:
+                deadline = loop.time() + idle_s + _LISTENER_GRACE_S
             yield event
             if type(event) is Done or type(event) is Error:
                 return

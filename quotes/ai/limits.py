@@ -95,6 +95,11 @@ def count_request(bucket: str, client_key: str, *, limit: int, window: int) -> i
     return None
 
 
+def count_in_window(key: str, timeout: int) -> int:
+    """Add one to the counter `key` (made with `timeout` seconds to live); the count so far."""
+    return _increment(key, timeout)
+
+
 def admit(client_key: str, *, limit: int, window: int, max_streams: int) -> tuple[str, int] | None:
     """Count one request and take a stream slot. None when admitted; else why not, and the
     seconds until trying again makes sense: ("rate_limited", s) or ("too_many_streams", s)."""

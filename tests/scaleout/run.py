@@ -141,6 +141,8 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
         "3600",
         "--ping-interval",
         "20",
+        "--access-log",
+        "/dev/null",
         "config.asgi:application",
     ]
     with log.open("wb") as out:
