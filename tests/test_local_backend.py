@@ -309,3 +309,20 @@ def test_local_model_writes_a_quote_in_a_fresh_process() -> None:
     quote = next(line for line in done.stdout.splitlines() if line.startswith("QUOTE:"))
     assert quote.removeprefix("QUOTE:").strip()
     assert "SIGTERM handled by Python" in done.stdout
+
+
+async def test_local_closing_the_backend_stops_its_generations() -> None:
+    """A process that shuts down (or a test that resets backends) does not wait for every open
+    quote to be written to its end."""
+    backend = LocalBackend(**{**settings.LOCAL_MODEL, "slots": 1})
+    stream = backend.stream_completion(LONG_COMPLETION)
+    assert isinstance(await anext(stream), Token)
+
+    await backend.aclose()
+
+    job = backend.jobs[-1]
+    assert job.finished_at is not None
+    assert job.stop_reason == "stopped"
+    assert job.generated_tokens < LONG_COMPLETION["max_tokens"]
+    assert not backend.loaded
+    await stream.aclose()

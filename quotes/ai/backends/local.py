@@ -125,7 +125,7 @@ class JobStats:
     finished_at: float | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared and hashed by identity: kept in a set
 class _Job:
     body: dict[str, Any]  # the completion request for llama.cpp
     put: Callable[[object], None]
@@ -167,6 +167,7 @@ class LocalBackend:
         self._pending = 0
         self._running = 0
         self._pending_lock = threading.Lock()
+        self._live: set[_Job] = set()  # jobs submitted and not yet finished
         self.jobs: list[JobStats] = []  # the most recent jobs, newest last (bounded)
         if preload:
             self._executor.submit(self._load)
@@ -211,6 +212,8 @@ class LocalBackend:
         """Stop taking work and free the model once the running generations (if any) are over."""
         if not self._executor._shutdown:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            for job in list(self._live):  # a closing process does not finish anyone's quote
+                job.stop.set()
             await asyncio.to_thread(self._close_model)
 
     def _close_model(self) -> None:
@@ -234,6 +237,7 @@ class LocalBackend:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         job = _Job(body=body, put=put)
+        self._live.add(job)
         self.jobs = [*self.jobs[-49:], job.stats]
         self._executor.submit(self._run, job)
         try:
@@ -313,6 +317,7 @@ class LocalBackend:
             stats.finished_at = time.perf_counter()
             with self._pending_lock:
                 self._running -= 1
+            self._live.discard(job)
 
     def _fail(self, job: _Job, exc: Exception | None, detail: object = None) -> None:
         if exc is not None:
