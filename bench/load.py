@@ -4,6 +4,7 @@ and daphne's RSS per open stream.
 
     .venv/bin/python -m bench.load --streams 300 --duration 60
     .venv/bin/python -m bench.load --ladder 100,300,1000 --duration 60   # the ceiling, one run each
+    .venv/bin/python -m bench.load --streams 100 --duration 20 --metrics both   # metrics' cost
 
 The upstream (in its own process, like every bench upstream) speaks the Workers AI wire format
 the fake in tests/fakes/workers_ai.py speaks (chunked SSE, `{"response": ...}` events, usage,
@@ -398,6 +399,7 @@ async def drive(
     # The plateau: every stream open, none finished yet (the first ends `duration` s after it began).
     plateau_end = started + duration - 1
     cpu_before, wall_before = sum(cpu_seconds(p) for p in pids), time.monotonic()
+    tokens_before = len(run.delays_ns)
     client_cpu_before = time.process_time()
     while time.monotonic() < plateau_end:
         sample = _rss(pids)
@@ -406,10 +408,15 @@ async def drive(
         run.samples.append(sample)
         await asyncio.sleep(1.0)
     wall = time.monotonic() - wall_before
+    cpu_used = sum(cpu_seconds(p) for p in pids) - cpu_before
+    tokens_seen = len(run.delays_ns) - tokens_before
     plateau = {
+        # The servers' CPU time over the tokens they delivered meanwhile: the per-token cost.
+        "cpu_us_per_token": round(cpu_used / max(1, tokens_seen) * 1e6, 1),
+        "plateau_tokens": tokens_seen,
         "ramp_s": round(ramped - started, 1),
         "plateau_s": round(wall, 1),
-        "daphne_cpu_pct": round(100 * (sum(cpu_seconds(p) for p in pids) - cpu_before) / wall, 1),
+        "daphne_cpu_pct": round(100 * cpu_used / wall, 1),
         "client_cpu_pct": round(100 * (time.process_time() - client_cpu_before) / wall, 1),
         "idle": idle,
         "upstream": upstream.stats(),
@@ -430,7 +437,7 @@ def count_rows(db_path: Path, expected: int, timeout_s: float = 120.0) -> dict[s
         with contextlib.closing(sqlite3.connect(db_path, timeout=20)) as connection:
             counts = dict(
                 connection.execute(
-                    "SELECT status, COUNT(*) FROM quotes_generation GROUP BY status"
+                    "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
                 ).fetchall()
             )
         still = still + 1 if counts == previous else 0
@@ -448,10 +455,27 @@ def raise_fd_limit(needed: int) -> str:
     return f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} (hard {hard})"
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A few totals from the app's own /metrics, to set beside the driver's and the database's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("quotes_requests", "quotes_log_rows_lost", "quotes_tokens"):
+            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
+METRICS_TOKEN = "bench-metrics-token-0123456789"
 NAIVE = "bench.naive.asgi:application"
 
 
-def one_run(streams: int, args: argparse.Namespace, path: str = "app") -> dict[str, Any]:
+def one_run(
+    streams: int, args: argparse.Namespace, path: str = "app", *, metrics: bool = True
+) -> dict[str, Any]:
     tokens = int(args.duration * args.tokens_per_second)
     upstream = StampingUpstream(tokens, args.tokens_per_second)
     if path == "naive":
@@ -464,6 +488,8 @@ def one_run(streams: int, args: argparse.Namespace, path: str = "app") -> dict[s
         }
         return _one_run(streams, args, upstream, tokens, path, NAIVE, naive_env)
     env = {
+        "QUOTES_METRICS_ENABLED": "true" if metrics else "false",
+        "QUOTES_METRICS_TOKEN": METRICS_TOKEN,
         "AI_BACKEND": "workers-ai",
         "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
         "CLOUDFLARE_API_TOKEN": API_TOKEN,
@@ -511,13 +537,20 @@ def _one_run(
             # Every response, a refusal included, has its row (the app logs every attempt).
             answered = sum(1 for r in run.results if r.status)
             rows = count_rows(db_path, expected=answered) if path == "app" else None
+            metrics_on = path == "app" and env.get("QUOTES_METRICS_ENABLED") == "true"
+            scraped = scrape_metrics(url) if metrics_on else {}
             if spy is not None:
                 spy.wait(timeout=args.duration * 2)
     finally:
         upstream.close()
-    return build_report(
+    report = build_report(
         run, plateau, rows, path=path, streams=streams, tokens=tokens, args=args, load_before=load_before
     )
+    report["metrics"] = (
+        "" if path != "app" else ("on" if env.get("QUOTES_METRICS_ENABLED") == "true" else "off")
+    )
+    report["scraped"] = scraped
+    return report
 
 
 def build_report(
@@ -545,7 +578,6 @@ def build_report(
     rss_plateau = sum(s["VmRSS"] for s in plateau_samples) / max(1, len(plateau_samples))
     threads = max((s["Threads"] for s in plateau_samples), default=0)
     lags = sorted(run.loop_lag_ms)
-    cpu_per_token_us = plateau["daphne_cpu_pct"] / 100 / (admitted * args.tokens_per_second) * 1e6
     refusal_ms = sorted(r.headers_s * 1000 for r in refused)
     return {
         "path": path,
@@ -580,7 +612,10 @@ def build_report(
         "daphne_threads_max": threads,
         "daphne_fds_max": max((s["fds"] for s in plateau_samples), default=0),
         "daphne_cpu_pct": plateau["daphne_cpu_pct"],
-        "cpu_per_token_us": round(cpu_per_token_us, 1),
+        # over the tokens delivered during the plateau (not the nominal rate: a saturated server
+        # delivers fewer)
+        "cpu_per_token_us": plateau["cpu_us_per_token"],
+        "plateau_tokens": plateau["plateau_tokens"],
         "client_cpu_pct": plateau["client_cpu_pct"],
         "upstream": plateau["upstream"],
         "ramp_s": plateau["ramp_s"],
@@ -592,7 +627,7 @@ def build_report(
 def summary_table(reports: list[dict[str, Any]]) -> str:
     rows = [
         [
-            r["path"],
+            r["path"] + (f" (metrics {r['metrics']})" if r.get("metrics") else ""),
             r["streams"],
             f"{r['completed']}/{r['streams']}",
             r["refused_503"],
@@ -683,21 +718,46 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--bound-ms", type=float, default=50.0, help="the p99 bound for the capacity line")
     parser.add_argument("--profile", action="store_true", help="py-spy record daphne during the run")
+    parser.add_argument(
+        "--metrics",
+        choices=("on", "off", "both"),
+        default="on",
+        help="QUOTES_METRICS_ENABLED for the app; both: alternate off/on runs (--rounds each)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --metrics both: runs per setting")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     fd_limit = raise_fd_limit(4 * max(counts) + 256)
     print(machine(), f"; open files limit {fd_limit}", flush=True)
     reports = []
+    # With both: off and on interleaved, so a load that drifts over the runs hits both alike.
+    settings_order = [False, True] * args.rounds if args.metrics == "both" else [args.metrics == "on"]
     for streams in counts:
         for path in paths:
-            report = one_run(streams, args, path)
-            reports.append(report)
-            print(json.dumps(report, indent=1), flush=True)
+            for metrics in settings_order if path == "app" else [False]:
+                report = one_run(streams, args, path, metrics=metrics)
+                reports.append(report)
+                print(json.dumps(report, indent=1), flush=True)
     print(summary_table(reports))
     print("\n".join(capacity_lines(reports, args.bound_ms)))
     out = ARTIFACTS / "load.json"
     out.write_text(json.dumps({"pool": args.pool, "reports": reports}, indent=1) + "\n")
+    if args.metrics == "both":
+        for streams in counts:
+            by = {
+                setting: [
+                    r["cpu_per_token_us"]
+                    for r in reports
+                    if r["streams"] == streams and r.get("metrics") == setting
+                ]
+                for setting in ("off", "on")
+            }
+            off, on = sum(by["off"]) / len(by["off"]), sum(by["on"]) / len(by["on"])
+            print(
+                f"{streams} streams: daphne CPU per token, metrics off {by['off']} (mean {off:.1f} µs), "
+                f"on {by['on']} (mean {on:.1f} µs): on - off = {on - off:+.1f} µs ({(on - off) / off:+.1%})"
+            )
     print(f"raw: {out}", file=sys.stderr)
 
 

@@ -133,7 +133,7 @@ def count_rows(database_url: str, expected: int, timeout_s: float = 120.0) -> di
         with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
             counts = dict(
                 connection.execute(
-                    "SELECT status, COUNT(*) FROM quotes_generation GROUP BY status"
+                    "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
                 ).fetchall()
             )
         still = still + 1 if counts == previous else 0

@@ -24,15 +24,20 @@ from django.conf import settings  # noqa: E402
 
 from quotes.ai.backends import get_backend  # noqa: E402
 from quotes.consumers import websocket_urlpatterns  # noqa: E402
+from quotes.security import TrustedProxyMiddleware  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL["preload"]:
     get_backend()  # starts loading the embedded model on its thread now, not on the first request
 
-application = ProtocolTypeRouter(
-    {
-        "http": django_asgi_app,
-        # Origin checked against ALLOWED_HOSTS: a page on another site cannot open a socket that
-        # rides this site's session cookie.
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-    }
+# The client's address from a trusted proxy's X-Forwarded-For, for HTTP and WebSocket alike
+# (QUOTES_TRUSTED_PROXIES); anyone else's forwarded headers are ignored.
+application = TrustedProxyMiddleware(
+    ProtocolTypeRouter(
+        {
+            "http": django_asgi_app,
+            # Origin checked against ALLOWED_HOSTS: a page on another site cannot open a socket that
+            # rides this site's session cookie.
+            "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        }
+    )
 )

@@ -6,7 +6,10 @@ Development defaults make `make run` work with no configuration. Code reads
 
 from __future__ import annotations
 
+import ipaddress
+from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import django_stubs_ext
 import environ
@@ -42,6 +45,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "csp",
+    # Admin login throttling (failed attempts per client address, in the database).
+    "axes",
     "quotes",
 ]
 
@@ -64,6 +69,16 @@ MIDDLEWARE = [
     "quotes.middleware.AuthenticationMiddleware",
     "quotes.middleware.MessageMiddleware",
     "quotes.middleware.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: it turns a locked-out login into the lockout page. Async-capable,
+    # so it costs no thread hop (only a locked-out response renders in a thread).
+    "axes.middleware.AxesMiddleware",
+]
+
+# django-axes first: it refuses a locked-out client before the password is even checked, so a
+# correct password is refused too while the lock lasts.
+AUTHENTICATION_BACKENDS = [
+    "quotes.security.LoginThrottleBackend",  # axes' AxesStandaloneBackend, with async support
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -185,6 +200,8 @@ QUOTES_MAX_BODY_BYTES = env.int("QUOTES_MAX_BODY_BYTES", default=64 * 1024)
 # A conversation with a persona: how many follow-up turns, and how long each may be.
 QUOTES_MAX_TURNS = env.int("QUOTES_MAX_TURNS", default=20)
 QUOTES_MAX_MESSAGE_CHARS = env.int("QUOTES_MAX_MESSAGE_CHARS", default=2000)
+# A WebSocket frame larger than this is refused before it is parsed (error frame, then close 1009).
+QUOTES_MAX_FRAME_BYTES = env.int("QUOTES_MAX_FRAME_BYTES", default=QUOTES_MAX_BODY_BYTES)
 
 
 def _positive(name: str, value: float | int | None, *, low: float = 0, high: float | None = None) -> None:
@@ -264,9 +281,21 @@ if AI_BACKEND == "openai" and not OPENAI_COMPAT["base_url"]:
 # --- The app's own gateway: cache, rate limits, retries, fallbacks, timeouts ----------------
 
 REDIS_URL = env.str("REDIS_URL", default="")
+# Every Redis call is bounded: a Redis that hangs must fail a request in seconds, not hold one of
+# the worker threads that cache calls run on (and every request waiting behind it) forever.
+REDIS_OPTIONS = {
+    "socket_connect_timeout": cast(float, _env_or_error("REDIS_CONNECT_TIMEOUT", float, 2.0)),
+    "socket_timeout": cast(float, _env_or_error("REDIS_SOCKET_TIMEOUT", float, 2.0)),
+}
+_positive("REDIS_CONNECT_TIMEOUT", REDIS_OPTIONS["socket_connect_timeout"], low=0.001)
+_positive("REDIS_SOCKET_TIMEOUT", REDIS_OPTIONS["socket_timeout"], low=0.001)
 CACHES = {
     "default": (
-        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+        {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "OPTIONS": REDIS_OPTIONS,
+        }
         if REDIS_URL
         else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "persona-quotes"}
     )
@@ -293,8 +322,13 @@ QUOTES_GATEWAY = {
     "skip_cache": AI_GATEWAY["skip_cache"],
     # A cache hit is replayed as a stream, one token every N ms, so it still reads as writing.
     "replay_pacing_ms": _env_or_error("QUOTES_CACHE_REPLAY_PACING_MS", int, 5),
-    # Per client (the user when logged in, else the IP): a fixed window, shared through the cache.
+    # Per client (the user when logged in, else the IP's network): a fixed window, shared
+    # through the cache.
     "rate_limit": _parse_rate("QUOTES_RATE_LIMIT", env.str("QUOTES_RATE_LIMIT", default="20/m")),
+    # Thumbs up/down posted per client, counted apart from quotes.
+    "feedback_rate_limit": _parse_rate(
+        "QUOTES_FEEDBACK_RATE_LIMIT", env.str("QUOTES_FEEDBACK_RATE_LIMIT", default="30/m")
+    ),
     "max_concurrent_streams": _env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
     # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
     # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
@@ -326,6 +360,45 @@ for _name, _key in (
     _positive(_name, QUOTES_GATEWAY[_key], low=0.001)
 _positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY["cache_ttl"], low=0)
 
+# --- Who the client is ----------------------------------------------------------------------
+
+# An anonymous visitor is counted by address. One IPv6 host usually holds a whole /64 and can
+# pick any address in it, so IPv6 addresses count by their network of this length (IPv4
+# addresses, and IPv4-mapped IPv6 ones, count whole).
+QUOTES_IPV6_PREFIX = cast(int, _env_or_error("QUOTES_IPV6_PREFIX", int, 64))
+_positive("QUOTES_IPV6_PREFIX", QUOTES_IPV6_PREFIX, low=1, high=128)
+
+# Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (quotes/security.py): addresses
+# or networks, and `unix` for a unix socket (no peer address). Anyone else's copy is ignored, so
+# a visitor who reaches daphne directly cannot pick the address rate limits count against. The
+# default trusts only this machine: nginx on the same host, as deploy/ sets it up.
+QUOTES_TRUSTED_PROXIES = env.list("QUOTES_TRUSTED_PROXIES", default=["127.0.0.0/8", "::1", "unix"])
+for _proxy in QUOTES_TRUSTED_PROXIES:
+    if _proxy != "unix":
+        try:
+            ipaddress.ip_network(_proxy, strict=False)
+        except ValueError:
+            raise ImproperlyConfigured(
+                f"QUOTES_TRUSTED_PROXIES entries must be addresses, networks (CIDR) or `unix`; got {_proxy!r}."
+            ) from None
+
+# --- Admin login throttling (django-axes) ---------------------------------------------------
+
+# After this many failed logins from one client address (an IPv6 address's network, as above),
+# every login from there is refused, a right password included, until the cool-off has passed.
+AXES_FAILURE_LIMIT = cast(int, _env_or_error("QUOTES_LOGIN_FAILURE_LIMIT", int, 5))
+_positive("QUOTES_LOGIN_FAILURE_LIMIT", AXES_FAILURE_LIMIT, low=1)
+_login_cooloff_minutes = cast(float, _env_or_error("QUOTES_LOGIN_COOLOFF_MINUTES", float, 15.0))
+_positive("QUOTES_LOGIN_COOLOFF_MINUTES", _login_cooloff_minutes, low=0.01)
+AXES_COOLOFF_TIME = timedelta(minutes=_login_cooloff_minutes)
+# By address only: locking by username would let anyone lock an admin out of their account.
+AXES_LOCKOUT_PARAMETERS = ["ip_address"]
+AXES_CLIENT_IP_CALLABLE = "quotes.security.login_client_address"
+AXES_LOCKOUT_CALLABLE = "quotes.security.login_locked_out"
+AXES_RESET_ON_SUCCESS = True
+# No "AXES: BEGIN" line at every start-up; lockouts are still logged (as warnings).
+AXES_VERBOSE = False
+
 # --- Shared state across processes ----------------------------------------------------------
 
 # With REDIS_URL every daphne process shares one cache (answers, rate-limit counters, stream
@@ -338,12 +411,47 @@ CHANNEL_LAYERS = {
     )
 }
 
+# --- Metrics (Prometheus, GET /metrics) -----------------------------------------------------
+
+# On by default: recording costs a few counter increments per stream, nothing per token.
+QUOTES_METRICS_ENABLED = _env_or_error("QUOTES_METRICS_ENABLED", bool, True)
+# The endpoint is closed unless one of these is set; when both are, a scrape must pass both.
+QUOTES_METRICS_TOKEN = env.str("QUOTES_METRICS_TOKEN", default="")
+
+
+def _networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """ "10.0.0.7,192.168.1.0/24,::1" -> networks; a bare address is a network of one."""
+    try:
+        return tuple(ipaddress.ip_network(item, strict=False) for item in env.list(name, default=[]))
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} has a bad value: {exc}") from exc
+
+
+QUOTES_METRICS_ALLOW = _networks("QUOTES_METRICS_ALLOW")
+
 # --- Logging of content ---------------------------------------------------------------------
 
 # Prompts, topics and answers stay out of the logs (the access line drops the query string, which
 # can carry a topic) unless this is on: they are the visitors' words, and the Generation table
 # already keeps them where admins can see them.
 QUOTES_LOG_CONTENT = _env_or_error("QUOTES_LOG_CONTENT", bool, False)
+
+# --- Retention of the request log (`manage.py prune_generations`, run daily) ----------------
+
+# Log rows older than this many days are deleted; 0 keeps them all.
+QUOTES_LOG_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_LOG_RETENTION_DAYS", int, 90))
+# Quotes someone rated or opened by their permalink are kept this long instead (0: for good),
+# with their request, upstream headers, topic and client hash cleared after the log retention.
+QUOTES_KEPT_QUOTE_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_KEPT_QUOTE_RETENTION_DAYS", int, 0))
+_positive("QUOTES_LOG_RETENTION_DAYS", QUOTES_LOG_RETENTION_DAYS, low=0)
+_positive("QUOTES_KEPT_QUOTE_RETENTION_DAYS", QUOTES_KEPT_QUOTE_RETENTION_DAYS, low=0)
+if 0 < QUOTES_KEPT_QUOTE_RETENTION_DAYS < QUOTES_LOG_RETENTION_DAYS or (
+    QUOTES_KEPT_QUOTE_RETENTION_DAYS and not QUOTES_LOG_RETENTION_DAYS
+):
+    raise ImproperlyConfigured(
+        "QUOTES_KEPT_QUOTE_RETENTION_DAYS keeps rated and shared quotes longer than the log: "
+        "make it 0 (for good) or at least QUOTES_LOG_RETENTION_DAYS."
+    )
 
 # --- HTTPS, cookies and browser security headers --------------------------------------------
 #
@@ -361,8 +469,9 @@ for _origin in CSRF_TRUSTED_ORIGINS:
 if _env_or_error("DJANGO_SECURE_PROXY_SSL_HEADER", bool, False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_SSL_REDIRECT = _env_or_error("DJANGO_SECURE_SSL_REDIRECT", bool, not DEBUG)
-# Load balancers and monitors call /healthz over plain HTTP on the process's own port.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# Load balancers and monitors call /healthz, and Prometheus /metrics, over plain HTTP on the
+# process's own port.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
 SESSION_COOKIE_SECURE = _env_or_error("DJANGO_SECURE_COOKIES", bool, not DEBUG)
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SECURE_HSTS_SECONDS = _env_or_error("DJANGO_SECURE_HSTS_SECONDS", int, 0 if DEBUG else 31_536_000)

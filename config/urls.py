@@ -4,9 +4,11 @@ from django.contrib import admin
 from django.urls import include, path
 
 from quotes.health import healthz
+from quotes.metrics import metrics_view
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
     path("admin/", admin.site.urls),
     path("", include("quotes.urls")),
 ]

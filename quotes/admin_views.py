@@ -195,5 +195,7 @@ async def stream_preview(request: HttpRequest, persona: Persona, topic: str) -> 
         )
     except QuoteError as exc:
         return error_response(exc)
-    events = stream_generation(persona=persona, topic=topic, client=await client_of(request), preview=True)
+    events = stream_generation(
+        persona=persona, topic=topic, client=await client_of(request), preview=True, transport="preview"
+    )
     return await stream_response(events)

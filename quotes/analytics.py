@@ -10,7 +10,8 @@ a rollup table.
 
 Definitions, the same in the admin page, the CSV and `manage.py gateway_stats`:
 
-- *Requests*: log rows in `[since, until)`. Preview rows (the admin's live preview) are left out
+- *Requests*: requests logged in `[since, until)`: the log's rows, where a rate-limited row counts
+  as the `request_count` refusals it stands for (see quotes/ai/refusals.py). Preview rows (the admin's live preview) are left out
   unless asked for.
 - *Cache hit rate*: hits / (hits + misses). Bypassed requests (caching off for the persona, or
   refused before the cache was asked) are not lookups and do not count either way.
@@ -197,10 +198,15 @@ def _bucket_starts(since: dt.datetime, until: dt.datetime, bucket: Bucket) -> li
     return starts
 
 
+def _requests(**conditions: Any) -> Sum:
+    """Requests, not rows: a rate-limited row stands for every refusal in its window."""
+    return Sum("request_count", filter=Q(**conditions) if conditions else None, default=0)
+
+
 def _totals() -> dict[str, Any]:
     return {
-        "requests": Count("id"),
-        "errors": Count("id", filter=Q(status__in=FAILED_STATUSES)),
+        "requests": _requests(),
+        "errors": _requests(status__in=FAILED_STATUSES),
         "cache_hits": Count("id", filter=Q(cache_status=Generation.CacheStatus.HIT)),
         "cache_lookups": Count(
             "id", filter=Q(cache_status__in=[Generation.CacheStatus.HIT, Generation.CacheStatus.MISS])
@@ -259,13 +265,13 @@ def gateway_stats(
 
     totals = rows.aggregate(**_totals())
     by_status = {status: 0 for status in STATUSES}
-    for row in rows.values("status").annotate(n=Count("id")).order_by():
+    for row in rows.values("status").annotate(n=_requests()).order_by():
         by_status[row["status"]] = row["n"]
     errors_by_code = [
         (row["error_code"] or row["status"], row["n"])
         for row in rows.filter(status__in=FAILED_STATUSES)
         .values("error_code", "status")
-        .annotate(n=Count("id"))
+        .annotate(n=_requests())
         .order_by("-n", "error_code")
     ]
 
@@ -294,11 +300,11 @@ def gateway_stats(
         rows.annotate(bucket=trunc("created_at", tzinfo=tz))
         .values("bucket")
         .annotate(
-            requests=Count("id"),
+            requests=_requests(),
             prompt_sum=Sum("prompt_tokens", default=0),
             completion_sum=Sum("completion_tokens", default=0),
             cost_sum=Sum("cost_usd", default=Decimal(0)),
-            **{f"s_{status}": Count("id", filter=Q(status=status)) for status in STATUSES},
+            **{f"s_{status}": _requests(status=status) for status in STATUSES},
         )
         .order_by("bucket")
     ):

@@ -11,7 +11,9 @@ Server -> client:
     {"type": "cancelled"}   after a cancel that stopped a generation
 
 One generation at a time per socket: a `start` while one runs gets an error frame with code
-`busy_socket` (cancel first). The generation runs in a task of its own, so a `cancel` or a
+`busy_socket` (cancel first). Every `start` counts against the client's rate limit, refused ones
+included. A frame over QUOTES_MAX_FRAME_BYTES gets an error frame (`frame_too_large`), and the
+socket is closed with code 1009. The generation runs in a task of its own, so a `cancel` or a
 disconnect stops it at once (Channels handles one message at a time); the gateway then logs
 the row as cancelled and closes the upstream or stops the model.
 """
@@ -30,7 +32,8 @@ from django.urls import path
 from .ai.errors import QuoteError
 from .ai.events import Error
 from .ai.gateway import Client, stream_generation
-from .transports import WebSocketEncoder, error_payload, relay
+from .security import count_refused_start, frame_too_large
+from .transports import WebSocketEncoder, relay
 from .views import QuoteInput, parse_quote_request
 
 
@@ -50,6 +53,10 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
     ) -> None:
+        if (too_large := frame_too_large(text_data, bytes_data)) is not None:
+            await self._send_error(too_large)
+            await self.close(code=1009)  # "message too big"
+            return
         if text_data is None:
             await self._send_error(QuoteError("invalid_frame", "Send JSON text frames.", 400))
             return
@@ -75,17 +82,19 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             )
 
     async def _start(self, content: dict[str, Any]) -> None:
+        # Every start counts against the rate limit: the gateway counts those it runs, and
+        # count_refused_start those refused here.
+        client = self._client()
         if self.task is not None and not self.task.done():
-            await self._send_error(
-                QuoteError("busy_socket", "A quote is already being written here. Cancel it first.", 409)
-            )
+            busy = QuoteError("busy_socket", "A quote is already being written here. Cancel it first.", 409)
+            await self._send_error(await count_refused_start(client.key) or busy)
             return
         try:
             quote = await parse_quote_request(content)
         except QuoteError as exc:
-            await self._send_error(exc)
+            await self._send_error(await count_refused_start(client.key) or exc)
             return
-        self.task = asyncio.create_task(self._run(quote, self._client()))
+        self.task = asyncio.create_task(self._run(quote, client))
 
     def _client(self) -> Client:
         ip = (self.scope.get("client") or ("",))[0] or ""
@@ -101,6 +110,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             messages=quote.messages,
             client=client,
             bypass_cache=quote.fresh,
+            transport="websocket",
         )
         # aclosing: a cancel closes the generation here, in this task, so its log row is
         # written before _cancel() returns.
@@ -119,8 +129,14 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         return True
 
     async def _send_error(self, error: QuoteError | Error) -> None:
-        event = error.as_event() if isinstance(error, QuoteError) else error
-        await self.send_json({"type": "error", **error_payload(event)})
+        await self.send_json(
+            {
+                "type": "error",
+                "code": error.code,
+                "message": error.message,
+                "retry_after": getattr(error, "retry_after", None),
+            }
+        )
 
 
 websocket_urlpatterns = [path("ws/quotes/", QuoteConsumer.as_asgi())]

@@ -2,13 +2,18 @@
 
 Checks the database (one trivial query), the cache (a write and a read back) and the AI backend
 (the embedded model loaded, or the upstream configured). Answers 200 with
-`{"status": "ok", "checks": {...}}`, or 503 with `"status": "error"` and the failing check's
-`detail`, so a load balancer takes the process out of rotation. Each check is bounded in time.
+`{"status": "ok", "checks": {...}}`, or 503 with `"status": "error"`, so a load balancer takes
+the process out of rotation. Each check is bounded in time.
+
+Anyone may ask, so by default each check says only "ok", "loading" or "error": a failing
+check's `detail` (exception text, missing settings), the backend's name and the timings are
+shown only to staff and when DEBUG is on, and a failure's detail goes to the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,6 +27,8 @@ from django.views.decorators.http import require_safe
 from .models import Persona
 
 CHECK_TIMEOUT_S = 3.0
+
+logger = logging.getLogger(__name__)
 
 Check = dict[str, Any]
 
@@ -96,8 +103,22 @@ async def healthz(request: HttpRequest) -> JsonResponse:
     results = await asyncio.gather(*(_run(CHECKS[name]) for name in names))
     checks = dict(zip(names, results, strict=True))
     healthy = all(check["status"] != "error" for check in checks.values())
+    for name, check in checks.items():
+        if check["status"] == "error":
+            logger.warning("healthz: %s check failed: %s", name, check.get("detail", ""))
+    if not (settings.DEBUG or await _is_staff(request)):
+        checks = {name: {"status": check["status"]} for name, check in checks.items()}
     return JsonResponse(
         {"status": "ok" if healthy else "error", "checks": checks},
         status=200 if healthy else 503,
         headers={"Cache-Control": "no-store"},
     )
+
+
+async def _is_staff(request: HttpRequest) -> bool:
+    # Without a session cookie (a load balancer, a monitor) this reads nothing from the database.
+    try:
+        user = await request.auser()
+    except Exception:  # the database may be what is down: then no details, but still an answer
+        return False
+    return bool(user.is_active and user.is_staff)

@@ -90,6 +90,7 @@ def _secrets() -> list[str]:
             settings.AI_GATEWAY.get("token", ""),
             settings.OPENAI_COMPAT.get("api_key", ""),
             settings.SECRET_KEY,
+            settings.QUOTES_METRICS_TOKEN,
         ]
     except Exception:  # settings not configured yet: nothing to hide
         return []
@@ -103,9 +104,38 @@ def redact(text: str) -> str:
     return text
 
 
+#: A query string right after a path or URL (`/x?topic=...`, `stream?persona=...`), up to a
+#: space, a quote or a bracket. Visitors' topics travel in query strings (EventSource is GET).
+_QUERY = re.compile(r"(?<=[\w/.%~+-])\?[^\s'\"<>]+")
+
+
+def redact_queries(text: str) -> str:
+    """Query strings out, unless QUOTES_LOG_CONTENT allows visitors' words in the logs."""
+    try:
+        if settings.QUOTES_LOG_CONTENT:
+            return text
+    except Exception:  # settings not configured yet: redact
+        pass
+    return _QUERY.sub("?[redacted]", text)
+
+
+def _scrubbed(value: Any) -> Any:
+    """A log field with query strings and secrets out. Objects become their text first: a
+    request's repr (django.request puts the request on the record) carries its query string."""
+    if isinstance(value, str):
+        return redact(redact_queries(value))
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {key: _scrubbed(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrubbed(item) for item in value]
+    return _scrubbed(str(value))
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
+        return redact(redact_queries(super().format(record)))
 
 
 class JsonFormatter(_JsonFormatter):
@@ -115,6 +145,10 @@ class JsonFormatter(_JsonFormatter):
         kwargs.setdefault("rename_fields", {"asctime": "timestamp", "levelname": "level", "name": "logger"})
         kwargs.setdefault("timestamp", False)
         super().__init__(*args, **kwargs)
+
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        # Each field before it is serialised: a regex over the JSON text could cut an escape.
+        return {key: _scrubbed(value) for key, value in log_data.items()}
 
     def format(self, record: logging.LogRecord) -> str:
         return redact(super().format(record))

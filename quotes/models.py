@@ -294,7 +294,24 @@ class Generation(models.Model):
     upstream_headers = models.JSONField(default=dict, blank=True)
     client_hash = models.CharField(max_length=64, blank=True, help_text="A salted hash of the client IP.")
     is_preview = models.BooleanField(default=False)
-    feedback = models.SmallIntegerField(null=True, blank=True, choices=[(1, "👍"), (-1, "👎")])
+    #: 1, except on a rate-limited row: it stands for every refusal of its client, persona and
+    #: reason in one rate-limit window, so a flood of refusals writes one small row, not one each
+    request_count = models.PositiveIntegerField(
+        "requests",
+        default=1,
+        help_text="How many requests this row stands for (refusals are counted per window).",
+    )
+    feedback = models.SmallIntegerField(
+        null=True,
+        blank=True,
+        choices=[(1, "👍"), (-1, "👎")],
+        help_text="The visitors' verdict: the sign of the sum of their votes (one per visitor), "
+        "empty when there are none or they cancel out.",
+    )
+    #: when its permalink page was first opened: a quote someone shared is kept longer (pruning)
+    shared_at = models.DateTimeField(
+        "permalink first opened", null=True, blank=True, help_text="Shared quotes are kept longer."
+    )
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
@@ -302,3 +319,24 @@ class Generation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.persona} · {self.status} · {self.created_at:%Y-%m-%d %H:%M}"
+
+
+class Vote(models.Model):
+    """One visitor's thumbs up or down on one quote. The visitor may change it; nobody else can,
+    and voting again adds nothing. `Generation.feedback` is kept as the sign of the votes' sum."""
+
+    generation = models.ForeignKey(Generation, on_delete=models.CASCADE, related_name="votes")
+    #: who voted, as rate limits count clients: "user:<id>", or "ip:<salted hash of the address,
+    #: an IPv6 address's network>" (never the address itself)
+    client_key = models.CharField(max_length=64)
+    value = models.SmallIntegerField(choices=[(1, "👍"), (-1, "👎")])
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["generation", "client_key"], name="one_vote_per_client_per_quote")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.generation_id} · {self.value:+d}"

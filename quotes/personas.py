@@ -6,8 +6,9 @@ cache key point at it). Two queries per request, each a hop to a thread, were th
 of what the app added to the first token. Personas change rarely (an editor saves one in the
 admin), so each process keeps them in memory, checked against one value in Django's cache:
 
-- any change to a persona or its versions (save, delete, a queryset update) replaces the value
-  (`bump`), in this process's memory at once, and in the shared cache (Redis) for every process;
+- any change to a persona or its versions (save, delete, a queryset update, a migration or a
+  flush) replaces the value (`bump`), in this process's memory at once, and in the shared cache
+  (Redis) for every process;
 - a request reads the value (inline for the in-memory cache, one round trip to Redis) and, when
   it differs from the one the memory was filled under, starts afresh;
 - an entry is also re-read after MAX_AGE_S, so a process that cannot see the others' counter
@@ -19,6 +20,7 @@ Unknown slugs are not remembered (a stranger could fill the memory with them).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,12 +29,14 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.core.cache import cache
 from django.db import close_old_connections
-from django.db.models.signals import post_delete, post_save
+from django.db.models.signals import post_delete, post_migrate, post_save
 
 from .ai.limits import run_on_cache
 from .models import Persona, PersonaVersion, personas_changed
 
-#: The shared value that names the current generation of persona data.
+logger = logging.getLogger(__name__)
+
+#: The shared value that names the current generation of persona data ("" until a first change).
 VERSION_KEY = "quotes:personas:version"
 #: The longest an entry is trusted without reading the database again.
 MAX_AGE_S = 30.0
@@ -47,14 +51,19 @@ class ActivePersona:
 
 
 _entries: dict[str, ActivePersona] = {}
-_under: str | None = None  # the version value the entries were loaded under
+_under: str | None = None  # the version value the entries were loaded under (None: none yet)
 
 
 async def get_active(slug: str) -> ActivePersona | None:
     """The active persona called `slug` and its current version, or None."""
     global _under
-    current = await run_on_cache(_current_value)
-    if current != _under:
+    try:
+        # A read only (never a write on the request path): a missing value is a value too.
+        current = str(await run_on_cache(cache.get, VERSION_KEY, ""))
+    except Exception:  # the shared cache is down: memory cannot be trusted, the database can
+        logger.warning("could not read the persona version value; reading the database", exc_info=True)
+        current = None
+    if current is None or current != _under:
         _entries.clear()
         _under = current
     entry = _entries.get(slug)
@@ -64,7 +73,7 @@ async def get_active(slug: str) -> ActivePersona | None:
         if entry is None:
             _entries.pop(slug, None)
             return None
-        if _under == current:  # nothing changed while it loaded
+        if current is not None and _under == current:  # nothing changed while it loaded
             _entries[slug] = entry
     return entry
 
@@ -75,14 +84,6 @@ def bump(**_: Any) -> None:
     _entries.clear()
     _under = None
     cache.set(VERSION_KEY, uuid.uuid4().hex, timeout=None)
-
-
-def _current_value() -> str:
-    value = cache.get(VERSION_KEY)
-    if value is None:  # a fresh (or cleared) cache: start a new generation of entries
-        cache.add(VERSION_KEY, uuid.uuid4().hex, timeout=None)
-        value = cache.get(VERSION_KEY)
-    return str(value)
 
 
 def _load(slug: str, now: float) -> ActivePersona | None:
@@ -102,3 +103,5 @@ for _model in (Persona, PersonaVersion):
     post_save.connect(bump, sender=_model, dispatch_uid=f"quotes.personas.bump.save.{_model.__name__}")
     post_delete.connect(bump, sender=_model, dispatch_uid=f"quotes.personas.bump.delete.{_model.__name__}")
 personas_changed.connect(bump, dispatch_uid="quotes.personas.bump.changed")
+# Migrations (data migrations seed personas) and `flush` change rows without saving models.
+post_migrate.connect(bump, dispatch_uid="quotes.personas.bump.migrate")

@@ -39,11 +39,13 @@ from . import personas
 from .ai import sse
 from .ai.backends import get_backend
 from .ai.catalog import doc_url
-from .ai.conversation import check_context_window, parse_messages
+from .ai.conversation import check_context_window, check_encodable, parse_messages
 from .ai.errors import QuoteError
 from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, stream_generation
+from .feedback import count_vote, record_vote
 from .models import Generation, Persona, PersonaVersion
+from .security import refuse_cross_site
 from .transports import (
     Encoder,
     EventSourceEncoder,
@@ -135,7 +137,7 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     )
 
 
-def _events_for(quote: QuoteInput, client: Client) -> AsyncGenerator[Event, None]:
+def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
     return stream_generation(
         persona=quote.persona,
         version=quote.version,
@@ -143,6 +145,7 @@ def _events_for(quote: QuoteInput, client: Client) -> AsyncGenerator[Event, None
         messages=quote.messages,
         client=client,
         bypass_cache=quote.fresh,
+        transport=transport,
     )
 
 
@@ -153,25 +156,27 @@ async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     A request from htmx (`HX-Request: true`) gets the htmx dialect (see HtmxEncoder)."""
     htmx = request.headers.get("HX-Request") == "true"
     try:
+        refuse_cross_site(request)  # another site's page must not start a (paid) generation
         quote = await parse_quote_request(_read_params(request))
     except QuoteError as exc:
         headers = {"Allow": "GET, POST"} if exc.status == 405 else None
         if htmx:
             return _htmx_error_response(exc.as_event(), Meta(), headers)
         return error_response(exc, headers)
-    events = _events_for(quote, await client_of(request))
-    if htmx:
-        return await _htmx_stream(events)
     # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
     # Workers AI wire format.
-    if request.method == "GET" and "text/event-stream" in request.headers.get("Accept", ""):
-        return await stream_response(events, EventSourceEncoder())
-    return await stream_response(events)
+    eventsource = request.method == "GET" and "text/event-stream" in request.headers.get("Accept", "")
+    transport = "htmx" if htmx else "eventsource" if eventsource else "api"
+    events = _events_for(quote, await client_of(request), transport)
+    if htmx:
+        return await _htmx_stream(events)
+    return await stream_response(events, EventSourceEncoder() if eventsource else None)
 
 
 async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     """The persona page's form (form-encoded, with its CSRF token, which Django's middleware has
-    checked by now), posted by htmx: answered in the htmx dialect."""
+    checked by now: a form from another site never gets here), posted by htmx: answered in the
+    htmx dialect."""
     try:
         if request.method != "POST":
             raise QuoteError("method_not_allowed", "Post the page's form.", 405)
@@ -179,7 +184,7 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
         quote = await parse_quote_request(_form_params(request))
     except QuoteError as exc:
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
-    return await _htmx_stream(_events_for(quote, await client_of(request)))
+    return await _htmx_stream(_events_for(quote, await client_of(request), "htmx"))
 
 
 def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
@@ -267,6 +272,7 @@ def _clean_topic(topic: object, *, default: str) -> str:
         return default
     if not isinstance(topic, str):
         raise QuoteError("invalid_topic", "`topic` must be a string.", 400)
+    check_encodable(topic, field="`topic`")
     # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
     topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
     if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
@@ -347,6 +353,10 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
         )
     except Generation.DoesNotExist:
         raise Http404("No such quote.") from None
+    if generation.shared_at is None:  # one write per quote, ever: it is kept longer from now on
+        await Generation.objects.filter(pk=generation.pk, shared_at__isnull=True).aupdate(
+            shared_at=timezone.now()
+        )
     text = generation.text.strip()
     return render(
         request,
@@ -366,11 +376,14 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
 
 @csrf_exempt  # JSON only, like the stream API: a cross-site form cannot send application/json
 async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
-    """POST {"value": 1 | -1}: a visitor's thumbs up or down on a quote. Setting the same value
-    again changes nothing (idempotent); a new value replaces the old."""
+    """POST {"value": 1 | -1}: a visitor's thumbs up or down on a quote, one per visitor (see
+    quotes/feedback.py). Setting the same value again changes nothing (idempotent); a new value
+    replaces that visitor's old one. Rate-limited per visitor (QUOTES_FEEDBACK_RATE_LIMIT)."""
     try:
         if request.method != "POST":
             raise QuoteError("method_not_allowed", "Use POST with a JSON body.", 405)
+        client = await client_of(request)
+        await count_vote(client.key)
         params = _read_params(request)
         value = params.get("value")
         if type(value) is not int or value not in (1, -1):
@@ -385,6 +398,5 @@ async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResp
             raise QuoteError("feedback_closed", "This quote is too old to be rated now.", 403)
     except QuoteError as exc:
         return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
-    if generation.feedback != value:
-        await Generation.objects.filter(pk=generation.pk).aupdate(feedback=value)
+    await record_vote(generation_id=generation.pk, client_key=client.key, value=value)
     return JsonResponse({"id": str(generation.public_id), "feedback": value})

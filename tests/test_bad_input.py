@@ -225,6 +225,41 @@ BATTERY = [
         ),
         id="messages-too-many",
     ),
+    # -- issue 13: text that is not Unicode (a lone surrogate, as a JSON escape)
+    pytest.param(
+        post_json(b'{"persona": "test-watts", "topic": "rain \\ud800"}', code="invalid_unicode"),
+        id="topic-lone-surrogate",
+    ),
+    pytest.param(
+        post_json(
+            b'{"persona": "test-watts", "messages": [{"role": "user", "content": "\\udfff"}]}',
+            code="invalid_unicode",
+        ),
+        id="message-lone-surrogate",
+    ),
+    # -- issue 13: another site's page cannot start a generation
+    pytest.param(
+        Bad(
+            "GET",
+            STREAM_URL,
+            headers={"sec-fetch-site": "cross-site", "accept": "text/event-stream"},
+            query="persona=test-watts",
+            status=403,
+            code="cross_site",
+        ),
+        id="get-cross-site",
+    ),
+    pytest.param(
+        Bad(
+            "POST",
+            STREAM_URL,
+            b'{"persona": "test-watts"}',
+            {**JSON, "origin": "https://evil.example"},
+            status=403,
+            code="cross_site",
+        ),
+        id="post-foreign-origin",
+    ),
     # -- other methods and GET
     pytest.param(Bad("PUT", STREAM_URL, b"{}", JSON, status=405, code="method_not_allowed"), id="put"),
     pytest.param(Bad("DELETE", STREAM_URL, status=405, code="method_not_allowed"), id="delete"),
@@ -554,6 +589,16 @@ WS_FRAMES = [
         '{"type": "start", "persona": "test-watts", "topic": ' + "[" * 5000 + "]" * 5000 + "}",
         "invalid_json",
         id="deeply-nested-json",
+    ),
+    pytest.param(
+        '{"type": "start", "persona": "test-watts", "topic": "\\ud800"}',
+        "invalid_unicode",
+        id="start-topic-surrogate",
+    ),
+    pytest.param(
+        '{"type": "start", "persona": "test-watts", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        "invalid_unicode",
+        id="start-message-surrogate",
     ),
 ]
 

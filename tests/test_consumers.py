@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,6 +44,13 @@ async def frames_until(socket: WebsocketCommunicator, *types: str) -> list[dict[
         frames.append(frame)
         if frame["type"] in types:
             return frames
+
+
+async def at_start_of_window(window: int = 60, margin_s: float = 5.0) -> None:
+    """Fixed-window limits reset on the window's edge: don't start a count right before it."""
+    remaining = window - time.time() % window
+    if remaining < margin_s:
+        await asyncio.sleep(remaining + 0.05)
 
 
 async def wait_for_row(status: str) -> Generation:
@@ -190,9 +199,116 @@ async def test_socket_rate_limit_is_an_error_frame(
     assert rows == [Generation.Status.OK, Generation.Status.RATE_LIMITED]
 
 
+async def test_socket_flood_of_refused_starts_writes_one_counted_row(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """One socket sent 181 refused `start` frames in 0.9 s, and each wrote a full log row."""
+    settings = workers_ai_settings
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    window_left = 60 - time.time() % 60
+    if window_left < 15:  # the limit's window must not turn over mid-test
+        await asyncio.sleep(window_left + 0.05)
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
+
+    for _ in range(100):
+        await socket.send_json_to({"type": "start", "persona": persona.slug, "topic": "again"})
+        assert (await frames_until(socket, "error"))[-1]["code"] == "rate_limited"
+
+    rows = [row async for row in Generation.objects.order_by("id")]
+    assert [row.status for row in rows] == [Generation.Status.OK, Generation.Status.RATE_LIMITED]
+    refused = rows[1]
+    for _ in range(200):  # counts after the first reach the row a moment later
+        await refused.arefresh_from_db()
+        if refused.request_count == 100:
+            break
+        await asyncio.sleep(0.05)
+    assert (refused.request_count, refused.topic, refused.request) == (100, "", {})
+
+
 async def test_socket_from_another_origin_is_refused(persona: Persona) -> None:
     from config.asgi import application
 
     socket = WebsocketCommunicator(application, "/ws/quotes/", headers=[(b"origin", b"https://evil.example")])
     connected, _ = await socket.connect()
     assert not connected
+
+
+# -- issue 13, point 4: the frame cap, and every start counted -------------------------------------
+
+MAX_FRAME = 65536  # QUOTES_MAX_FRAME_BYTES's default (that of QUOTES_MAX_BODY_BYTES)
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        pytest.param("x" * MAX_FRAME, id="ascii"),
+        # fewer characters than the cap, more bytes: the cap is on UTF-8 bytes
+        pytest.param("€" * (MAX_FRAME // 3 + 10), id="multibyte"),
+    ],
+)
+async def test_socket_frame_over_the_cap_gets_an_error_frame_then_close_1009(
+    socket: WebsocketCommunicator, persona: Persona, settings: Any, topic: str
+) -> None:
+    assert settings.QUOTES_MAX_FRAME_BYTES == MAX_FRAME
+    frame = json.dumps({"type": "start", "persona": persona.slug, "topic": topic}, ensure_ascii=False)
+    assert len(frame.encode()) > MAX_FRAME
+
+    await socket.send_to(text_data=frame)
+
+    error = await socket.receive_json_from(timeout=10)
+    assert error["type"] == "error" and error["code"] == "frame_too_large", error
+    assert str(MAX_FRAME) in error["message"]
+    assert await socket.receive_output(timeout=10) == {"type": "websocket.close", "code": 1009}
+    assert not await Generation.objects.aexists()
+
+
+async def test_socket_frame_at_the_cap_is_parsed(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    frame = json.dumps({"type": "start", "persona": persona.slug, "topic": ""})
+    frame = frame[:-1] + " " * (MAX_FRAME - len(frame)) + "}"  # JSON whitespace up to the cap
+    assert len(frame.encode()) == MAX_FRAME
+
+    await socket.send_to(text_data=frame)
+
+    assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
+
+
+async def test_socket_every_start_counts_against_the_rate_limit(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (3, 60)}
+    await at_start_of_window()
+    for _ in range(3):
+        await socket.send_json_to({"type": "start", "persona": "nobody"})
+        assert (await socket.receive_json_from(timeout=10))["code"] == "unknown_persona"
+
+    await socket.send_json_to({"type": "start", "persona": "nobody"})
+    over = await socket.receive_json_from(timeout=10)
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    valid = (await frames_until(socket, "error", "done"))[-1]
+
+    assert over["code"] == "rate_limited" and over["retry_after"] > 0, over
+    assert valid["code"] == "rate_limited", valid  # the invalid starts used up the window
+    assert fake_workers_ai.requests == []
+    assert [row.status async for row in Generation.objects.all()] == [Generation.Status.RATE_LIMITED]
+
+
+async def test_socket_a_start_refused_as_busy_counts_too(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (2, 60)}
+    await at_start_of_window()
+    fake_workers_ai.script(Scenario(tokens=["tick"] * 200, token_delay_s=0.02))
+    await socket.send_json_to({"type": "start", "persona": persona.slug})  # 1: the gateway counts it
+    await frames_until(socket, "token")
+
+    await socket.send_json_to({"type": "start", "persona": persona.slug})  # 2: refused here, counted
+    busy = await frames_until(socket, "error")
+    await socket.send_json_to({"type": "start", "persona": persona.slug})  # 3: over the limit
+    over = await frames_until(socket, "error")
+
+    assert busy[-1]["code"] == "busy_socket"
+    assert over[-1]["code"] == "rate_limited"
+    assert len(fake_workers_ai.requests) == 1

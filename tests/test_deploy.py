@@ -14,6 +14,7 @@ from django.conf import settings
 from django.contrib.auth import middleware as auth
 from django.middleware import clickjacking, csrf, security
 from django.test import Client
+from django.utils.deprecation import MiddlewareMixin
 from django.utils.module_loading import import_string
 
 from quotes.middleware import InlineMiddlewareMixin
@@ -175,7 +176,10 @@ def test_every_middleware_runs_on_the_event_loop() -> None:
         cls = import_string(dotted)
         inline = issubclass(cls, InlineMiddlewareMixin)
         async_only = getattr(cls, "async_capable", False) and not getattr(cls, "sync_capable", True)
-        assert inline or async_only, dotted
+        # Sync- and async-capable, and not Django's MiddlewareMixin (whose async path hops to a
+        # thread per method): under ASGI Django runs it as a coroutine (django-axes').
+        dual = getattr(cls, "async_capable", False) and not issubclass(cls, MiddlewareMixin)
+        assert inline or async_only or dual, dotted
 
 
 def test_djangos_security_middleware_are_in_place_as_subclasses() -> None:
@@ -200,3 +204,62 @@ def test_pages_carry_csp_without_unsafe_inline_and_security_headers(client: Clie
     assert response.headers["X-Content-Type-Options"] == "nosniff"
     assert response.headers["Referrer-Policy"] == "same-origin"
     assert response.headers["X-Frame-Options"] == "DENY"
+
+
+# --- the Dockerfile's HEALTHCHECK (run as a process: there is no Docker engine here) ----------
+
+
+def _database_url() -> str:
+    """The test database (migrated, with the seeded personas) as a URL for a subprocess."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    if db["ENGINE"] == "django.db.backends.sqlite3":
+        return f"sqlite:///{db['NAME']}"
+    return f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "allowed_hosts",
+    ["quotes.example.com", "quotes.example.com,www.example.com", ".example.com", "*"],
+)
+def test_docker_healthcheck_passes_with_production_allowed_hosts(allowed_hosts: str, tmp_path: Path) -> None:
+    """The Dockerfile's HEALTHCHECK line, run against daphne started with the Dockerfile's CMD
+    under production settings whose ALLOWED_HOSTS do not list 127.0.0.1 (the address the probe
+    connects to): it must report healthy out of the box. The old probe sent Host 127.0.0.1 and
+    got a 400."""
+    from tests.deployed import command_args, environment, instruction, running_daphne
+    from tests.scaleout.services import free_port
+
+    port = free_port()
+    env = environment(DJANGO_ALLOWED_HOSTS=allowed_hosts, DATABASE_URL=_database_url())
+    healthcheck = instruction("Dockerfile", "HEALTHCHECK ")
+    probe = command_args(healthcheck[healthcheck.index("CMD ") + 4 :].replace(":8000", f":{port}"))
+    assert probe[0] == "python"
+    probe[0] = sys.executable
+
+    with running_daphne("Dockerfile", port, env, tmp_path / "daphne.log"):
+        healthy = subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        # A probe is not fooled: a failing /healthz (here, its database gone) is reported.
+        broken = {**env, "DATABASE_URL": f"sqlite:///{tmp_path / 'missing' / 'db.sqlite3'}"}
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+
+    with running_daphne("Dockerfile", port, broken, tmp_path / "daphne-broken.log"):
+        unhealthy = subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert unhealthy.returncode != 0 and "503" in unhealthy.stderr, unhealthy.stdout + unhealthy.stderr
+
+
+@pytest.mark.django_db
+def test_healthcheck_command_reports_an_unreachable_server() -> None:
+    from tests.scaleout.services import free_port
+
+    result = subprocess.run(
+        [sys.executable, "manage.py", "healthcheck", "--url", f"http://127.0.0.1:{free_port()}/healthz"],
+        cwd=ROOT,
+        env=_env(**PRODUCTION, DJANGO_SECURE_SSL_REDIRECT="false"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "did not answer" in result.stderr

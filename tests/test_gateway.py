@@ -7,8 +7,10 @@ stated, the embedded model; the cache is LocMem, or a real redis-server for the 
 from __future__ import annotations
 
 import asyncio
+import csv
 import hashlib
 import hmac
+import io
 import itertools
 import json
 import re
@@ -30,7 +32,7 @@ from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.ai.catalog import estimate_cost
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse, parse_sse
+from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
 from tests.conftest import slots_held
 from tests.fakes.fixtures import workers_ai_config
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
@@ -733,10 +735,85 @@ async def test_rate_limit_concurrent_streams_are_capped(
     fourth = await post({"persona": persona.slug, "topic": "four"})
     assert_complete(fourth)
     assert_complete(await second.read_all())
-    by_topic = {row.topic: row for row in await rows()}
-    assert by_topic["three"].status == Generation.Status.RATE_LIMITED
-    assert by_topic["three"].error_code == "too_many_streams"
-    assert {by_topic[t].status for t in ("one", "two", "four")} == {"ok"}
+    logged = await rows()
+    [refused] = [row for row in logged if row.status == Generation.Status.RATE_LIMITED]
+    assert (refused.error_code, refused.topic, refused.request_count) == ("too_many_streams", "", 1)
+    assert {row.topic: row.status for row in logged if row != refused} == {
+        "one": "ok",
+        "two": "ok",
+        "four": "ok",
+    }
+
+
+async def wait_for_request_count(row: Generation, count: int, timeout_s: float = 10.0) -> Generation:
+    """Refusals after a window's first are copied to its row a moment later (refusals.py)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await row.arefresh_from_db()
+        if row.request_count == count or time.monotonic() > deadline:
+            assert row.request_count == count
+            return row
+        await asyncio.sleep(0.05)
+
+
+async def test_rate_limit_refusals_share_one_small_row_and_the_analytics_count_each(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    from asgiref.sync import sync_to_async
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+    from django.test import Client as DjangoClient
+
+    from quotes.admin import CSV_COLUMNS
+    from quotes.analytics import gateway_stats
+
+    configure(settings, rate_limit=(2, 60))
+    await at_start_of_window(60, margin_s=20)
+    client = ("198.51.100.30", 1000)
+    for _ in range(2):
+        assert_complete(await post(client=client))
+    # A large request: refused rows used to keep all of it.
+    big = {
+        "persona": persona.slug,
+        "topic": "t" * 200,
+        "messages": [{"role": "user", "content": "m" * 2000}] * 9,
+    }
+    refused = 40
+
+    for _ in range(refused):
+        assert_rate_limited(await post(big, client=client))
+
+    logged = await rows()
+    assert [row.status for row in logged] == ["ok", "ok", "rate_limited"]
+    row = await wait_for_request_count(logged[2], refused)
+    assert (row.request, row.topic, row.text, row.upstream_headers) == ({}, "", "", {})
+    assert (row.error_code, row.client_hash) == ("rate_limited", ip_hash("198.51.100.30"))
+
+    since, until = timezone.now() - timedelta(hours=1), timezone.now() + timedelta(minutes=1)
+    stats = await sync_to_async(gateway_stats)(since=since, until=until)
+    assert (stats.requests, stats.by_status["rate_limited"], stats.errors) == (refused + 2, refused, refused)
+    assert stats.errors_by_code == [("rate_limited", refused)]
+    assert sum(bucket.by_status["rate_limited"] for bucket in stats.buckets) == refused
+    [by_persona] = stats.by_persona
+    assert (by_persona.requests, by_persona.errors) == (refused + 2, refused)
+
+    def command_and_session() -> tuple[dict[str, Any], str]:
+        out = io.StringIO()
+        call_command("gateway_stats", "--since", "1h", "--json", stdout=out)
+        admin = User.objects.create_superuser("root", password="root-password-123")
+        browser = DjangoClient()
+        browser.force_login(admin)
+        return json.loads(out.getvalue()), browser.cookies["sessionid"].value
+
+    command, session = await sync_to_async(command_and_session)()
+    assert (command["requests"], command["by_status"]["rate_limited"]) == (refused + 2, refused)
+    exported = await request(
+        "GET", "/admin/quotes/generation/export.csv", headers={"cookie": f"sessionid={session}"}
+    )
+    assert exported.status == 200
+    csv_rows = list(csv.DictReader(io.StringIO(exported.body.decode())))
+    assert sorted(int(r["requests"]) for r in csv_rows) == [1, 1, refused]
+    assert list(csv_rows[0]) == list(CSV_COLUMNS)
 
 
 # -- 5. retries (before the first token only) ------------------------------------------------------

@@ -11,8 +11,41 @@ from tests.asgi import request
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-async def test_healthz_reports_ok_with_each_check() -> None:
-    response = await request("GET", "/healthz")
+async def session_of(*, is_staff: bool) -> dict[str, str]:
+    """A logged-in user's session cookie, as a header."""
+    from asgiref.sync import sync_to_async
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    def login() -> str:
+        user = User.objects.create_user(
+            "staff" if is_staff else "member", password="a-long-test-password-42", is_staff=is_staff
+        )
+        client = Client()
+        client.force_login(user)
+        return client.cookies["sessionid"].value
+
+    return {"cookie": f"sessionid={await sync_to_async(login)()}"}
+
+
+@pytest.fixture
+async def staff() -> dict[str, str]:
+    return await session_of(is_staff=True)
+
+
+def cache_down(settings: Any) -> None:
+    # A Redis cache on a port nothing listens on (port 9 is "discard", closed here).
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": "redis://127.0.0.1:9/0",
+            "OPTIONS": {"socket_connect_timeout": 0.5},
+        }
+    }
+
+
+async def test_healthz_reports_ok_with_each_check(staff: dict[str, str]) -> None:
+    response = await request("GET", "/healthz", headers=staff)
     assert response.status == 200
     body = response.json()
     assert body["status"] == "ok"
@@ -23,8 +56,10 @@ async def test_healthz_reports_ok_with_each_check() -> None:
     assert response.headers["cache-control"] == "no-store"
 
 
-async def test_healthz_workers_ai_is_ready_when_configured(workers_ai_settings: Any) -> None:
-    body = (await request("GET", "/healthz")).json()
+async def test_healthz_workers_ai_is_ready_when_configured(
+    workers_ai_settings: Any, staff: dict[str, str]
+) -> None:
+    body = (await request("GET", "/healthz", headers=staff)).json()
     assert body["checks"]["backend"] == {
         "status": "ok",
         "backend": "workers-ai",
@@ -32,16 +67,11 @@ async def test_healthz_workers_ai_is_ready_when_configured(workers_ai_settings: 
     }
 
 
-async def test_healthz_answers_503_with_detail_when_the_cache_is_down(settings: Any) -> None:
-    # A Redis cache on a port nothing listens on (port 9 is "discard", closed here).
-    settings.CACHES = {
-        "default": {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
-            "LOCATION": "redis://127.0.0.1:9/0",
-            "OPTIONS": {"socket_connect_timeout": 0.5},
-        }
-    }
-    response = await request("GET", "/healthz")
+async def test_healthz_answers_503_with_detail_when_the_cache_is_down(
+    settings: Any, staff: dict[str, str]
+) -> None:
+    cache_down(settings)
+    response = await request("GET", "/healthz", headers=staff)
     assert response.status == 503
     body = response.json()
     assert body["status"] == "error"
@@ -55,6 +85,7 @@ async def test_healthz_answers_503_with_detail_when_the_cache_is_down(settings: 
 async def test_healthz_answers_503_when_the_upstream_is_not_configured(settings: Any) -> None:
     settings.AI_BACKEND = "openai"
     settings.OPENAI_COMPAT = {"base_url": "", "api_key": ""}
+    settings.DEBUG = True  # details for everyone in development
     response = await request("GET", "/healthz")
     assert response.status == 503
     assert response.json()["checks"]["backend"]["detail"] == "not configured: OPENAI_BASE_URL"
@@ -67,6 +98,34 @@ async def test_healthz_reports_the_local_model_loaded_or_loading(settings: Any) 
     body = (await request("GET", "/healthz")).json()
     assert body["checks"]["backend"]["status"] == ("ok" if backend.loaded else "loading")
     assert body["status"] == "ok"
+
+
+@pytest.mark.parametrize("who", ["anonymous", "member"])
+async def test_healthz_shows_no_detail_to_visitors(
+    settings: Any, caplog: pytest.LogCaptureFixture, who: str
+) -> None:
+    """Exception text and configuration are for staff (or DEBUG); a visitor, or a logged-in
+    user who is not staff, gets each check's status only, and the detail goes to the log."""
+    import config.asgi  # noqa: F401  (its logging set-up would drop caplog's handler)
+
+    headers = await session_of(is_staff=False) if who == "member" else {}
+    cache_down(settings)
+    settings.AI_BACKEND = "openai"
+    settings.OPENAI_COMPAT = {"base_url": "", "api_key": ""}
+
+    response = await request("GET", "/healthz", headers=headers)
+
+    assert response.status == 503
+    assert response.json() == {
+        "status": "error",
+        "checks": {
+            "database": {"status": "ok"},
+            "cache": {"status": "error"},
+            "backend": {"status": "error"},
+        },
+    }
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "quotes.health")
+    assert "ConnectionError" in logged and "OPENAI_BASE_URL" in logged
 
 
 async def test_healthz_is_not_redirected_to_https(settings: Any) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from quotes.ai.backends.local import LocalBackend, completion_prompt, persona_sketch
+from quotes.ai.backends.local import LocalBackend, completion_body, completion_prompt, persona_sketch
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Token, Usage
 from tests.conftest import LONG_COMPLETION, slots_held
 
@@ -87,6 +87,14 @@ def test_local_prompt_continues_a_conversation() -> None:
         "Lao Tzu, on letting go: \"Open the hand and the 'river' flows.\"\n"
         'Asked "What about holding on?", Lao Tzu replied: "'
     )
+
+
+def test_local_body_reads_the_whole_frame_when_the_persona_fixes_a_seed() -> None:
+    """Reusing a slot's cached frame changes the logits' last bits: fine for a sampled quote, but
+    a persona with a seed asks for the same quote every time."""
+    assert completion_body(quote_request(seed=7))["cache_prompt"] is False
+    assert completion_body(quote_request())["cache_prompt"] is True
+    assert completion_body(quote_request())["stop"] == ['"', "\u201d", "\n"]
 
 
 # --- one stream --------------------------------------------------------------------------------
@@ -301,3 +309,20 @@ def test_local_model_writes_a_quote_in_a_fresh_process() -> None:
     quote = next(line for line in done.stdout.splitlines() if line.startswith("QUOTE:"))
     assert quote.removeprefix("QUOTE:").strip()
     assert "SIGTERM handled by Python" in done.stdout
+
+
+async def test_local_closing_the_backend_stops_its_generations() -> None:
+    """A process that shuts down (or a test that resets backends) does not wait for every open
+    quote to be written to its end."""
+    backend = LocalBackend(**{**settings.LOCAL_MODEL, "slots": 1})
+    stream = backend.stream_completion(LONG_COMPLETION)
+    assert isinstance(await anext(stream), Token)
+
+    await backend.aclose()
+
+    job = backend.jobs[-1]
+    assert job.finished_at is not None
+    assert job.stop_reason == "stopped"
+    assert job.generated_tokens < LONG_COMPLETION["max_tokens"]
+    assert not backend.loaded
+    await stream.aclose()

@@ -98,3 +98,131 @@ def test_formatters_never_write_the_api_token(formatter: logging.Formatter, sett
     settings.CLOUDFLARE_API_TOKEN = TEST_API_TOKEN
     line = formatter.format(_record("upstream said: bad token %s", TEST_API_TOKEN))
     assert TEST_API_TOKEN not in line and "[redacted]" in line
+
+
+@pytest.mark.parametrize("formatter", [JsonFormatter("%(message)s"), TextFormatter("%(message)s")])
+def test_formatters_never_write_the_metrics_token(formatter: logging.Formatter, settings: Any) -> None:
+    settings.QUOTES_METRICS_TOKEN = "metrics-token-5b1e9c0d7a"
+    line = formatter.format(_record("a scrape sent %s", "Bearer metrics-token-5b1e9c0d7a"))
+    assert "metrics-token-5b1e9c0d7a" not in line and "[redacted]" in line
+
+
+# --- visitors' topics stay out of every log the project configures (issue 13) -----------------
+
+SECRET_TOPIC = "my-secret-topic-4711"
+
+
+@pytest.fixture(params=["json", "text"])
+def console(request: pytest.FixtureRequest, settings: Any) -> Any:
+    """The console handler's formatter as config/settings.py builds it, writing to a buffer."""
+    import io
+    import logging.config
+
+    import config.asgi
+
+    config = settings.LOGGING["formatters"][request.param]
+    formatter = logging.config.DictConfigurator({"version": 1}).configure_custom(dict(config))
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setFormatter(formatter)
+    handler.addFilter(RequestIdFilter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    yield buffer
+    root.removeHandler(handler)
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "status"),
+    [
+        ("/nope/", f"topic={SECRET_TOPIC}", 404),  # the URL resolver's 404
+        ("/api/quotes/stream", f"persona=Not+A+Slug&topic={SECRET_TOPIC}", 404),  # EventSource's GET
+        ("/api/quotes/stream", f"persona=test-watts&topic={SECRET_TOPIC}&messages=nope", 400),
+    ],
+)
+async def test_django_request_log_has_no_query_string(
+    console: Any, settings: Any, persona: Any, path: str, query: str, status: int
+) -> None:
+    """django.request logs every 4xx with the request on the record, whose repr has the query."""
+    settings.QUOTES_LOG_CONTENT = False
+
+    response = await request("GET", path, query=query)
+
+    assert response.status == status
+    output = console.getvalue()
+    assert "django.request" in output and path in output  # the line is there, without the query
+    assert SECRET_TOPIC not in output
+
+
+async def test_django_request_log_keeps_the_query_when_content_logging_is_on(
+    console: Any, settings: Any
+) -> None:
+    settings.QUOTES_LOG_CONTENT = True
+    await request("GET", "/nope/", query=f"topic={SECRET_TOPIC}")
+    assert SECRET_TOPIC in console.getvalue()
+
+
+@pytest.mark.parametrize(
+    "source", ["systemd/persona-quotes@.service", "systemd/persona-quotes.service", "Dockerfile"]
+)
+def test_deployed_nginx_and_daphne_log_no_topic(source: str, tmp_path: Any) -> None:
+    """The chain as deployed: a real nginx with the project's log format and proxy rules, in
+    front of daphne started with the flags of `source` under production settings (the
+    Dockerfile's CMD is run here without Docker). A topic in a query string, or in the Referer,
+    reaches neither nginx's access log nor daphne's output (its access log, the app's logs)."""
+    from pathlib import Path
+
+    import httpx
+
+    from tests.deployed import environment, running_daphne
+    from tests.scaleout.services import free_port, nginx
+
+    root = Path(__file__).resolve().parents[1]
+    app_port, proxy_port = free_port(), free_port()
+    env = environment(
+        DJANGO_ALLOWED_HOSTS="127.0.0.1",
+        DATABASE_URL=f"sqlite:///{tmp_path / 'unused.sqlite3'}",  # the requests below need none
+    )
+    site = f"""
+    include {root / "deploy/nginx/persona-quotes-log.conf"};
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    upstream persona_quotes {{ server 127.0.0.1:{app_port}; }}
+    server {{
+        listen 127.0.0.1:{proxy_port};
+        server_name 127.0.0.1;
+        access_log {tmp_path / "nginx-access.log"} persona_quotes;
+        include {root / "deploy/nginx/persona-quotes-locations.conf"};
+    }}
+"""
+    # JSON answers (the HTML error pages would need collectstatic's manifest), each logged by
+    # django.request: the stream API's 404 for an unknown persona, and the feedback API's 405.
+    paths = [
+        ("/api/quotes/stream", f"persona=Not+A+Slug&topic={SECRET_TOPIC}", 404),
+        ("/api/quotes/00000000-0000-4000-8000-000000000000/feedback", f"topic={SECRET_TOPIC}", 405),
+    ]
+    app_log = tmp_path / "daphne.log"
+    with running_daphne(source, app_port, env, app_log), nginx(tmp_path, site=site, port=proxy_port) as proxy:
+        headers = {"Referer": f"http://127.0.0.1/personas/alan-watts/?topic={SECRET_TOPIC}"}
+        for path, query, status in paths:
+            response = httpx.get(f"{proxy.url}{path}?{query}", headers=headers, timeout=10)
+            assert response.status_code == status, response.text
+
+    access = (tmp_path / "nginx-access.log").read_text()
+    app_output = app_log.read_text()
+    for path, _, status in paths:
+        assert f'"GET {path} HTTP/1.1" {status}' in access, access
+        assert f'"path": "{path}"' in app_output, app_output  # the app's own access line
+    assert "/personas/alan-watts/" in access  # the Referer, without its query
+    assert '"logger": "django.request"' in app_output, app_output
+    assert SECRET_TOPIC not in access
+    assert SECRET_TOPIC not in app_output
+
+
+def test_nginx_site_logs_every_server_in_the_query_free_format() -> None:
+    from pathlib import Path
+
+    site = (Path(__file__).resolve().parents[1] / "deploy/nginx/persona-quotes.conf").read_text()
+    servers = site.count("server {")
+    assert servers == 4  # the public site on 80 and 443, and one metrics port per daphne process
+    assert site.count("access_log /var/log/nginx/persona-quotes.access.log persona_quotes;") == servers
+    assert "include /etc/nginx/snippets/persona-quotes-log.conf;" in site

@@ -10,11 +10,16 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 
+from quotes.ai.backends import reset_backends
 from quotes.ai.backends.openai_compat import OpenAICompatBackend
+from quotes.ai.errors import upstream_auth
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Meta, Token, Usage
+from quotes.models import Persona
+from tests.asgi import request
 from tests.llama_server import LlamaServer, free_port
 
 TIMEOUTS = {"connect_timeout_s": 2.0, "read_timeout_s": 20.0, "total_timeout_s": 60.0}
@@ -37,6 +42,13 @@ QUOTE = GenerationRequest(
     temperature=0,
     seed=7,
 )
+
+
+@pytest.fixture(autouse=True)
+def _logging_configured() -> None:
+    """The app's first import configures logging, which drops the handlers on the root logger,
+    caplog's among them: do it before caplog attaches."""
+    import config.asgi  # noqa: F401
 
 
 async def collect(backend: OpenAICompatBackend, request: GenerationRequest = QUOTE) -> list[Event]:
@@ -126,7 +138,9 @@ async def test_openai_compat_unreachable_port() -> None:
     assert (events[0].code, events[0].status) == ("upstream_unreachable", 502)
 
 
-async def test_openai_compat_wrong_api_key_is_upstream_auth(llama_server: LlamaServer) -> None:
+async def test_openai_compat_wrong_api_key_is_upstream_auth(
+    llama_server: LlamaServer, caplog: pytest.LogCaptureFixture
+) -> None:
     wrong = "sk-wrong-" + llama_server.api_key[::-1]
     backend = OpenAICompatBackend(base_url=llama_server.base_url, api_key=wrong, timeouts=TIMEOUTS)
     try:
@@ -135,10 +149,12 @@ async def test_openai_compat_wrong_api_key_is_upstream_auth(llama_server: LlamaS
         await backend.aclose()
     [error] = events
     assert isinstance(error, Error)
-    assert (error.code, error.status) == ("upstream_auth", 502)
-    assert "401" in error.message
-    assert "invalid api key" in error.message.lower()  # the server's own error body, read and kept
-    assert wrong not in error.message
+    assert error == upstream_auth()  # the visitor learns nothing about our credentials
+    [logged] = [r for r in caplog.records if r.name == "quotes.ai.backends.openai_compat"]
+    line = logged.getMessage()
+    assert "HTTP 401" in line and "OPENAI_API_KEY" in line
+    assert "invalid api key" in line.lower()  # the server's own error body, read and kept for the log
+    assert wrong not in line
 
 
 async def test_openai_compat_base_url_of_no_api_is_rejected_with_404(llama_server: LlamaServer) -> None:
@@ -191,6 +207,11 @@ class ScriptedUpstream:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         port = self._server.sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}/v1"
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/v1"
 
     async def stop(self) -> None:
         assert self._server is not None
@@ -422,8 +443,6 @@ async def test_openai_compat_error_event_mid_stream(
         (400, "upstream_rejected", 400),
         (422, "upstream_rejected", 422),
         (429, "upstream_rejected", 429),
-        (401, "upstream_auth", 502),
-        (403, "upstream_auth", 502),
         (500, "upstream_unavailable", 502),
         (503, "upstream_unavailable", 502),
     ],
@@ -444,6 +463,38 @@ async def test_openai_compat_http_errors(
     assert f"HTTP {status}" in error.message
     assert "Bad thing for key" in error.message
     assert "sk-secret-123" not in error.message
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_openai_compat_refused_credentials_reach_the_log_not_the_visitor(
+    upstream: ScriptedUpstream,
+    persona: Persona,
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+) -> None:
+    """Through the stream API: an anonymous visitor gets the neutral message the Workers AI
+    backend gives; what the server said (scrubbed of the key) goes to the log."""
+    settings.AI_BACKEND = "openai"
+    settings.OPENAI_COMPAT = {"base_url": upstream.url, "api_key": "sk-secret-123"}
+    await reset_backends()
+    # An upstream that echoes the key, as OpenAI's "Incorrect API key provided" does.
+    body = {
+        "error": {"message": "Incorrect API key provided: sk-secret-123", "type": "invalid_request_error"}
+    }
+    upstream.reply = Reply(status=status, content_type="application/json", pieces=[json.dumps(body).encode()])
+    try:
+        response = await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug})
+    finally:
+        await reset_backends()
+
+    assert response.status == 502
+    assert response.json() == {"error": {"code": "upstream_auth", "message": upstream_auth().message}}
+    assert b"OPENAI_API_KEY" not in response.body and b"Incorrect API key" not in response.body
+    [logged] = [r for r in caplog.records if r.name == "quotes.ai.backends.openai_compat"]
+    line = logged.getMessage()
+    assert f"HTTP {status}" in line and "OPENAI_API_KEY" in line and "Incorrect API key provided" in line
+    assert "sk-secret-123" not in line
 
 
 async def test_openai_compat_huge_error_body_is_bounded(

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import uuid
 from datetime import timedelta
 from html.parser import HTMLParser
+from typing import Any
 
 import pytest
 from django.test import Client
 from django.utils import timezone
 
-from quotes.models import Generation, Persona
-from tests.asgi import request
+from quotes.models import Generation, Persona, Vote
+from tests.asgi import StreamedResponse, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -128,3 +131,79 @@ async def test_feedback_errors(persona: Persona) -> None:
     await Generation.objects.filter(pk=old.pk).aupdate(created_at=timezone.now() - timedelta(days=2))
     status, payload = await post_feedback(old.public_id, {"value": 1})
     assert (status, payload["error"]["code"]) == (403, "feedback_closed")
+
+
+# -- issue 13, point 5: one vote per client per quote, rate-limited ----------------------------------
+
+
+async def vote(public_id: object, value: int, client: str) -> StreamedResponse:
+    return await request(
+        "POST",
+        f"/api/quotes/{public_id}/feedback",
+        body=json.dumps({"value": value}).encode(),
+        headers={"content-type": "application/json"},
+        client=(client, 5000),
+    )
+
+
+async def votes_of(generation: Generation) -> list[int]:
+    return sorted([v.value async for v in Vote.objects.filter(generation=generation)])
+
+
+async def test_feedback_one_vote_per_client_and_the_verdict_is_their_sum(persona: Persona) -> None:
+    generation = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+
+    for _ in range(5):  # stuffing from one client adds nothing
+        assert (await vote(generation.public_id, 1, "198.51.100.1")).status == 200
+    assert await votes_of(generation) == [1]
+    await generation.arefresh_from_db()
+    assert generation.feedback == 1
+
+    # another visitor disagrees: one vote each, the verdict cancels out instead of flipping
+    assert (await vote(generation.public_id, -1, "198.51.100.2")).json() == {
+        "id": str(generation.public_id),
+        "feedback": -1,
+    }
+    await generation.arefresh_from_db()
+    assert (await votes_of(generation), generation.feedback) == ([-1, 1], None)
+
+    await vote(generation.public_id, -1, "198.51.100.3")
+    await generation.arefresh_from_db()
+    assert generation.feedback == -1
+
+    # a visitor may change their own vote, and only theirs
+    await vote(generation.public_id, -1, "198.51.100.1")
+    await vote(generation.public_id, 1, "198.51.100.3")
+    await generation.arefresh_from_db()
+    assert (await votes_of(generation), generation.feedback) == ([-1, -1, 1], -1)
+
+
+async def test_feedback_addresses_in_one_ipv6_64_are_one_voter(persona: Persona) -> None:
+    generation = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+
+    for n in range(1, 6):
+        assert (await vote(generation.public_id, 1, f"2001:db8:7:7::{n}")).status == 200
+
+    assert await votes_of(generation) == [1]
+
+
+async def test_feedback_is_rate_limited_per_client(persona: Persona, settings: Any) -> None:
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "feedback_rate_limit": (3, 60)}
+    remaining = 60 - time.time() % 60
+    if remaining < 5:  # fixed window: don't count across its edge
+        await asyncio.sleep(remaining + 0.05)
+    quotes = [
+        await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+        for _ in range(4)
+    ]
+
+    answers = [await vote(quote.public_id, 1, "198.51.100.9") for quote in quotes]
+    other_client = await vote(quotes[3].public_id, 1, "198.51.100.10")
+
+    assert [a.status for a in answers] == [200, 200, 200, 429]
+    limited = answers[3]
+    assert limited.json()["error"]["code"] == "rate_limited"
+    assert "rated 3 quotes" in limited.json()["error"]["message"]
+    assert 1 <= int(limited.headers["retry-after"]) <= 60
+    assert other_client.status == 200
+    assert await Vote.objects.filter(generation=quotes[3]).acount() == 1  # the other client's

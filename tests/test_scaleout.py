@@ -22,6 +22,6 @@ def test_scaleout_script_passes_every_check() -> None:
     )
     assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
     checks = [line.split()[0] for line in report.splitlines() if line.startswith(("PASS", "FAIL", "SKIPPED"))]
-    # Five checks, all passed: the WebSocket check may only be SKIPPED when no consumer exists,
+    # Six checks, all passed: the WebSocket check may only be SKIPPED when no consumer exists,
     # and it does now.
-    assert checks == ["PASS"] * 5, report
+    assert checks == ["PASS"] * 6, report

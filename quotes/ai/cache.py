@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from django.core.cache import cache
 
+from .. import metrics
 from .events import GenerationRequest
 from .limits import run_on_cache
 
@@ -32,7 +33,12 @@ def answer_key(*, backend: str, request: GenerationRequest, version_id: int | No
 
 
 async def get_answer(key: str) -> CachedAnswer | None:
-    value = await run_on_cache(cache.get, key)
+    answer = _answer_of(await run_on_cache(cache.get, key))
+    metrics.cache_lookup(hit=answer is not None)
+    return answer
+
+
+def _answer_of(value: object) -> CachedAnswer | None:
     if not isinstance(value, dict):
         return None
     try:

@@ -11,6 +11,19 @@ from .events import GenerationRequest, Message
 ROLES = ("user", "assistant")
 
 
+def check_encodable(text: str, *, field: str) -> None:
+    """JSON can carry a lone surrogate (`"\\ud800"`), which is no character at all: no backend
+    can send it (UTF-8 cannot encode it) and PostgreSQL refuses it. Refuse it at the door."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise QuoteError(
+            "invalid_unicode",
+            f"{field} contains an unpaired surrogate (such as \\ud800), which is not text. Send valid Unicode.",
+            400,
+        ) from None
+
+
 def parse_messages(raw: object) -> tuple[Message, ...]:
     """Turn the `messages` field of a request into Message turns, or raise a 400 saying which
     limit was hit. Roles are `user` and `assistant` only: the system prompt is the persona's."""
@@ -35,6 +48,7 @@ def parse_messages(raw: object) -> tuple[Message, ...]:
             )
         if not isinstance(content, str) or not content.strip():
             raise QuoteError("invalid_messages", f"Turn {index + 1}: content must be non-empty text.", 400)
+        check_encodable(content, field=f"Turn {index + 1}")
         if "\x00" in content:
             raise QuoteError(
                 "invalid_messages", f"Turn {index + 1}: content must not contain NUL characters.", 400

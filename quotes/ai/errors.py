@@ -27,3 +27,14 @@ def busy(message: str = "The model is busy with other quotes. Please try again i
 
 def internal(message: str = "Something went wrong while writing the quote.") -> Error:
     return Error(code="internal_error", message=message, status=500)
+
+
+def upstream_auth() -> Error:
+    """Our credentials were refused upstream. The visitor did nothing wrong and can do nothing
+    about it, so they get no detail: the backend logs what the upstream said, for the operator."""
+    return Error(
+        code="upstream_auth",
+        message="The site's connection to the model service is misconfigured. "
+        "This is not your fault; please try again later.",
+        status=502,
+    )

@@ -13,7 +13,9 @@ one PASS/FAIL/SKIPPED line each:
 3. the rate limit holds across processes (QUOTES_RATE_LIMIT=3/m: 2 on A, then B says 429 on
    the 4th request);
 4. a WebSocket quote streams through nginx frame by frame (/ws/quotes/);
-5. static files through nginx are collectstatic's hashed, pre-compressed files; /healthz is ok.
+5. static files through nginx are collectstatic's hashed, pre-compressed files; /healthz is ok;
+6. Prometheus's view: each process's /metrics on its own nginx port (token required), adding up
+   to the log rows in PostgreSQL; /metrics on the public site is 404.
 
 Exits 1 when any check fails. nginx's config includes deploy/nginx/persona-quotes-locations.conf,
 the same proxy rules docs/deployment.md tells you to install.
@@ -47,6 +49,8 @@ from .services import Nginx, ServiceError, free_port, nginx, postgres, redis, st
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
+METRICS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-metrics.conf"
+METRICS_TOKEN = secrets.token_urlsafe(24)
 TOKENS = ("The", " river", " does", " not", " hurry", ",", " yet", " it", " arrives", ".")
 TOKEN_DELAY_S = 0.08
 PERSONA = "alan-watts"
@@ -103,6 +107,7 @@ def production_env(
             "QUOTES_RATE_LIMIT": f"{RATE_LIMIT}/m",
             "QUOTES_CACHE_TTL": "3600",
             "QUOTES_MAX_ATTEMPTS": "1",
+            "QUOTES_METRICS_TOKEN": METRICS_TOKEN,
         }
     )
     return env
@@ -118,7 +123,8 @@ def manage(env: dict[str, str], *args: str) -> None:
 
 @contextlib.contextmanager
 def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
-    """One daphne process as docs/deployment.md runs it (proxy headers, timeouts)."""
+    """One daphne process as docs/deployment.md runs it (timeouts; the app believes nginx's
+    X-Forwarded-For because nginx connects from loopback, a trusted proxy by default)."""
     port = free_port()
     log = workdir / f"daphne-{name}.log"
     command = [
@@ -129,15 +135,14 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
         "127.0.0.1",
         "-p",
         str(port),
-        "--proxy-headers",
-        "--proxy-headers-host",
-        "X-Real-IP",
         "--application-close-timeout",
         "5",
         "--websocket_timeout",
         "3600",
         "--ping-interval",
         "20",
+        "--access-log",
+        "/dev/null",
         "config.asgi:application",
     ]
     with log.open("wb") as out:
@@ -157,8 +162,19 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
         stop_process(process)
 
 
-def nginx_site(port: int, upstreams: list[Daphne]) -> str:
+def nginx_site(port: int, upstreams: list[Daphne], metrics_ports: list[int]) -> str:
     servers = "\n".join(f"        server {d.url.removeprefix('http://')};" for d in upstreams)
+    # One port per process for Prometheus, as deploy/nginx/persona-quotes.conf sets them up.
+    metrics = "".join(
+        f"""
+    server {{
+        listen 127.0.0.1:{metrics_port};
+        set $persona_quotes_host 127.0.0.1;
+        include {METRICS_CONF};
+        location = /metrics {{ proxy_pass {d.url}; }}
+    }}"""
+        for d, metrics_port in zip(upstreams, metrics_ports, strict=True)
+    )
     return f"""
     map $http_upgrade $connection_upgrade {{
         default upgrade;
@@ -174,6 +190,7 @@ def nginx_site(port: int, upstreams: list[Daphne]) -> str:
         server_name 127.0.0.1;
         include {LOCATIONS_CONF};
     }}
+{metrics}
 """
 
 
@@ -434,12 +451,40 @@ def check_static_and_health(proxy: Nginx, a: Daphne, static_root: Path, **_: Any
     return f"/static/{hashed} gzip + immutable; CSP set; /healthz {health['checks']['database']['status']}/{health['checks']['cache']['status']}/{health['checks']['backend']['status']}; JSON logs with request_id"
 
 
+def check_metrics_per_process(
+    proxy: Nginx, a: Daphne, b: Daphne, metrics_urls: list[str], database_url: str, **_: Any
+) -> str:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    check(httpx.get(proxy.url + "/metrics").status_code == 404, "/metrics is reachable on the public site")
+    check(httpx.get(metrics_urls[0] + "/metrics").status_code == 403, "/metrics answered without the token")
+    check(httpx.get(metrics_urls[0] + "/").status_code == 404, "the metrics port serves the site")
+    totals = []
+    for url in metrics_urls:
+        response = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+        check(response.status_code == 200, f"{url}/metrics: {response.status_code} {response.text[:200]}")
+        families = {family.name: family for family in text_string_to_metric_families(response.text)}
+        requests = sum(sample.value for sample in families["quotes_requests"].samples)
+        lost = sum(sample.value for sample in families["quotes_log_rows_lost"].samples)
+        check(lost == 0, f"{url}: {lost} lost log rows")
+        totals.append(int(requests))
+    import psycopg
+
+    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
+        row = connection.execute("SELECT COUNT(*) FROM quotes_generation").fetchone()
+    rows = row[0] if row else 0
+    check(all(totals), f"a process counted no request: {totals}")
+    check(sum(totals) == rows, f"requests counted per process {totals} do not add up to {rows} log rows")
+    return f"requests counted by A and B: {totals[0]} + {totals[1]} = {rows} log rows; 0 lost; public /metrics 404, no token 403"
+
+
 CHECKS: list[tuple[str, Callable[..., str]]] = [
     ("1 SSE streams token by token through nginx", check_sse_through_nginx),
     ("2 cache hit on B for A's answer", check_cache_shared),
     ("3 rate limit shared by A and B", check_rate_limit),
     ("4 WebSocket streams through nginx", check_websocket),
     ("5 hashed, compressed static files; health; logs", check_static_and_health),
+    ("6 metrics scraped per process", check_metrics_per_process),
 ]
 
 
@@ -463,7 +508,9 @@ def main() -> int:
                 )
                 with daphne("A", env, workdir) as a, daphne("B", env, workdir) as b:
                     port = free_port()
-                    with nginx(workdir, site=nginx_site(port, [a, b]), port=port) as proxy:
+                    metrics_ports = [free_port(), free_port()]
+                    site = nginx_site(port, [a, b], metrics_ports)
+                    with nginx(workdir, site=site, port=port) as proxy:
                         print(f"setup: nginx {proxy.url} -> daphne A {a.url}, daphne B {b.url}", flush=True)
 
                         def reset_rate_limits() -> None:
@@ -482,6 +529,7 @@ def main() -> int:
                             "database_url": pg.url,
                             "static_root": static_root,
                             "reset_rate_limits": reset_rate_limits,
+                            "metrics_urls": [f"http://127.0.0.1:{p}" for p in metrics_ports],
                         }
                         for name, function in CHECKS:
                             try:

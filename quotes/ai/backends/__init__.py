@@ -43,6 +43,11 @@ def get_backend(name: str | None = None) -> Backend:
     return backend
 
 
+def loaded_backends() -> list[Backend]:
+    """The backends this process has made so far (none is made by asking)."""
+    return list(_backends.values())
+
+
 def _make_backend(name: str) -> Backend:
     from django.conf import settings
 

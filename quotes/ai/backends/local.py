@@ -44,6 +44,14 @@ from ..events import Done, Error, Event, GenerationRequest, Token, Usage
 
 logger = logging.getLogger(__name__)
 
+# llama.cpp's threads meet at a barrier after every step of a token. By default OpenMP spins
+# there, which on a busy host (a web server shares its cores with the model) burns the core the
+# partner thread needs: one 2-core run fell from 40 to 4 tokens/s, and a stop waited up to 1.2 s
+# for the next token. Sleeping at the barrier keeps both tokens/s and stop latency steady. It
+# must be set before llama.cpp's library loads (xllamacpp is imported on first use, below); an
+# OMP_WAIT_POLICY already in the environment wins. docs/benchmarks.md has the figures.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # A base model continues text; it does not follow instructions. So the persona speaks through a
 # few-shot completion frame: a collection of short quotes, each credited to a person with a few
 # words about them, ending on an open quote mark that the model fills in. The examples are ours,
@@ -117,7 +125,7 @@ class JobStats:
     finished_at: float | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared and hashed by identity: kept in a set
 class _Job:
     body: dict[str, Any]  # the completion request for llama.cpp
     put: Callable[[object], None]
@@ -157,7 +165,9 @@ class LocalBackend:
         # One worker thread per slot: a generation holds one for as long as it streams.
         self._executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="local-model")
         self._pending = 0
+        self._running = 0
         self._pending_lock = threading.Lock()
+        self._live: set[_Job] = set()  # jobs submitted and not yet finished
         self.jobs: list[JobStats] = []  # the most recent jobs, newest last (bounded)
         if preload:
             self._executor.submit(self._load)
@@ -179,6 +189,11 @@ class LocalBackend:
         """Requests waiting for a free slot."""
         return self._pending
 
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding a generation now."""
+        return self._running
+
     async def server_slots(self) -> list[dict[str, Any]]:
         """llama.cpp's own view of its slots (GET /slots on its loopback listener), e.g. which
         are generating: `[{"id": 0, "is_processing": False, ...}, ...]`. Empty before loading."""
@@ -197,6 +212,8 @@ class LocalBackend:
         """Stop taking work and free the model once the running generations (if any) are over."""
         if not self._executor._shutdown:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            for job in list(self._live):  # a closing process does not finish anyone's quote
+                job.stop.set()
             await asyncio.to_thread(self._close_model)
 
     def _close_model(self) -> None:
@@ -220,6 +237,7 @@ class LocalBackend:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         job = _Job(body=body, put=put)
+        self._live.add(job)
         self.jobs = [*self.jobs[-49:], job.stats]
         self._executor.submit(self._run, job)
         try:
@@ -279,6 +297,7 @@ class LocalBackend:
     def _run(self, job: _Job) -> None:
         with self._pending_lock:
             self._pending -= 1
+            self._running += 1
         stats = job.stats
         stats.started_at = time.perf_counter()
         try:
@@ -296,6 +315,9 @@ class LocalBackend:
             self._fail(job, exc)
         finally:
             stats.finished_at = time.perf_counter()
+            with self._pending_lock:
+                self._running -= 1
+            self._live.discard(job)
 
     def _fail(self, job: _Job, exc: Exception | None, detail: object = None) -> None:
         if exc is not None:
@@ -368,7 +390,10 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         "frequency_penalty": request.frequency_penalty or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
-        "cache_prompt": True,  # a slot reuses the frame it has already read
+        # A slot reuses the frame it has already read, which saves most of the prompt's time to
+        # first token; but logits then differ in the last bits, so a greedy quote can change. A
+        # persona with a fixed seed asks for repeatable quotes: it reads the whole frame each time.
+        "cache_prompt": request.seed is None,
     }
 
 

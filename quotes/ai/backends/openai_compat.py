@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource, SSEError
 
+from ..errors import upstream_auth
 from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
+
+logger = logging.getLogger(__name__)
 
 #: How much of an error body we read: enough for any JSON error, bounded against a hostile one.
 _ERROR_BODY_LIMIT = 64 * 1024
@@ -216,12 +220,14 @@ class OpenAICompatBackend:
         detail = self._scrub(detail)
         suffix = f": {detail}" if detail else "."
         if status in (401, 403):
-            return Error(
-                code="upstream_auth",
-                message=f"The model server refused our credentials (HTTP {status}). "
-                f"Check OPENAI_API_KEY{suffix}",
-                status=502,
+            # For the operator only: a visitor learns nothing about our credentials or server.
+            logger.warning(
+                "openai upstream_auth: %s refused our credentials (HTTP %s). Check OPENAI_API_KEY%s",
+                self._url,
+                status,
+                suffix,
             )
+            return upstream_auth()
         if 400 <= status < 500:
             return Error(
                 code="upstream_rejected",

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import httpx
 
+from ..errors import upstream_auth
 from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
 from ..sse import SSEDecoder
 from ..watchdog import Watchdog
@@ -115,12 +116,7 @@ def error_for_status(status: int, body: bytes, *, secrets: Iterable[str] = ()) -
             return _error(code, message + detail, our_status)
     if status in (401, 403):
         # The visitor did nothing wrong: our credentials are bad or lack a permission.
-        return _error(
-            "upstream_auth",
-            "The site's connection to the model service is misconfigured. "
-            "This is not your fault; please try again later.",
-            502,
-        )
+        return upstream_auth()
     if status == 429:
         return _error("upstream_rejected", f"The model service is receiving too many requests. {_RETRY}", 429)
     if 400 <= status < 500:

@@ -81,12 +81,9 @@ async def admit(client_key: str, options: dict[str, Any]) -> Ticket | Error:
         return over_capacity()
     limit, window = options["rate_limit"]
     try:
-        refused = await limits.run_on_cache(
-            limits.admit,
-            client_key,
-            limit=limit,
-            window=window,
-            max_streams=options["max_concurrent_streams"],
+        # Atomic, in one round trip on Redis, and safe against this request being cancelled.
+        refused = await limits.admit_stream(
+            client_key, limit=limit, window=window, max_streams=options["max_concurrent_streams"]
         )
     except BaseException:
         open_streams.close()

@@ -18,11 +18,14 @@ from typing import Any
 
 from django.conf import settings
 
+from ... import metrics
 from ...models import Generation, Persona, PersonaVersion
+from ...security import client_address
 from ..backends import get_backend
 from ..cache import answer_key, get_answer
 from ..errors import internal
 from ..events import Done, Error, Event, Message, Meta, Token, Usage
+from ..refusals import record_refusal
 from . import admission, answers
 from .flights import Flight, flights
 from .log import Record, writer
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Client:
-    """Who is asking: the user when logged in, else a salted hash of the IP."""
+    """Who is asking: the user when logged in, else a salted hash of the IP (of its network for IPv6)."""
 
     key: str
     ip_hash: str
@@ -41,6 +44,7 @@ class Client:
 
     @classmethod
     def from_request(cls, ip: str, user_id: int | None = None) -> Client:
+        ip = client_address(ip)  # an IPv6 address counts as its /64 (QUOTES_IPV6_PREFIX)
         ip_hash = hmac.new(settings.SECRET_KEY.encode(), ip.encode(), hashlib.sha256).hexdigest()[:32]
         return cls(key=f"user:{user_id}" if user_id else f"ip:{ip_hash}", ip_hash=ip_hash, user_id=user_id)
 
@@ -57,13 +61,15 @@ async def stream_generation(
     preview: bool = False,
     bypass_cache: bool = False,
     version: Any = ...,  # PersonaVersion | None, or ... for "look it up"
+    transport: str = "other",
 ) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
 
     `preview` (an admin trying unsaved values) is logged as such and never cached;
     `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
     persona's current version when the caller knows it (quotes.personas keeps it); looked up
-    otherwise.
+    otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
+    "htmx", "websocket", ...).
     """
     options = settings.QUOTES_GATEWAY
     backend = get_backend(persona.backend or None)
@@ -93,6 +99,7 @@ async def stream_generation(
             client_hash=client.ip_hash,
             preview=preview,
         )
+        metrics.stream_finished(row, transport=transport)
         try:
             await writer.write(row)
         except asyncio.CancelledError:
@@ -100,14 +107,28 @@ async def stream_generation(
         except Exception:
             logger.exception("could not write the log row of a generation")
 
+    metrics.stream_opened(transport)  # from here on, log() runs whatever happens
     try:
         admitted = await admission.admit(client.key, options)
         if type(admitted) is Error:
-            record.status = (
-                Generation.Status.BUSY if admitted.code == "over_capacity" else Generation.Status.RATE_LIMITED
+            # Counted per client and window, not logged one full row each (see refusals.py).
+            logged = True
+            metrics.stream_refused(
+                transport=transport, backend=backend.name, model=record.model, code=admitted.code
             )
-            record.error = admitted
-            await log()
+            await record_refusal(
+                persona=persona,
+                version=version,
+                backend=backend.name,
+                model=record.model,
+                client_key=client.key,
+                client_hash=client.ip_hash,
+                preview=preview,
+                code=admitted.code,
+                message=admitted.message,
+                window=options["rate_limit"][1],
+                status=Generation.Status.BUSY if admitted.code == "over_capacity" else None,
+            )
             yield admitted
             return
         assert isinstance(admitted, admission.Ticket)
@@ -131,6 +152,7 @@ async def stream_generation(
             flight = flights.get(key) if use_cache else None
             if flight is not None:
                 record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
+                metrics.coalesced_listener()
             else:
                 models = [primary.model, *persona.fallback_models, *options["fallback_models"]]
                 plan = Plan(

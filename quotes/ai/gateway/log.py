@@ -32,6 +32,7 @@ from decimal import Decimal
 
 from django.db import OperationalError, close_old_connections, transaction
 
+from ... import metrics
 from ...models import Generation, Persona, PersonaVersion
 from ..catalog import estimate_cost
 from ..events import Error, GenerationRequest, Usage
@@ -109,7 +110,7 @@ class Record:
 class LogWriter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[Generation, _Waiter | None]] = []
+        self._pending: list[tuple[Generation, _Waiter | None, bool]] = []
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -152,8 +153,9 @@ class LogWriter:
     # -- the writer thread ----------------------------------------------------------------------
 
     def _enqueue(self, row: Generation, waiter: _Waiter | None) -> None:
+        counted = metrics.log_row_queued()  # the queue depth gauge, when metrics are on
         with self._lock:
-            self._pending.append((row, waiter))
+            self._pending.append((row, waiter, counted))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="quotes-log-writer", daemon=True)
                 self._thread.start()
@@ -185,8 +187,8 @@ class LogWriter:
                 close_old_connections()
                 return
 
-    def _write(self, batch: Sequence[tuple[Generation, _Waiter | None]]) -> dict[int, BaseException]:
-        rows = [row for row, _ in batch]
+    def _write(self, batch: Sequence[tuple[Generation, _Waiter | None, bool]]) -> dict[int, BaseException]:
+        rows = [row for row, _, _ in batch]
         try:
             with transaction.atomic():
                 Generation.objects.bulk_create(rows)
@@ -220,14 +222,15 @@ class LogWriter:
                 time.sleep(0.05 * 2**attempt)
 
     def _resolve(
-        self, batch: Sequence[tuple[Generation, _Waiter | None]], failures: dict[int, BaseException]
+        self, batch: Sequence[tuple[Generation, _Waiter | None, bool]], failures: dict[int, BaseException]
     ) -> None:
         # One wake-up per event loop for the whole batch, not one per row.
         by_loop: defaultdict[
             asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None], BaseException | None]]
         ]
         by_loop = defaultdict(list)
-        for index, (_, waiter) in enumerate(batch):
+        for index, (_, waiter, counted) in enumerate(batch):
+            metrics.log_row_done(counted=counted, lost=index in failures)
             if waiter is not None:
                 loop, done = waiter
                 by_loop[loop].append((done, failures.get(index)))

@@ -17,6 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
+from ... import metrics
 from ...models import Persona
 from ..backends import Backend
 from ..errors import internal
@@ -68,6 +69,9 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                     await asyncio.sleep(retry_delay(attempt, options))
                 request = plan.persona.build_request(topic=plan.topic, messages=plan.messages, model=model)
                 meta = Meta(model=plan.backend.model_name(model), step=step)
+                metrics.attempt_started(
+                    backend=plan.backend.name, model=meta.model, step=step, attempt=attempt
+                )
                 started = False
                 # From the request, not from the headers: an upstream's Meta does not restart it,
                 # so a listener can tell how long a live flight may take (first_token_budget).

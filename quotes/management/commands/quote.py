@@ -36,7 +36,8 @@ class Command(BaseCommand):
             slugs = ", ".join([p.slug async for p in Persona.objects.active()])
             raise CommandError(f"No active persona {slug!r}. Try one of: {slugs}") from None
         model = ""
-        async for event in stream_generation(persona=persona, topic=topic or persona.default_topic):
+        events = stream_generation(persona=persona, topic=topic or persona.default_topic, transport="cli")
+        async for event in events:
             if type(event) is Meta:
                 model = event.model or model
             elif type(event) is Token:

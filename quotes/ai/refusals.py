@@ -1,0 +1,188 @@
+"""Refused requests (429), counted instead of logged one row each.
+
+A client over its limit can send hundreds of requests a second (a WebSocket sent 181 `start`
+frames in 0.9 s). A full log row for each (the whole request, about 31 KB) grew the table
+without bound and, on SQLite, held the write lock against the rows of live streams. So the
+refusals of one client, persona and reason in one rate-limit window share one small row (no
+request body, topic or text) whose `request_count` says how many there were:
+
+- the first refusal in the window inserts the row, before the 429 goes out;
+- every refusal is counted in the cache (one atomic increment, as the limit itself is);
+- the count is copied to the row at most once a second (`FLUSH_AFTER_S`) after refusals
+  stop arriving in it, by a timer in this process, so a flood costs two writes a second at most.
+
+The analytics sum `request_count`, so every refusal is still counted there. The row's id is
+derived from the window's cache key (keyed with the SECRET_KEY), so processes sharing a Redis
+cache update the same row (without Redis each process keeps its own); a process that stops
+within a second of a refusal may leave that last second uncounted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import time
+import uuid
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.cache import cache, caches
+from django.core.cache.backends.locmem import LocMemCache
+from django.db import IntegrityError, OperationalError, close_old_connections
+
+from ..models import Generation, Persona, PersonaVersion
+from . import limits
+
+logger = logging.getLogger(__name__)
+
+#: How long after a refusal its window's count is copied to the log row.
+FLUSH_AFTER_S = 1.0
+
+#: Flushes waiting to run in this process, by cache key: at most one per window.
+_pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
+_running: set[asyncio.Task[None]] = set()
+
+
+async def record_refusal(
+    *,
+    persona: Persona,
+    version: PersonaVersion | None,
+    backend: str,
+    model: str,
+    client_key: str,
+    client_hash: str,
+    preview: bool,
+    code: str,
+    message: str,
+    window: int,
+    status: str | None = None,
+) -> None:
+    """Count one refused request; the first of its window also writes the row. Never raises
+    (but for cancellation): the visitor's 429 (or 503) must go out whatever the log's trouble.
+    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream cap)."""
+    try:
+        await _record(
+            persona=persona,
+            version=version,
+            backend=backend,
+            model=model,
+            client_key=client_key,
+            client_hash=client_hash,
+            preview=preview,
+            code=code,
+            message=message,
+            window=window,
+            status=status or Generation.Status.RATE_LIMITED,
+        )
+    except Exception:
+        logger.exception("could not record a refused request")
+
+
+async def _record(
+    *,
+    persona: Persona,
+    version: PersonaVersion | None,
+    backend: str,
+    model: str,
+    client_key: str,
+    client_hash: str,
+    preview: bool,
+    code: str,
+    message: str,
+    window: int,
+    status: str,
+) -> None:
+    index = int(time.time() // window)
+    # A cache of this process's own (no Redis) counts this process's refusals only: each
+    # process then keeps its own row, so the analytics' sum is still every refusal.
+    scope = f":pid{os.getpid()}" if isinstance(caches["default"], LocMemCache) else ""
+    key = f"quotes:refusals:{client_key}:{persona.pk}:{code}:{int(preview)}:{window}:{index}{scope}"
+    # Kept past the window's end, so a flush that runs after it still reads the count.
+    count = await limits.run_on_cache(limits.count_in_window, key, window + int(FLUSH_AFTER_S) + 60)
+    public_id = _row_id(key)
+    if count == 1:
+        row = Generation(
+            public_id=public_id,
+            persona_id=persona.pk,
+            persona_version=version,
+            backend=backend,
+            model=model,
+            status=status,
+            error_code=code,
+            error_message=message,
+            client_hash=client_hash,
+            is_preview=preview,
+            request_count=1,
+        )
+        try:
+            await _save_new(row)
+            return
+        except IntegrityError:  # the count was lost (cache restarted), not the row
+            pass
+    _schedule_flush(key, public_id)
+
+
+def _row_id(key: str) -> uuid.UUID:
+    """The window's row: the same in every process, and not guessable from outside."""
+    digest = hmac.new(settings.SECRET_KEY.encode(), key.encode(), hashlib.sha256).digest()
+    return uuid.UUID(bytes=digest[:16], version=4)
+
+
+async def _save_new(row: Generation) -> None:
+    async def insert(attempts: int = 5) -> None:
+        for attempt in range(attempts):
+            try:
+                await row.asave(force_insert=True)
+                return
+            except OperationalError:  # SQLite briefly locked by the rows of live streams
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.05 * 2**attempt)
+
+    await asyncio.shield(asyncio.ensure_future(insert()))  # a client leaving must not cost the row
+
+
+def _schedule_flush(key: str, public_id: uuid.UUID) -> None:
+    loop = asyncio.get_running_loop()
+    pending = _pending.get(key)
+    if pending is not None and pending[0] is loop and not pending[1].cancelled():
+        return  # that flush reads the count after this refusal was added
+    _pending[key] = (loop, loop.call_later(FLUSH_AFTER_S, _start_flush, key, public_id))
+
+
+def _start_flush(key: str, public_id: uuid.UUID) -> None:
+    _pending.pop(key, None)  # before reading the count: a refusal from now on schedules anew
+    task = asyncio.ensure_future(_flush(key, public_id))
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+
+
+async def _flush(key: str, public_id: uuid.UUID) -> None:
+    try:
+        count = await limits.run_on_cache(cache.get, key)
+        if isinstance(count, int) and count > 1:
+            await sync_to_async(_write_count, thread_sensitive=False)(public_id, count)
+    except Exception:
+        logger.exception("could not record refused requests")
+
+
+def _write_count(public_id: uuid.UUID, count: int, attempts: int = 5) -> None:
+    # Outside any request: a worker thread's connection is closed here, or nothing would.
+    close_old_connections()
+    try:
+        for attempt in range(attempts):
+            try:
+                # Only upward: another process may have written a later count already.
+                Generation.objects.filter(public_id=public_id, request_count__lt=count).update(
+                    request_count=count
+                )
+                return
+            except OperationalError:  # SQLite briefly locked by the rows of live streams
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+    finally:
+        close_old_connections()

@@ -1,0 +1,305 @@
+"""Who is asking, and whether to believe them.
+
+- `client_address`: the address an anonymous client is counted by (rate limits, stream slots,
+  votes, admin login throttling): IPv6 by its network, so one host cannot rotate its way out.
+- `TrustedProxyMiddleware`: the client's address (and scheme) from `X-Forwarded-For` /
+  `X-Forwarded-Proto`, believed only when the peer is one of `QUOTES_TRUSTED_PROXIES`. It wraps
+  the whole ASGI app (config/asgi.py), so HTTP and the WebSocket see the same client.
+- `refuse_cross_site`: a browser on another site must not start a paid generation.
+- `frame_too_large`, `count_refused_start`: the WebSocket's frame cap, and the rate limit for
+  `start` frames refused before they reach the gateway (which counts the others).
+- `LoginThrottleBackend`, `login_client_address`, `login_locked_out`: django-axes for the admin
+  login.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import math
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from asgiref.sync import sync_to_async
+from axes.backends import AxesStandaloneBackend
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.utils.http import is_same_domain
+
+from .ai import limits
+from .ai.errors import QuoteError
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _address(text: str) -> Address | None:
+    try:
+        address = ipaddress.ip_address(text.strip())
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped  # ::ffff:192.0.2.1 is 192.0.2.1, whichever stack accepted it
+    return address
+
+
+# --- the client's address, as limits count it -----------------------------------------------
+
+
+def client_address(ip: str) -> str:
+    """The address an anonymous client is counted by. An IPv4 address counts whole. An IPv6
+    address counts as its network, `QUOTES_IPV6_PREFIX` bits long (a /64 by default: what one
+    subscriber or one cloud instance is usually given), written as that network's first
+    address. Anything that is not an address (a unix socket has none) is returned as it is."""
+    address = _address(ip)
+    if address is None:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address):
+        network = ipaddress.IPv6Network((int(address), settings.QUOTES_IPV6_PREFIX), strict=False)
+        return str(network.network_address)
+    return str(address)
+
+
+# --- trusted proxies --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TrustedProxies:
+    networks: tuple[Network, ...]
+    #: a unix socket has no peer address: only a local process (nginx) can reach it
+    unix: bool
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def parse(entries: tuple[str, ...]) -> TrustedProxies:
+        networks = tuple(ipaddress.ip_network(entry, strict=False) for entry in entries if entry != "unix")
+        return TrustedProxies(networks=networks, unix="unix" in entries)
+
+    def trusts(self, address: Address) -> bool:
+        return any(address in network for network in self.networks)
+
+    def trusts_peer(self, client: Sequence[Any] | None) -> bool:
+        if not client or not client[0]:
+            return self.unix
+        address = _address(str(client[0]))
+        return address is not None and self.trusts(address)
+
+    def forwarded_client(self, hops: list[str]) -> str | None:
+        """The client in an X-Forwarded-For chain: each proxy appends the address it saw, so
+        read from the right and stop at the first hop that is not a trusted proxy. Anything
+        left of that hop was written by the client and proves nothing."""
+        for hop in reversed(hops):
+            address = _hop_address(hop)
+            if address is None:
+                return None  # garbage (or "unknown") where an address should be: believe none
+            if not self.trusts(address):
+                return str(address)
+        first = _hop_address(hops[0]) if hops else None  # every hop a proxy of ours
+        return str(first) if first is not None else None
+
+
+def _hop_address(hop: str) -> Address | None:
+    """One X-Forwarded-For entry: `192.0.2.1`, `192.0.2.1:4711`, `2001:db8::1` or `[2001:db8::1]:4711`."""
+    hop = hop.strip()
+    if hop.startswith("["):
+        hop = hop[1 : hop.find("]")] if "]" in hop else ""
+    elif hop.count(":") == 1:
+        hop = hop.partition(":")[0]
+    return _address(hop)
+
+
+def trusted_proxies() -> TrustedProxies:
+    return TrustedProxies.parse(tuple(settings.QUOTES_TRUSTED_PROXIES))
+
+
+def _header_values(scope: Scope, name: bytes) -> list[str]:
+    return [value.decode("latin-1") for key, value in scope.get("headers", ()) if key.lower() == name]
+
+
+class TrustedProxyMiddleware:
+    """Pure ASGI, around everything: when the peer is a trusted proxy, the client address and the
+    scheme it forwarded replace the peer's in the scope (`scope["client"]` becomes Django's
+    REMOTE_ADDR, and the consumer's client). From any other peer the headers change nothing.
+
+    daphne's own `--proxy-headers` is not used: it believes the header from whoever connects.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            proxies = trusted_proxies()
+            if proxies.trusts_peer(scope.get("client")):
+                scope = _forwarded_scope(scope, proxies)
+        await self.app(scope, receive, send)
+
+
+def _forwarded_scope(scope: Scope, proxies: TrustedProxies) -> Scope:
+    hops = [
+        hop for value in _header_values(scope, b"x-forwarded-for") for hop in value.split(",") if hop.strip()
+    ]
+    protos = _header_values(scope, b"x-forwarded-proto")
+    if not hops and not protos:
+        return scope
+    scope = dict(scope)  # the server's dict is its own
+    client = proxies.forwarded_client(hops) if hops else None
+    if client is not None:
+        scope["client"] = (client, 0)  # the client's port is not forwarded
+    proto = protos[-1].strip().lower() if protos else ""
+    if proto in ("http", "https"):
+        scope["scheme"] = proto if scope["type"] == "http" else proto.replace("http", "ws")
+    return scope
+
+
+# --- cross-site requests ----------------------------------------------------------------------
+
+
+def refuse_cross_site(request: HttpRequest) -> None:
+    """Raise a 403 for a browser request sent from another site's page. Browsers say where a
+    request comes from: `Sec-Fetch-Site` (all current ones) and `Origin` (on every cross-origin
+    fetch or EventSource, and on every POST). A request with neither, such as curl's, is not a
+    browser riding a visitor's session, and passes."""
+    if request.headers.get("Sec-Fetch-Site") == "cross-site":
+        raise _cross_site()
+    origin = request.headers.get("Origin")
+    if origin is not None and not _own_origin(request, origin):
+        raise _cross_site()
+
+
+def _cross_site() -> QuoteError:
+    return QuoteError(
+        "cross_site",
+        "Quotes can only be asked for from this site's own pages (or without a browser, e.g. curl).",
+        403,
+    )
+
+
+def _own_origin(request: HttpRequest, origin: str) -> bool:
+    """This site's origin, or one of DJANGO_CSRF_TRUSTED_ORIGINS (wildcards as Django reads them)."""
+    if origin == f"{request.scheme}://{request.get_host()}" or origin in settings.CSRF_TRUSTED_ORIGINS:
+        return True
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    for trusted in settings.CSRF_TRUSTED_ORIGINS:
+        if "*" in trusted:
+            pattern = urlsplit(trusted)
+            if pattern.scheme == parts.scheme and is_same_domain(parts.netloc, pattern.netloc.lstrip("*")):
+                return True
+    return False
+
+
+# --- limits the gateway does not see ---------------------------------------------------------
+
+
+class RateLimited(QuoteError):
+    """A 429 with the seconds until asking again makes sense (sent as Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__("rate_limited", message, 429)
+        self.retry_after = retry_after
+
+
+def frame_too_large(text_data: str | None, bytes_data: bytes | None) -> QuoteError | None:
+    """A WebSocket frame over QUOTES_MAX_FRAME_BYTES, refused before anything parses or cleans it."""
+    cap = settings.QUOTES_MAX_FRAME_BYTES
+    if text_data is not None:
+        size = len(text_data)
+        if size * 4 > cap:  # could be over in UTF-8 (up to 4 bytes a character): measure
+            size = len(text_data.encode("utf-8", "surrogatepass"))
+    else:
+        size = len(bytes_data or b"")
+    if size <= cap:
+        return None
+    return QuoteError("frame_too_large", f"A frame may be at most {cap} bytes (UTF-8).", 413)
+
+
+async def count_refused_start(client_key: str) -> RateLimited | None:
+    """Count a quote request that is refused before the gateway (invalid, or its socket busy)
+    against the client's rate limit, as the gateway counts the rest: otherwise invalid requests
+    are free, and each can cost a database query. The RateLimited to answer instead of the
+    request's own error once the client is over the limit; None until then."""
+    limit, window = settings.QUOTES_GATEWAY["rate_limit"]
+    retry_after = await limits.run_on_cache(
+        limits.count_request, "rate", client_key, limit=limit, window=window
+    )
+    if retry_after is None:
+        return None
+    return RateLimited(
+        f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s.", retry_after
+    )
+
+
+# --- the admin login (django-axes hooks, named in config/settings.py) -------------------------
+
+
+class LoginThrottleBackend(AxesStandaloneBackend):
+    """django-axes' backend (first in AUTHENTICATION_BACKENDS: it refuses a locked-out client
+    before any password is checked), made whole for Django 5.2:
+
+    - Django 5.2's `aauthenticate` calls `aauthenticate` on every backend, which axes 8.3 lacks
+      (an AttributeError for any async login);
+    - a call with no request (code logging a user in: tests, scripts) has no client to count,
+      so it is not throttled, where axes would raise.
+    """
+
+    def authenticate(
+        self,
+        request: HttpRequest | None,
+        username: str | None = None,
+        password: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if request is None:
+            return None
+        return super().authenticate(request, username, password, **kwargs)
+
+    async def aauthenticate(
+        self,
+        request: HttpRequest | None,
+        username: str | None = None,
+        password: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if request is None:
+            return None
+        # axes counts and checks in the database, with the sync ORM: one thread hop, per login only.
+        return await sync_to_async(self.authenticate)(request, username, password, **kwargs)
+
+
+def login_client_address(request: HttpRequest) -> str | None:
+    """AXES_CLIENT_IP_CALLABLE: the same address rate limits count (REMOTE_ADDR is already the
+    forwarded one when a trusted proxy sent it)."""
+    return client_address(request.META.get("REMOTE_ADDR") or "") or None
+
+
+def login_locked_out(
+    request: HttpRequest, original_response: object = None, credentials: object = None
+) -> HttpResponse:
+    """AXES_LOCKOUT_CALLABLE: a readable page (429, with Retry-After) instead of axes' bare text."""
+    from axes.helpers import get_cool_off
+
+    cool_off = get_cool_off(request)
+    seconds = int(cool_off.total_seconds()) if cool_off is not None else 0
+    response = render(
+        request,
+        "admin/login_locked_out.html",
+        {
+            "title": "Too many failed logins",
+            "failure_limit": settings.AXES_FAILURE_LIMIT,
+            "cooloff_minutes": max(1, math.ceil(seconds / 60)) if seconds else None,
+        },
+        status=429,
+    )
+    if seconds:
+        response["Retry-After"] = str(seconds)
+    return response

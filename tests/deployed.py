@@ -1,0 +1,100 @@
+"""daphne as the deploy files start it (a systemd unit's ExecStart, or the Dockerfile's CMD),
+run here as a subprocess on a free 127.0.0.1 port: the tests read the flags from the files
+themselves, so a change to a unit or to the Dockerfile is what gets tested."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.scaleout.services import stop_process, tail
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Production settings, whatever the test run's own environment says.
+PRODUCTION = {
+    "DJANGO_DEBUG": "false",
+    "DJANGO_SECRET_KEY": "deployed-test-" + "k3y" * 20,
+    "DJANGO_SECURE_SSL_REDIRECT": "false",  # plain HTTP on 127.0.0.1 here
+    "AI_BACKEND": "local",
+}
+
+
+def instruction(source: str, prefix: str) -> str:
+    """The text of `prefix` (e.g. `ExecStart=`, `CMD `) in deploy/`source`, continuation lines joined."""
+    lines = (ROOT / "deploy" / source).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(prefix))
+    text = lines[start].removeprefix(prefix)
+    while text.endswith("\\"):
+        start += 1
+        text = text[:-1] + " " + lines[start]
+    return text.strip()
+
+
+def command_args(text: str) -> list[str]:
+    """A Dockerfile exec-form array, or a shell-style command line."""
+    return list(json.loads(text)) if text.startswith("[") else shlex.split(text)
+
+
+def daphne_command(source: str, port: int) -> list[str]:
+    """daphne's arguments as deploy/`source` runs it, on 127.0.0.1:`port` instead of its socket
+    or public port."""
+    prefix = "CMD " if source == "Dockerfile" else "ExecStart="
+    args = command_args(instruction(source, prefix))
+    assert args[0].endswith("daphne"), args
+    if "--unix-socket" in args:
+        at = args.index("--unix-socket")
+        args[at : at + 2] = ["-b", "127.0.0.1", "-p", str(port)]
+    else:
+        args[args.index("-b") + 1] = "127.0.0.1"
+        args[args.index("-p") + 1] = str(port)
+    return [sys.executable, "-m", "daphne", *args[1:]]
+
+
+def environment(**overrides: str) -> dict[str, str]:
+    prefixes = (
+        "DJANGO_",
+        "CLOUDFLARE_",
+        "AI_",
+        "QUOTES_",
+        "OPENAI_",
+        "DATABASE_URL",
+        "REDIS_URL",
+        "LOCAL_MODEL_",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update(PRODUCTION)
+    env.update(overrides)
+    return env
+
+
+@contextlib.contextmanager
+def running_daphne(
+    source: str, port: int, env: dict[str, str], log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """daphne started from deploy/`source`, once it answers HTTP (any status)."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            daphne_command(source, port), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/api/quotes/stream", timeout=2)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline, tail(log)
+                time.sleep(0.2)
+        yield process
+    finally:
+        stop_process(process)

@@ -1,0 +1,108 @@
+"""Admin login throttling (issue 13, point 6): django-axes through the real admin login form,
+posted by Django's AsyncClient (the ASGI handler and the whole middleware chain, CSRF enforced)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import AsyncClient
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LOGIN = "/admin/login/"
+PASSWORD = "a-long-admin-password-for-tests-42"
+
+
+class Browser(AsyncClient):
+    """A browser at `address` (the ASGI scope's client), with CSRF enforced as a real one is."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(enforce_csrf_checks=True)
+        self.address = address
+
+    def _base_scope(self, **request: Any) -> dict[str, Any]:
+        scope: dict[str, Any] = super()._base_scope(**request)
+        scope["client"] = [self.address, 0]
+        return scope
+
+
+@pytest.fixture
+async def admin() -> User:
+    return await User.objects.acreate_superuser("boss", "boss@example.com", PASSWORD)
+
+
+async def log_in(browser: AsyncClient, password: str) -> Any:
+    page = await browser.get(LOGIN)
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.content.decode())
+    assert token, page.content[:500]
+    return await browser.post(
+        LOGIN, {"username": "boss", "password": password, "next": "/admin/", "csrfmiddlewaretoken": token[1]}
+    )
+
+
+async def is_logged_in(browser: AsyncClient) -> bool:
+    return (await browser.get("/admin/")).status_code == 200
+
+
+async def test_admin_login_is_refused_after_n_failures_even_with_the_right_password(
+    admin: User, settings: Any
+) -> None:
+    settings.AXES_FAILURE_LIMIT = 3
+    browser = Browser("198.51.100.20")
+
+    first_failures = [await log_in(browser, "wrong") for _ in range(2)]
+    locking = await log_in(browser, "wrong")
+    right_password = await log_in(browser, PASSWORD)
+
+    for response in first_failures:
+        assert response.status_code == 200
+        assert b"Please enter the correct username and password" in response.content
+    for response in (locking, right_password):
+        assert response.status_code == 429
+        assert response["content-type"].startswith("text/html")
+        page = response.content.decode()
+        assert "Too many failed logins" in page and "even with the right password" in page
+        assert 0 < int(response["Retry-After"]) <= 15 * 60
+    assert not await is_logged_in(browser)
+
+    # Another address is not locked out, and the right password works there.
+    elsewhere = Browser("198.51.100.21")
+    assert (await log_in(elsewhere, PASSWORD)).status_code == 302
+    assert await is_logged_in(elsewhere)
+
+
+async def test_admin_login_lockout_counts_an_ipv6_64_as_one_address(admin: User, settings: Any) -> None:
+    settings.AXES_FAILURE_LIMIT = 3
+    for n in range(1, 4):
+        await log_in(Browser(f"2001:db8:9:9::{n}"), "wrong")
+
+    rotated = Browser("2001:db8:9:9::ffff")
+    response = await log_in(rotated, PASSWORD)
+
+    assert response.status_code == 429
+    assert not await is_logged_in(rotated)
+
+
+async def test_admin_login_success_resets_the_count(admin: User, settings: Any) -> None:
+    settings.AXES_FAILURE_LIMIT = 3
+    browser = Browser("198.51.100.22")
+    for _ in range(2):
+        await log_in(browser, "wrong")
+    assert (await log_in(browser, PASSWORD)).status_code == 302
+    await browser.alogout()
+
+    for _ in range(2):
+        assert (await log_in(browser, "wrong")).status_code == 200
+    assert (await log_in(browser, PASSWORD)).status_code == 302
+
+
+async def test_async_login_works_with_the_throttling_backend(admin: User) -> None:
+    """Django 5.2's aauthenticate() asks every backend for aauthenticate, which django-axes 8.3's
+    backend lacks; and a login from code (no request, no client address) is not throttled."""
+    browser = AsyncClient()
+
+    assert await browser.alogin(username="boss", password=PASSWORD)
+    assert (await browser.get("/admin/")).status_code == 200

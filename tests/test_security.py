@@ -1,0 +1,515 @@
+"""Issue 13's ways around the limits, each tried through a real interface: the ASGI app (HTTP and
+the WebSocket), and a real daphne started with the Dockerfile's own command. The upstream is the
+fake Workers AI server on 127.0.0.1.
+
+1. IPv6 clients are counted by their /64 (QUOTES_IPV6_PREFIX); IPv4-mapped addresses as IPv4.
+2. X-Forwarded-For is believed only from QUOTES_TRUSTED_PROXIES (quotes.security).
+3. A browser on another site cannot start a generation (Sec-Fetch-Site / Origin).
+11. A lone surrogate in a topic or a turn is a 400, not a crash in the backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.conf import settings as django_settings
+
+from quotes.ai.backends import reset_backends
+from quotes.models import Generation, Persona
+from tests.asgi import AsgiStream, StreamedResponse, parse_sse
+from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
+from tests.fakes.workers_ai import FakeWorkersAI
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAM_URL = "/api/quotes/stream"
+
+
+@pytest.fixture
+async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
+    yield fake_workers_ai
+    await reset_backends()
+
+
+def limit_to(settings: Any, count: int) -> None:
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (count, 60)}
+
+
+async def at_start_of_window(window: int = 60, margin_s: float = 5.0) -> None:
+    import asyncio
+
+    remaining = window - time.time() % window
+    if remaining < margin_s:
+        await asyncio.sleep(remaining + 0.05)
+
+
+async def post(
+    body: dict[str, Any] | bytes | None = None,
+    *,
+    client: tuple[str, int] | None = ("127.0.0.1", 50000),
+    headers: dict[str, str] | None = None,
+) -> StreamedResponse:
+    raw = body if isinstance(body, bytes) else json.dumps(body or {"persona": "test-watts"}).encode()
+    stream = AsgiStream(
+        "POST",
+        STREAM_URL,
+        body=raw,
+        headers={"content-type": "application/json", **(headers or {})},
+        client=client,  # type: ignore[arg-type]
+    )
+    await stream.start()
+    return await stream.read_all()
+
+
+async def get(query: str, headers: dict[str, str] | None = None) -> StreamedResponse:
+    stream = AsgiStream("GET", STREAM_URL, query=query, headers=headers)
+    await stream.start()
+    return await stream.read_all()
+
+
+def ip_hash(ip: str) -> str:
+    return hmac.new(django_settings.SECRET_KEY.encode(), ip.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def assert_json_error(response: StreamedResponse, status: int, code: str) -> dict[str, Any]:
+    assert response.status == status, response.body[:300]
+    assert response.headers["content-type"] == "application/json", response.headers
+    error = response.json()["error"]
+    assert error["code"] == code, error
+    assert error["message"]
+    return dict(error)
+
+
+def assert_streamed(response: StreamedResponse) -> None:
+    assert response.status == 200, response.body[:300]
+    assert response.headers["content-type"] == "text/event-stream"
+    assert b"[DONE]" in response.body
+
+
+async def hashes() -> list[str]:
+    return [row.client_hash async for row in Generation.objects.order_by("id")]
+
+
+# -- 1. IPv6: one /64 is one client --------------------------------------------------------------
+
+
+async def test_ipv6_rotating_addresses_in_one_64_are_refused_like_one_address(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    limit_to(settings, 3)
+    await at_start_of_window()
+    for n in range(1, 4):
+        assert_streamed(await post(client=(f"2001:db8:1:2::{n}", 1000)))
+
+    rotated = await post(client=("2001:db8:1:2:ffff:ffff:ffff:fffe", 1000))
+    next_network = await post(client=("2001:db8:1:3::1", 1000))
+
+    assert_json_error(rotated, 429, "rate_limited")
+    assert rotated.headers["retry-after"].isdigit()
+    assert_streamed(next_network)
+    logged = await hashes()
+    assert logged[:4] == [ip_hash("2001:db8:1:2::")] * 4  # the log counts the /64, too
+    assert logged[4] == ip_hash("2001:db8:1:3::")
+
+
+async def test_ipv6_prefix_is_a_setting(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
+    settings.QUOTES_IPV6_PREFIX = 128  # every address its own client again
+    limit_to(settings, 1)
+    await at_start_of_window()
+
+    responses = [await post(client=(f"2001:db8:1:2::{n}", 1000)) for n in range(1, 4)]
+
+    for response in responses:
+        assert_streamed(response)
+
+
+async def test_ipv4_mapped_ipv6_counts_as_the_ipv4_address(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    limit_to(settings, 1)
+    await at_start_of_window()
+    assert_streamed(await post(client=("198.51.100.7", 1000)))
+
+    mapped = await post(client=("::ffff:198.51.100.7", 1000))
+
+    assert_json_error(mapped, 429, "rate_limited")
+    assert await hashes() == [ip_hash("198.51.100.7")] * 2
+
+
+# -- 2. forwarded client addresses: only from trusted proxies ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("peer", "forwarded", "trusted", "counted_as"),
+    [
+        # a visitor who reaches the server directly picks nothing
+        pytest.param(("203.0.113.9", 4000), "198.51.100.1", None, "203.0.113.9", id="untrusted-peer"),
+        # nginx on this host (loopback is trusted by default) says who the visitor is
+        pytest.param(("127.0.0.1", 4000), "198.51.100.1", None, "198.51.100.1", id="loopback-proxy"),
+        # what the visitor wrote left of the proxy's own entry proves nothing
+        pytest.param(
+            ("127.0.0.1", 4000), "6.6.6.6, 198.51.100.1", None, "198.51.100.1", id="client-prefix-ignored"
+        ),
+        # a chain of trusted proxies: the first address from the right that is not one of them
+        pytest.param(
+            ("10.0.0.5", 4000),
+            "198.51.100.1, 10.0.0.2",
+            ["10.0.0.0/8"],
+            "198.51.100.1",
+            id="chain-of-proxies",
+        ),
+        pytest.param(
+            ("10.0.0.5", 4000), "[2001:db8:5::1]:4711", ["10.0.0.0/8"], "2001:db8:5::", id="ipv6-port"
+        ),
+        # a unix socket (no peer address): trusted by default, as only nginx can reach it
+        pytest.param(None, "198.51.100.1", None, "198.51.100.1", id="unix-socket"),
+        pytest.param(None, "198.51.100.1", ["127.0.0.1"], "", id="unix-socket-not-trusted"),
+        pytest.param(("127.0.0.1", 4000), "not-an-address", None, "127.0.0.1", id="garbage-header"),
+        pytest.param(("127.0.0.1", 4000), "198.51.100.1", [], "127.0.0.1", id="nothing-trusted"),
+    ],
+)
+async def test_forwarded_for_is_believed_only_from_a_trusted_proxy_over_http(
+    persona: Persona,
+    fake: FakeWorkersAI,
+    settings: Any,
+    peer: tuple[str, int] | None,
+    forwarded: str,
+    trusted: list[str] | None,
+    counted_as: str,
+) -> None:
+    if trusted is not None:
+        settings.QUOTES_TRUSTED_PROXIES = trusted
+
+    response = await post(client=peer, headers={"x-forwarded-for": forwarded, "x-real-ip": "192.0.2.66"})
+
+    assert_streamed(response)
+    assert await hashes() == [ip_hash(counted_as)]
+
+
+async def test_forwarded_for_is_believed_only_from_a_trusted_proxy_over_the_websocket(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    from config.asgi import application
+
+    for peer, counted_as in ((("203.0.113.9", 4000), "203.0.113.9"), (("127.0.0.1", 4000), "198.51.100.1")):
+        socket_ = WebsocketCommunicator(
+            application,
+            "/ws/quotes/",
+            headers=[
+                (b"origin", b"http://127.0.0.1"),
+                (b"host", b"127.0.0.1"),
+                (b"x-forwarded-for", b"198.51.100.1"),
+            ],
+        )
+        socket_.scope["client"] = peer  # as the server would set it (read when the app starts)
+        connected, _ = await socket_.connect()
+        assert connected
+        await socket_.send_json_to({"type": "start", "persona": persona.slug, "topic": counted_as})
+        while (frame := await socket_.receive_json_from(timeout=10))["type"] not in ("done", "error"):
+            pass
+        assert frame["type"] == "done", frame
+        await socket_.disconnect()
+
+    assert await hashes() == [ip_hash("203.0.113.9"), ip_hash("198.51.100.1")]
+
+
+async def test_forwarded_proto_from_a_trusted_proxy_sets_the_scheme(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    """An https page behind nginx: its same-origin Origin header must match (point 3 relies on it)."""
+    https_origin = {"origin": "https://testserver", "sec-fetch-site": "same-origin"}
+
+    behind_proxy = await post(
+        client=("127.0.0.1", 4000), headers={"x-forwarded-proto": "https", **https_origin}
+    )
+    forged = await post(client=("203.0.113.9", 4000), headers={"x-forwarded-proto": "https", **https_origin})
+
+    assert_streamed(behind_proxy)
+    assert_json_error(forged, 403, "cross_site")  # http://testserver, as far as an untrusted peer goes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dockerfile_daphne_command() -> list[str]:
+    """The daphne command of deploy/Dockerfile's CMD (exec form, with line continuations)."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text().replace("\\\n", " ")
+    match = re.search(r"^CMD\s+(\[.*\])\s*$", text, re.MULTILINE)
+    assert match, "no exec-form CMD in deploy/Dockerfile"
+    command: list[str] = json.loads(match.group(1))
+    assert command[0] == "daphne"
+    return command
+
+
+@pytest.fixture
+def dockerfile_daphne(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterator[str]:
+    """deploy/Dockerfile's own daphne command on 127.0.0.1 (instead of 0.0.0.0:8000), on a fresh
+    SQLite file, answering from the fake Workers AI. 127.0.0.2 is its only trusted proxy, so
+    connecting from 127.0.0.1 is a visitor reaching the port directly."""
+    command = dockerfile_daphne_command()
+    port = _free_port()
+    args = command[1:]
+    args[args.index("-b") + 1] = "127.0.0.1"
+    args[args.index("-p") + 1] = str(port)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "AI_", "CLOUDFLARE_", "QUOTES_"))
+    }
+    env.update(
+        DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        AI_BACKEND="workers-ai",
+        CLOUDFLARE_ACCOUNT_ID=TEST_ACCOUNT_ID,
+        CLOUDFLARE_API_TOKEN=TEST_API_TOKEN,
+        CLOUDFLARE_API_BASE_URL=fake_workers_ai.api_base_url,
+        QUOTES_RATE_LIMIT="1/m",
+        QUOTES_CACHE_TTL="0",
+        QUOTES_TRUSTED_PROXIES="127.0.0.2",
+    )
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+    )
+    log_path = tmp_path / "daphne.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "daphne", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    httpx.get(url + "/", timeout=2)
+                    break
+                except httpx.TransportError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"daphne did not start:\n{log_path.read_text()}") from None
+                    time.sleep(0.2)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=15)
+
+
+def test_dockerfile_daphne_ignores_a_forged_client_address_and_honours_the_trusted_proxy(
+    dockerfile_daphne: str, fake_workers_ai: FakeWorkersAI
+) -> None:
+    def ask(source: str, forged_ip: str) -> httpx.Response:
+        transport = httpx.HTTPTransport(local_address=source)
+        with httpx.Client(transport=transport, timeout=20) as client:
+            return client.post(
+                dockerfile_daphne + STREAM_URL,
+                json={"persona": "alan-watts"},
+                headers={"X-Real-IP": forged_ip, "X-Forwarded-For": forged_ip},
+            )
+
+    # A visitor on the open port: each request claims another address, and is counted as its
+    # own (1 per minute), so the second is refused.
+    direct = [ask("127.0.0.1", f"198.51.100.{n}") for n in (1, 2)]
+    # The trusted proxy (127.0.0.2) forwards two different visitors: each has its own count.
+    proxied = [ask("127.0.0.2", f"192.0.2.{n}") for n in (1, 2)]
+
+    assert direct[0].status_code == 200, direct[0].text
+    assert direct[1].status_code == 429, direct[1].text
+    assert direct[1].json()["error"]["code"] == "rate_limited"
+    assert [r.status_code for r in proxied] == [200, 200], [r.text for r in proxied]
+
+
+@pytest.mark.parametrize("unit", ["persona-quotes.service", "persona-quotes@.service"])
+def test_systemd_units_leave_proxy_headers_to_the_app(unit: str) -> None:
+    """daphne's --proxy-headers believes whoever connects; the app's middleware decides instead."""
+    text = (ROOT / "deploy" / "systemd" / unit).read_text()
+    exec_start = text[text.index("ExecStart=") :].split("\n\n")[0]
+    assert "daphne" in exec_start
+    assert "--proxy-headers" not in exec_start
+
+
+# -- 3. cross-site requests cannot start a generation --------------------------------------------
+
+
+CROSS_SITE = [
+    pytest.param(
+        {"sec-fetch-site": "cross-site", "origin": "https://evil.example", "accept": "text/event-stream"},
+        id="eventsource-from-another-site",
+    ),
+    pytest.param({"sec-fetch-site": "cross-site"}, id="img-or-link-from-another-site"),
+    pytest.param({"origin": "https://evil.example"}, id="foreign-origin"),
+    pytest.param({"origin": "null"}, id="opaque-origin"),
+    pytest.param({"origin": "http://testserver.evil.example"}, id="lookalike-origin"),
+]
+
+
+@pytest.mark.parametrize("headers", CROSS_SITE)
+async def test_cross_site_get_is_403_and_never_reaches_the_upstream(
+    persona: Persona, fake: FakeWorkersAI, headers: dict[str, str]
+) -> None:
+    response = await get(f"persona={persona.slug}&topic=rain", headers)
+
+    error = assert_json_error(response, 403, "cross_site")
+    assert "this site" in error["message"]
+    assert fake.requests == []
+    assert not await Generation.objects.aexists()
+
+
+async def test_cross_site_json_post_is_403(persona: Persona, fake: FakeWorkersAI) -> None:
+    response = await post(headers={"origin": "https://evil.example", "sec-fetch-site": "cross-site"})
+
+    assert_json_error(response, 403, "cross_site")
+    assert fake.requests == []
+
+
+async def test_cross_site_htmx_request_gets_its_error_event(persona: Persona, fake: FakeWorkersAI) -> None:
+    response = await get(
+        f"persona={persona.slug}",
+        {"hx-request": "true", "sec-fetch-site": "cross-site", "origin": "https://evil.example"},
+    )
+
+    assert response.status == 403
+    assert response.headers["content-type"] == "text/event-stream"
+    [event] = parse_sse(response.body)
+    assert event["event"] == "error"
+    assert json.loads(event["data"])["code"] == "cross_site"
+    assert fake.requests == []
+
+
+SAME_SITE = [
+    pytest.param({}, id="curl"),
+    pytest.param(
+        {"accept": "text/event-stream", "sec-fetch-site": "same-origin"}, id="same-origin-eventsource"
+    ),
+    pytest.param(
+        {"sec-fetch-site": "same-origin", "origin": "http://testserver"}, id="same-origin-fetch-with-origin"
+    ),
+    pytest.param({"sec-fetch-site": "none"}, id="typed-into-the-address-bar"),
+]
+
+
+@pytest.mark.parametrize("headers", SAME_SITE)
+async def test_same_site_and_non_browser_requests_still_stream(
+    persona: Persona, fake: FakeWorkersAI, headers: dict[str, str]
+) -> None:
+    response = await get(f"persona={persona.slug}", headers)
+
+    assert response.status == 200, response.body[:300]
+    assert response.headers["content-type"] == "text/event-stream"
+    assert len(fake.requests) == 1
+
+
+async def test_csrf_trusted_origins_may_start_a_generation(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    settings.CSRF_TRUSTED_ORIGINS = ["https://quotes.example.com", "https://*.example.org"]
+
+    listed = await post(headers={"origin": "https://quotes.example.com", "sec-fetch-site": "same-site"})
+    wildcard = await post(
+        {"persona": persona.slug, "topic": "snow"},
+        headers={"origin": "https://www.example.org", "sec-fetch-site": "same-site"},
+    )
+    other = await post(headers={"origin": "https://example.net"})
+
+    assert_streamed(listed)
+    assert_streamed(wildcard)
+    assert_json_error(other, 403, "cross_site")
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [b"https://evil.example", b"null", b"http://127.0.0.1.evil.example"],
+)
+async def test_websocket_from_another_origin_is_refused(persona: Persona, origin: bytes) -> None:
+    from config.asgi import application
+
+    socket_ = WebsocketCommunicator(
+        application, "/ws/quotes/", headers=[(b"origin", origin), (b"host", b"127.0.0.1")]
+    )
+    connected, _ = await socket_.connect()
+
+    assert not connected
+
+
+async def test_websocket_from_this_site_is_accepted(persona: Persona) -> None:
+    from config.asgi import application
+
+    socket_ = WebsocketCommunicator(
+        application,
+        "/ws/quotes/",
+        headers=[(b"origin", b"http://127.0.0.1:8000"), (b"host", b"127.0.0.1:8000")],
+    )
+    connected, _ = await socket_.connect()
+
+    assert connected
+    await socket_.disconnect()
+
+
+# -- 11. lone surrogates ----------------------------------------------------------------------------
+
+SURROGATE_BODIES = [
+    pytest.param(b'{"persona": "test-watts", "topic": "rain \\ud800"}', id="topic"),
+    pytest.param(b'{"persona": "test-watts", "topic": "\\udfff"}', id="topic-low-surrogate-alone"),
+    pytest.param(
+        b'{"persona": "test-watts", "messages": [{"role": "user", "content": "and then? \\ud800"}]}',
+        id="message",
+    ),
+]
+
+
+@pytest.mark.parametrize("body", SURROGATE_BODIES)
+async def test_lone_surrogate_over_http_is_a_400(persona: Persona, fake: FakeWorkersAI, body: bytes) -> None:
+    response = await post(body)
+
+    error = assert_json_error(response, 400, "invalid_unicode")
+    assert "surrogate" in error["message"]
+    assert fake.requests == []
+    assert not await Generation.objects.aexists()
+
+
+async def test_a_surrogate_pair_is_a_character_and_passes(persona: Persona, fake: FakeWorkersAI) -> None:
+    response = await post(b'{"persona": "test-watts", "topic": "rain \\ud83c\\udf27"}')
+
+    assert_streamed(response)
+    row = await Generation.objects.aget()
+    assert row.topic == "rain \U0001f327"
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        '{"type": "start", "persona": "test-watts", "topic": "\\ud800"}',
+        '{"type": "start", "persona": "test-watts", "messages": [{"role": "user", "content": "x\\udc00"}]}',
+    ],
+)
+async def test_lone_surrogate_over_the_websocket_is_an_error_frame(
+    persona: Persona, fake: FakeWorkersAI, frame: str
+) -> None:
+    from config.asgi import application
+
+    socket_ = WebsocketCommunicator(
+        application, "/ws/quotes/", headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
+    )
+    connected, _ = await socket_.connect()
+    assert connected
+    try:
+        await socket_.send_to(text_data=frame)
+        reply = await socket_.receive_json_from(timeout=10)
+    finally:
+        await socket_.disconnect()
+
+    assert reply["type"] == "error" and reply["code"] == "invalid_unicode", reply
+    assert fake.requests == []
+    assert not await Generation.objects.aexists()
