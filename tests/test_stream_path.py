@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.core.cache import cache
 from django.db import connection, connections
@@ -247,6 +248,42 @@ async def test_log_writer_loses_no_row_of_many_concurrent_streams(
     expected = {"done": "ok", "leave": "cancelled", "drop": "error", "error": "error"}
     assert by_topic == {f"topic {i}": expected[o] for i, o in enumerate(outcomes)}
     assert "done" in ends.values() and "error" in ends.values()
+
+
+async def test_log_writer_a_row_that_cannot_be_written_costs_no_other_row(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    """Rows are inserted in batches; a batch with one row the database refuses (its persona was
+    deleted while it streamed) is written again row by row, so only that row is lost."""
+    doomed = await Persona.objects.acreate(
+        slug="doomed", name="Doomed", system_prompt="s", user_prompt_template="u", default_topic="t"
+    )
+    fake.default = Scenario(tokens=["a", "b"], stall_after_tokens=1, stall_s=0.5)
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=hold_the_write_lock, args=(locked, release))
+    streams = [stream(f"kept {index}") for index in range(8)]
+    streams.append(
+        AsgiStream(
+            "POST",
+            URL,
+            body=json.dumps({"persona": "doomed"}).encode(),
+            headers={"content-type": "application/json"},
+        )
+    )
+    for s in streams:
+        await first_token(s)
+    await sync_to_async(Persona.objects.filter(pk=doomed.pk).delete)()  # no row of it yet: allowed
+    holder.start()  # the rows queue up behind the lock, and go in as one batch
+    await asyncio.to_thread(locked.wait, 10)
+    readers = [asyncio.create_task(s.read_all()) for s in streams]
+    await asyncio.sleep(1.0)
+    release.set()
+    await asyncio.gather(*readers)
+    await asyncio.to_thread(holder.join, 10)
+
+    rows = await wait_for_rows(8)
+    assert sorted(row.topic for row in rows) == sorted(f"kept {index}" for index in range(8))
+    assert all(row.status == Generation.Status.OK for row in rows)
 
 
 async def test_log_row_keeps_text_postgresql_cannot_store(persona: Persona, fake: FakeWorkersAI) -> None:
