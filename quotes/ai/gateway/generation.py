@@ -136,7 +136,11 @@ async def stream_generation(
 
         ttl = options["cache_ttl"] if persona.cache_ttl is None else persona.cache_ttl
         use_cache = ttl > 0 and not (preview or bypass_cache or options["skip_cache"])
-        key = answer_key(backend=backend.name, request=primary, version_id=version.pk if version else None)
+        key = (
+            answer_key(backend=backend.name, request=primary, version_id=version.pk if version else None)
+            if use_cache
+            else ""
+        )
         record.cache_status = Generation.CacheStatus.MISS if use_cache else Generation.CacheStatus.BYPASS
         yield Meta(
             model=record.model,
@@ -160,6 +164,7 @@ async def stream_generation(
                     persona=persona,
                     topic=topic,
                     messages=messages,
+                    primary=primary,
                     models=list(dict.fromkeys(models)),
                     cache_key=key if use_cache else None,
                     cache_ttl=ttl,

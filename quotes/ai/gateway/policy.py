@@ -21,7 +21,7 @@ from ... import metrics
 from ...models import Persona
 from ..backends import Backend
 from ..errors import internal
-from ..events import Done, Error, Event, Message, Meta, Token
+from ..events import Done, Error, Event, GenerationRequest, Message, Meta, Token
 from ..watchdog import Watchdog
 
 #: Errors worth another attempt at the same model (before the first token only).
@@ -46,6 +46,8 @@ class Plan:
     persona: Persona
     topic: str
     messages: tuple[Message, ...]
+    #: the request for the persona's own model (built once, by the caller)
+    primary: GenerationRequest
     models: list[str]
     cache_key: str | None
     cache_ttl: int
@@ -67,7 +69,11 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
             for attempt in range(options["max_attempts"]):
                 if attempt:
                     await asyncio.sleep(retry_delay(attempt, options))
-                request = plan.persona.build_request(topic=plan.topic, messages=plan.messages, model=model)
+                request = (
+                    plan.primary
+                    if model == plan.primary.model
+                    else plan.persona.build_request(topic=plan.topic, messages=plan.messages, model=model)
+                )
                 meta = Meta(model=plan.backend.model_name(model), step=step)
                 metrics.attempt_started(
                     backend=plan.backend.name, model=meta.model, step=step, attempt=attempt
