@@ -45,6 +45,7 @@ from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, stream_generation
 from .feedback import count_vote, record_vote
 from .models import Generation, Persona, PersonaVersion
+from .request_threads import release_request_thread
 from .security import refuse_cross_site
 from .transports import (
     Encoder,
@@ -299,6 +300,9 @@ async def stream_response(
 ) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error that happens before
     any text gets its real HTTP status (a refusal its 429 or 503 and Retry-After); then stream."""
+    # Nothing from here on needs the request's thread: it goes back to the pool before the wait
+    # for the first token, so a burst of new streams holds none either (quotes.request_threads).
+    release_request_thread()
     opening = await open_stream(events)
     headers = _meta_headers(opening.meta)
     if type(opening.first) is Error:
@@ -328,6 +332,7 @@ def _htmx_error_response(error: Error, meta: Meta, headers: dict[str, str] | Non
 
 
 async def _htmx_stream(events: AsyncGenerator[Event, None]) -> HttpResponseBase:
+    release_request_thread()  # as in stream_response
     opening = await open_stream(events)
     headers = _meta_headers(opening.meta)
     if type(opening.first) is Error:

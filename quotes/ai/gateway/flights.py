@@ -145,6 +145,11 @@ class Listener:
                 if self.index < len(history):
                     event = history[self.index]
                     self.index += 1
+                    if self.index == len(history) and self.flight.key is None:
+                        # Nobody can join a flight without a key: what its one listener has
+                        # read is not kept (a stream may run for minutes).
+                        history.clear()
+                        self.index = 0
                     kind = type(event)
                     if kind is Token:
                         self.started = True

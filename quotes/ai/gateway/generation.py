@@ -182,7 +182,7 @@ async def stream_generation(
                 if type(event) is Token:
                     if record.ttft is None:
                         record.ttft = time.perf_counter()
-                    record.parts.append(event.text)
+                    record.add_text(event.text)
                     yield event
                     continue
                 if type(event) is Usage:

@@ -47,11 +47,18 @@ BATCH_SIZE = 500
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
+#: Tokens kept one by one before they are joined into one string (memory: a stream may run for
+#: minutes, and a str per token costs about 50 bytes besides its characters).
+JOIN_EVERY = 64
+
+
 @dataclass(slots=True)
 class Record:
     """What the log row needs, gathered while the stream flows (one append per token)."""
 
     started: float
+    #: the text so far: joined pieces of JOIN_EVERY tokens each, then the latest tokens
+    joined: list[str] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
     ttft: float | None = None
     usage: Usage | None = None
@@ -62,6 +69,17 @@ class Record:
     error: Error | None = None
     cache_status: str = ""
     public_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+    def add_text(self, text: str) -> None:
+        parts = self.parts
+        parts.append(text)
+        if len(parts) >= JOIN_EVERY:
+            self.joined.append("".join(parts))
+            parts.clear()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.joined) + "".join(self.parts)
 
     def row(
         self,
@@ -94,7 +112,7 @@ class Record:
             error_code=self.error.code if self.error else "",
             error_message=self.error.message if self.error else "",
             # PostgreSQL cannot store NUL in text: a model that writes one must not cost the row.
-            text="".join(self.parts).replace("\x00", ""),
+            text=self.text.replace("\x00", ""),
             prompt_tokens=usage.prompt_tokens if usage else None,
             completion_tokens=usage.completion_tokens if usage else None,
             cost_usd=cost,
