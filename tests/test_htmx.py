@@ -151,7 +151,7 @@ async def test_htmx_bad_input_is_an_error_event_with_a_readable_message(
 
 
 async def test_htmx_rate_limit_is_an_error_event_with_retry_after(persona: Persona, settings: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 3600)}
     first = await htmx_form_post({"persona": persona.slug})
     assert first.status == 200
 
