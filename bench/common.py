@@ -392,35 +392,56 @@ def serve_app(server: Server, *, migrate_sql: Sequence[str] = (), **extra_env: s
         with sqlite3.connect(db_path) as connection:
             for statement in migrate_sql:
                 connection.execute(statement)
-        port = free_port()
-        if server == "daphne":
-            # -v 0: no access log, like uvicorn's --no-access-log below (the app logs at WARNING).
-            command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
-            command += ["config.asgi:application"]
-        else:
-            command = [PYTHON, "-m", "uvicorn", "config.asgi:application", "--host", "127.0.0.1"]
-            command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
-        log_path = ARTIFACTS / f"{server}.log"  # the latest server of each kind
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        # /healthz, not /: the home page needs collected static files.
-                        urllib.request.urlopen(url + "/healthz", timeout=2).close()
-                        break
-                    except OSError:
-                        if process.poll() is not None or time.monotonic() > deadline:
-                            raise RuntimeError(f"{server} did not start; see {log_path}") from None
-                        time.sleep(0.1)
-                yield AppServer(server, url, process, db_path, log_path, env)
-            finally:
-                process.terminate()
+        with _serve(server, "config.asgi:application", env, server) as (process, url, log_path):
+            yield AppServer(server, url, process, db_path, log_path, env)
+
+
+@contextlib.contextmanager
+def serve_naive(upstream_url: str, headers: dict[str, str], server: Server = "daphne") -> Iterator[AppServer]:
+    """The naive Django proxy (bench/naive) under daphne, forwarding every POST to `upstream_url`
+    with `headers`: the baseline row."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "bench.naive.settings",
+        "BENCH_UPSTREAM_URL": upstream_url,
+        "BENCH_UPSTREAM_HEADERS": json.dumps(headers),
+    }
+    with _serve(server, "bench.naive.asgi:application", env, f"naive-{server}") as (process, url, log_path):
+        yield AppServer(server, url, process, Path(os.devnull), log_path, env)
+
+
+@contextlib.contextmanager
+def _serve(
+    server: Server, application: str, env: dict[str, str], name: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    port = free_port()
+    if server == "daphne":
+        # -v 0: no access log, like uvicorn's --no-access-log below (the app logs at WARNING).
+        command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port), application]
+    else:
+        command = [PYTHON, "-m", "uvicorn", application, "--host", "127.0.0.1"]
+        command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
+    log_path = ARTIFACTS / f"{name}.log"  # the latest server of each kind
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
                 try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                    # /healthz, not /: the home page needs collected static files.
+                    urllib.request.urlopen(url + "/healthz", timeout=2).close()
+                    break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"{name} did not start; see {log_path}") from None
+                    time.sleep(0.1)
+            yield process, url, log_path
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

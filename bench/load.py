@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -204,9 +204,12 @@ class StampingUpstream:
 
 
 @contextlib.contextmanager
-def serve_daphne(**extra_env: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+def serve_daphne(
+    application: str = "config.asgi:application", **extra_env: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """Like bench.common.serve_app("daphne"), but DJANGO_SETTINGS_MODULE may be chosen (app_env
-    drops it): bench.load_settings raises the upstream connection pool for --pool."""
+    drops it): bench.load_settings raises the upstream connection pool for --pool. The naive
+    proxy (`bench.naive.asgi:application`) has no database: nothing is migrated for it."""
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         settings_module = extra_env.pop("DJANGO_SETTINGS_MODULE", "")
@@ -214,10 +217,13 @@ def serve_daphne(**extra_env: str) -> Iterator[tuple[subprocess.Popen[bytes], st
         env = app_env(db_path, **{"DJANGO_SECURE_SSL_REDIRECT": "false", **extra_env})
         if settings_module:
             env["DJANGO_SETTINGS_MODULE"] = settings_module
-        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+        if application.startswith("config."):
+            subprocess.run(
+                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+            )
         port = free_port()
         command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
-        command += ["config.asgi:application"]
+        command += [application]
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         log_path = ARTIFACTS / "load-daphne.log"
         with log_path.open("wb") as log:
@@ -269,6 +275,9 @@ class Result:
     done: bool = False
     error: str = ""
     cancelled: bool = False
+    #: seconds to the response's headers, and whether a refusal said when to come back
+    headers_s: float = 0.0
+    retry_after: bool = False
 
 
 @dataclass
@@ -297,6 +306,8 @@ async def one_stream(host: str, port: int, index: int, run: Run, end_by: float) 
             reader.readuntil(b"\r\n\r\n"), timeout=max(1.0, end_by - time.monotonic())
         )
         result.status = int(head.split(b" ", 2)[1])
+        result.headers_s = time.monotonic() - started
+        result.retry_after = b"\r\nretry-after:" in head.lower()
         if result.status != 200:
             result.error = f"HTTP {result.status}: {(await reader.read(300))!r}"
             return
@@ -350,9 +361,26 @@ async def loop_lag(run: Run, stop: asyncio.Event) -> None:
         run.loop_lag_ms.append((loop.time() - before - 0.01) * 1000)
 
 
+def _rss(pids: Sequence[int]) -> dict[str, int]:
+    """rss_kib summed over the server processes (VmRSS, Threads, ...)."""
+    total: dict[str, int] = {}
+    for pid in pids:
+        for name, value in rss_kib(pid).items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
 async def drive(
-    url: str, pid: int, upstream: StampingUpstream, streams: int, duration: float, ramp_per_s: float
+    url: str,
+    pid: int | Sequence[int],
+    upstream: StampingUpstream,
+    streams: int,
+    duration: float,
+    ramp_per_s: float,
 ) -> tuple[Run, dict[str, Any]]:
+    """Open `streams` streams at `ramp_per_s` and read them to the end; sample the server
+    processes (`pid`: one, or several summed) during the plateau."""
+    pids = [pid] if isinstance(pid, int) else list(pid)
     host, port = url.removeprefix("http://").split(":")
     run = Run(streams)
     tasks = []
@@ -361,7 +389,7 @@ async def drive(
     ramp_s = streams / ramp_per_s
     # Every stream lasts `duration` s of tokens; the run ends 20 s after the last should finish.
     end_by = time.monotonic() + ramp_s + duration + 20
-    idle = rss_kib(pid)
+    idle = _rss(pids)
     started = time.monotonic()
     for index in range(streams):
         due = started + index / ramp_per_s
@@ -370,26 +398,26 @@ async def drive(
     ramped = time.monotonic()
     # The plateau: every stream open, none finished yet (the first ends `duration` s after it began).
     plateau_end = started + duration - 1
-    cpu_before, wall_before = cpu_seconds(pid), time.monotonic()
+    cpu_before, wall_before = sum(cpu_seconds(p) for p in pids), time.monotonic()
     tokens_before = len(run.delays_ns)
     client_cpu_before = time.process_time()
     while time.monotonic() < plateau_end:
-        sample = rss_kib(pid)
-        sample["fds"] = open_fds(pid)
+        sample = _rss(pids)
+        sample["fds"] = sum(open_fds(p) for p in pids)
         sample["t"] = round(time.monotonic() - started, 1)
         run.samples.append(sample)
         await asyncio.sleep(1.0)
-    cpu_used, tokens_seen = cpu_seconds(pid) - cpu_before, len(run.delays_ns) - tokens_before
+    wall = time.monotonic() - wall_before
+    cpu_used = sum(cpu_seconds(p) for p in pids) - cpu_before
+    tokens_seen = len(run.delays_ns) - tokens_before
     plateau = {
-        # daphne's CPU time over the tokens it delivered meanwhile: the per-token cost of the path.
+        # The servers' CPU time over the tokens they delivered meanwhile: the per-token cost.
         "cpu_us_per_token": round(cpu_used / max(1, tokens_seen) * 1e6, 1),
         "plateau_tokens": tokens_seen,
         "ramp_s": round(ramped - started, 1),
-        "plateau_s": round(time.monotonic() - wall_before, 1),
-        "daphne_cpu_pct": round(100 * (cpu_seconds(pid) - cpu_before) / (time.monotonic() - wall_before), 1),
-        "client_cpu_pct": round(
-            100 * (time.process_time() - client_cpu_before) / (time.monotonic() - wall_before), 1
-        ),
+        "plateau_s": round(wall, 1),
+        "daphne_cpu_pct": round(100 * cpu_used / wall, 1),
+        "client_cpu_pct": round(100 * (time.process_time() - client_cpu_before) / wall, 1),
         "idle": idle,
         "upstream": upstream.stats(),
     }
@@ -409,7 +437,7 @@ def count_rows(db_path: Path, expected: int, timeout_s: float = 120.0) -> dict[s
         with contextlib.closing(sqlite3.connect(db_path, timeout=20)) as connection:
             counts = dict(
                 connection.execute(
-                    "SELECT status, COUNT(*) FROM quotes_generation GROUP BY status"
+                    "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
                 ).fetchall()
             )
         still = still + 1 if counts == previous else 0
@@ -442,11 +470,23 @@ def scrape_metrics(url: str) -> dict[str, float]:
 
 
 METRICS_TOKEN = "bench-metrics-token-0123456789"
+NAIVE = "bench.naive.asgi:application"
 
 
-def one_run(streams: int, args: argparse.Namespace, *, metrics: bool = True) -> dict[str, Any]:
+def one_run(
+    streams: int, args: argparse.Namespace, path: str = "app", *, metrics: bool = True
+) -> dict[str, Any]:
     tokens = int(args.duration * args.tokens_per_second)
     upstream = StampingUpstream(tokens, args.tokens_per_second)
+    if path == "naive":
+        naive_env = {
+            "DJANGO_SETTINGS_MODULE": "bench.naive.settings",
+            "BENCH_UPSTREAM_URL": f"{upstream.api_base_url}/accounts/{ACCOUNT_ID}/ai/run/@cf/meta/llama-3.1-8b-instruct",
+            "BENCH_UPSTREAM_HEADERS": json.dumps(
+                {"Authorization": f"Bearer {API_TOKEN}", "Content-Type": "application/json"}
+            ),
+        }
+        return _one_run(streams, args, upstream, tokens, path, NAIVE, naive_env)
     env = {
         "QUOTES_METRICS_ENABLED": "true" if metrics else "false",
         "QUOTES_METRICS_TOKEN": METRICS_TOKEN,
@@ -462,12 +502,27 @@ def one_run(streams: int, args: argparse.Namespace, *, metrics: bool = True) -> 
     if args.pool:
         env["DJANGO_SETTINGS_MODULE"] = "bench.load_settings"
         env["BENCH_MAX_CONNECTIONS"] = str(args.pool)
+    for item in args.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    return _one_run(streams, args, upstream, tokens, path, "config.asgi:application", env)
+
+
+def _one_run(
+    streams: int,
+    args: argparse.Namespace,
+    upstream: StampingUpstream,
+    tokens: int,
+    path: str,
+    application: str,
+    env: dict[str, str],
+) -> dict[str, Any]:
     load_before = os.getloadavg()
     try:
-        with serve_daphne(**env) as (process, url, db_path):
+        with serve_daphne(application, **env) as (process, url, db_path):
             spy = None
             if args.profile:
-                spy_out = ARTIFACTS / f"load-{streams}.pyspy.txt"
+                spy_out = ARTIFACTS / f"load-{path}-{streams}.pyspy.txt"
                 command = [str(Path(PYTHON).parent / "py-spy"), "record", "--pid", str(process.pid)]
                 command += ["--format", "raw", "--rate", "50", "--duration", str(int(args.duration * 0.6))]
                 command += ["--nonblocking", "--output", str(spy_out)]
@@ -479,39 +534,71 @@ def one_run(streams: int, args: argparse.Namespace, *, metrics: bool = True) -> 
             run, plateau = asyncio.run(
                 drive(url, process.pid, upstream, streams, args.duration, args.ramp_per_second)
             )
-            rows = count_rows(db_path, expected=sum(1 for r in run.results if r.status))
-            scraped = scrape_metrics(url) if metrics else {}
+            # Every response, a refusal included, has its row (the app logs every attempt).
+            answered = sum(1 for r in run.results if r.status)
+            rows = count_rows(db_path, expected=answered) if path == "app" else None
+            metrics_on = path == "app" and env.get("QUOTES_METRICS_ENABLED") == "true"
+            scraped = scrape_metrics(url) if metrics_on else {}
             if spy is not None:
                 spy.wait(timeout=args.duration * 2)
     finally:
         upstream.close()
+    report = build_report(
+        run, plateau, rows, path=path, streams=streams, tokens=tokens, args=args, load_before=load_before
+    )
+    report["metrics"] = (
+        "" if path != "app" else ("on" if env.get("QUOTES_METRICS_ENABLED") == "true" else "off")
+    )
+    report["scraped"] = scraped
+    return report
+
+
+def build_report(
+    run: Run,
+    plateau: dict[str, Any],
+    rows: dict[str, int] | None,
+    *,
+    path: str,
+    streams: int,
+    tokens: int,
+    args: argparse.Namespace,
+    load_before: tuple[float, float, float],
+) -> dict[str, Any]:
+    """The figures of one run. `rows` is None when the server keeps no log (the naive proxy).
+    Per-stream figures (RSS, CPU per token) count the admitted streams, not the refused ones."""
     results = run.results
     ok = sum(r.done for r in results)
     cancelled = sum(r.cancelled for r in results)
     errors = [r for r in results if r.error]
+    refused = [r for r in results if r.status == 503]
+    admitted = max(1, streams - len(refused))
     got_response = sum(1 for r in results if r.status)
     delays_ms = sorted(d / 1e6 for d in run.delays_ns)
     plateau_samples = [s for s in run.samples if s["t"] >= plateau["ramp_s"]] or run.samples
     rss_plateau = sum(s["VmRSS"] for s in plateau_samples) / max(1, len(plateau_samples))
     threads = max((s["Threads"] for s in plateau_samples), default=0)
     lags = sorted(run.loop_lag_ms)
+    refusal_ms = sorted(r.headers_s * 1000 for r in refused)
     return {
+        "path": path,
         "streams": streams,
-        "metrics": "on" if metrics else "off",
-        "cpu_us_per_token": plateau["cpu_us_per_token"],
-        "plateau_tokens": plateau["plateau_tokens"],
-        "scraped": scraped,
         "duration_s": args.duration,
         "tokens_per_stream": tokens,
         "completed": ok,
         "cancelled_by_client": cancelled,
-        "errors": len(errors),
-        "error_samples": sorted({e.error[:160] for e in errors})[:5],
-        "rows": rows,
-        "rows_total": sum(rows.values()),
-        "lost_rows": got_response - sum(rows.values()),
+        "errors": len(errors) - len(refused),
+        "refused_503": len(refused),
+        "refused_with_retry_after": sum(1 for r in refused if r.retry_after),
+        "refusal_ms": {
+            "p50": round(percentile(refusal_ms, 50), 1) if refusal_ms else None,
+            "p99": round(percentile(refusal_ms, 99), 1) if refusal_ms else None,
+        },
+        "error_samples": sorted({e.error[:160] for e in errors if e.status != 503})[:5],
+        "rows": rows or {},
+        "rows_total": sum((rows or {}).values()),
+        "lost_rows": None if rows is None else got_response - sum(rows.values()),
         "tokens_received": len(delays_ms),
-        "tokens_expected": streams * tokens,
+        "tokens_expected": admitted * tokens,
         "added_delay_ms": {
             "p50": round(percentile(delays_ms, 50), 2),
             "p99": round(percentile(delays_ms, 99), 2),
@@ -521,16 +608,89 @@ def one_run(streams: int, args: argparse.Namespace, *, metrics: bool = True) -> 
         "client_loop_lag_p99_ms": round(percentile(lags, 99), 2),
         "rss_idle_kib": plateau["idle"]["VmRSS"],
         "rss_plateau_kib": round(rss_plateau),
-        "rss_per_stream_kib": round((rss_plateau - plateau["idle"]["VmRSS"]) / streams, 1),
+        "rss_per_stream_kib": round((rss_plateau - plateau["idle"]["VmRSS"]) / admitted, 1),
         "daphne_threads_max": threads,
         "daphne_fds_max": max((s["fds"] for s in plateau_samples), default=0),
         "daphne_cpu_pct": plateau["daphne_cpu_pct"],
+        # over the tokens delivered during the plateau (not the nominal rate: a saturated server
+        # delivers fewer)
+        "cpu_per_token_us": plateau["cpu_us_per_token"],
+        "plateau_tokens": plateau["plateau_tokens"],
         "client_cpu_pct": plateau["client_cpu_pct"],
         "upstream": plateau["upstream"],
         "ramp_s": plateau["ramp_s"],
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def summary_table(reports: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            r["path"] + (f" (metrics {r['metrics']})" if r.get("metrics") else ""),
+            r["streams"],
+            f"{r['completed']}/{r['streams']}",
+            r["refused_503"],
+            r["errors"],
+            "" if r["lost_rows"] is None else r["lost_rows"],
+            r["added_delay_ms"]["p50"],
+            r["added_delay_ms"]["p99"],
+            r["added_delay_ms"]["max"],
+            f"{r['tokens_received'] / max(1, r['tokens_expected']):.3f}",
+            r["daphne_cpu_pct"],
+            r["cpu_per_token_us"],
+            round(r["rss_per_stream_kib"]),
+            r["daphne_threads_max"],
+            f"{r['upstream']['tick_lag_p99_ms']:.1f}",
+            r["client_loop_lag_p99_ms"],
+            "/".join(f"{x:.1f}" for x in r["load_average_before"]),
+        ]
+        for r in reports
+    ]
+    return table(
+        [
+            "path",
+            "streams",
+            "completed",
+            "503",
+            "errors",
+            "lost rows",
+            "added p50 ms",
+            "added p99 ms",
+            "added max ms",
+            "tokens recv/expected",
+            "daphne CPU %",
+            "CPU µs/token",
+            "RSS KiB/stream",
+            "daphne threads",
+            "upstream tick lag p99 ms",
+            "client lag p99 ms",
+            "load avg before",
+        ],
+        rows,
+    )
+
+
+def capacity_lines(reports: list[dict[str, Any]], bound_ms: float) -> list[str]:
+    """The largest stream count each path held at p99 <= bound_ms added per token, from this
+    run's ladder (a lower bound: the next step up failed or was not run)."""
+    lines = []
+    for path in dict.fromkeys(r["path"] for r in reports):
+        held = [
+            r["streams"]
+            for r in reports
+            if r["path"] == path and r["errors"] == 0 and r["added_delay_ms"]["p99"] <= bound_ms
+        ]
+        failed = [
+            r["streams"]
+            for r in reports
+            if r["path"] == path and (r["errors"] or r["added_delay_ms"]["p99"] > bound_ms)
+        ]
+        lines.append(
+            f"{path}: held {max(held) if held else 'none'} streams at p99 <= {bound_ms:g} ms"
+            + (f" (missed at {min(failed)})" if failed else "")
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -541,84 +701,55 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-second", type=float, default=50, help="per stream")
     parser.add_argument("--ramp-per-second", type=float, default=200, help="new streams per second")
     parser.add_argument(
+        "--paths",
+        default="naive,app",
+        help="what to serve, one run each per stream count, in this order: naive (the naive Django "
+        "proxy, the baseline) and/or app",
+    )
+    parser.add_argument(
         "--pool",
         type=int,
         default=0,
-        help="raise the app's upstream connection pool (default: as shipped, 100)",
+        help="set the app's upstream connection pool through bench.load_settings (default: "
+        "AI_MAX_CONNECTIONS as configured)",
     )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for the app"
+    )
+    parser.add_argument("--bound-ms", type=float, default=50.0, help="the p99 bound for the capacity line")
     parser.add_argument("--profile", action="store_true", help="py-spy record daphne during the run")
     parser.add_argument(
         "--metrics",
         choices=("on", "off", "both"),
         default="on",
-        help="QUOTES_METRICS_ENABLED for daphne; both: alternate off/on runs (--rounds each)",
+        help="QUOTES_METRICS_ENABLED for the app; both: alternate off/on runs (--rounds each)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="with --metrics both: runs per setting")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     fd_limit = raise_fd_limit(4 * max(counts) + 256)
     print(machine(), f"; open files limit {fd_limit}", flush=True)
+    reports = []
     # With both: off and on interleaved, so a load that drifts over the runs hits both alike.
     settings_order = [False, True] * args.rounds if args.metrics == "both" else [args.metrics == "on"]
-    reports = []
     for streams in counts:
-        for metrics in settings_order:
-            report = one_run(streams, args, metrics=metrics)
-            reports.append(report)
-            print(json.dumps(report, indent=1), flush=True)
-    rows = [
-        [
-            r["streams"],
-            r["metrics"],
-            r["cpu_us_per_token"],
-            f"{r['completed']}/{r['streams']}",
-            r["errors"],
-            r["lost_rows"],
-            r["added_delay_ms"]["p50"],
-            r["added_delay_ms"]["p99"],
-            r["added_delay_ms"]["max"],
-            f"{r['tokens_received'] / max(1, r['tokens_expected']):.3f}",
-            round(r["rss_per_stream_kib"]),
-            r["daphne_threads_max"],
-            r["daphne_cpu_pct"],
-            f"{r['upstream']['tick_lag_p99_ms']:.1f}",
-            r["client_loop_lag_p99_ms"],
-            "/".join(f"{x:.1f}" for x in r["load_average_before"]),
-        ]
-        for r in reports
-    ]
-    print(
-        table(
-            [
-                "streams",
-                "metrics",
-                "daphne CPU µs/token",
-                "completed",
-                "errors",
-                "lost rows",
-                "added p50 ms",
-                "added p99 ms",
-                "added max ms",
-                "tokens recv/expected",
-                "RSS KiB/stream",
-                "daphne threads",
-                "daphne CPU %",
-                "upstream tick lag p99 ms",
-                "client lag p99 ms",
-                "load avg before",
-            ],
-            rows,
-        )
-    )
+        for path in paths:
+            for metrics in settings_order if path == "app" else [False]:
+                report = one_run(streams, args, path, metrics=metrics)
+                reports.append(report)
+                print(json.dumps(report, indent=1), flush=True)
+    print(summary_table(reports))
+    print("\n".join(capacity_lines(reports, args.bound_ms)))
     out = ARTIFACTS / "load.json"
     out.write_text(json.dumps({"pool": args.pool, "reports": reports}, indent=1) + "\n")
     if args.metrics == "both":
         for streams in counts:
             by = {
                 setting: [
-                    r["cpu_us_per_token"]
+                    r["cpu_per_token_us"]
                     for r in reports
-                    if r["streams"] == streams and r["metrics"] == setting
+                    if r["streams"] == streams and r.get("metrics") == setting
                 ]
                 for setting in ("off", "on")
             }

@@ -53,6 +53,7 @@ from .common import (
     read_stream,
     self_signed_cert,
     serve_app,
+    serve_naive,
     table,
     workers_ai_env,
 )
@@ -124,22 +125,27 @@ def client(verify: ssl.SSLContext | bool = True) -> httpx.Client:
 # -- 1 + 2: TTFT and tokens/s against the fake ----------------------------------------------------
 
 
-def ttft_rows(direct: Reader, apps: list[Reader]) -> list[list[object]]:
+def ttft_rows(direct: Reader, paths: list[Reader], naive: Reader | None = None) -> list[list[object]]:
+    """TTFT per path, the time each adds to reading the upstream directly, and that added time
+    as a multiple of the naive proxy's (the goal: <= 1)."""
     d = direct.ttfts()
+    base = median(naive.ttfts()) - median(d) if naive is not None else float("nan")
     rows: list[list[object]] = [
-        [direct.name, ms(median(d)), ms(percentile(d, 99)), "", "", ms(median(direct.to_upstream)), ""]
+        [direct.name, ms(median(d)), ms(percentile(d, 99)), "", "", "", ms(median(direct.to_upstream)), ""]
     ]
-    for path in apps:
+    for path in paths:
         a = path.ttfts()
+        added = median(a) - median(d)
         rows.append(
             [
                 path.name,
                 ms(median(a)),
                 ms(percentile(a, 99)),
-                ms(median(a) - median(d)),
+                ms(added),
                 ms(percentile(a, 99) - percentile(d, 99)),
-                ms(median(path.to_upstream)),
-                ms(median(path.to_upstream) - median(direct.to_upstream)),
+                f"{added / base:.2f}" if naive is not None and base > 0 else "",
+                ms(median(path.to_upstream)) if path.to_upstream else "",
+                ms(median(path.to_upstream) - median(direct.to_upstream)) if path.to_upstream else "",
             ]
         )
     return rows
@@ -151,6 +157,7 @@ TTFT_HEADERS = [
     "TTFT p99 ms",
     "added p50 ms",
     "added p99 ms",
+    "added p50 / naive's",
     "to upstream p50 ms",
     "of which before upstream ms",
 ]
@@ -495,10 +502,34 @@ def main(argv: list[str] | None = None) -> None:
         for path in app_paths:  # warm up, and teach the fake what the app sends
             for _ in range(args.warmup):
                 path.run()
+        # The baseline: the naive Django proxy forwarding the very request the app sends.
+        last = fake.stats()["last"]
+        naive_app = stack.enter_context(
+            serve_naive(
+                fake.base_url + last["path"],
+                {k: v for k, v in last["headers"].items() if k not in HOP_HEADERS},
+            )
+        )
+        naive_client = stack.enter_context(client())
+        naive = Reader(
+            "naive Django proxy under daphne",
+            lambda: read_stream(naive_client, naive_app.stream_url, content=last["body"], headers={}),
+            fake,
+        )
+        # The answer cache: the same app with its cache on, asked the same question again.
+        hit_app = stack.enter_context(
+            serve_app(
+                "daphne", **workers_ai_env(fake), QUOTES_CACHE_TTL="3600", QUOTES_CACHE_REPLAY_PACING_MS="0"
+            )
+        )
+        hit = Reader("app under daphne, cache hit", app_request(hit_app, stack.enter_context(client())))
         direct_client = stack.enter_context(client())
         direct = Reader("direct (fake upstream)", direct_request(fake, direct_client), fake)
-        for _ in range(args.warmup):
-            direct.run()
+        for path in (naive, hit, direct):
+            for _ in range(args.warmup):
+                path.run()
+        app_paths.insert(0, naive)
+        app_paths.append(hit)
 
         print(f"TTFT: {args.requests} interleaved requests per path ...", flush=True)
         interleave([direct, *app_paths], args.requests)
@@ -507,14 +538,15 @@ def main(argv: list[str] | None = None) -> None:
             f"## TTFT, fake upstream ({args.ttft_tokens} padded tokens, Connection: close), "
             f"{args.requests} requests per path",
             "",
-            table(TTFT_HEADERS, ttft_rows(direct, app_paths)),
+            table(TTFT_HEADERS, ttft_rows(direct, app_paths, naive)),
             "",
-            f"client->app connections used over the run: {reused} (1 = keep-alive held); "
+            f"client->server connections used over the run: {reused} (1 = keep-alive held); "
             f"upstream connections per request: direct {direct.connections / args.requests:.2f}, "
-            + ", ".join(f"{p.name} {p.connections / args.requests:.2f}" for p in app_paths),
+            + ", ".join(f"{p.name} {p.connections / args.requests:.2f}" for p in app_paths if p.upstream),
             "",
         ]
         print("\n".join(report[-5:]), flush=True)
+        app_paths.remove(hit)  # a replay is paced on purpose: no tokens/s figure for it
 
         fake.set_scenario(ttft_scenario(args.fast_tokens))
         rate_direct = Reader("direct (fake upstream)", direct.run)

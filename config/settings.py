@@ -55,7 +55,10 @@ INSTALLED_APPS = [
 # stock classes cost two thread hops each per request under ASGI.
 # Every entry is async-native: a sync-only one would put the SSE stream back on a thread.
 MIDDLEWARE = [
-    # First, so every log line of the request (and its response) carries the request id.
+    # Outermost: once every other middleware has seen a streaming response, the request's
+    # thread is let go (an open stream holds no OS thread).
+    "quotes.middleware.ReleaseRequestThreadMiddleware",
+    # Then, so every log line of the request (and its response) carries the request id.
     "quotes.logging.RequestIdMiddleware",
     "quotes.middleware.SecurityMiddleware",
     "quotes.middleware.CSPMiddleware",
@@ -79,6 +82,9 @@ AUTHENTICATION_BACKENDS = [
 ]
 
 ROOT_URLCONF = "config.urls"
+# A failed CSRF check on the persona page's form (posted by htmx) is answered as an error event
+# the page can show; any other request gets Django's own page.
+CSRF_FAILURE_VIEW = "quotes.views.csrf_failure"
 
 TEMPLATES = [
     {
@@ -324,6 +330,9 @@ QUOTES_GATEWAY = {
         "QUOTES_FEEDBACK_RATE_LIMIT", env.str("QUOTES_FEEDBACK_RATE_LIMIT", default="30/m")
     ),
     "max_concurrent_streams": _env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
+    # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
+    # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
+    "max_open_streams": _env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 250),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts.
     "max_attempts": _retries["max_attempts"] or _env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
     "retry_delay_ms": _retries["retry_delay_ms"]
@@ -339,6 +348,7 @@ QUOTES_GATEWAY = {
 }
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
+    ("QUOTES_MAX_OPEN_STREAMS", "max_open_streams"),
     ("QUOTES_MAX_ATTEMPTS", "max_attempts"),
 ):
     _positive(_name, QUOTES_GATEWAY[_key], low=1)

@@ -7,3 +7,7 @@ class QuotesConfig(AppConfig):
     name = "quotes"
     verbose_name = "Persona Quotes"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Connects the signals that keep the process-local persona cache in step with the database.
+        from . import personas  # noqa: F401

@@ -30,10 +30,11 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.urls import path
 
 from .ai.errors import QuoteError
-from .ai.events import Done, Error, Meta, Token, Usage
+from .ai.events import Error
 from .ai.gateway import Client, stream_generation
 from .security import count_refused_start, frame_too_large
-from .views import QuoteInput, meta_payload, parse_quote_request, permalink_of
+from .transports import WebSocketEncoder, relay
+from .views import QuoteInput, parse_quote_request
 
 
 class QuoteConsumer(AsyncJsonWebsocketConsumer):
@@ -102,44 +103,20 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         return Client.from_request(ip, user_id)
 
     async def _run(self, quote: QuoteInput, client: Client) -> None:
-
-        meta = Meta()
-        usage: Usage | None = None
         events = stream_generation(
             persona=quote.persona,
+            version=quote.version,
             topic=quote.topic,
             messages=quote.messages,
             client=client,
             bypass_cache=quote.fresh,
             transport="websocket",
         )
-        async with aclosing(events):
-            async for event in events:
-                if type(event) is Meta:
-                    meta = meta.merged(event)
-                    await self.send_json({"type": "meta", **meta_payload(meta)})
-                elif type(event) is Token:
-                    if event.text:
-                        await self.send_json({"type": "token", "text": event.text})
-                elif type(event) is Usage:
-                    usage = event
-                elif type(event) is Done:
-                    await self.send_json(
-                        {
-                            "type": "done",
-                            "usage": None
-                            if usage is None
-                            else {
-                                "prompt_tokens": usage.prompt_tokens,
-                                "completion_tokens": usage.completion_tokens,
-                                "total_tokens": usage.total_tokens,
-                            },
-                            "id": meta.generation_id,
-                            "permalink": permalink_of(meta.generation_id),
-                        }
-                    )
-                elif type(event) is Error:
-                    await self._send_error(event)
+        # aclosing: a cancel closes the generation here, in this task, so its log row is
+        # written before _cancel() returns.
+        async with aclosing(relay(events, WebSocketEncoder())) as frames:
+            async for frame in frames:
+                await self.send_json(frame)
 
     async def _cancel(self) -> bool:
         """Stop the running generation, if any, and wait until its log row is written."""

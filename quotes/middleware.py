@@ -1,9 +1,9 @@
-"""WhiteNoise, given an async entry point.
+"""Middleware that keeps the stream path on the event loop and off Django's per-request thread.
 
-WhiteNoise's middleware is sync-only, and one sync middleware makes Django hop to a thread on
-every request, the SSE stream included. This subclass keeps WhiteNoise's file finding,
-compression negotiation and caching headers, but only requests under STATIC_URL touch a
-thread; everything else passes straight through on the event loop.
+- `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread
+  (quotes.request_threads).
+- `StaticFilesMiddleware`: WhiteNoise, given an async entry point.
+- Django's own middleware with their methods run inline instead of in a thread each.
 """
 
 from __future__ import annotations
@@ -12,18 +12,64 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import markcoroutinefunction, sync_to_async
+from asgiref.sync import SyncToAsync, markcoroutinefunction, sync_to_async
 from csp import middleware as csp_middleware
 from django.conf import settings
 from django.contrib.auth import middleware as auth
 from django.contrib.messages import middleware as messages
 from django.contrib.sessions import middleware as sessions
+from django.db import connections
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
 from whitenoise.middleware import WhiteNoiseMiddleware
 
+from .request_threads import release_request_thread
+
+
+class ReleaseRequestThreadMiddleware:
+    """Once a view has returned a streaming response, give the request's thread back.
+
+    A stream's view answers within milliseconds and its body then flows for minutes, all on the
+    event loop: the request's thread (quotes.request_threads) goes back to the pool here, so an
+    open stream holds none. Under another handler (Django's own, as in its test client) the
+    thread asgiref started for the request is let go instead.
+    """
+
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        response = await self.get_response(request)
+        if response.streaming and not release_request_thread():
+            _let_go_of_asgirefs_thread()
+        return response
+
+
+def _let_go_of_asgirefs_thread() -> None:
+    context = SyncToAsync.thread_sensitive_context.get(None)
+    if context is None:
+        return
+    executor = SyncToAsync.context_to_thread_executor.pop(context, None)
+    if executor is None:
+        return  # no thread-sensitive call yet: no thread to let go
+    # Its database connections would never be used again (they belong to that thread).
+    executor.submit(connections.close_all)
+    executor.shutdown(wait=False)
+
 
 class StaticFilesMiddleware(WhiteNoiseMiddleware):
+    """WhiteNoise, given an async entry point.
+
+    WhiteNoise's middleware is sync-only, and one sync middleware makes Django hop to a thread
+    on every request, the SSE stream included. This subclass keeps WhiteNoise's file finding,
+    compression negotiation and caching headers, but only requests under STATIC_URL touch a
+    thread; everything else passes straight through on the event loop.
+    """
+
     sync_capable = False
     async_capable = True
 

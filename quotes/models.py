@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
+from django.dispatch import Signal
 
 from .ai.events import GenerationRequest, Message
 
@@ -52,9 +53,24 @@ def validate_prompt_template(value: str) -> None:
         )
 
 
+#: Sent when personas change without a save() or delete() of each (a queryset update): the
+#: process-local persona cache (quotes.personas) listens to it as it does to post_save.
+personas_changed = Signal()
+
+
 class PersonaQuerySet(models.QuerySet["Persona"]):
     def active(self) -> PersonaQuerySet:
         return self.filter(is_active=True)
+
+    def update(self, **kwargs: Any) -> int:
+        count = super().update(**kwargs)
+        personas_changed.send(sender=Persona)
+        return count
+
+    def bulk_update(self, objs: Any, fields: Any, batch_size: int | None = None) -> int:
+        count = super().bulk_update(objs, fields, batch_size=batch_size)
+        personas_changed.send(sender=Persona)
+        return count
 
 
 class Persona(models.Model):

@@ -11,5 +11,7 @@ urlpatterns = [
     path("personas/<slug:slug>/", views.persona_page, name="persona"),
     path("q/<uuid:public_id>/", views.quote_permalink, name="permalink"),
     path("api/quotes/stream", views.stream_quote, name="stream"),
+    # The persona page's form (htmx): same stream, Django's normal CSRF check.
+    path("quotes/stream", views.stream_quote_form, name="stream-form"),
     path("api/quotes/<uuid:public_id>/feedback", views.quote_feedback, name="feedback"),
 ]

@@ -1,6 +1,12 @@
-"""Thin views: parse input, call the gateway, turn its events into a response.
+"""Thin views: parse input, call the gateway, hand its events to a transport (quotes.transports).
 
-This module is the only place that turns events into bytes for HTTP.
+Three ways in to one stream:
+- `stream_quote`: the public JSON API (POST a JSON body, or GET for EventSource), exempt from
+  CSRF because it only takes `Content-Type: application/json`, which a cross-site page cannot
+  send without CORS; a request from htmx (`HX-Request: true`) gets the htmx dialect;
+- `stream_quote_form`: the persona page's form, posted by htmx, with Django's normal CSRF check
+  (a failed check is answered by `csrf_failure`, readably for htmx);
+- the WebSocket consumer (quotes.consumers).
 """
 
 from __future__ import annotations
@@ -9,7 +15,6 @@ import json
 import re
 import uuid
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,29 +29,41 @@ from django.http import (
     JsonResponse,
     StreamingHttpResponse,
 )
-from django.middleware import csrf
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
+from django.views import csrf
 from django.views.decorators.csrf import csrf_exempt
 
+from . import personas
 from .ai import sse
 from .ai.backends import get_backend
 from .ai.catalog import doc_url
 from .ai.conversation import check_context_window, check_encodable, parse_messages
-from .ai.errors import QuoteError, internal
-from .ai.events import Done, Error, Event, Message, Meta, Ping, Token, Usage
+from .ai.errors import QuoteError
+from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, stream_generation
 from .feedback import count_vote, record_vote
-from .models import Generation, Persona
+from .models import Generation, Persona, PersonaVersion
+from .request_threads import release_request_thread
 from .security import refuse_cross_site
+from .transports import (
+    Encoder,
+    EventSourceEncoder,
+    HtmxEncoder,
+    WorkersAIEncoder,
+    error_payload,
+    meta_payload,
+    open_stream,
+    relay,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def index(request: HttpRequest) -> HttpResponse:
-    personas = [persona async for persona in Persona.objects.active()]
-    return render(request, "quotes/index.html", {"personas": personas})
+    personas_ = [persona async for persona in Persona.objects.active()]
+    return render(request, "quotes/index.html", {"personas": personas_})
 
 
 async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
@@ -65,6 +82,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             "max_topic_chars": settings.QUOTES_MAX_TOPIC_CHARS,
             "max_message_chars": settings.QUOTES_MAX_MESSAGE_CHARS,
             "stream_url": reverse("quotes:stream"),
+            "form_stream_url": reverse("quotes:stream-form"),
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
             # (static/js/quote-stream.js), which the browser tests use to prove that path too.
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
@@ -94,6 +112,7 @@ class QuoteInput:
     """A checked request for one quote, whatever the transport (HTTP, htmx, WebSocket)."""
 
     persona: Persona
+    version: PersonaVersion | None
     topic: str
     messages: tuple[Message, ...]
     fresh: bool
@@ -102,29 +121,44 @@ class QuoteInput:
 async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     """Check `persona`, `topic`, `messages` and `fresh` the same way for every transport, or
     raise the QuoteError (400/404) that says what is wrong."""
-    persona = await _find_persona(params.get("persona"))
+    active = await _find_persona(params.get("persona"))
+    persona = active.persona
     topic = _clean_topic(params.get("topic"), default=persona.default_topic)
     messages = parse_messages(params.get("messages"))
     check_context_window(
         persona.build_request(topic=topic, messages=messages),
         model=get_backend().model_name(persona.model),
     )
-    return QuoteInput(persona=persona, topic=topic, messages=messages, fresh=_truthy(params.get("fresh")))
+    return QuoteInput(
+        persona=persona,
+        version=active.version,
+        topic=topic,
+        messages=messages,
+        fresh=_truthy(params.get("fresh")),
+    )
+
+
+def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
+    return stream_generation(
+        persona=quote.persona,
+        version=quote.version,
+        topic=quote.topic,
+        messages=quote.messages,
+        client=client,
+        bypass_cache=quote.fresh,
+        transport=transport,
+    )
 
 
 @csrf_exempt  # the JSON API requires Content-Type: application/json instead, which needs CORS cross-site
 async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     """POST a JSON body, or GET with query parameters (for EventSource); answer an SSE stream.
 
-    A request from htmx (`HX-Request: true`) gets the same stream as HTML-escaped text fragments
-    plus named `meta`, `done` and `error` events (see `_htmx_body`), and may post the page's form
-    (form-encoded, with its CSRF token, which is then checked here: the view itself is exempt).
-    """
+    A request from htmx (`HX-Request: true`) gets the htmx dialect (see HtmxEncoder)."""
     htmx = request.headers.get("HX-Request") == "true"
     try:
         refuse_cross_site(request)  # another site's page must not start a (paid) generation
-        params = _read_params(request, htmx=htmx)
-        quote = await parse_quote_request(params)
+        quote = await parse_quote_request(_read_params(request))
     except QuoteError as exc:
         headers = {"Allow": "GET, POST"} if exc.status == 405 else None
         if htmx:
@@ -133,32 +167,42 @@ async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
     # Workers AI wire format.
     eventsource = request.method == "GET" and "text/event-stream" in request.headers.get("Accept", "")
-    events = stream_generation(
-        persona=quote.persona,
-        topic=quote.topic,
-        messages=quote.messages,
-        client=await client_of(request),
-        bypass_cache=quote.fresh,
-        transport="htmx" if htmx else "eventsource" if eventsource else "api",
-    )
+    transport = "htmx" if htmx else "eventsource" if eventsource else "api"
+    events = _events_for(quote, await client_of(request), transport)
     if htmx:
-        return await _htmx_stream_response(events)
-    return await _stream_response(events, eventsource=eventsource)
+        return await _htmx_stream(events)
+    return await stream_response(events, EventSourceEncoder() if eventsource else None)
+
+
+async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
+    """The persona page's form (form-encoded, with its CSRF token, which Django's middleware has
+    checked by now: a form from another site never gets here), posted by htmx: answered in the
+    htmx dialect."""
+    try:
+        if request.method != "POST":
+            raise QuoteError("method_not_allowed", "Post the page's form.", 405)
+        _check_body_size(request)
+        quote = await parse_quote_request(_form_params(request))
+    except QuoteError as exc:
+        return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
+    return await _htmx_stream(_events_for(quote, await client_of(request), "htmx"))
+
+
+def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
+    """CSRF_FAILURE_VIEW: htmx gets the refusal as an error event the page can show (hx-sse
+    handles any text/event-stream response, whatever its status); everyone else gets Django's
+    own page."""
+    if request.headers.get("HX-Request") == "true":
+        error = Error("csrf_failed", "This page has expired. Reload it, then ask again.", 403)
+        return _htmx_error_response(error, Meta())
+    return csrf.csrf_failure(request, reason)
 
 
 def _truthy(value: object) -> bool:
     return value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes"))
 
 
-FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
-
-
-def _read_params(request: HttpRequest, *, htmx: bool = False) -> dict[str, Any]:
-    if request.method == "GET":
-        return request.GET.dict()
-    if request.method != "POST":
-        raise QuoteError("method_not_allowed", "Use POST with a JSON body, or GET for EventSource.", 405)
-    content_type = request.content_type or ""
+def _check_body_size(request: HttpRequest) -> None:
     too_large = QuoteError("body_too_large", f"The body is over {settings.QUOTES_MAX_BODY_BYTES} bytes.", 413)
     if int(request.headers.get("Content-Length") or 0) > settings.QUOTES_MAX_BODY_BYTES:
         raise too_large
@@ -168,9 +212,15 @@ def _read_params(request: HttpRequest, *, htmx: bool = False) -> dict[str, Any]:
             raise too_large
     except RequestDataTooBig:
         raise too_large from None
-    if htmx and content_type in FORM_TYPES:
-        return _read_form(request)
-    if content_type != "application/json":
+
+
+def _read_params(request: HttpRequest) -> dict[str, Any]:
+    if request.method == "GET":
+        return request.GET.dict()
+    if request.method != "POST":
+        raise QuoteError("method_not_allowed", "Use POST with a JSON body, or GET for EventSource.", 405)
+    _check_body_size(request)
+    if request.content_type != "application/json":
         raise QuoteError(
             "unsupported_media_type", "Send the body as JSON with Content-Type: application/json.", 415
         )
@@ -183,20 +233,12 @@ def _read_params(request: HttpRequest, *, htmx: bool = False) -> dict[str, Any]:
     return params
 
 
-class _CsrfCheck(csrf.CsrfViewMiddleware):
-    """Django's own CSRF check, run on demand: it answers the reason instead of a 403 page."""
-
-    def _reject(self, request: HttpRequest, reason: str) -> HttpResponse:
-        self.reason = reason
-        return HttpResponse(status=403)
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
-def _read_form(request: HttpRequest) -> dict[str, Any]:
-    """The persona page's form, posted by htmx. A form can be posted cross-site, so unlike the
-    JSON body it must carry a valid CSRF token (and pass Django's Origin/Referer checks)."""
-    check = _CsrfCheck(lambda _: HttpResponse())
-    if check.process_view(request, lambda _: HttpResponse(), (), {}) is not None:
-        raise QuoteError("csrf_failed", "This page has expired. Reload it, then ask again.", 403)
+def _form_params(request: HttpRequest) -> dict[str, Any]:
+    if request.content_type not in FORM_TYPES:
+        raise QuoteError("unsupported_media_type", "Post the page's form.", 415)
     params: dict[str, Any] = request.POST.dict()
     params.pop("csrfmiddlewaretoken", None)
     if not params.get("topic"):
@@ -213,17 +255,17 @@ def _read_form(request: HttpRequest) -> dict[str, Any]:
 _SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
 
 
-async def _find_persona(slug: object) -> Persona:
+async def _find_persona(slug: object) -> personas.ActivePersona:
     if slug is None or slug == "":
         raise QuoteError("missing_persona", "Say which persona should speak: the `persona` field.", 400)
     if not isinstance(slug, str):
         raise QuoteError("invalid_persona", "`persona` must be a string (a persona's slug).", 400)
     if not _SLUG.fullmatch(slug):  # never a persona, and PostgreSQL refuses some bytes (NUL) outright
         raise QuoteError("unknown_persona", f"There is no persona called {slug[:100]!r}.", 404)
-    try:
-        return await Persona.objects.active().aget(slug=slug)
-    except Persona.DoesNotExist:
-        raise QuoteError("unknown_persona", f"There is no persona called {slug[:100]!r}.", 404) from None
+    active = await personas.get_active(slug)
+    if active is None:
+        raise QuoteError("unknown_persona", f"There is no persona called {slug[:100]!r}.", 404)
+    return active
 
 
 def _clean_topic(topic: object, *, default: str) -> str:
@@ -243,22 +285,6 @@ def _clean_topic(topic: object, *, default: str) -> str:
     return topic or default
 
 
-async def _prefetch(events: AsyncGenerator[Event, None]) -> tuple[Meta, Event]:
-    """Everything up to the first token (or error): the merged Meta, and that first event."""
-    meta = Meta()
-    try:
-        first = await anext(events)
-        # Keep-alive pings before the first token are dropped: the headers are not sent yet, and
-        # the status and model headers must stay truthful (the first-token timeout bounds this wait).
-        while type(first) is Meta or type(first) is Ping:
-            if type(first) is Meta:
-                meta = meta.merged(first)
-            first = await anext(events)
-    except StopAsyncIteration:
-        first = internal()
-    return meta, first
-
-
 def _meta_headers(meta: Meta) -> dict[str, str]:
     headers = meta.response_headers()
     if meta.model:
@@ -269,74 +295,28 @@ def _meta_headers(meta: Meta) -> dict[str, str]:
     return headers
 
 
-def permalink_of(generation_id: str | None) -> str | None:
-    return reverse("quotes:permalink", args=[generation_id]) if generation_id else None
-
-
-async def _stream_response(
-    events: AsyncGenerator[Event, None], *, eventsource: bool = False
+async def stream_response(
+    events: AsyncGenerator[Event, None], encoder: Encoder[bytes] | None = None
 ) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error that happens before
-    any text gets its real HTTP status; after that, stream."""
-    meta, first = await _prefetch(events)
-    headers = _meta_headers(meta)
-    if type(first) is Error:
+    any text gets its real HTTP status (a refusal its 429 or 503 and Retry-After); then stream."""
+    # Nothing from here on needs the request's thread: it goes back to the pool before the wait
+    # for the first token, so a burst of new streams holds none either (quotes.request_threads).
+    release_request_thread()
+    opening = await open_stream(events)
+    headers = _meta_headers(opening.meta)
+    if type(opening.first) is Error:
         await events.aclose()
         # The gateway headers (cf-aig-log-id above all) matter most when something failed.
-        return error_response(first, headers)
+        return error_response(opening.first, headers)
     return StreamingHttpResponse(
-        _sse_body(first, events, meta=meta, eventsource=eventsource),
+        relay(events, encoder or WorkersAIEncoder(), opening),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )
 
 
-async def _sse_body(
-    first: Event, events: AsyncGenerator[Event, None], *, meta: Meta, eventsource: bool
-) -> AsyncGenerator[bytes, None]:
-    async with aclosing(events):
-        event: Event = first
-        while True:
-            if type(event) is Token:
-                yield sse.token(event.text)
-            elif type(event) is Usage:
-                yield sse.usage(event)
-            elif type(event) is Done:
-                yield sse.DONE
-                if eventsource:
-                    # EventSource reconnects when a body ends, which would write a second quote:
-                    # a named `done` tells the client to close() first.
-                    yield sse.named(
-                        "done", {"id": meta.generation_id, "permalink": permalink_of(meta.generation_id)}
-                    )
-                return
-            elif type(event) is Ping:
-                yield sse.PING
-            elif type(event) is Error:
-                # After the first byte the status is sent: end with an error event and no [DONE].
-                yield sse.error(event.code, event.message)
-                return
-            elif type(event) is Meta:
-                meta = meta.merged(event)
-            event = await anext(events, None) or internal()
-
-
 # --- htmx ---------------------------------------------------------------------------------
-
-
-def meta_payload(meta: Meta) -> dict[str, Any]:
-    headers = meta.response_headers()
-    return {
-        "model": meta.model,
-        "model_url": doc_url(meta.model) if meta.model else "",
-        "cache_status": headers.get("cf-aig-cache-status", "").upper(),
-        "id": meta.generation_id,
-        "permalink": permalink_of(meta.generation_id),
-    }
-
-
-def _error_payload(error: Error) -> dict[str, Any]:
-    return {"code": error.code, "message": error.message, "retry_after": error.retry_after}
 
 
 def _htmx_error_response(error: Error, meta: Meta, headers: dict[str, str] | None = None) -> HttpResponse:
@@ -347,64 +327,22 @@ def _htmx_error_response(error: Error, meta: Meta, headers: dict[str, str] | Non
     if error.retry_after is not None:
         headers["Retry-After"] = str(error.retry_after)
     body = sse.named("meta", meta_payload(meta)) if meta.generation_id else b""
-    body += sse.named("error", _error_payload(error))
+    body += sse.named("error", error_payload(error))
     return HttpResponse(body, status=error.status, content_type="text/event-stream", headers=headers)
 
 
-async def _htmx_stream_response(events: AsyncGenerator[Event, None]) -> HttpResponseBase:
-    meta, first = await _prefetch(events)
-    headers = _meta_headers(meta)
-    if type(first) is Error:
+async def _htmx_stream(events: AsyncGenerator[Event, None]) -> HttpResponseBase:
+    release_request_thread()  # as in stream_response
+    opening = await open_stream(events)
+    headers = _meta_headers(opening.meta)
+    if type(opening.first) is Error:
         await events.aclose()
-        return _htmx_error_response(first, meta, headers)
+        return _htmx_error_response(opening.first, opening.meta, headers)
     return StreamingHttpResponse(
-        _htmx_body(meta, first, events),
+        relay(events, HtmxEncoder(), opening),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )
-
-
-async def _htmx_body(
-    meta: Meta, first: Event, events: AsyncGenerator[Event, None]
-) -> AsyncGenerator[bytes, None]:
-    """`meta` first, then each token as an escaped fragment (hx-swap appends it), then `done`
-    with the usage and the permalink, or `error`."""
-    usage: Usage | None = None
-    async with aclosing(events):
-        yield sse.named("meta", meta_payload(meta))
-        event: Event = first
-        while True:
-            if type(event) is Token:
-                if event.text:
-                    yield sse.fragment(event.text)
-            elif type(event) is Usage:
-                usage = event
-            elif type(event) is Meta:
-                merged = meta.merged(event)
-                if merged != meta:
-                    meta = merged
-                    yield sse.named("meta", meta_payload(meta))
-            elif type(event) is Done:
-                yield sse.named(
-                    "done",
-                    {
-                        **meta_payload(meta),
-                        "usage": None
-                        if usage is None
-                        else {
-                            "prompt_tokens": usage.prompt_tokens,
-                            "completion_tokens": usage.completion_tokens,
-                            "total_tokens": usage.total_tokens,
-                        },
-                    },
-                )
-                return
-            elif type(event) is Ping:
-                yield sse.PING
-            elif type(event) is Error:
-                yield sse.named("error", _error_payload(event))
-                return
-            event = await anext(events, None) or internal()
 
 
 # --- permalinks and feedback --------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The stream endpoint's htmx dialect, through the real ASGI app: HTML-escaped text fragments
-(unnamed messages, which hx-sse appends) and named `meta`, `done` and `error` events; the
-page's form post with its CSRF token; the JSON format untouched for everyone else."""
+"""The stream's htmx dialect, through the real ASGI app: HTML-escaped text fragments (unnamed
+messages, which hx-sse appends) and named `meta`, `done` and `error` events; the page's form,
+posted to its own URL under Django's CSRF check; the JSON format untouched for everyone else."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.test_gateway import at_start_of_window
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CSRF = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
+FORM_URL = "/quotes/stream"  # the persona page's form (Django's CSRF); the JSON API takes no forms
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +36,7 @@ async def htmx_form_post(
         fields = {"csrfmiddlewaretoken": csrf, **fields}
     return await request(
         "POST",
-        "/api/quotes/stream",
+        FORM_URL,
         body=urlencode(fields).encode(),
         headers={
             "content-type": "application/x-www-form-urlencoded",
@@ -110,7 +112,7 @@ async def test_htmx_form_post_without_a_valid_csrf_token_is_refused_readably(per
     assert await Generation.objects.acount() == 0
 
 
-async def test_form_post_without_hx_request_is_still_unsupported(persona: Persona) -> None:
+async def test_the_json_api_takes_no_form_post(persona: Persona) -> None:
     response = await request(
         "POST",
         "/api/quotes/stream",
@@ -151,7 +153,8 @@ async def test_htmx_bad_input_is_an_error_event_with_a_readable_message(
 
 
 async def test_htmx_rate_limit_is_an_error_event_with_retry_after(persona: Persona, settings: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 3600)}
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    await at_start_of_window(60, margin_s=20)  # a fixed window: both requests must fall in one
     first = await htmx_form_post({"persona": persona.slug})
     assert first.status == 200
 

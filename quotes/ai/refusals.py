@@ -58,9 +58,11 @@ async def record_refusal(
     code: str,
     message: str,
     window: int,
+    status: str | None = None,
 ) -> None:
     """Count one refused request; the first of its window also writes the row. Never raises
-    (but for cancellation): the visitor's 429 must go out whatever the log's trouble."""
+    (but for cancellation): the visitor's 429 (or 503) must go out whatever the log's trouble.
+    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream cap)."""
     try:
         await _record(
             persona=persona,
@@ -73,6 +75,7 @@ async def record_refusal(
             code=code,
             message=message,
             window=window,
+            status=status or Generation.Status.RATE_LIMITED,
         )
     except Exception:
         logger.exception("could not record a refused request")
@@ -90,6 +93,7 @@ async def _record(
     code: str,
     message: str,
     window: int,
+    status: str,
 ) -> None:
     index = int(time.time() // window)
     # A cache of this process's own (no Redis) counts this process's refusals only: each
@@ -106,7 +110,7 @@ async def _record(
             persona_version=version,
             backend=backend,
             model=model,
-            status=Generation.Status.RATE_LIMITED,
+            status=status,
             error_code=code,
             error_message=message,
             client_hash=client_hash,

@@ -181,8 +181,9 @@ class Nginx:
 
 
 @contextlib.contextmanager
-def nginx(workdir: Path, *, site: str, port: int) -> Iterator[Nginx]:
-    """nginx in the foreground with `site` (server and upstream blocks) as its whole http config."""
+def nginx(workdir: Path, *, site: str, port: int, worker_connections: int = 256) -> Iterator[Nginx]:
+    """nginx in the foreground with `site` (server and upstream blocks) as its whole http config.
+    Each proxied stream takes two of the `worker_connections` (the client's and daphne's)."""
     executable = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(executable).exists():
         raise ServiceError("nginx is not installed: apt-get install -y nginx")
@@ -197,7 +198,8 @@ worker_processes 1;
 daemon off;
 pid {base}/nginx.pid;
 error_log {base}/error.log info;
-events {{ worker_connections 256; }}
+worker_rlimit_nofile {2 * worker_connections + 64};
+events {{ worker_connections {worker_connections}; }}
 http {{
     access_log {base}/access.log;
     client_body_temp_path {temp["client_body"]};

@@ -1,9 +1,14 @@
 """Cloudflare Workers AI, directly or through AI Gateway, streamed over SSE.
 
 Wire facts: /work/shared/reference/workers-ai.md (docs/ in the repository). One
-`httpx.AsyncClient` per backend (the registry keeps one backend per process); the stream is
-decoded by httpx-sse, which buffers bytes, decodes UTF-8 incrementally and accepts LF, CRLF and
-CR, so a network read cut anywhere (mid-line, mid-character) is handled.
+`httpx.AsyncClient` per backend (the registry keeps one backend per process). The body is read
+raw (`aiter_raw`) and decoded by our incremental SSE decoder (quotes.ai.sse), which buffers
+bytes, accepts LF, CRLF and CR and decodes each complete line, so a network read cut anywhere
+(mid-line, mid-character) is handled, in one loop with no generator per decoding layer.
+
+Timeouts: the connect, pool and write timeouts are httpx's. The read timeout (any byte, the
+headers included) and the whole-request deadline are enforced by one `Watchdog` per stream
+(quotes.ai.watchdog) rather than by httpx, which would arm a timer for every read.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
-from httpx_sse import EventSource
 
 from ..errors import upstream_auth
 from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
+from ..sse import SSEDecoder
+from ..watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -176,57 +182,87 @@ async def _finish_body(source: AsyncIterator[Any]) -> None:
                 pass
 
 
-async def parse_events(
-    response: httpx.Response, *, secrets: Iterable[str] = ()
-) -> AsyncGenerator[Event, None]:
-    """Decode a Workers AI event stream into Token/Usage events ending in one Done or Error.
+class StreamParser:
+    """The Workers AI wire format, chunk by chunk: `feed(raw bytes)` returns the events they
+    complete; the last one is Done or an Error once the stream has ended (`finished`).
 
     - `response` is the text (a number is turned into a string); OpenAI-style chunks
       (`choices[0].delta.content`) are read when it is absent; `p` padding is ignored.
     - `usage` may come on any event, with or without text.
-    - `data: [DONE]` ends the stream (anything after it is not read); a stream that ends
-      without it is `upstream_dropped`, as is a connection that breaks.
+    - `data: [DONE]` ends the stream (anything after it is not read).
     - A data payload that is not a JSON object is `upstream_malformed`.
 
     `secrets` are scrubbed from an error envelope that arrives inside the stream.
     """
-    content_type = response.headers.get("content-type", "")
-    if "text/event-stream" not in content_type.partition(";")[0].lower():
-        yield malformed()
-        return
-    source = EventSource(response).aiter_sse()
-    try:
-        async for sse in source:
-            data = sse.data
+
+    __slots__ = ("_decoder", "_secrets", "finished")
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self._decoder = SSEDecoder()
+        self._secrets = secrets
+        self.finished = False
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        events: list[Event] = []
+        for message in self._decoder.feed(chunk):
+            data = message.data
             if data == "[DONE]":
-                await _finish_body(source)
-                yield Done()
-                return
+                events.append(Done())
+                self.finished = True
+                return events
             if not data:
                 continue
             try:
                 payload = json.loads(data)
             except ValueError:
-                yield malformed()
-                return
+                payload = None
             if not isinstance(payload, dict):
-                yield malformed()
-                return
+                events.append(malformed())
+                self.finished = True
+                return events
             text = payload.get("response")
             if text is None:
                 text = _openai_delta(payload)
                 if text is None and "errors" in payload:
                     # An error envelope inside the stream (seen from some proxies).
-                    yield error_for_status(502, data.encode(), secrets=secrets)
-                    return
-            elif not isinstance(text, str):
+                    events.append(error_for_status(502, data.encode(), secrets=self._secrets))
+                    self.finished = True
+                    return events
+            elif type(text) is not str:
                 text = str(text) if isinstance(text, int | float) and not isinstance(text, bool) else None
             if text:
-                yield Token(text)
+                events.append(Token(text))
             if "usage" in payload:
                 usage = _usage(payload["usage"])
                 if usage is not None:
-                    yield usage
+                    events.append(usage)
+        return events
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    content_type = response.headers.get("content-type", "")
+    return "text/event-stream" in content_type.partition(";")[0].lower()
+
+
+async def parse_events(
+    response: httpx.Response, *, secrets: Iterable[str] = ()
+) -> AsyncGenerator[Event, None]:
+    """Decode a Workers AI event stream into Token/Usage events ending in one Done or Error
+    (see StreamParser); a stream that ends without `[DONE]` is `upstream_dropped`, as is a
+    connection that breaks."""
+    if not is_event_stream(response):
+        yield malformed()
+        return
+    parser = StreamParser(secrets)
+    chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
+    try:
+        async for chunk in chunks:
+            for event in parser.feed(chunk):
+                if type(event) is Done:
+                    await _finish_body(chunks)
+                yield event
+            if parser.finished:
+                return
     except httpx.TimeoutException:
         yield timed_out()
         return
@@ -237,7 +273,7 @@ async def parse_events(
         yield dropped()
         return
     finally:
-        await source.aclose()
+        await chunks.aclose()
     yield dropped()
 
 
@@ -358,9 +394,10 @@ class WorkersAIBackend:
         if self._client is None or self._client_loop is not loop:
             s = self._settings
             self._client = httpx.AsyncClient(
+                # read=None: the stream's Watchdog enforces read_timeout_s (see the module doc).
                 timeout=httpx.Timeout(
                     connect=s.connect_timeout_s,
-                    read=s.read_timeout_s,
+                    read=None,
                     write=s.read_timeout_s,
                     pool=s.connect_timeout_s,
                 ),
@@ -394,12 +431,14 @@ class WorkersAIBackend:
             return
         client = self._http()
         loop = asyncio.get_running_loop()
-        # The whole-request deadline. Each await below runs under it, but never a `yield`: a
+        read_s = self._settings.read_timeout_s
+        # The whole-request deadline. Each wait below runs under it, but never a `yield`: a
         # timeout spanning a yield would cancel the consumer's task wherever it happens to be.
         deadline = loop.time() + self._settings.total_timeout_s
         async with contextlib.AsyncExitStack() as stack:
             try:
-                async with asyncio.timeout_at(deadline):
+                # Once per request, so a plain asyncio timeout: the read timeout covers the headers.
+                async with asyncio.timeout_at(min(deadline, loop.time() + read_s)):
                     response = await stack.enter_async_context(
                         client.stream("POST", self.url(request.model), json=self._body(request))
                     )
@@ -423,41 +462,59 @@ class WorkersAIBackend:
 
             if not response.is_success:
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    async with asyncio.timeout_at(min(deadline, loop.time() + read_s)):
                         body = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
                 except (httpx.TransportError, TimeoutError):
                     body = b""
                 yield self._log(error_for_status(response.status_code, body, secrets=self._secrets), request)
                 return
+            if not is_event_stream(response):
+                yield self._log(malformed(), request)
+                return
 
-            events = parse_events(response, secrets=self._secrets)
+            parser = StreamParser(self._secrets)
             scrubber = _Scrubber(self._secrets)
+            chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
+            watchdog = Watchdog()
             try:
                 while True:
+                    # Each read must end within read_s, and by the deadline: one stored float.
+                    due = loop.time() + read_s
+                    watchdog.expect(due if due < deadline else deadline)
+                    events: list[Event]
                     try:
-                        async with asyncio.timeout_at(deadline):
-                            event = await anext(events)
+                        events = parser.feed(await anext(chunks))
                     except StopAsyncIteration:
-                        return
-                    except TimeoutError:
-                        yield self._log(timed_out(), request)
-                        return
-                    if type(event) is Token:
-                        text = scrubber.feed(event.text)
-                        if text:
-                            yield Token(text)
-                        continue
-                    if isinstance(event, Done | Error):
-                        tail = scrubber.flush()
-                        if tail:
-                            yield Token(tail)
-                        if isinstance(event, Error):
-                            self._log(event, request)
-                        yield event
-                        return
-                    yield event
+                        events = [dropped()]
+                    except asyncio.CancelledError:
+                        if not watchdog.expired():
+                            raise
+                        events = [timed_out()]
+                    except httpx.DecodingError:
+                        events = [malformed()]
+                    except httpx.TransportError:  # the connection broke
+                        events = [dropped()]
+                    watchdog.release()
+                    for event in events:
+                        if type(event) is Token:
+                            text = scrubber.feed(event.text)
+                            if text:
+                                yield event if text is event.text else Token(text)
+                        elif type(event) is Done or type(event) is Error:
+                            tail = scrubber.flush()  # text held back in case it began a secret
+                            if tail:
+                                yield Token(tail)
+                            if type(event) is Error:
+                                self._log(event, request)
+                            else:
+                                await _finish_body(chunks)
+                            yield event
+                            return
+                        else:
+                            yield event
             finally:
-                await events.aclose()
+                watchdog.close()
+                await chunks.aclose()
 
     def _log(self, error: Error, request: GenerationRequest) -> Error:
         # Every message here is ours or already scrubbed; the token never reaches a log line.

@@ -1,0 +1,11 @@
+"""`daphne bench.naive.asgi:application`, with DJANGO_SETTINGS_MODULE=bench.naive.settings."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.naive.settings")
+
+application = get_asgi_application()

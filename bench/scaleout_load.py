@@ -1,0 +1,284 @@
+"""bench/load.py in the production layout: daphne processes behind nginx, sharing PostgreSQL and
+Redis, as docs/deployment.md runs them (tests/scaleout starts the same servers).
+
+    .venv/bin/python -m bench.scaleout_load --processes 1,2 --ladder 200,300,400 --duration 20
+    .venv/bin/python -m bench.scaleout_load --processes 2 --streams 1000 --duration 60   # graceful
+
+Each run starts fresh servers (one to N daphne processes and nginx in front of them, least_conn,
+keep-alive to daphne) against one PostgreSQL and one Redis for the whole invocation, and the
+stamping upstream of bench/load.py (50 tokens/s per stream, each token stamped with the time it
+left). The load client is load.py's: one asyncio loop, raw sockets, 200 new streams/s, all through
+nginx. Figures as in load.py, summed over the daphne processes; log rows are counted in
+PostgreSQL and compared with the responses (a 503 refusal has its row too).
+
+The per-client limits are raised (the load comes from one address, as no real visitor would);
+the per-process open-stream cap (QUOTES_MAX_OPEN_STREAMS) is left as configured: it is what
+turns the streams a process cannot hold into quick 503s. Pass --env NAME=VALUE to change it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import ACCOUNT_ID, API_TOKEN, ARTIFACTS, PYTHON, ROOT, machine, table
+from bench.load import StampingUpstream, build_report, capacity_lines, drive, raise_fd_limit
+from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process, tail
+
+LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
+
+
+def production_env(
+    database_url: str, redis_url: str, upstream: StampingUpstream, extra: list[str]
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "QUOTES_", "AI_"))}
+    env.pop("DATABASE_URL", None)
+    env.pop("REDIS_URL", None)
+    env.update(
+        {
+            "DJANGO_DEBUG": "false",
+            "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
+            "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
+            "DJANGO_SECURE_SSL_REDIRECT": "false",
+            "DJANGO_SECURE_PROXY_SSL_HEADER": "true",
+            "DJANGO_LOG_LEVEL": "WARNING",
+            "DATABASE_URL": database_url,
+            "REDIS_URL": redis_url,
+            "AI_BACKEND": "workers-ai",
+            "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
+            "CLOUDFLARE_API_TOKEN": API_TOKEN,
+            "CLOUDFLARE_API_BASE_URL": upstream.api_base_url,
+            "AI_MAX_CONNECTIONS": "2000",
+            "QUOTES_CACHE_TTL": "0",
+            "QUOTES_RATE_LIMIT": "1000000/s",
+            "QUOTES_MAX_CONCURRENT_STREAMS": "1000000",
+        }
+    )
+    for item in extra:
+        name, _, value = item.partition("=")
+        env[name] = value
+    return env
+
+
+@contextlib.contextmanager
+def daphnes(
+    count: int, env: dict[str, str], workdir: Path
+) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    started: list[tuple[subprocess.Popen[bytes], str]] = []
+    try:
+        for index in range(count):
+            port = free_port()
+            log = workdir / f"daphne-{index}.log"
+            command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
+            command += ["--proxy-headers", "--proxy-headers-host", "X-Real-IP"]
+            command += ["--application-close-timeout", "5", "config.asgi:application"]
+            with log.open("wb") as out:
+                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            started.append((process, f"127.0.0.1:{port}"))
+        for process, address in started:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://{address}/healthz", timeout=2).status_code == 200:
+                        break
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daphne {address} did not start:\n{tail(workdir / 'daphne-0.log')}")
+                time.sleep(0.2)
+        yield started
+    finally:
+        for process, _ in started:
+            stop_process(process)
+
+
+def nginx_site(port: int, addresses: list[str]) -> str:
+    servers = "\n".join(f"        server {address};" for address in addresses)
+    return f"""
+    map $http_upgrade $connection_upgrade {{
+        default upgrade;
+        ''      close;
+    }}
+    upstream persona_quotes {{
+        least_conn;
+{servers}
+        keepalive 64;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        server_name 127.0.0.1;
+        include {LOCATIONS_CONF};
+    }}
+"""
+
+
+def count_rows(database_url: str, expected: int, timeout_s: float = 120.0) -> dict[str, int]:
+    import psycopg
+
+    deadline = time.monotonic() + timeout_s
+    previous: dict[str, int] | None = None
+    still = 0
+    while True:
+        with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
+            counts = dict(
+                connection.execute(
+                    "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
+                ).fetchall()
+            )
+        still = still + 1 if counts == previous else 0
+        if sum(counts.values()) >= expected or still >= 10 or time.monotonic() > deadline:
+            return counts
+        previous = counts
+        time.sleep(1.0)
+
+
+def truncate(database_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
+        connection.execute("TRUNCATE quotes_generation")
+
+
+def one_run(
+    processes: int, streams: int, args: argparse.Namespace, database_url: str, redis_url: str, workdir: Path
+) -> dict[str, Any]:
+    tokens = int(args.duration * args.tokens_per_second)
+    upstream = StampingUpstream(tokens, args.tokens_per_second)
+    truncate(database_url)
+    load_before = os.getloadavg()
+    try:
+        env = production_env(database_url, redis_url, upstream, args.env)
+        with daphnes(processes, env, workdir) as servers:
+            port = free_port()
+            site = nginx_site(port, [address for _, address in servers])
+            nginx_dir = workdir / f"nginx-{processes}-{streams}-{time.time_ns()}"
+            nginx_dir.mkdir()
+            with nginx(
+                nginx_dir,
+                site=site,
+                port=port,
+                worker_connections=2 * streams + 256,
+            ) as proxy:
+                run, plateau = asyncio.run(
+                    drive(
+                        proxy.url,
+                        [p.pid for p, _ in servers],
+                        upstream,
+                        streams,
+                        args.duration,
+                        args.ramp_per_second,
+                    )
+                )
+                answered = sum(1 for r in run.results if r.status)
+                rows = count_rows(database_url, expected=answered)
+    finally:
+        upstream.close()
+    report = build_report(
+        run,
+        plateau,
+        rows,
+        path=f"app x{processes}",
+        streams=streams,
+        tokens=tokens,
+        args=args,
+        load_before=load_before,
+    )
+    report["processes"] = processes
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", default="1,2", help="comma-separated daphne process counts")
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--ladder", default="", help="comma-separated stream counts, one run each")
+    parser.add_argument("--duration", type=float, default=60)
+    parser.add_argument("--tokens-per-second", type=float, default=50)
+    parser.add_argument("--ramp-per-second", type=float, default=200)
+    parser.add_argument("--bound-ms", type=float, default=50.0)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    args = parser.parse_args(argv)
+    counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
+    process_counts = [int(x) for x in args.processes.split(",")]
+    print(machine(), f"; open files limit {raise_fd_limit(6 * max(counts) + 512)}", flush=True)
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="bench-scaleout-") as tmp:
+        workdir = Path(tmp)
+        with postgres(workdir) as pg, redis(workdir) as redis_url:
+            env = production_env(pg.url, redis_url, StampingUpstreamStub(), args.env)
+            subprocess.run(
+                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+            )
+            for processes in process_counts:
+                for streams in counts:
+                    report = one_run(processes, streams, args, pg.url, redis_url, workdir)
+                    reports.append(report)
+                    print(json.dumps(report, indent=1), flush=True)
+    rows = [
+        [
+            r["processes"],
+            r["streams"],
+            f"{r['completed']}/{r['streams']}",
+            r["refused_503"],
+            r["refused_with_retry_after"],
+            r["refusal_ms"]["p99"],
+            r["errors"],
+            r["lost_rows"],
+            r["added_delay_ms"]["p50"],
+            r["added_delay_ms"]["p99"],
+            r["daphne_cpu_pct"],
+            r["cpu_per_token_us"],
+            round(r["rss_per_stream_kib"]),
+            r["daphne_threads_max"],
+            "/".join(f"{x:.1f}" for x in r["load_average_before"]),
+        ]
+        for r in reports
+    ]
+    print(
+        table(
+            [
+                "daphnes",
+                "streams",
+                "completed",
+                "503",
+                "503 with Retry-After",
+                "503 p99 ms",
+                "other errors",
+                "lost rows",
+                "added p50 ms",
+                "added p99 ms",
+                "daphne CPU %",
+                "CPU µs/token",
+                "RSS KiB/stream",
+                "threads",
+                "load avg before",
+            ],
+            rows,
+        )
+    )
+    print("\n".join(capacity_lines(reports, args.bound_ms)))
+    out = ARTIFACTS / "scaleout-load.json"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(reports, indent=1) + "\n")
+    print(f"raw: {out}", file=sys.stderr)
+
+
+class StampingUpstreamStub:
+    """For `migrate`, which needs the settings to load but no upstream."""
+
+    api_base_url = "http://127.0.0.1:9/client/v4"
+
+
+if __name__ == "__main__":
+    main()

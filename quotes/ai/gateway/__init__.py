@@ -1,0 +1,22 @@
+"""The path every generation takes, whatever the transport (HTTP, EventSource, WebSocket) and
+whatever the backend: admission (an open-stream cap per process, per-client rate limits), the
+answer cache, coalescing, retries, fallbacks, timeouts, keep-alive, and one `Generation` log row
+on every outcome, a client disconnect included.
+
+    stream_generation (generation.py): one request, from admission to its log row
+      admission.py   the process's open-stream cap, then the client's limits
+      answers.py     complete answers cached, and replayed as a stream
+      flights.py     one generation shared by identical requests; a listener per request
+      policy.py      retries and fallbacks before the first token; the three timeouts
+      log.py         the row each stream gathers, and the group-commit writer
+
+Each part can be driven alone; tests/test_gateway.py drives them all through the stream endpoint.
+"""
+
+from __future__ import annotations
+
+from .flights import flights as _flights
+from .generation import ANONYMOUS, Client, stream_generation
+from .policy import NOT_FOR_FALLBACK, RETRYABLE
+
+__all__ = ["ANONYMOUS", "NOT_FOR_FALLBACK", "RETRYABLE", "Client", "_flights", "stream_generation"]

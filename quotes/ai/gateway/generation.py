@@ -1,0 +1,237 @@
+"""`stream_generation`: one request's stream, from admission to its log row.
+
+admission -> Meta (the row's id) -> answer cache? replay : join or start a flight -> events
+          -> the log row (written before the terminal event goes out) -> Done or Error
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+from ... import metrics
+from ...models import Generation, Persona, PersonaVersion
+from ...security import client_address
+from ..backends import get_backend
+from ..cache import answer_key, get_answer
+from ..errors import internal
+from ..events import Done, Error, Event, Message, Meta, Token, Usage
+from ..refusals import record_refusal
+from . import admission, answers
+from .flights import Flight, flights
+from .log import Record, writer
+from .policy import Plan, first_token_budget
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Client:
+    """Who is asking: the user when logged in, else a salted hash of the IP (of its network for IPv6)."""
+
+    key: str
+    ip_hash: str
+    user_id: int | None = None
+
+    @classmethod
+    def from_request(cls, ip: str, user_id: int | None = None) -> Client:
+        ip = client_address(ip)  # an IPv6 address counts as its /64 (QUOTES_IPV6_PREFIX)
+        ip_hash = hmac.new(settings.SECRET_KEY.encode(), ip.encode(), hashlib.sha256).hexdigest()[:32]
+        return cls(key=f"user:{user_id}" if user_id else f"ip:{ip_hash}", ip_hash=ip_hash, user_id=user_id)
+
+
+ANONYMOUS = Client(key="local", ip_hash="")
+
+
+async def stream_generation(
+    *,
+    persona: Persona,
+    topic: str,
+    messages: tuple[Message, ...] = (),
+    client: Client = ANONYMOUS,
+    preview: bool = False,
+    bypass_cache: bool = False,
+    version: Any = ...,  # PersonaVersion | None, or ... for "look it up"
+    transport: str = "other",
+) -> AsyncGenerator[Event, None]:
+    """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
+
+    `preview` (an admin trying unsaved values) is logged as such and never cached;
+    `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
+    persona's current version when the caller knows it (quotes.personas keeps it); looked up
+    otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
+    "htmx", "websocket", ...).
+    """
+    options = settings.QUOTES_GATEWAY
+    backend = get_backend(persona.backend or None)
+    if preview:
+        version = None
+    elif version is ...:
+        version = await _current_version(persona)
+    primary = persona.build_request(topic=topic, messages=messages)
+    record = Record(started=time.perf_counter(), model=backend.model_name(primary.model))
+    ticket: admission.Ticket | None = None
+    logged = False
+
+    async def log() -> None:
+        """Write the log row once. Called before the terminal event goes out, so a client that
+        has seen [DONE] (or an error) can rely on the row existing; on cancellation, at the end
+        (queued at once, so the row is written whatever becomes of this task)."""
+        nonlocal logged
+        if logged:
+            return
+        logged = True
+        row = record.row(
+            persona=persona,
+            version=version,
+            backend=backend.name,
+            topic=topic,
+            request=primary,
+            client_hash=client.ip_hash,
+            preview=preview,
+        )
+        metrics.stream_finished(row, transport=transport)
+        try:
+            await writer.write(row)
+        except asyncio.CancelledError:
+            raise  # the row is queued: it is written all the same
+        except Exception:
+            logger.exception("could not write the log row of a generation")
+
+    metrics.stream_opened(transport)  # from here on, log() runs whatever happens
+    try:
+        admitted = await admission.admit(client.key, options)
+        if type(admitted) is Error:
+            # Counted per client and window, not logged one full row each (see refusals.py).
+            logged = True
+            metrics.stream_refused(
+                transport=transport, backend=backend.name, model=record.model, code=admitted.code
+            )
+            await record_refusal(
+                persona=persona,
+                version=version,
+                backend=backend.name,
+                model=record.model,
+                client_key=client.key,
+                client_hash=client.ip_hash,
+                preview=preview,
+                code=admitted.code,
+                message=admitted.message,
+                window=options["rate_limit"][1],
+                status=Generation.Status.BUSY if admitted.code == "over_capacity" else None,
+            )
+            yield admitted
+            return
+        assert isinstance(admitted, admission.Ticket)
+        ticket = admitted
+
+        ttl = options["cache_ttl"] if persona.cache_ttl is None else persona.cache_ttl
+        use_cache = ttl > 0 and not (preview or bypass_cache or options["skip_cache"])
+        key = (
+            answer_key(backend=backend.name, request=primary, version_id=version.pk if version else None)
+            if use_cache
+            else ""
+        )
+        record.cache_status = Generation.CacheStatus.MISS if use_cache else Generation.CacheStatus.BYPASS
+        yield Meta(
+            model=record.model,
+            cache_status="MISS" if use_cache else "BYPASS",
+            generation_id=record.public_id,
+        )
+
+        events: AsyncGenerator[Event, None]
+        if use_cache and (cached := await get_answer(key)) is not None:
+            record.cache_status = Generation.CacheStatus.HIT
+            events = answers.replay(cached, pacing=options["replay_pacing_ms"] / 1000)
+        else:
+            flight = flights.get(key) if use_cache else None
+            if flight is not None:
+                record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
+                metrics.coalesced_listener()
+            else:
+                models = [primary.model, *persona.fallback_models, *options["fallback_models"]]
+                plan = Plan(
+                    backend=backend,
+                    persona=persona,
+                    topic=topic,
+                    messages=messages,
+                    primary=primary,
+                    models=list(dict.fromkeys(models)),
+                    cache_key=key if use_cache else None,
+                    cache_ttl=ttl,
+                )
+                flight = Flight(
+                    key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
+                )
+                flight.start(plan, _storer(key, ttl) if use_cache else None)
+            listener = flight.subscribe(keepalive_s=options["keepalive_s"], idle_s=options["idle_timeout_s"])
+            events = listener.events()
+
+        hit = record.cache_status == Generation.CacheStatus.HIT
+        async with aclosing(events):
+            async for event in events:
+                if type(event) is Token:
+                    if record.ttft is None:
+                        record.ttft = time.perf_counter()
+                    record.add_text(event.text)
+                    yield event
+                    continue
+                if type(event) is Usage:
+                    record.usage = event
+                elif type(event) is Meta:
+                    record.model = event.model or record.model
+                    record.headers.update(event.headers)
+                    if event.step is not None:
+                        record.step = event.step
+                    if hit:
+                        event = Meta(
+                            model=event.model, headers=event.headers, step=event.step, cache_status="HIT"
+                        )
+                elif type(event) is Done:
+                    record.status = Generation.Status.OK
+                elif type(event) is Error:
+                    record.status = (
+                        Generation.Status.BUSY if event.code == "busy" else Generation.Status.ERROR
+                    )
+                    record.error = event
+                if record.status:
+                    await ticket.release_client_slot()  # before the client hears "done" and asks again
+                    await log()
+                    yield event
+                    return
+                yield event
+    except (asyncio.CancelledError, GeneratorExit):
+        if not record.status:
+            record.status = Generation.Status.CANCELLED
+        raise
+    except Exception:
+        logger.exception("generation failed for persona %s", persona.slug)
+        record.status, record.error = Generation.Status.ERROR, internal()
+        await log()
+        yield record.error
+    finally:
+        if ticket is not None:
+            await ticket.release()
+        await log()
+
+
+def _storer(key: str, ttl: int) -> Any:
+    async def store(history: list[Event]) -> None:
+        await answers.store(key, history, ttl=ttl)
+
+    return store
+
+
+async def _current_version(persona: Persona) -> PersonaVersion | None:
+    if persona.pk is None:
+        return None
+    return await persona.versions.order_by("-number").afirst()

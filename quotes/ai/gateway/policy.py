@@ -1,0 +1,159 @@
+"""The retry and fallback policy: what one flight does to turn a plan into one stream of events.
+
+Each model in turn (the fallback `step`), each up to `max_attempts` times, until text flows.
+Retries and fallbacks happen only before the first token: once text has flowed, a failure ends
+the stream with an error and never repeats text. Three timeouts bound it: to the first token
+(from the attempt's request), between tokens (idle), and the whole generation (total). They are
+kept by one Watchdog for the whole flight, not by a timer per token (quotes.ai.watchdog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+from ... import metrics
+from ...models import Persona
+from ..backends import Backend
+from ..errors import internal
+from ..events import Done, Error, Event, GenerationRequest, Message, Meta, Token
+from ..watchdog import Watchdog
+
+#: Errors worth another attempt at the same model (before the first token only).
+RETRYABLE = frozenset(
+    {
+        "upstream_unreachable",
+        "upstream_unavailable",
+        "upstream_capacity",
+        "upstream_timeout",
+        "upstream_dropped",
+    }
+)
+#: Errors another model would not fix: no fallback for these.
+NOT_FOR_FALLBACK = frozenset({"upstream_auth", "busy", "request_too_large", "context_window_exceeded"})
+
+
+@dataclass(slots=True)
+class Plan:
+    """What a flight generates: the persona's request for each model to try, in order."""
+
+    backend: Backend
+    persona: Persona
+    topic: str
+    messages: tuple[Message, ...]
+    #: the request for the persona's own model (built once, by the caller)
+    primary: GenerationRequest
+    models: list[str]
+    cache_key: str | None
+    cache_ttl: int
+
+
+async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
+    """Meta (the model that answers, once text flows), then Tokens and Usage, then one Done or
+    Error. After a failure with no text, the last attempt's Meta (its upstream headers, such as
+    cf-aig-log-id, belong in the log) and the Error."""
+    options = settings.QUOTES_GATEWAY
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + options["total_timeout_s"]
+    idle_s = options["idle_timeout_s"]
+    error: Error = internal()
+    meta = Meta()
+    watchdog = Watchdog()
+    try:
+        for step, model in enumerate(plan.models):
+            for attempt in range(options["max_attempts"]):
+                if attempt:
+                    await asyncio.sleep(retry_delay(attempt, options))
+                request = (
+                    plan.primary
+                    if model == plan.primary.model
+                    else plan.persona.build_request(topic=plan.topic, messages=plan.messages, model=model)
+                )
+                meta = Meta(model=plan.backend.model_name(model), step=step)
+                metrics.attempt_started(
+                    backend=plan.backend.name, model=meta.model, step=step, attempt=attempt
+                )
+                started = False
+                # From the request, not from the headers: an upstream's Meta does not restart it,
+                # so a listener can tell how long a live flight may take (first_token_budget).
+                first_token_by = loop.time() + options["ttft_timeout_s"]
+                async with aclosing(plan.backend.stream(request)) as events:
+                    while True:
+                        due = loop.time() + idle_s if started else first_token_by
+                        watchdog.expect(due if due < deadline else deadline)
+                        try:
+                            event = await anext(events)
+                        except StopAsyncIteration:
+                            event = internal("The model ended without finishing the quote.")
+                        except asyncio.CancelledError:
+                            if not watchdog.expired():
+                                raise
+                            event = timeout_error(started=started, total=loop.time() >= deadline)
+                        watchdog.release()
+                        if type(event) is Token:
+                            if not started:
+                                started = True
+                                yield meta  # the model that answers is known once text flows
+                            yield event
+                            continue
+                        if type(event) is Meta:
+                            # Upstream headers are kept; the step and the answering model are ours.
+                            meta = Meta(
+                                model=meta.model, headers={**meta.headers, **event.headers}, step=step
+                            )
+                            continue
+                        if type(event) is Error:
+                            error = event
+                            break
+                        if not started:
+                            started = True
+                            yield meta
+                        yield event
+                        if type(event) is Done:
+                            return
+                if started:
+                    yield error  # after text, never retry or fall back: that would repeat text
+                    return
+                if loop.time() >= deadline:
+                    break
+                if error.code not in RETRYABLE:
+                    break  # this model will not do better on a second try
+            if error.code in NOT_FOR_FALLBACK or loop.time() >= deadline:
+                break
+    finally:
+        watchdog.close()
+    yield meta  # the last attempt's upstream headers (its cf-aig-log-id) belong in the log
+    yield error
+
+
+def retry_delay(attempt: int, options: dict[str, Any]) -> float:
+    base = float(options["retry_delay_ms"]) / 1000
+    if options["backoff"] == "linear":
+        return base * attempt
+    if options["backoff"] == "exponential":
+        return base * 2 ** (attempt - 1)
+    return base
+
+
+def first_token_budget(models: int, options: dict[str, Any]) -> float:
+    """The longest a live flight takes to its first token or its error: every model, each
+    attempt up to the first-token timeout with the retry delays between, within the total
+    (which a retry's delay may overrun)."""
+    attempts = options["max_attempts"]
+    delays = sum(retry_delay(attempt, options) for attempt in range(1, attempts))
+    return float(
+        min(models * (attempts * options["ttft_timeout_s"] + delays), options["total_timeout_s"] + delays)
+    )
+
+
+def timeout_error(*, started: bool, total: bool) -> Error:
+    if total:
+        return Error("deadline_exceeded", "The quote took too long to write.", 504)
+    if started:
+        return Error("idle_timeout", "The model stopped writing mid-quote.", 504)
+    return Error("upstream_timeout", "The model took too long to start writing.", 504)

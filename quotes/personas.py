@@ -1,0 +1,107 @@
+"""Active personas and their current version, kept in each process and invalidated by a
+version counter in the shared cache.
+
+Every stream needs its persona and the persona's latest version (the log row and the answer
+cache key point at it). Two queries per request, each a hop to a thread, were the largest part
+of what the app added to the first token. Personas change rarely (an editor saves one in the
+admin), so each process keeps them in memory, checked against one value in Django's cache:
+
+- any change to a persona or its versions (save, delete, a queryset update, a migration or a
+  flush) replaces the value (`bump`), in this process's memory at once, and in the shared cache
+  (Redis) for every process;
+- a request reads the value (inline for the in-memory cache, one round trip to Redis) and, when
+  it differs from the one the memory was filled under, starts afresh;
+- an entry is also re-read after MAX_AGE_S, so a process that cannot see the others' counter
+  (several processes on the in-memory cache) or a change made behind the ORM's back (raw SQL)
+  is never stale for long.
+
+Unknown slugs are not remembered (a stranger could fill the memory with them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.core.cache import cache
+from django.db import close_old_connections
+from django.db.models.signals import post_delete, post_migrate, post_save
+
+from .ai.limits import run_on_cache
+from .models import Persona, PersonaVersion, personas_changed
+
+logger = logging.getLogger(__name__)
+
+#: The shared value that names the current generation of persona data ("" until a first change).
+VERSION_KEY = "quotes:personas:version"
+#: The longest an entry is trusted without reading the database again.
+MAX_AGE_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ActivePersona:
+    persona: Persona
+    #: its latest version (None only for a persona saved without one, which save() prevents)
+    version: PersonaVersion | None
+    loaded_at: float
+
+
+_entries: dict[str, ActivePersona] = {}
+_under: str | None = None  # the version value the entries were loaded under (None: none yet)
+
+
+async def get_active(slug: str) -> ActivePersona | None:
+    """The active persona called `slug` and its current version, or None."""
+    global _under
+    try:
+        # A read only (never a write on the request path): a missing value is a value too.
+        current = str(await run_on_cache(cache.get, VERSION_KEY, ""))
+    except Exception:  # the shared cache is down: memory cannot be trusted, the database can
+        logger.warning("could not read the persona version value; reading the database", exc_info=True)
+        current = None
+    if current is None or current != _under:
+        _entries.clear()
+        _under = current
+    entry = _entries.get(slug)
+    now = time.monotonic()
+    if entry is None or now - entry.loaded_at > MAX_AGE_S:
+        entry = await sync_to_async(_load, thread_sensitive=False)(slug, now)
+        if entry is None:
+            _entries.pop(slug, None)
+            return None
+        if current is not None and _under == current:  # nothing changed while it loaded
+            _entries[slug] = entry
+    return entry
+
+
+def bump(**_: Any) -> None:
+    """Persona data changed: forget it here, and tell every process through the shared cache."""
+    global _under
+    _entries.clear()
+    _under = None
+    cache.set(VERSION_KEY, uuid.uuid4().hex, timeout=None)
+
+
+def _load(slug: str, now: float) -> ActivePersona | None:
+    """Both queries in one hop, on a shared worker thread (not the request's own: no thread is
+    made for the request), whose connection is then closed as at the end of a request."""
+    try:
+        persona = Persona.objects.active().filter(slug=slug).first()
+        if persona is None:
+            return None
+        version = persona.versions.order_by("-number").first()
+        return ActivePersona(persona=persona, version=version, loaded_at=now)
+    finally:
+        close_old_connections()
+
+
+for _model in (Persona, PersonaVersion):
+    post_save.connect(bump, sender=_model, dispatch_uid=f"quotes.personas.bump.save.{_model.__name__}")
+    post_delete.connect(bump, sender=_model, dispatch_uid=f"quotes.personas.bump.delete.{_model.__name__}")
+personas_changed.connect(bump, dispatch_uid="quotes.personas.bump.changed")
+# Migrations (data migrations seed personas) and `flush` change rows without saving models.
+post_migrate.connect(bump, dispatch_uid="quotes.personas.bump.migrate")

@@ -1,0 +1,111 @@
+"""Django's per-request thread, taken from a pool and given back as soon as a stream's view has
+answered, so an open stream holds no OS thread and no request starts one.
+
+Why a thread per open stream: Django's ASGI handler runs each request in an asgiref
+`ThreadSensitiveContext`, and the request's first thread-sensitive `sync_to_async` call (Django's
+own `request_started` signal always makes one: its receivers are sync) starts a thread for that
+request, which asgiref keeps until the context ends, i.e. until the last byte of the response is
+sent. For a stream that is minutes: threads = 1 + open streams, each with its stack (and a
+database connection if the request queried anything). Starting that thread was also the largest
+single cost on the way to the first token (about 1.7 ms of a loaded 2-core machine), and a second
+thread was started at the end of every request only to join the first.
+
+`ASGIHandler` is Django's handler with one change: the request's thread-sensitive context is given
+an executor leased from `pool` (asgiref's documented `ThreadSensitiveContext(executor=...)`), a
+single-thread executor that served earlier requests. `ReleaseRequestThreadMiddleware`
+(quotes.middleware) gives it back once a view has returned a streaming response; the rest of that
+request's thread-sensitive calls (Django's `response.close()` at the very end) then run on one
+shared thread. Everything else about the request (middleware, URLs, views, signals) is Django's.
+
+Database connections stay per thread, as Django expects: a pooled thread closes its obsolete ones
+(per CONN_MAX_AGE) when it is given back, as `request_finished` would have on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from asgiref.sync import SyncToAsync, ThreadSensitiveContext
+from django.core.handlers.asgi import ASGIHandler as DjangoASGIHandler
+from django.db import close_old_connections
+
+#: Idle request threads kept for the next requests; more are started when more views run at once.
+KEEP_IDLE = 16
+
+
+class RequestThreadPool:
+    def __init__(self, keep_idle: int = KEEP_IDLE) -> None:
+        self._idle: list[ThreadPoolExecutor] = []
+        self._keep_idle = keep_idle
+        self.started = 0  # threads started since the process began (a test reads it)
+
+    def lease(self) -> ThreadPoolExecutor:
+        if self._idle:
+            return self._idle.pop()
+        self.started += 1
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
+
+    def give_back(self, executor: ThreadPoolExecutor) -> None:
+        # On that thread, after whatever the request left queued there: the connection hygiene
+        # request_finished would have done.
+        executor.submit(close_old_connections)
+        if len(self._idle) < self._keep_idle:
+            self._idle.append(executor)
+        else:
+            executor.shutdown(wait=False)
+
+
+pool = RequestThreadPool()
+#: Where a request's thread-sensitive calls go once its thread is given back (a stream's tail:
+#: Django's `response.close()` and request_finished, microseconds each).
+tail = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-tail")
+
+
+class Lease:
+    __slots__ = ("context", "executor")
+
+    def __init__(self, executor: ThreadPoolExecutor) -> None:
+        self.executor: ThreadPoolExecutor | None = executor
+        self.context: ThreadSensitiveContext | None = None
+
+    def give_back(self) -> None:
+        """Hand the thread on; this request's later thread-sensitive calls go to `tail`."""
+        executor, self.executor = self.executor, None
+        if executor is None:
+            return
+        if self.context is not None:
+            SyncToAsync.context_to_thread_executor[self.context] = tail
+        pool.give_back(executor)
+
+
+_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("request_thread_lease", default=None)
+
+
+def release_request_thread() -> bool:
+    """Give the current request's thread back now (its view has answered). False outside a
+    request served by `ASGIHandler`."""
+    lease = _lease.get()
+    if lease is None:
+        return False
+    lease.give_back()
+    return True
+
+
+class ASGIHandler(DjangoASGIHandler):
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)  # Django's own refusal
+        executor = pool.lease()
+        lease = Lease(executor)
+        token = _lease.set(lease)
+        try:
+            context = ThreadSensitiveContext(executor=executor)
+            lease.context = context
+            async with context:
+                await self.handle(scope, receive, send)
+        finally:
+            lease.context = None  # exited: nothing maps to it any more
+            lease.give_back()
+            _lease.reset(token)

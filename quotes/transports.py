@@ -1,0 +1,262 @@
+"""From the gateway's events to what each client reads: one loop, four small encoders.
+
+`relay()` is the only loop: it drives a generation's events (quotes.ai.gateway) into a
+transport's encoder and yields what the encoder makes. Each encoder says how one event looks
+on its wire, and nothing else:
+
+- `WorkersAIEncoder`: the public JSON stream, exactly Workers AI's wire format
+  (`data: {"response": ...}`, a usage event, `data: [DONE]`, `event: error`);
+- `EventSourceEncoder`: the same, plus a closing `event: done` (EventSource would reconnect
+  into a second generation without it);
+- `HtmxEncoder`: the page's own transport (hx-sse): HTML-escaped text fragments as unnamed
+  messages, and named `meta`, `done` and `error` events;
+- `WebSocketEncoder`: JSON frames (`meta`, `token`, `done`, `error`) for the consumer.
+
+An HTTP response must choose its status before its first byte, so the views first `open_stream()`:
+everything up to the first token (or the error that came instead) is read, the status and the
+headers follow from it, and `relay()` then starts from that first event. The WebSocket has no
+status to choose and relays from the start. Keep-alive pings before the first token are
+dropped there, for the same reason: the headers are not sent yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from django.urls import reverse
+
+from .ai import sse
+from .ai.catalog import doc_url
+from .ai.errors import internal
+from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
+
+Out = TypeVar("Out")
+Out_co = TypeVar("Out_co", covariant=True)
+
+
+class Encoder(Protocol[Out_co]):
+    """How each event looks on one transport. None: nothing to send for it."""
+
+    def start(self, meta: Meta) -> Out_co | None: ...
+
+    def meta(self, meta: Meta) -> Out_co | None:
+        """`meta` (merged with what came before) changed while the stream flows."""
+        ...
+
+    def token(self, text: str) -> Out_co | None: ...
+
+    def usage(self, usage: Usage) -> Out_co | None: ...
+
+    def ping(self) -> Out_co | None: ...
+
+    def done(self, meta: Meta) -> Out_co | None: ...
+
+    def error(self, error: Error) -> Out_co | None: ...
+
+
+#: The error when the events end without Done or Error (made once: never per token).
+_ENDED = internal()
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """A stream's beginning: its facts (Meta, merged) and its first real event (a Token, Usage,
+    Done or Error), read before an HTTP status is chosen."""
+
+    meta: Meta
+    first: Event
+
+
+async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
+    meta = Meta()
+    try:
+        first = await anext(events)
+        while type(first) is Meta or type(first) is Ping:
+            if type(first) is Meta:
+                meta = meta.merged(first)
+            first = await anext(events)
+    except StopAsyncIteration:
+        first = internal()
+    return Opening(meta, first)
+
+
+async def relay(
+    events: AsyncGenerator[Event, None], encoder: Encoder[Out], opening: Opening | None = None
+) -> AsyncGenerator[Out, None]:
+    """Drive `events` into `encoder` until Done or Error (always one of them, last)."""
+    async with aclosing(events):
+        meta = opening.meta if opening is not None else Meta()
+        out = encoder.start(meta)
+        if out is not None:
+            yield out
+        event = opening.first if opening is not None else await anext(events, _ENDED)
+        while True:
+            if type(event) is Token:
+                out = encoder.token(event.text)
+            elif type(event) is Ping:
+                out = encoder.ping()
+            elif type(event) is Usage:
+                out = encoder.usage(event)
+            elif type(event) is Meta:
+                merged = meta.merged(event)
+                out = encoder.meta(merged) if merged != meta else None
+                meta = merged
+            elif type(event) is Done:
+                out = encoder.done(meta)
+                if out is not None:
+                    yield out
+                return
+            else:  # Error: after the first byte the status is sent, so the error is an event
+                assert type(event) is Error
+                out = encoder.error(event)
+                if out is not None:
+                    yield out
+                return
+            if out is not None:
+                yield out
+            event = await anext(events, _ENDED)
+
+
+# -- the payloads the page and the socket share ---------------------------------------------------
+
+
+def permalink_of(generation_id: str | None) -> str | None:
+    return reverse("quotes:permalink", args=[generation_id]) if generation_id else None
+
+
+def meta_payload(meta: Meta) -> dict[str, Any]:
+    headers = meta.response_headers()
+    return {
+        "model": meta.model,
+        "model_url": doc_url(meta.model) if meta.model else "",
+        "cache_status": headers.get("cf-aig-cache-status", "").upper(),
+        "id": meta.generation_id,
+        "permalink": permalink_of(meta.generation_id),
+    }
+
+
+def usage_payload(usage: Usage | None) -> dict[str, int] | None:
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def error_payload(error: Error) -> dict[str, Any]:
+    return {"code": error.code, "message": error.message, "retry_after": error.retry_after}
+
+
+# -- the encoders ---------------------------------------------------------------------------------
+
+
+class WorkersAIEncoder:
+    """The JSON stream: Workers AI's own wire format, whichever backend answers."""
+
+    __slots__ = ()
+
+    def start(self, meta: Meta) -> bytes | None:
+        return None  # the facts went out as headers
+
+    def meta(self, meta: Meta) -> bytes | None:
+        return None
+
+    def token(self, text: str) -> bytes:
+        return sse.token(text)
+
+    def usage(self, usage: Usage) -> bytes:
+        return sse.usage(usage)
+
+    def ping(self) -> bytes:
+        return sse.PING
+
+    def done(self, meta: Meta) -> bytes:
+        return sse.DONE
+
+    def error(self, error: Error) -> bytes:
+        return sse.error(error.code, error.message)
+
+
+class EventSourceEncoder(WorkersAIEncoder):
+    """EventSource reconnects when a body ends, which would write a second quote: a named `done`
+    after `[DONE]` tells the client to close() first."""
+
+    __slots__ = ()
+
+    def done(self, meta: Meta) -> bytes:
+        return sse.DONE + sse.named(
+            "done", {"id": meta.generation_id, "permalink": permalink_of(meta.generation_id)}
+        )
+
+
+class HtmxEncoder:
+    """hx-sse swaps each unnamed message's data into the target as HTML (appended, with
+    hx-swap="beforeend") and dispatches each named event as a DOM event: text goes out
+    HTML-escaped, facts as named JSON events (`meta` first, then `done` or `error`)."""
+
+    __slots__ = ("_usage",)
+
+    def __init__(self) -> None:
+        self._usage: Usage | None = None
+
+    def start(self, meta: Meta) -> bytes:
+        return sse.named("meta", meta_payload(meta))
+
+    def meta(self, meta: Meta) -> bytes:
+        return sse.named("meta", meta_payload(meta))
+
+    def token(self, text: str) -> bytes | None:
+        return sse.fragment(text) if text else None
+
+    def usage(self, usage: Usage) -> None:
+        self._usage = usage  # sent with `done`
+
+    def ping(self) -> bytes:
+        return sse.PING
+
+    def done(self, meta: Meta) -> bytes:
+        return sse.named("done", {**meta_payload(meta), "usage": usage_payload(self._usage)})
+
+    def error(self, error: Error) -> bytes:
+        return sse.named("error", error_payload(error))
+
+
+class WebSocketEncoder:
+    """JSON frames: `meta` whenever the facts change (the first one before any text), `token`,
+    then `done` or `error`. The socket has its own pings."""
+
+    __slots__ = ("_usage",)
+
+    def __init__(self) -> None:
+        self._usage: Usage | None = None
+
+    def start(self, meta: Meta) -> None:
+        return None
+
+    def meta(self, meta: Meta) -> dict[str, Any]:
+        return {"type": "meta", **meta_payload(meta)}
+
+    def token(self, text: str) -> dict[str, Any] | None:
+        return {"type": "token", "text": text} if text else None
+
+    def usage(self, usage: Usage) -> None:
+        self._usage = usage
+
+    def ping(self) -> None:
+        return None
+
+    def done(self, meta: Meta) -> dict[str, Any]:
+        return {
+            "type": "done",
+            "usage": usage_payload(self._usage),
+            "id": meta.generation_id,
+            "permalink": permalink_of(meta.generation_id),
+        }
+
+    def error(self, error: Error) -> dict[str, Any]:
+        return {"type": "error", **error_payload(error)}
