@@ -186,7 +186,8 @@ async def test_socket_invalid_json_is_an_error_frame(socket: WebsocketCommunicat
 async def test_socket_rate_limit_is_an_error_frame(
     socket: WebsocketCommunicator, persona: Persona, settings: Any
 ) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    # An hour's window: a minute's could turn over between the two starts and admit the second.
+    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 3600)}
     await socket.send_json_to({"type": "start", "persona": persona.slug})
     assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
 
@@ -278,7 +279,7 @@ async def test_socket_frame_at_the_cap_is_parsed(
 async def test_socket_every_start_counts_against_the_rate_limit(
     socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
-    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (3, 60)}
+    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (3, 3600)}
     await at_start_of_window()
     for _ in range(3):
         await socket.send_json_to({"type": "start", "persona": "nobody"})
@@ -298,7 +299,7 @@ async def test_socket_every_start_counts_against_the_rate_limit(
 async def test_socket_a_start_refused_as_busy_counts_too(
     socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
-    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (2, 60)}
+    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (2, 3600)}
     await at_start_of_window()
     fake_workers_ai.script(Scenario(tokens=["tick"] * 200, token_delay_s=0.02))
     await socket.send_json_to({"type": "start", "persona": persona.slug})  # 1: the gateway counts it

@@ -14,7 +14,9 @@ from .conftest import DaphneServer, start_daphne
 @pytest.fixture(scope="module")
 def cached_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneServer]:
     with start_daphne(
-        tmp_path_factory.mktemp("daphne-cached"), QUOTES_CACHE_TTL="3600", QUOTES_RATE_LIMIT="3/m"
+        tmp_path_factory.mktemp("daphne-cached"),
+        QUOTES_CACHE_TTL="3600",
+        QUOTES_RATE_LIMIT="3/h",  # an hour: a minute could turn over mid-test
     ) as server:
         yield server
 
