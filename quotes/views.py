@@ -42,7 +42,7 @@ from .ai.catalog import doc_url
 from .ai.conversation import check_context_window, check_encodable, parse_messages
 from .ai.errors import QuoteError
 from .ai.events import Error, Event, Message, Meta
-from .ai.gateway import Client, stream_generation
+from .ai.gateway import Client, refuse_if_full, stream_generation
 from .feedback import count_vote, record_vote
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
@@ -158,7 +158,14 @@ async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     htmx = request.headers.get("HX-Request") == "true"
     try:
         refuse_cross_site(request)  # another site's page must not start a (paid) generation
-        quote = await parse_quote_request(_read_params(request))
+        params = _read_params(request)
+        # At the process's cap, refused before anything else is spent (see refuse_if_full).
+        full = await refuse_if_full(
+            slug=params.get("persona"), client=await client_of(request), transport="htmx" if htmx else "api"
+        )
+        if full is not None:
+            return _htmx_error_response(full, Meta()) if htmx else error_response(full)
+        quote = await parse_quote_request(params)
     except QuoteError as exc:
         headers = {"Allow": "GET, POST"} if exc.status == 405 else None
         if htmx:
@@ -182,7 +189,13 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
         if request.method != "POST":
             raise QuoteError("method_not_allowed", "Post the page's form.", 405)
         _check_body_size(request)
-        quote = await parse_quote_request(_form_params(request))
+        params = _form_params(request)
+        full = await refuse_if_full(
+            slug=params.get("persona"), client=await client_of(request), transport="htmx"
+        )
+        if full is not None:
+            return _htmx_error_response(full, Meta())
+        quote = await parse_quote_request(params)
     except QuoteError as exc:
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
     return await _htmx_stream(_events_for(quote, await client_of(request), "htmx"))

@@ -45,6 +45,12 @@ class OpenStreams:
 open_streams = OpenStreams()
 
 
+def at_capacity(options: dict[str, Any]) -> bool:
+    """Whether a new stream would be refused now (checked before a request is even parsed; the
+    admission itself checks again)."""
+    return open_streams.count >= options["max_open_streams"]
+
+
 def over_capacity() -> Error:
     return Error(
         "over_capacity",
