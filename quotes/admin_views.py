@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from django.http import HttpRequest, HttpResponseBase, JsonResponse, QueryDict
 
-from .ai.backends import get_backend
+from .ai.backends import backend_for
 from .ai.conversation import check_context_window
 from .ai.errors import QuoteError
 from .ai.gateway import stream_generation
@@ -191,7 +191,7 @@ async def stream_preview(request: HttpRequest, persona: Persona, topic: str) -> 
     try:
         check_context_window(
             persona.build_request(topic=topic),
-            model=get_backend(persona.backend or None).model_name(persona.model),
+            model=backend_for(persona).model_name(persona.model),
         )
     except QuoteError as exc:
         return error_response(exc)

@@ -37,7 +37,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from . import personas
 from .ai import sse
-from .ai.backends import get_backend
+from .ai.backends import backend_for
 from .ai.catalog import doc_url
 from .ai.conversation import check_context_window, check_encodable, parse_messages
 from .ai.errors import QuoteError
@@ -71,7 +71,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
         persona = await Persona.objects.active().aget(slug=slug)
     except Persona.DoesNotExist:
         raise Http404("No such persona.") from None
-    model = get_backend().model_name(persona.model)
+    model = backend_for(persona).model_name(persona.model)
     return render(
         request,
         "quotes/persona.html",
@@ -127,7 +127,7 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     messages = parse_messages(params.get("messages"))
     check_context_window(
         persona.build_request(topic=topic, messages=messages),
-        model=get_backend().model_name(persona.model),
+        model=backend_for(persona).model_name(persona.model),
     )
     return QuoteInput(
         persona=persona,
