@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from io import StringIO
 
 import pytest
@@ -76,6 +77,22 @@ async def test_persona_with_its_own_backend_shows_and_is_checked_against_that_ba
     error = response.json()["error"]
     assert error["code"] == "context_window_exceeded"
     assert "gemma-3-270m" in error["message"] and "1024-token context window" in error["message"]
+
+
+def test_avatars_and_button_icons_are_svg_not_emoji(persona: Persona, client: Client) -> None:
+    # Emoji need an emoji font, which a desktop may lack (Debian's chromium draws boxes).
+    persona.emoji = "🌊"
+    persona.save()
+    index = client.get("/").content.decode()
+    page = client.get(f"/personas/{persona.slug}/").content.decode()
+    for html in (index, page):
+        assert '<svg class="avatar' in html and ">AW</text>" in html
+        assert "🌊" not in html
+    assert page.count('<svg class="icon"') == 4
+    assert not any(emoji in page for emoji in "📋🔗👍👎")
+    # The disc's colour follows the slug: the same on both pages.
+    fill = re.search(r'<circle [^>]*fill="(#[0-9a-f]{6})"', page)
+    assert fill is not None and f'fill="{fill[1]}"' in index
 
 
 def test_unknown_persona_page_is_a_readable_404(client: Client) -> None:
