@@ -37,10 +37,12 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_protect
 from django_stubs_ext import StrPromise
 
-from . import analytics, charts
-from .admin_views import InvalidPersona, persona_rollback, persona_save, preview_persona, stream_preview
+from . import charts, selectors, services
+from .admin_views import InvalidPersona, preview_persona, stream_preview
+from .ai.conversation import clean_topic
 from .ai.errors import QuoteError
-from .forms import PersonaForm
+from .ai.events import SAMPLING_FIELDS
+from .forms import PersonaForm, StatsRangeForm
 from .models import Generation, Persona, PersonaVersion
 
 
@@ -60,12 +62,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         (
             "Sampling",
             {
-                "fields": (
-                    "temperature",
-                    ("top_p", "top_k"),
-                    "seed",
-                    ("repetition_penalty", "frequency_penalty", "presence_penalty"),
-                ),
+                "fields": tuple(SAMPLING_FIELDS),
                 "description": "Each value is checked against the chosen model's documented range.",
             },
         ),
@@ -87,12 +84,9 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
     # --- saving, with the version's author ------------------------------------------------------
 
     def save_model(self, request: HttpRequest, obj: Persona, form: ModelForm[Persona], change: bool) -> None:
-        persona_save(persona=obj, created_by=request.user)
+        services.persona_save(persona=obj, created_by=request.user)
 
     # --- deleting: a persona the log points at is deactivated instead ---------------------------
-
-    def _has_generations(self, obj: Persona) -> bool:
-        return obj.pk is not None and obj.generations.exists()
 
     def delete_view(
         self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
@@ -114,24 +108,20 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         return deleted, counts, perms_needed, protected
 
     def log_deletions(self, request: HttpRequest, queryset: Iterable[Persona]) -> None:  # type: ignore[override]
-        kept = [obj for obj in queryset if self._has_generations(obj)]
+        kept = [obj for obj in queryset if selectors.persona_has_generations(obj)]
         for obj in kept:
             self.log_change(request, obj, "Deactivated instead of deleted: the request log refers to it.")
         super().log_deletions(request, [obj for obj in queryset if obj not in kept])  # type: ignore[arg-type]
 
     def delete_model(self, request: HttpRequest, obj: Persona) -> None:
-        if self._has_generations(obj):
-            self._deactivate(request, [obj])
+        if services.persona_delete(persona=obj):
+            self._say_deactivated(request, [obj])
             request._persona_deactivated = True  # type: ignore[attr-defined]
-        else:
-            super().delete_model(request, obj)
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Persona]) -> None:
-        kept = list(queryset.filter(generations__isnull=False).distinct())
-        self._deactivate(request, kept)
-        rest = queryset.exclude(pk__in=[p.pk for p in kept])
-        request._personas_deleted = rest.count()  # type: ignore[attr-defined]
-        super().delete_queryset(request, rest)
+        deactivated = [persona for persona in queryset if services.persona_delete(persona=persona)]
+        self._say_deactivated(request, deactivated)
+        request._personas_deleted = len(queryset) - len(deactivated)  # type: ignore[attr-defined]
 
     def message_user(
         self,
@@ -149,10 +139,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             message = f"Successfully deleted {deleted} persona{'s' if deleted != 1 else ''}."
         super().message_user(request, message, level, extra_tags, fail_silently)
 
-    def _deactivate(self, request: HttpRequest, personas: list[Persona]) -> None:
-        for persona in personas:
-            persona.is_active = False
-            persona.save(update_fields=["is_active"])
+    def _say_deactivated(self, request: HttpRequest, personas: list[Persona]) -> None:
         if personas:
             names = ", ".join(f"“{p}”" for p in personas)
             self.message_user(
@@ -196,8 +183,6 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         return persona
 
     def versions_view(self, request: HttpRequest, object_id: int) -> HttpResponse:
-        from .admin_views import version_history
-
         persona = self._persona_or_404(request, object_id)
         if not self.has_view_or_change_permission(request, persona):
             raise PermissionDenied
@@ -206,7 +191,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             "opts": self.opts,
             "original": persona,
             "title": f"Versions of {persona}",
-            "entries": version_history(persona),
+            "entries": selectors.version_history(persona),
             "can_roll_back": self.has_change_permission(request, persona),
         }
         return TemplateResponse(request, "admin/quotes/persona/versions.html", context)
@@ -219,7 +204,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             raise PermissionDenied
         version = get_object_or_404(PersonaVersion, persona=persona, number=number)
         try:
-            new = persona_rollback(persona=persona, version=version, user=request.user)
+            new = services.persona_rollback(persona=persona, version=version, user=request.user)
         except ValidationError as exc:
             self.message_user(
                 request, f"Cannot roll back to v{number}: {' '.join(exc.messages)}", messages.ERROR
@@ -238,7 +223,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
 
     async def preview_view(self, request: HttpRequest, object_id: int) -> HttpResponseBase:
         """Stream a quote from the change form's unsaved values (POST, staff, change permission)."""
-        from .views import _clean_topic, error_response
+        from .views import error_response
 
         if request.method != "POST":
             return JsonResponse(
@@ -257,7 +242,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             if not self.has_change_permission(request, saved):
                 raise QuoteError("forbidden", "You may not change this persona.", 403)
             persona, topic = preview_persona(request, saved)
-            return persona, _clean_topic(topic, default=persona.default_topic)
+            return persona, clean_topic(topic, default=persona.default_topic)
 
         try:
             persona, topic = await sync_to_async(unsaved_persona)()
@@ -387,11 +372,11 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         if not self.has_view_permission(request):
             raise PermissionDenied
         # Always bound: no parameters means the default range (the last 24 hours).
-        form = analytics.StatsRangeForm(request.GET)
+        form = StatsRangeForm(request.GET)
         stats, charts_by_name, log_query = None, None, ""
         if form.is_valid():
             data = form.cleaned_data
-            stats = analytics.gateway_stats(
+            stats = selectors.gateway_stats(
                 since=data["since"],
                 until=data["until"],
                 bucket=data["bucket"] or None,

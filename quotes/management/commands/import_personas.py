@@ -19,8 +19,8 @@ from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import models, transaction
 
-from quotes.admin_views import persona_save
 from quotes.models import Persona
+from quotes.services import persona_save
 
 from .export_personas import persona_fields
 
