@@ -49,14 +49,14 @@ from .models import Generation, Persona, PersonaVersion
 @admin.register(Persona)
 class PersonaAdmin(admin.ModelAdmin[Persona]):
     form = PersonaForm
-    list_display = ("emoji_name", "slug", "model", "current_version", "is_active", "display_order")
-    list_display_links = ("emoji_name",)
+    list_display = ("name", "slug", "model", "current_version", "is_active", "display_order")
+    list_display_links = ("name",)
     list_editable = ("is_active", "display_order")
     list_filter = ("is_active", "model", "backend")
     search_fields = ("name", "slug", "system_prompt")
     prepopulated_fields = {"slug": ("name",)}
     fieldsets = (
-        ("Identity", {"fields": ("name", "slug", "description", "emoji")}),
+        ("Identity", {"fields": ("name", "slug", "description")}),
         ("Prompts", {"fields": ("system_prompt", "user_prompt_template", "default_topic")}),
         ("Model", {"fields": ("backend", "model", "fallback_models", "lora", "max_tokens")}),
         (
@@ -71,10 +71,6 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Persona]:
         return super().get_queryset(request).annotate(_latest_version=Max("versions__number"))
-
-    @admin.display(description="Persona", ordering="name")
-    def emoji_name(self, obj: Persona) -> str:
-        return f"{obj.emoji} {obj.name}".strip()
 
     @admin.display(description="Version")
     def current_version(self, obj: Persona) -> str:

@@ -46,7 +46,6 @@ class PersonaForm(forms.ModelForm[Persona]):
             "name",
             "slug",
             "description",
-            "emoji",
             *GENERATION_FIELDS,
             "cache_ttl",
             "is_active",

@@ -61,7 +61,6 @@ class Persona(models.Model):
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=100, unique=True)
     description = models.CharField(max_length=200, blank=True)
-    emoji = models.CharField("avatar emoji", max_length=8, blank=True)
     system_prompt = models.TextField()
     user_prompt_template = models.TextField(
         validators=[validate_prompt_template],

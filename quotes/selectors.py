@@ -332,9 +332,9 @@ def gateway_stats(
         )
 
     by_persona = _breakdown(
-        rows.values("persona__slug", "persona__name", "persona__emoji").annotate(**_totals()).order_by(),
+        rows.values("persona__slug", "persona__name").annotate(**_totals()).order_by(),
         key="persona__slug",
-        label=lambda row: f"{row['persona__emoji']} {row['persona__name']}".strip(),
+        label=lambda row: row["persona__name"],
         ttft=ttft_by_persona,
     )
     by_model = _breakdown(

@@ -80,7 +80,6 @@ def test_admin_edits_personas_and_rejects_a_bad_template(admin_client: Client) -
         "name": watts.name,
         "slug": watts.slug,
         "description": watts.description,
-        "emoji": watts.emoji,
         "system_prompt": watts.system_prompt,
         "user_prompt_template": "Tell me about {subject}",
         "default_topic": watts.default_topic,
