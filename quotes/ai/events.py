@@ -7,7 +7,10 @@ A backend is an async iterator of these events. Only the view layer turns them i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .errors import ErrorCode
 
 Role = Literal["system", "user", "assistant"]
 
@@ -119,7 +122,7 @@ class Error:
     `status` is the HTTP status to answer with when no byte has been sent yet, and
     `retry_after` (seconds) says when trying again makes sense."""
 
-    code: str
+    code: ErrorCode
     message: str
     status: int = 502
     retry_after: int | None = None
