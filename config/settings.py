@@ -47,6 +47,8 @@ INSTALLED_APPS = [
     "csp",
     # Admin login throttling (failed attempts per client address, in the database).
     "axes",
+    # request.htmx (HtmxMiddleware below) instead of reading HX-Request by hand.
+    "django_htmx",
     "quotes",
 ]
 
@@ -65,6 +67,9 @@ MIDDLEWARE = [
     "quotes.middleware.StaticFilesMiddleware",
     "quotes.middleware.SessionMiddleware",
     "quotes.middleware.CommonMiddleware",
+    # Sets request.htmx. Before CSRF: its failure view answers htmx in its own dialect. Sync- and
+    # async-capable without MiddlewareMixin, so under ASGI it runs as a coroutine (no thread hop).
+    "django_htmx.middleware.HtmxMiddleware",
     "quotes.middleware.CsrfViewMiddleware",
     "quotes.middleware.AuthenticationMiddleware",
     "quotes.middleware.MessageMiddleware",

@@ -25,7 +25,6 @@ from django.http import (
     HttpResponseBase,
     HttpResponseNotAllowed,
     HttpResponseRedirect,
-    JsonResponse,
     StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404
@@ -40,7 +39,7 @@ from django_stubs_ext import StrPromise
 from . import charts, selectors, services
 from .admin_views import InvalidPersona, preview_persona, stream_preview
 from .ai.conversation import clean_topic
-from .ai.errors import QuoteError
+from .ai.errors import ErrorCode, QuoteError
 from .ai.events import SAMPLING_FIELDS
 from .forms import PersonaForm, StatsRangeForm
 from .models import Generation, Persona, PersonaVersion
@@ -222,21 +221,21 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         from .views import error_response
 
         if request.method != "POST":
-            return JsonResponse(
-                {"error": {"code": "method_not_allowed", "message": "POST the form's fields."}},
-                status=405,
-                headers={"Allow": "POST"},
+            return error_response(
+                QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "POST the form's fields.", 405), {"Allow": "POST"}
             )
         user = await request.auser()
         if not (user.is_active and user.is_staff):
-            return error_response(QuoteError("forbidden", "Log in to the admin as staff to preview.", 403))
+            return error_response(
+                QuoteError(ErrorCode.FORBIDDEN, "Log in to the admin as staff to preview.", 403)
+            )
 
         def unsaved_persona() -> tuple[Persona, str]:
             saved = Persona.objects.filter(pk=object_id).first()
             if saved is None:
-                raise QuoteError("unknown_persona", "There is no such persona; save it first.", 404)
+                raise QuoteError(ErrorCode.UNKNOWN_PERSONA, "There is no such persona; save it first.", 404)
             if not self.has_change_permission(request, saved):
-                raise QuoteError("forbidden", "You may not change this persona.", 403)
+                raise QuoteError(ErrorCode.FORBIDDEN, "You may not change this persona.", 403)
             persona, topic = preview_persona(request, saved)
             return persona, clean_topic(topic, default=persona.default_topic)
 

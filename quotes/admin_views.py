@@ -9,7 +9,7 @@ from django.http import HttpRequest, HttpResponseBase, JsonResponse, QueryDict
 
 from .ai.backends import backend_for
 from .ai.conversation import check_context_window
-from .ai.errors import QuoteError
+from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.gateway import stream_generation
 from .forms import PersonaForm
 from .models import Persona
@@ -24,13 +24,11 @@ class InvalidPersona(QuoteError):
         summary = "; ".join(
             f"{name if name != '__all__' else 'form'}: {messages[0]}" for name, messages in fields.items()
         )
-        super().__init__("invalid_persona", f"Fix the form before previewing. {summary}", 400)
+        super().__init__(ErrorCode.INVALID_PERSONA, f"Fix the form before previewing. {summary}", 400)
         self.fields = fields
 
     def response(self) -> JsonResponse:
-        return JsonResponse(
-            {"error": {"code": self.code, "message": self.message, "fields": self.fields}}, status=self.status
-        )
+        return JsonResponse(envelope(self.code, self.message, fields=self.fields), status=self.status)
 
 
 def _form_data(request: HttpRequest) -> tuple[QueryDict, object]:
@@ -40,10 +38,10 @@ def _form_data(request: HttpRequest) -> tuple[QueryDict, object]:
         try:
             body = json.loads(request.body)
         except ValueError:
-            raise QuoteError("invalid_json", "The body is not valid JSON.", 400) from None
+            raise QuoteError(ErrorCode.INVALID_JSON, "The body is not valid JSON.", 400) from None
         fields = body.get("fields") if isinstance(body, dict) else None
         if not isinstance(fields, dict):
-            raise QuoteError("invalid_json", 'Send {"fields": {...}, "topic": "..."}.', 400)
+            raise QuoteError(ErrorCode.INVALID_JSON, 'Send {"fields": {...}, "topic": "..."}.', 400)
         data = QueryDict(mutable=True)
         for key, value in fields.items():
             values = value if isinstance(value, list) else [value]

@@ -124,3 +124,26 @@ def test_templates_have_no_inline_script_style_or_handlers() -> None:
         for match in inline.finditer(path.read_text())
     ]
     assert offenders == []
+
+
+def test_persona_page_gives_its_script_every_url(persona: Persona, client: Client) -> None:
+    """The page script builds no URL of its own: each comes from the template, so moving a route
+    cannot leave the page posting to the old one."""
+    from pathlib import Path
+
+    html = client.get(f"/personas/{persona.slug}/").content.decode()
+    assert 'data-stream-url="/api/quotes/stream"' in html
+    assert 'data-permalink-url="/q/{id}/"' in html
+    assert 'data-feedback-url="/api/quotes/{id}/feedback"' in html
+    js = Path(__file__).resolve().parents[1] / "static" / "js"
+    for path in [js / "persona-page.js", *(js / "persona").glob("*.js")]:
+        source = path.read_text()
+        assert "/q/" not in source and "/api/" not in source, path.name
+
+
+def test_the_stream_client_mounts_nothing_on_import() -> None:
+    """quote-stream.js is imported by the admin preview too: it must not wire any page."""
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[1] / "static" / "js" / "quote-stream.js").read_text()
+    assert "document." not in source and "mountQuoteApp" not in source

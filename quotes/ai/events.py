@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .errors import ErrorCode
 
 Role = Literal["system", "user", "assistant"]
 
@@ -165,7 +168,7 @@ class Error:
     `status` is the HTTP status to answer with when no byte has been sent yet, and
     `retry_after` (seconds) says when trying again makes sense."""
 
-    code: str
+    code: ErrorCode
     message: str
     status: int = 502
     retry_after: int | None = None

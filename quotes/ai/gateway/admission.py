@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import limits
+from ..errors import ErrorCode
 from ..events import Error
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ open_streams = OpenStreams()
 
 def over_capacity() -> Error:
     return Error(
-        "over_capacity",
+        ErrorCode.OVER_CAPACITY,
         "The site is busy writing other quotes right now. Please try again in a few seconds.",
         503,
         retry_after=OVER_CAPACITY_RETRY_AFTER_S,

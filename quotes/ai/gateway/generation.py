@@ -23,7 +23,7 @@ from ...models import Generation, Persona, PersonaVersion
 from ...security import client_address
 from ..backends import backend_for
 from ..cache import answer_key, get_answer
-from ..errors import internal
+from ..errors import ErrorCode, internal
 from ..events import Done, Error, Event, Message, Meta, Token, Usage
 from ..refusals import record_refusal
 from . import admission, answers
@@ -127,7 +127,7 @@ async def stream_generation(
                 code=admitted.code,
                 message=admitted.message,
                 window=options["rate_limit"][1],
-                status=Generation.Status.BUSY if admitted.code == "over_capacity" else None,
+                status=Generation.Status.BUSY if admitted.code is ErrorCode.OVER_CAPACITY else None,
             )
             yield admitted
             return
@@ -200,7 +200,7 @@ async def stream_generation(
                     record.status = Generation.Status.OK
                 elif type(event) is Error:
                     record.status = (
-                        Generation.Status.BUSY if event.code == "busy" else Generation.Status.ERROR
+                        Generation.Status.BUSY if event.code is ErrorCode.BUSY else Generation.Status.ERROR
                     )
                     record.error = event
                 if record.status:

@@ -20,22 +20,24 @@ from django.conf import settings
 from ... import metrics
 from ...models import Persona
 from ..backends import Backend
-from ..errors import internal
+from ..errors import ErrorCode, internal, upstream_timeout
 from ..events import Done, Error, Event, GenerationRequest, Message, Meta, Token
 from ..watchdog import Watchdog
 
 #: Errors worth another attempt at the same model (before the first token only).
 RETRYABLE = frozenset(
     {
-        "upstream_unreachable",
-        "upstream_unavailable",
-        "upstream_capacity",
-        "upstream_timeout",
-        "upstream_dropped",
+        ErrorCode.UPSTREAM_UNREACHABLE,
+        ErrorCode.UPSTREAM_UNAVAILABLE,
+        ErrorCode.UPSTREAM_CAPACITY,
+        ErrorCode.UPSTREAM_TIMEOUT,
+        ErrorCode.UPSTREAM_DROPPED,
     }
 )
 #: Errors another model would not fix: no fallback for these.
-NOT_FOR_FALLBACK = frozenset({"upstream_auth", "busy", "request_too_large", "context_window_exceeded"})
+NOT_FOR_FALLBACK = frozenset(
+    {ErrorCode.UPSTREAM_AUTH, ErrorCode.BUSY, ErrorCode.REQUEST_TOO_LARGE, ErrorCode.CONTEXT_WINDOW_EXCEEDED}
+)
 
 
 @dataclass(slots=True)
@@ -153,7 +155,7 @@ def first_token_budget(models: int, options: dict[str, Any]) -> float:
 
 def timeout_error(*, started: bool, total: bool) -> Error:
     if total:
-        return Error("deadline_exceeded", "The quote took too long to write.", 504)
+        return Error(ErrorCode.DEADLINE_EXCEEDED, "The quote took too long to write.", 504)
     if started:
-        return Error("idle_timeout", "The model stopped writing mid-quote.", 504)
-    return Error("upstream_timeout", "The model took too long to start writing.", 504)
+        return Error(ErrorCode.IDLE_TIMEOUT, "The model stopped writing mid-quote.", 504)
+    return upstream_timeout("The model took too long to start writing.")
