@@ -199,10 +199,11 @@ class HtmxEncoder:
     hx-swap="beforeend") and dispatches each named event as a DOM event: text goes out
     HTML-escaped, facts as named JSON events (`meta` first, then `done` or `error`)."""
 
-    __slots__ = ("_usage",)
+    __slots__ = ("_space", "_usage")
 
     def __init__(self) -> None:
         self._usage: Usage | None = None
+        self._space = ""  # whitespace held back for the next token
 
     def start(self, meta: Meta) -> bytes:
         return sse.named("meta", meta_payload(meta))
@@ -211,7 +212,14 @@ class HtmxEncoder:
         return sse.named("meta", meta_payload(meta))
 
     def token(self, text: str) -> bytes | None:
-        return sse.fragment(text) if text else None
+        # hx-sse never swaps a message whose data is only whitespace (swapEmpty:false), so a
+        # token that is a lone space (Gemma writes " " before a digit) would vanish from the
+        # page: it goes out with the next token instead.
+        if not text.strip():
+            self._space += text
+            return None
+        text, self._space = self._space + text, ""
+        return sse.fragment(text)
 
     def usage(self, usage: Usage) -> None:
         self._usage = usage  # sent with `done`

@@ -88,6 +88,21 @@ async def test_htmx_form_post_streams_escaped_fragments_and_named_events(
     )
 
 
+async def test_htmx_whitespace_only_token_travels_with_the_next_one(
+    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """hx-sse swaps no message whose data is only whitespace, so a lone " " (Gemma writes one
+    before a digit) would vanish from the page: "together - 3-4" showed as "together -3-4"."""
+    fake_workers_ai.script(Scenario(tokens=("together", " -", " ", "3", "-", "4", " ", "\n", "months")))
+
+    response = await htmx_form_post({"persona": persona.slug, "topic": "time"})
+
+    fragments = [e["data"] for e in parse_sse(response.body) if e["event"] == "message"]
+    assert all(fragment.strip() for fragment in fragments), fragments
+    assert "".join(fragments) == "together - 3-4 \nmonths"
+    assert (await Generation.objects.aget()).text == "together - 3-4 \nmonths"
+
+
 async def test_htmx_form_post_sends_the_conversation_as_messages(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
