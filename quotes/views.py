@@ -37,15 +37,15 @@ from django.views import csrf
 from django.views.decorators.csrf import csrf_exempt
 from django_htmx.middleware import HtmxDetails
 
-from . import personas
+from . import personas, services
 from .ai import sse
-from .ai.backends import get_backend
+from .ai.backends import backend_for
 from .ai.catalog import doc_url
-from .ai.conversation import check_context_window, check_encodable, parse_messages
+from .ai.conversation import check_context_window, clean_topic, parse_messages
 from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, stream_generation
-from .feedback import count_vote, record_vote
+from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
 from .security import refuse_cross_site
@@ -79,7 +79,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
         persona = await Persona.objects.active().aget(slug=slug)
     except Persona.DoesNotExist:
         raise Http404("No such persona.") from None
-    model = get_backend().model_name(persona.model)
+    model = backend_for(persona).model_name(persona.model)
     return render(
         request,
         "quotes/persona.html",
@@ -140,11 +140,11 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     raise the QuoteError (400/404) that says what is wrong."""
     active = await _find_persona(params.get("persona"))
     persona = active.persona
-    topic = _clean_topic(params.get("topic"), default=persona.default_topic)
+    topic = clean_topic(params.get("topic"), default=persona.default_topic)
     messages = parse_messages(params.get("messages"))
     check_context_window(
         persona.build_request(topic=topic, messages=messages),
-        model=get_backend().model_name(persona.model),
+        model=backend_for(persona).model_name(persona.model),
     )
     return QuoteInput(
         persona=persona,
@@ -306,23 +306,6 @@ async def _find_persona(slug: object) -> personas.ActivePersona:
     return active
 
 
-def _clean_topic(topic: object, *, default: str) -> str:
-    if topic is None:
-        return default
-    if not isinstance(topic, str):
-        raise QuoteError(ErrorCode.INVALID_TOPIC, "`topic` must be a string.", 400)
-    check_encodable(topic, field="`topic`")
-    # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
-    topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
-    if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
-        raise QuoteError(
-            ErrorCode.TOPIC_TOO_LONG,
-            f"The topic is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters.",
-            400,
-        )
-    return topic or default
-
-
 def _meta_headers(meta: Meta) -> dict[str, str]:
     headers = meta.response_headers()
     if meta.model:
@@ -420,7 +403,7 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
 @csrf_exempt  # JSON only, like the stream API: a cross-site form cannot send application/json
 async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
     """POST {"value": 1 | -1}: a visitor's thumbs up or down on a quote, one per visitor (see
-    quotes/feedback.py). Setting the same value again changes nothing (idempotent); a new value
+    quotes.services.generation_feedback_set). Setting the same value again changes nothing (idempotent); a new value
     replaces that visitor's old one. Rate-limited per visitor (QUOTES_FEEDBACK_RATE_LIMIT)."""
     try:
         if request.method != "POST":
@@ -443,5 +426,5 @@ async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResp
             raise QuoteError(ErrorCode.FEEDBACK_CLOSED, "This quote is too old to be rated now.", 403)
     except QuoteError as exc:
         return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
-    await record_vote(generation_id=generation.pk, client_key=client.key, value=value)
+    await services.generation_feedback_set(generation_id=generation.pk, client_key=client.key, value=value)
     return JsonResponse({"id": str(generation.public_id), "feedback": value})

@@ -45,12 +45,8 @@ FORBIDDEN = {
     ),
 }
 
-# Known breaches another change is removing (issue 15, points 1 and 2, on its own branch). Keep
-# this list short and name why; a new breach fails the test.
-PRIVATE_IMPORT_EXCEPTIONS = {
-    # admin.py reuses the API's topic check; it moves to a public name with the service layer.
-    ("quotes/admin.py", "quotes.views", "_clean_topic"),
-}
+# Known breaches, each with the reason it stays: none today. A new breach fails the test.
+PRIVATE_IMPORT_EXCEPTIONS: set[tuple[str, str, str | None]] = set()
 
 
 def modules() -> Iterator[tuple[Path, str]]:

@@ -24,6 +24,24 @@ def check_encodable(text: str, *, field: str) -> None:
         ) from None
 
 
+def clean_topic(topic: object, *, default: str) -> str:
+    """The visitor's topic, checked and tidied, or `default` when none was given."""
+    if topic is None:
+        return default
+    if not isinstance(topic, str):
+        raise QuoteError(ErrorCode.INVALID_TOPIC, "`topic` must be a string.", 400)
+    check_encodable(topic, field="`topic`")
+    # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
+    topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
+    if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
+        raise QuoteError(
+            ErrorCode.TOPIC_TOO_LONG,
+            f"The topic is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters.",
+            400,
+        )
+    return topic or default
+
+
 def parse_messages(raw: object) -> tuple[Message, ...]:
     """Turn the `messages` field of a request into Message turns, or raise a 400 saying which
     limit was hit. Roles are `user` and `assistant` only: the system prompt is the persona's."""

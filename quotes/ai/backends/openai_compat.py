@@ -32,7 +32,7 @@ from ..errors import (
     upstream_unavailable,
     upstream_unreachable,
 )
-from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
+from ..events import SAMPLING_FIELDS, Done, Error, Event, GenerationRequest, Meta, Token, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ _MESSAGE_LIMIT = 300
 #: Upstream response headers worth keeping on Meta (lower-case prefixes).
 _KEPT_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
 
-# The OpenAI sampling fields GenerationRequest can carry. top_k and repetition_penalty are not
-# OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
-_OPENAI_SAMPLING = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
+# The OpenAI sampling fields GenerationRequest can carry. Some (top_k, repetition_penalty) are
+# not OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
+_OPENAI_SAMPLING = tuple(name for name, field in SAMPLING_FIELDS.items() if field.openai)
 
 
 class _Failure(Exception):

@@ -21,7 +21,7 @@ from django.conf import settings
 from ... import metrics
 from ...models import Generation, Persona, PersonaVersion
 from ...security import client_address
-from ..backends import get_backend
+from ..backends import backend_for
 from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
 from ..events import Done, Error, Event, Message, Meta, Token, Usage
@@ -72,7 +72,7 @@ async def stream_generation(
     "htmx", "websocket", ...).
     """
     options = settings.QUOTES_GATEWAY
-    backend = get_backend(persona.backend or None)
+    backend = backend_for(persona)
     if preview:
         version = None
     elif version is ...:
