@@ -19,7 +19,7 @@ from .security import RateLimited
 async def count_vote(client_key: str) -> None:
     """Count one feedback request of this client; RateLimited (429) once it is over
     QUOTES_FEEDBACK_RATE_LIMIT."""
-    limit, window = settings.QUOTES_GATEWAY["feedback_rate_limit"]
+    limit, window = settings.QUOTES_GATEWAY.feedback_rate_limit
     retry_after = await limits.run_on_cache(
         limits.count_request, "feedback", client_key, limit=limit, window=window
     )

@@ -228,7 +228,7 @@ async def count_refused_start(client_key: str) -> RateLimited | None:
     against the client's rate limit, as the gateway counts the rest: otherwise invalid requests
     are free, and each can cost a database query. The RateLimited to answer instead of the
     request's own error once the client is over the limit; None until then."""
-    limit, window = settings.QUOTES_GATEWAY["rate_limit"]
+    limit, window = settings.QUOTES_GATEWAY.rate_limit
     retry_after = await limits.run_on_cache(
         limits.count_request, "rate", client_key, limit=limit, window=window
     )

@@ -45,7 +45,7 @@ FORBIDDEN = {
     ),
 }
 
-# Known breaches, each with why (none today: keep it that way); a new breach fails the test.
+# Known breaches, each with the reason it stays: none today. A new breach fails the test.
 PRIVATE_IMPORT_EXCEPTIONS: set[tuple[str, str, str | None]] = set()
 
 

@@ -17,7 +17,7 @@ import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -124,7 +124,7 @@ def closed_port() -> int:
 
 
 def configure(settings: Any, **options: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, **options}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, **options)
 
 
 async def use_workers_ai(settings: Any, fake_server: FakeWorkersAI, **overrides: Any) -> None:

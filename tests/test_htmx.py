@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlencode
 
@@ -168,7 +169,7 @@ async def test_htmx_bad_input_is_an_error_event_with_a_readable_message(
 
 
 async def test_htmx_rate_limit_is_an_error_event_with_retry_after(persona: Persona, settings: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, rate_limit=(1, 60))
     await at_start_of_window(60, margin_s=20)  # a fixed window: both requests must fall in one
     first = await htmx_form_post({"persona": persona.slug})
     assert first.status == 200
