@@ -147,7 +147,7 @@ def truncate(database_url: str) -> None:
     import psycopg
 
     with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
-        connection.execute("TRUNCATE quotes_generation")
+        connection.execute("TRUNCATE quotes_generation CASCADE")
 
 
 def one_run(

@@ -343,7 +343,7 @@ QUOTES_GATEWAY = GatewaySettings(
     max_concurrent_streams=_env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
     # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
     # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
-    max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 250),
+    max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 100),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts.
     max_attempts=_retries["max_attempts"] or _env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
     retry_delay_ms=_retries["retry_delay_ms"]

@@ -31,7 +31,7 @@ from django.urls import path
 
 from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error
-from .ai.gateway import Client, stream_generation
+from .ai.gateway import Client, refuse_if_full, stream_generation
 from .security import count_refused_start, frame_too_large
 from .transports import WebSocketEncoder, relay
 from .views import QuoteInput, parse_quote_request
@@ -92,6 +92,10 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
                 ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409
             )
             await self._send_error(await count_refused_start(client.key) or busy)
+            return
+        full = await refuse_if_full(slug=content.get("persona"), client=client, transport="websocket")
+        if full is not None:
+            await self._send_error(full)
             return
         try:
             quote = await parse_quote_request(content)

@@ -78,6 +78,12 @@ async def get_active(slug: str) -> ActivePersona | None:
     return entry
 
 
+def peek(slug: str) -> ActivePersona | None:
+    """The persona as this process last loaded it, with no I/O at all (or None): for counting a
+    refusal against it when the process is too busy for anything else."""
+    return _entries.get(slug)
+
+
 def bump(**_: Any) -> None:
     """Persona data changed: forget it here, and tell every process through the shared cache."""
     global _under

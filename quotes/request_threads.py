@@ -12,7 +12,8 @@ thread was started at the end of every request only to join the first.
 
 `ASGIHandler` is Django's handler with one change: the request's thread-sensitive context is given
 an executor leased from `pool` (asgiref's documented `ThreadSensitiveContext(executor=...)`), a
-single-thread executor that served earlier requests. `ReleaseRequestThreadMiddleware`
+single-thread executor that served earlier requests (at most MAX_THREADS of them: past that, a
+request waits for one, so overload queues requests instead of piling up threads). `ReleaseRequestThreadMiddleware`
 (quotes.middleware) gives it back once a view has returned a streaming response; the rest of that
 request's thread-sensitive calls (Django's `response.close()` at the very end) then run on one
 shared thread. Everything else about the request (middleware, URLs, views, signals) is Django's.
@@ -23,6 +24,8 @@ Database connections stay per thread, as Django expects: a pooled thread closes 
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextvars
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,30 +34,43 @@ from asgiref.sync import SyncToAsync, ThreadSensitiveContext
 from django.core.handlers.asgi import ASGIHandler as DjangoASGIHandler
 from django.db import close_old_connections
 
-#: Idle request threads kept for the next requests; more are started when more views run at once.
-KEEP_IDLE = 16
+#: At most this many request threads: a request that finds them all leased waits for one to be
+#: given back (under overload, requests queue instead of threads piling up).
+MAX_THREADS = 32
 
 
 class RequestThreadPool:
-    def __init__(self, keep_idle: int = KEEP_IDLE) -> None:
+    def __init__(self, max_threads: int = MAX_THREADS) -> None:
         self._idle: list[ThreadPoolExecutor] = []
-        self._keep_idle = keep_idle
-        self.started = 0  # threads started since the process began (a test reads it)
+        self._waiting: collections.deque[asyncio.Future[ThreadPoolExecutor]] = collections.deque()
+        self._max_threads = max_threads
+        self.started = 0  # threads started since the process began
 
-    def lease(self) -> ThreadPoolExecutor:
+    async def lease(self) -> ThreadPoolExecutor:
         if self._idle:
             return self._idle.pop()
-        self.started += 1
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
+        if self.started < self._max_threads:
+            self.started += 1
+            return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
+        waiter: asyncio.Future[ThreadPoolExecutor] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.give_back(waiter.result())  # handed over as this request was cancelled
+            raise
 
     def give_back(self, executor: ThreadPoolExecutor) -> None:
         # On that thread, after whatever the request left queued there: the connection hygiene
         # request_finished would have done.
         executor.submit(close_old_connections)
-        if len(self._idle) < self._keep_idle:
-            self._idle.append(executor)
-        else:
-            executor.shutdown(wait=False)
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(executor)
+                return
+        self._idle.append(executor)
 
 
 pool = RequestThreadPool()
@@ -97,7 +113,7 @@ class ASGIHandler(DjangoASGIHandler):
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)  # Django's own refusal
-        executor = pool.lease()
+        executor = await pool.lease()
         lease = Lease(executor)
         token = _lease.set(lease)
         try:

@@ -44,7 +44,7 @@ from .ai.catalog import doc_url
 from .ai.conversation import check_context_window, clean_topic, parse_messages
 from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
-from .ai.gateway import Client, stream_generation
+from .ai.gateway import Client, refuse_if_full, stream_generation
 from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
@@ -182,7 +182,14 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
     htmx = bool(request.htmx)
     try:
         refuse_cross_site(request)  # another site's page must not start a (paid) generation
-        quote = await parse_quote_request(_read_params(request))
+        params = _read_params(request)
+        # At the process's cap, refused before anything else is spent (see refuse_if_full).
+        full = await refuse_if_full(
+            slug=params.get("persona"), client=await client_of(request), transport="htmx" if htmx else "api"
+        )
+        if full is not None:
+            return _htmx_error_response(full, Meta()) if htmx else error_response(full)
+        quote = await parse_quote_request(params)
     except QuoteError as exc:
         headers = {"Allow": "GET, POST"} if exc.status == 405 else None
         if htmx:
@@ -206,7 +213,13 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
         if request.method != "POST":
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
         _check_body_size(request)
-        quote = await parse_quote_request(_form_params(request))
+        params = _form_params(request)
+        full = await refuse_if_full(
+            slug=params.get("persona"), client=await client_of(request), transport="htmx"
+        )
+        if full is not None:
+            return _htmx_error_response(full, Meta())
+        quote = await parse_quote_request(params)
     except QuoteError as exc:
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
     return await _htmx_stream(_events_for(quote, await client_of(request), "htmx"))

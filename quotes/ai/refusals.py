@@ -59,10 +59,13 @@ async def record_refusal(
     message: str,
     window: int,
     status: str | None = None,
+    local: bool = False,
 ) -> None:
     """Count one refused request; the first of its window also writes the row. Never raises
     (but for cancellation): the visitor's 429 (or 503) must go out whatever the log's trouble.
-    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream cap)."""
+    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream cap).
+    `local`: counted in this process's memory, not the shared cache (a refusal by this process's
+    own open-stream cap: quick, with no round trip, when the process is at its busiest)."""
     try:
         await _record(
             persona=persona,
@@ -76,6 +79,7 @@ async def record_refusal(
             message=message,
             window=window,
             status=status or Generation.Status.RATE_LIMITED,
+            local=local,
         )
     except Exception:
         logger.exception("could not record a refused request")
@@ -94,14 +98,20 @@ async def _record(
     message: str,
     window: int,
     status: str,
+    local: bool,
 ) -> None:
     index = int(time.time() // window)
     # A cache of this process's own (no Redis) counts this process's refusals only: each
     # process then keeps its own row, so the analytics' sum is still every refusal.
-    scope = f":pid{os.getpid()}" if isinstance(caches["default"], LocMemCache) else ""
+    local_cache = isinstance(caches["default"], LocMemCache)
+    scope = f":pid{os.getpid()}" if local or local_cache else ""
     key = f"quotes:refusals:{client_key}:{persona.pk}:{code}:{int(preview)}:{window}:{index}{scope}"
     # Kept past the window's end, so a flush that runs after it still reads the count.
-    count = await limits.run_on_cache(limits.count_in_window, key, window + int(FLUSH_AFTER_S) + 60)
+    keep_s = window + int(FLUSH_AFTER_S) + 60
+    if local:
+        count = _count_locally(key, keep_s)
+    else:
+        count = await limits.run_on_cache(limits.count_in_window, key, keep_s)
     public_id = _row_id(key)
     if count == 1:
         row = Generation(
@@ -123,6 +133,20 @@ async def _record(
         except IntegrityError:  # the count was lost (cache restarted), not the row
             pass
     _schedule_flush(key, public_id)
+
+
+#: Counts kept in this process's memory (`local`), by key: (count, forget after).
+_local_counts: dict[str, tuple[int, float]] = {}
+
+
+def _count_locally(key: str, keep_s: int) -> int:
+    now = time.monotonic()
+    if len(_local_counts) > 1000:  # forget windows long over
+        for old in [k for k, (_, until) in _local_counts.items() if until < now]:
+            del _local_counts[old]
+    count = _local_counts.get(key, (0, 0.0))[0] + 1
+    _local_counts[key] = (count, now + keep_s)
+    return count
 
 
 def _row_id(key: str) -> uuid.UUID:
@@ -162,7 +186,10 @@ def _start_flush(key: str, public_id: uuid.UUID) -> None:
 
 async def _flush(key: str, public_id: uuid.UUID) -> None:
     try:
-        count = await limits.run_on_cache(cache.get, key)
+        if key in _local_counts:
+            count: object = _local_counts[key][0]
+        else:
+            count = await limits.run_on_cache(cache.get, key)
         if isinstance(count, int) and count > 1:
             await sync_to_async(_write_count, thread_sensitive=False)(public_id, count)
     except Exception:

@@ -16,7 +16,15 @@ Each part can be driven alone; tests/test_gateway.py drives them all through the
 from __future__ import annotations
 
 from .flights import flights as _flights
-from .generation import ANONYMOUS, Client, stream_generation
+from .generation import ANONYMOUS, Client, refuse_if_full, stream_generation
 from .policy import NOT_FOR_FALLBACK, RETRYABLE
 
-__all__ = ["ANONYMOUS", "NOT_FOR_FALLBACK", "RETRYABLE", "Client", "_flights", "stream_generation"]
+__all__ = [
+    "ANONYMOUS",
+    "NOT_FOR_FALLBACK",
+    "RETRYABLE",
+    "Client",
+    "_flights",
+    "refuse_if_full",
+    "stream_generation",
+]

@@ -47,6 +47,12 @@ class OpenStreams:
 open_streams = OpenStreams()
 
 
+def at_capacity(options: GatewaySettings) -> bool:
+    """Whether a new stream would be refused now (checked before a request is even parsed; the
+    admission itself checks again)."""
+    return open_streams.count >= options.max_open_streams
+
+
 def over_capacity() -> Error:
     return Error(
         ErrorCode.OVER_CAPACITY,

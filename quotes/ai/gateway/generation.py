@@ -18,7 +18,7 @@ from typing import Any
 
 from django.conf import settings
 
-from ... import metrics
+from ... import metrics, personas
 from ...models import Generation, Persona, PersonaVersion
 from ...security import client_address
 from ..backends import backend_for
@@ -50,6 +50,38 @@ class Client:
 
 
 ANONYMOUS = Client(key="local", ip_hash="")
+
+
+async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Error | None:
+    """The process is at its open-stream cap: the over-capacity Error, counted (process-local,
+    no round trip) against the persona if this process knows it; None otherwise. Meant to run
+    before anything else a stream request costs, so a refusal stays quick when it matters."""
+    options = settings.QUOTES_GATEWAY
+    if not admission.at_capacity(options):
+        return None
+    error = admission.over_capacity()
+    active = personas.peek(slug) if isinstance(slug, str) else None
+    if active is None:
+        return None  # unknown here: the full path looks it up (and refuses it all the same)
+    backend = backend_for(active.persona)
+    model = backend.model_name(active.persona.model)
+    metrics.stream_opened(transport)
+    metrics.stream_refused(transport=transport, backend=backend.name, model=model, code=error.code)
+    await record_refusal(
+        persona=active.persona,
+        version=active.version,
+        backend=backend.name,
+        model=model,
+        client_key=client.key,
+        client_hash=client.ip_hash,
+        preview=False,
+        code=error.code,
+        message=error.message,
+        window=options.rate_limit[1],
+        status=Generation.Status.BUSY,
+        local=True,
+    )
+    return error
 
 
 async def stream_generation(
@@ -128,6 +160,7 @@ async def stream_generation(
                 message=admitted.message,
                 window=options.rate_limit[1],
                 status=Generation.Status.BUSY if admitted.code is ErrorCode.OVER_CAPACITY else None,
+                local=admitted.code is ErrorCode.OVER_CAPACITY,  # this process's cap: counted here
             )
             yield admitted
             return
