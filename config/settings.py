@@ -9,11 +9,13 @@ from __future__ import annotations
 import ipaddress
 from datetime import timedelta
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import django_stubs_ext
 import environ
 from django.core.exceptions import ImproperlyConfigured
+
+from quotes.conf import Backoff, GatewaySettings
 
 # Lets typed generics such as admin.ModelAdmin[Persona] work at run time.
 django_stubs_ext.monkeypatch()
@@ -47,6 +49,8 @@ INSTALLED_APPS = [
     "csp",
     # Admin login throttling (failed attempts per client address, in the database).
     "axes",
+    # request.htmx (HtmxMiddleware below) instead of reading HX-Request by hand.
+    "django_htmx",
     "quotes",
 ]
 
@@ -65,6 +69,9 @@ MIDDLEWARE = [
     "quotes.middleware.StaticFilesMiddleware",
     "quotes.middleware.SessionMiddleware",
     "quotes.middleware.CommonMiddleware",
+    # Sets request.htmx. Before CSRF: its failure view answers htmx in its own dialect. Sync- and
+    # async-capable without MiddlewareMixin, so under ASGI it runs as a coroutine (no thread hop).
+    "django_htmx.middleware.HtmxMiddleware",
     "quotes.middleware.CsrfViewMiddleware",
     "quotes.middleware.AuthenticationMiddleware",
     "quotes.middleware.MessageMiddleware",
@@ -204,6 +211,9 @@ QUOTES_MAX_MESSAGE_CHARS = env.int("QUOTES_MAX_MESSAGE_CHARS", default=2000)
 QUOTES_MAX_FRAME_BYTES = env.int("QUOTES_MAX_FRAME_BYTES", default=QUOTES_MAX_BODY_BYTES)
 
 
+_T = TypeVar("_T")
+
+
 def _positive(name: str, value: float | int | None, *, low: float = 0, high: float | None = None) -> None:
     if value is None:
         return
@@ -212,10 +222,11 @@ def _positive(name: str, value: float | int | None, *, low: float = 0, high: flo
         raise ImproperlyConfigured(f"{name} must be {bounds}; got {value}.")
 
 
-def _env_or_error(name: str, cast: type, default: object) -> object:
-    """Read one variable, turning a bad value into a start-up error that names it."""
+def _env_or_error(name: str, kind: type[_T], default: _T | None) -> _T:
+    """Read one variable, turning a bad value into a start-up error that names it. (A None
+    default is for optional values: the caller checks for it.)"""
     try:
-        return env.get_value(name, cast=cast, default=default)
+        return cast(_T, env.get_value(name, cast=kind, default=default))
     except (ValueError, TypeError) as exc:
         raise ImproperlyConfigured(f"{name} has a bad value: {exc}") from exc
 
@@ -313,52 +324,52 @@ def _parse_rate(name: str, value: str) -> tuple[int, int]:
 
 
 _retries = AI_GATEWAY["retries"]
-QUOTES_GATEWAY = {
+QUOTES_GATEWAY = GatewaySettings(
     # Our cache sits in front of every backend: QUOTES_CACHE_TTL, else the gateway's TTL, else an
     # hour. 0 turns it off; a persona may override it.
-    "cache_ttl": _env_or_error("QUOTES_CACHE_TTL", int, None)
+    cache_ttl=_env_or_error("QUOTES_CACHE_TTL", int, None)
     if env.str("QUOTES_CACHE_TTL", default="")
     else AI_GATEWAY["cache_ttl"] or 3600,
-    "skip_cache": AI_GATEWAY["skip_cache"],
+    skip_cache=AI_GATEWAY["skip_cache"],
     # A cache hit is replayed as a stream, one token every N ms, so it still reads as writing.
-    "replay_pacing_ms": _env_or_error("QUOTES_CACHE_REPLAY_PACING_MS", int, 5),
+    replay_pacing_ms=_env_or_error("QUOTES_CACHE_REPLAY_PACING_MS", int, 5),
     # Per client (the user when logged in, else the IP's network): a fixed window, shared
     # through the cache.
-    "rate_limit": _parse_rate("QUOTES_RATE_LIMIT", env.str("QUOTES_RATE_LIMIT", default="20/m")),
+    rate_limit=_parse_rate("QUOTES_RATE_LIMIT", env.str("QUOTES_RATE_LIMIT", default="20/m")),
     # Thumbs up/down posted per client, counted apart from quotes.
-    "feedback_rate_limit": _parse_rate(
+    feedback_rate_limit=_parse_rate(
         "QUOTES_FEEDBACK_RATE_LIMIT", env.str("QUOTES_FEEDBACK_RATE_LIMIT", default="30/m")
     ),
-    "max_concurrent_streams": _env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
+    max_concurrent_streams=_env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
     # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
     # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
-    "max_open_streams": _env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 100),
+    max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 100),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts.
-    "max_attempts": _retries["max_attempts"] or _env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
-    "retry_delay_ms": _retries["retry_delay_ms"]
+    max_attempts=_retries["max_attempts"] or _env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
+    retry_delay_ms=_retries["retry_delay_ms"]
     if _retries["retry_delay_ms"] is not None
     else _env_or_error("QUOTES_RETRY_DELAY_MS", int, 250),
-    "backoff": _retries["backoff"] or "exponential",
+    backoff=cast(Backoff, _retries["backoff"] or "exponential"),
     # Tried in order after a persona's own fallbacks, only before the first token.
-    "fallback_models": env.list("QUOTES_FALLBACK_MODELS", default=[]),
-    "ttft_timeout_s": _env_or_error("QUOTES_TTFT_TIMEOUT", float, 30.0),
-    "idle_timeout_s": _env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
-    "total_timeout_s": WORKERS_AI["total_timeout_s"],
-    "keepalive_s": _env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),
-}
+    fallback_models=tuple(env.list("QUOTES_FALLBACK_MODELS", default=[])),
+    ttft_timeout_s=_env_or_error("QUOTES_TTFT_TIMEOUT", float, 30.0),
+    idle_timeout_s=_env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
+    total_timeout_s=WORKERS_AI["total_timeout_s"],
+    keepalive_s=_env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),
+)
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
     ("QUOTES_MAX_OPEN_STREAMS", "max_open_streams"),
     ("QUOTES_MAX_ATTEMPTS", "max_attempts"),
 ):
-    _positive(_name, QUOTES_GATEWAY[_key], low=1)
+    _positive(_name, getattr(QUOTES_GATEWAY, _key), low=1)
 for _name, _key in (
     ("QUOTES_TTFT_TIMEOUT", "ttft_timeout_s"),
     ("QUOTES_IDLE_TIMEOUT", "idle_timeout_s"),
     ("QUOTES_KEEPALIVE_INTERVAL", "keepalive_s"),
 ):
-    _positive(_name, QUOTES_GATEWAY[_key], low=0.001)
-_positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY["cache_ttl"], low=0)
+    _positive(_name, getattr(QUOTES_GATEWAY, _key), low=0.001)
+_positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY.cache_ttl, low=0)
 
 # --- Who the client is ----------------------------------------------------------------------
 

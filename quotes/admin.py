@@ -25,7 +25,6 @@ from django.http import (
     HttpResponseBase,
     HttpResponseNotAllowed,
     HttpResponseRedirect,
-    JsonResponse,
     StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404
@@ -37,35 +36,32 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_protect
 from django_stubs_ext import StrPromise
 
-from . import analytics, charts
-from .admin_views import InvalidPersona, persona_rollback, persona_save, preview_persona, stream_preview
-from .ai.errors import QuoteError
-from .forms import PersonaForm
+from . import charts, selectors, services
+from .admin_views import InvalidPersona, preview_persona, stream_preview
+from .ai.conversation import clean_topic
+from .ai.errors import ErrorCode, QuoteError
+from .ai.events import SAMPLING_FIELDS
+from .forms import PersonaForm, StatsRangeForm
 from .models import Generation, Persona, PersonaVersion
 
 
 @admin.register(Persona)
 class PersonaAdmin(admin.ModelAdmin[Persona]):
     form = PersonaForm
-    list_display = ("emoji_name", "slug", "model", "current_version", "is_active", "display_order")
-    list_display_links = ("emoji_name",)
+    list_display = ("name", "slug", "model", "current_version", "is_active", "display_order")
+    list_display_links = ("name",)
     list_editable = ("is_active", "display_order")
     list_filter = ("is_active", "model", "backend")
     search_fields = ("name", "slug", "system_prompt")
     prepopulated_fields = {"slug": ("name",)}
     fieldsets = (
-        ("Identity", {"fields": ("name", "slug", "description", "emoji")}),
+        ("Identity", {"fields": ("name", "slug", "description")}),
         ("Prompts", {"fields": ("system_prompt", "user_prompt_template", "default_topic")}),
         ("Model", {"fields": ("backend", "model", "fallback_models", "lora", "max_tokens")}),
         (
             "Sampling",
             {
-                "fields": (
-                    "temperature",
-                    ("top_p", "top_k"),
-                    "seed",
-                    ("repetition_penalty", "frequency_penalty", "presence_penalty"),
-                ),
+                "fields": tuple(SAMPLING_FIELDS),
                 "description": "Each value is checked against the chosen model's documented range.",
             },
         ),
@@ -75,10 +71,6 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Persona]:
         return super().get_queryset(request).annotate(_latest_version=Max("versions__number"))
 
-    @admin.display(description="Persona", ordering="name")
-    def emoji_name(self, obj: Persona) -> str:
-        return f"{obj.emoji} {obj.name}".strip()
-
     @admin.display(description="Version")
     def current_version(self, obj: Persona) -> str:
         count = getattr(obj, "_latest_version", None)
@@ -87,12 +79,9 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
     # --- saving, with the version's author ------------------------------------------------------
 
     def save_model(self, request: HttpRequest, obj: Persona, form: ModelForm[Persona], change: bool) -> None:
-        persona_save(persona=obj, created_by=request.user)
+        services.persona_save(persona=obj, created_by=request.user)
 
     # --- deleting: a persona the log points at is deactivated instead ---------------------------
-
-    def _has_generations(self, obj: Persona) -> bool:
-        return obj.pk is not None and obj.generations.exists()
 
     def delete_view(
         self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
@@ -114,24 +103,20 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         return deleted, counts, perms_needed, protected
 
     def log_deletions(self, request: HttpRequest, queryset: Iterable[Persona]) -> None:  # type: ignore[override]
-        kept = [obj for obj in queryset if self._has_generations(obj)]
+        kept = [obj for obj in queryset if selectors.persona_has_generations(obj)]
         for obj in kept:
             self.log_change(request, obj, "Deactivated instead of deleted: the request log refers to it.")
         super().log_deletions(request, [obj for obj in queryset if obj not in kept])  # type: ignore[arg-type]
 
     def delete_model(self, request: HttpRequest, obj: Persona) -> None:
-        if self._has_generations(obj):
-            self._deactivate(request, [obj])
+        if services.persona_delete(persona=obj):
+            self._say_deactivated(request, [obj])
             request._persona_deactivated = True  # type: ignore[attr-defined]
-        else:
-            super().delete_model(request, obj)
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Persona]) -> None:
-        kept = list(queryset.filter(generations__isnull=False).distinct())
-        self._deactivate(request, kept)
-        rest = queryset.exclude(pk__in=[p.pk for p in kept])
-        request._personas_deleted = rest.count()  # type: ignore[attr-defined]
-        super().delete_queryset(request, rest)
+        deactivated = [persona for persona in queryset if services.persona_delete(persona=persona)]
+        self._say_deactivated(request, deactivated)
+        request._personas_deleted = len(queryset) - len(deactivated)  # type: ignore[attr-defined]
 
     def message_user(
         self,
@@ -149,10 +134,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             message = f"Successfully deleted {deleted} persona{'s' if deleted != 1 else ''}."
         super().message_user(request, message, level, extra_tags, fail_silently)
 
-    def _deactivate(self, request: HttpRequest, personas: list[Persona]) -> None:
-        for persona in personas:
-            persona.is_active = False
-            persona.save(update_fields=["is_active"])
+    def _say_deactivated(self, request: HttpRequest, personas: list[Persona]) -> None:
         if personas:
             names = ", ".join(f"“{p}”" for p in personas)
             self.message_user(
@@ -196,8 +178,6 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         return persona
 
     def versions_view(self, request: HttpRequest, object_id: int) -> HttpResponse:
-        from .admin_views import version_history
-
         persona = self._persona_or_404(request, object_id)
         if not self.has_view_or_change_permission(request, persona):
             raise PermissionDenied
@@ -206,7 +186,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             "opts": self.opts,
             "original": persona,
             "title": f"Versions of {persona}",
-            "entries": version_history(persona),
+            "entries": selectors.version_history(persona),
             "can_roll_back": self.has_change_permission(request, persona),
         }
         return TemplateResponse(request, "admin/quotes/persona/versions.html", context)
@@ -219,7 +199,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             raise PermissionDenied
         version = get_object_or_404(PersonaVersion, persona=persona, number=number)
         try:
-            new = persona_rollback(persona=persona, version=version, user=request.user)
+            new = services.persona_rollback(persona=persona, version=version, user=request.user)
         except ValidationError as exc:
             self.message_user(
                 request, f"Cannot roll back to v{number}: {' '.join(exc.messages)}", messages.ERROR
@@ -238,26 +218,26 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
 
     async def preview_view(self, request: HttpRequest, object_id: int) -> HttpResponseBase:
         """Stream a quote from the change form's unsaved values (POST, staff, change permission)."""
-        from .views import _clean_topic, error_response
+        from .views import error_response
 
         if request.method != "POST":
-            return JsonResponse(
-                {"error": {"code": "method_not_allowed", "message": "POST the form's fields."}},
-                status=405,
-                headers={"Allow": "POST"},
+            return error_response(
+                QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "POST the form's fields.", 405), {"Allow": "POST"}
             )
         user = await request.auser()
         if not (user.is_active and user.is_staff):
-            return error_response(QuoteError("forbidden", "Log in to the admin as staff to preview.", 403))
+            return error_response(
+                QuoteError(ErrorCode.FORBIDDEN, "Log in to the admin as staff to preview.", 403)
+            )
 
         def unsaved_persona() -> tuple[Persona, str]:
             saved = Persona.objects.filter(pk=object_id).first()
             if saved is None:
-                raise QuoteError("unknown_persona", "There is no such persona; save it first.", 404)
+                raise QuoteError(ErrorCode.UNKNOWN_PERSONA, "There is no such persona; save it first.", 404)
             if not self.has_change_permission(request, saved):
-                raise QuoteError("forbidden", "You may not change this persona.", 403)
+                raise QuoteError(ErrorCode.FORBIDDEN, "You may not change this persona.", 403)
             persona, topic = preview_persona(request, saved)
-            return persona, _clean_topic(topic, default=persona.default_topic)
+            return persona, clean_topic(topic, default=persona.default_topic)
 
         try:
             persona, topic = await sync_to_async(unsaved_persona)()
@@ -387,11 +367,11 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         if not self.has_view_permission(request):
             raise PermissionDenied
         # Always bound: no parameters means the default range (the last 24 hours).
-        form = analytics.StatsRangeForm(request.GET)
+        form = StatsRangeForm(request.GET)
         stats, charts_by_name, log_query = None, None, ""
         if form.is_valid():
             data = form.cleaned_data
-            stats = analytics.gateway_stats(
+            stats = selectors.gateway_stats(
                 since=data["since"],
                 until=data["until"],
                 bucket=data["bucket"] or None,

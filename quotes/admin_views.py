@@ -1,135 +1,18 @@
-"""What the persona admin does beyond Django's stock views: versions with authors, a readable
-diff between versions, roll-back, and the live preview of unsaved form values.
-
-The admin classes in admin.py wire these in; the import/export commands reuse `persona_save`.
-"""
+"""The persona admin's live preview of unsaved form values (admin.py wires it in). Saving,
+versions and roll-back are quotes.services; the version history and its diffs quotes.selectors."""
 
 from __future__ import annotations
 
-import difflib
 import json
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
 from django.http import HttpRequest, HttpResponseBase, JsonResponse, QueryDict
 
-from .ai.backends import get_backend
+from .ai.backends import backend_for
 from .ai.conversation import check_context_window
-from .ai.errors import QuoteError
+from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.gateway import stream_generation
 from .forms import PersonaForm
-from .models import GENERATION_FIELDS, Persona, PersonaVersion
-
-# --- saving with an author and a note ----------------------------------------------------------
-
-
-def persona_save(*, persona: Persona, created_by: Any = None, note: str = "") -> PersonaVersion | None:
-    """Save `persona`; when that makes a new version, it records who made it and why."""
-    persona.save(version_note=note, version_author=created_by)
-    return persona.saved_version
-
-
-def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) -> PersonaVersion | None:
-    """Apply `version`'s configuration to `persona` and save it as a new version.
-
-    Raises ValidationError when the old configuration is no longer valid (say, a model left the
-    catalog); returns None when the persona already has exactly that configuration.
-    """
-    if version.persona_id != persona.pk:
-        raise ValueError("That version belongs to another persona.")
-    for name in GENERATION_FIELDS:
-        if name in version.config:
-            setattr(persona, name, version.config[name])
-    persona.full_clean()
-    return persona_save(persona=persona, created_by=user, note=f"rollback to v{version.number}")
-
-
-# --- the diff between two versions -----------------------------------------------------------
-
-LineKind = Literal["add", "remove", "same"]
-
-
-@dataclass(frozen=True, slots=True)
-class DiffLine:
-    kind: LineKind
-    text: str
-
-    @property
-    def sign(self) -> str:
-        return {"add": "+", "remove": "-", "same": " "}[self.kind]
-
-
-@dataclass(slots=True)
-class FieldDiff:
-    name: str
-    lines: list[DiffLine] = field(default_factory=list)
-
-
-def _display(value: object) -> str:
-    if value is None:
-        return "(not set)"
-    if value == "":
-        return "(empty)"
-    if isinstance(value, list):
-        return ", ".join(str(item) for item in value) if value else "(none)"
-    if isinstance(value, str):
-        return value
-    return json.dumps(value)
-
-
-def _text_lines(value: object) -> list[str]:
-    return _display(value).splitlines() or [""]
-
-
-def config_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> list[FieldDiff]:
-    """The fields that differ between two version configs, line by line (every field when
-    there is no older version). Plain text: the template escapes it."""
-    names = [n for n in GENERATION_FIELDS if n in new or (old and n in old)]
-    names += sorted(set(new) - set(names))
-    diffs = []
-    for name in names:
-        after = new.get(name)
-        if old is None:
-            diffs.append(FieldDiff(name, [DiffLine("add", line) for line in _text_lines(after)]))
-            continue
-        before = old.get(name)
-        if before == after:
-            continue
-        a, b = _text_lines(before), _text_lines(after)
-        lines: list[DiffLine] = []
-        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
-            if tag == "equal":
-                lines += [DiffLine("same", line) for line in a[i1:i2]]
-                continue
-            lines += [DiffLine("remove", line) for line in a[i1:i2]]
-            lines += [DiffLine("add", line) for line in b[j1:j2]]
-        diffs.append(FieldDiff(name, lines))
-    return diffs
-
-
-@dataclass(slots=True)
-class VersionEntry:
-    version: PersonaVersion
-    diffs: list[FieldDiff]
-    is_current: bool
-
-
-def version_history(persona: Persona) -> list[VersionEntry]:
-    """The persona's versions, newest first, each with its diff against the one before."""
-    versions = list(persona.versions.select_related("created_by").order_by("-number"))
-    current = persona.generation_config()
-    entries = []
-    for index, version in enumerate(versions):
-        older = versions[index + 1] if index + 1 < len(versions) else None
-        entries.append(
-            VersionEntry(
-                version=version,
-                diffs=config_diff(older.config if older else None, version.config),
-                is_current=version.config == current,
-            )
-        )
-    return entries
-
+from .models import Persona
 
 # --- live preview --------------------------------------------------------------------------------
 
@@ -141,13 +24,11 @@ class InvalidPersona(QuoteError):
         summary = "; ".join(
             f"{name if name != '__all__' else 'form'}: {messages[0]}" for name, messages in fields.items()
         )
-        super().__init__("invalid_persona", f"Fix the form before previewing. {summary}", 400)
+        super().__init__(ErrorCode.INVALID_PERSONA, f"Fix the form before previewing. {summary}", 400)
         self.fields = fields
 
     def response(self) -> JsonResponse:
-        return JsonResponse(
-            {"error": {"code": self.code, "message": self.message, "fields": self.fields}}, status=self.status
-        )
+        return JsonResponse(envelope(self.code, self.message, fields=self.fields), status=self.status)
 
 
 def _form_data(request: HttpRequest) -> tuple[QueryDict, object]:
@@ -157,10 +38,10 @@ def _form_data(request: HttpRequest) -> tuple[QueryDict, object]:
         try:
             body = json.loads(request.body)
         except ValueError:
-            raise QuoteError("invalid_json", "The body is not valid JSON.", 400) from None
+            raise QuoteError(ErrorCode.INVALID_JSON, "The body is not valid JSON.", 400) from None
         fields = body.get("fields") if isinstance(body, dict) else None
         if not isinstance(fields, dict):
-            raise QuoteError("invalid_json", 'Send {"fields": {...}, "topic": "..."}.', 400)
+            raise QuoteError(ErrorCode.INVALID_JSON, 'Send {"fields": {...}, "topic": "..."}.', 400)
         data = QueryDict(mutable=True)
         for key, value in fields.items():
             values = value if isinstance(value, list) else [value]
@@ -191,7 +72,7 @@ async def stream_preview(request: HttpRequest, persona: Persona, topic: str) -> 
     try:
         check_context_window(
             persona.build_request(topic=topic),
-            model=get_backend(persona.backend or None).model_name(persona.model),
+            model=backend_for(persona).model_name(persona.model),
         )
     except QuoteError as exc:
         return error_response(exc)

@@ -23,8 +23,8 @@ from typing import Literal
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from .analytics import STATUSES, BreakdownRow, Bucket, Stats
 from .models import Generation
+from .selectors import STATUSES, BreakdownRow, Bucket, Stats
 
 Number = float | int | Decimal
 Formatter = Callable[[float], str]

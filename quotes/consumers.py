@@ -29,7 +29,7 @@ from typing import Any
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.urls import path
 
-from .ai.errors import QuoteError
+from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error
 from .ai.gateway import Client, refuse_if_full, stream_generation
 from .security import count_refused_start, frame_too_large
@@ -58,12 +58,12 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=1009)  # "message too big"
             return
         if text_data is None:
-            await self._send_error(QuoteError("invalid_frame", "Send JSON text frames.", 400))
+            await self._send_error(QuoteError(ErrorCode.INVALID_FRAME, "Send JSON text frames.", 400))
             return
         try:
             content = json.loads(text_data)
         except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
-            await self._send_error(QuoteError("invalid_json", "The frame is not valid JSON.", 400))
+            await self._send_error(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
             return
         await self.receive_json(content)
 
@@ -77,7 +77,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         else:
             await self._send_error(
                 QuoteError(
-                    "invalid_frame", 'A frame must be {"type": "start", ...} or {"type": "cancel"}.', 400
+                    ErrorCode.INVALID_FRAME,
+                    'A frame must be {"type": "start", ...} or {"type": "cancel"}.',
+                    400,
                 )
             )
 
@@ -86,7 +88,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         # count_refused_start those refused here.
         client = self._client()
         if self.task is not None and not self.task.done():
-            busy = QuoteError("busy_socket", "A quote is already being written here. Cancel it first.", 409)
+            busy = QuoteError(
+                ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409
+            )
             await self._send_error(await count_refused_start(client.key) or busy)
             return
         full = await refuse_if_full(slug=content.get("persona"), client=client, transport="websocket")

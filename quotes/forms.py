@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
+from typing import Any
+
 from django import forms
+from django.utils import timezone
 
 from .ai import catalog
+from .ai.events import GENERATION_FIELDS, SAMPLING_FIELDS
 from .models import Persona
-
-_SAMPLING_HELP = "Leave empty for the model's default. The allowed range depends on the model."
+from .selectors import MAX_RANGE, PRESET_RANGES
 
 
 def _lora_models() -> str:
@@ -37,26 +41,12 @@ class PersonaForm(forms.ModelForm[Persona]):
 
     class Meta:
         model = Persona
+        # The persona's identity, what it sends to the model (GENERATION_FIELDS), publishing.
         fields = (
             "name",
             "slug",
             "description",
-            "emoji",
-            "system_prompt",
-            "user_prompt_template",
-            "default_topic",
-            "backend",
-            "model",
-            "fallback_models",
-            "lora",
-            "max_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "seed",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
+            *GENERATION_FIELDS,
             "cache_ttl",
             "is_active",
             "display_order",
@@ -75,10 +65,67 @@ class PersonaForm(forms.ModelForm[Persona]):
             "The answer's length limit; at most the model's output limit (e.g. 2048, 256 for the "
             "embedded model)."
         )
-        for name in ("top_p", "top_k", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-            self.fields[name].help_text = _SAMPLING_HELP
+        for field in SAMPLING_FIELDS.values():
+            if field.help_text:
+                self.fields[field.name].help_text = field.help_text
 
     def clean_fallback_models(self) -> list[str]:
         # Keep the catalog's order: that is the order the select lists them in.
         chosen = set(self.cleaned_data.get("fallback_models") or [])
         return [model_id for model_id, _ in catalog.choices() if model_id in chosen]
+
+
+# --- the admin page's range filter -----------------------------------------------------------
+
+
+class StatsRangeForm(forms.Form):
+    """The analytics page's GET parameters: a named range, or a custom from-to in whole days."""
+
+    range = forms.ChoiceField(
+        choices=[
+            ("24h", "Last 24 hours"),
+            ("7d", "Last 7 days"),
+            ("30d", "Last 30 days"),
+            ("custom", "Custom"),
+        ],
+        required=False,
+    )
+    start = forms.DateField(
+        label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d")
+    )
+    end = forms.DateField(
+        label="To", required=False, widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d")
+    )
+    bucket = forms.ChoiceField(
+        choices=[("", "Auto"), ("hour", "Hour"), ("day", "Day")], required=False, label="Per"
+    )
+    previews = forms.BooleanField(label="Include previews", required=False)
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        chosen = data.get("range") or ("custom" if data.get("start") or data.get("end") else "24h")
+        data["range"] = chosen
+        now = timezone.now()
+        if chosen != "custom":
+            data["since"], data["until"] = now - PRESET_RANGES[chosen], now
+        else:
+            start, end = data.get("start"), data.get("end")
+            if start is None and "start" not in self.errors:
+                self.add_error("start", "Choose the first day of the range.")
+            if end is None and "end" not in self.errors:
+                self.add_error("end", "Choose the last day of the range.")
+            if start is None or end is None:
+                return data
+            if end < start:
+                raise forms.ValidationError("The range ends before it starts: swap From and To.")
+            tz = timezone.get_current_timezone()
+            since = dt.datetime.combine(start, dt.time.min, tzinfo=tz)
+            until = dt.datetime.combine(end + dt.timedelta(days=1), dt.time.min, tzinfo=tz)
+            if until - since > MAX_RANGE:
+                raise forms.ValidationError(f"Choose at most {MAX_RANGE.days} days.")
+            if since > now:
+                raise forms.ValidationError("The range starts in the future.")
+            data["since"], data["until"] = since, until
+        if data.get("bucket") == "hour" and data["until"] - data["since"] > dt.timedelta(days=31):
+            self.add_error("bucket", "Hourly buckets go up to 31 days; choose Day or Auto.")
+        return data

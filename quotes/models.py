@@ -7,34 +7,14 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models, transaction
+from django.db import models
 from django.dispatch import Signal
 
-from .ai.events import GenerationRequest, Message
+from .ai.events import GENERATION_FIELDS, SAMPLING_FIELDS, GenerationRequest, Message
 
 TEMPLATE_VARIABLES = frozenset({"topic"})
 
 BACKEND_CHOICES = [("local", "Embedded model"), ("workers-ai", "Workers AI"), ("openai", "OpenAI-compatible")]
-
-#: The persona fields that change what is sent to the model. Saving a change to any of them
-#: makes a new PersonaVersion.
-GENERATION_FIELDS = (
-    "system_prompt",
-    "user_prompt_template",
-    "default_topic",
-    "backend",
-    "model",
-    "fallback_models",
-    "lora",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-)
 
 
 def validate_prompt_template(value: str) -> None:
@@ -74,10 +54,13 @@ class PersonaQuerySet(models.QuerySet["Persona"]):
 
 
 class Persona(models.Model):
+    """Who speaks, and what is sent to the model for them. Save one through
+    quotes.services.persona_save, which records a new PersonaVersion when the generation
+    settings change; remove one with services.persona_delete (the log keeps pointing at it)."""
+
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=100, unique=True)
     description = models.CharField(max_length=200, blank=True)
-    emoji = models.CharField("avatar emoji", max_length=8, blank=True)
     system_prompt = models.TextField()
     user_prompt_template = models.TextField(
         validators=[validate_prompt_template],
@@ -127,9 +110,6 @@ class Persona(models.Model):
 
     objects = PersonaQuerySet.as_manager()
 
-    #: the version the last save() made, if it made one
-    saved_version: PersonaVersion | None = None
-
     class Meta:
         ordering = ["display_order", "name"]
 
@@ -140,16 +120,7 @@ class Persona(models.Model):
         from .ai.catalog import get_model, validate_generation_settings
 
         errors = validate_generation_settings(
-            self.model,
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            lora=self.lora or None,
+            self.model, max_tokens=self.max_tokens, lora=self.lora or None, **self.sampling()
         )
         fallbacks = self.fallback_models
         if not isinstance(fallbacks, list) or not all(isinstance(m, str) for m in fallbacks):
@@ -163,38 +134,13 @@ class Persona(models.Model):
         if errors:
             raise ValidationError(errors)
 
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields (GenerationRequest's SAMPLING_FIELDS), set or not."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
     def generation_config(self) -> dict[str, Any]:
         """Everything about this persona that shapes what the model is sent."""
         return {field: getattr(self, field) for field in GENERATION_FIELDS}
-
-    def save(self, *args: Any, version_note: str = "", version_author: Any = None, **kwargs: Any) -> None:
-        """Save, and record a new version (with its note and author) when what is sent to the
-        model changed."""
-        with transaction.atomic():
-            super().save(*args, **kwargs)
-            self.saved_version = self.record_version(note=version_note, created_by=version_author)
-
-    def delete(self, *args: Any, **kwargs: Any) -> Any:
-        """A persona with generations is deactivated instead: its log must keep pointing at it."""
-        if self.pk is not None and self.generations.exists():
-            self.is_active = False
-            self.save(update_fields=["is_active"])
-            return 0, {}
-        return super().delete(*args, **kwargs)
-
-    def record_version(self, *, note: str = "", created_by: Any = None) -> PersonaVersion | None:
-        """Make a new version when what is sent to the model changed since the last one."""
-        config = self.generation_config()
-        latest = self.versions.order_by("-number").first()
-        if latest is not None and latest.config == config:
-            return None
-        return PersonaVersion.objects.create(
-            persona=self,
-            number=(latest.number + 1) if latest else 1,
-            config=config,
-            note=note[:200],
-            created_by=created_by,
-        )
 
     def user_prompt(self, topic: str) -> str:
         # str.replace, not str.format: a topic is visitor input and must never be formatted.
@@ -215,13 +161,7 @@ class Persona(models.Model):
             topic=topic,
             description=self.description,
             max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
+            **self.sampling(),
             lora=self.lora or None,
         )
 

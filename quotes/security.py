@@ -30,7 +30,7 @@ from django.shortcuts import render
 from django.utils.http import is_same_domain
 
 from .ai import limits
-from .ai.errors import QuoteError
+from .ai.errors import ErrorCode, QuoteError
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -176,7 +176,7 @@ def refuse_cross_site(request: HttpRequest) -> None:
 
 def _cross_site() -> QuoteError:
     return QuoteError(
-        "cross_site",
+        ErrorCode.CROSS_SITE,
         "Quotes can only be asked for from this site's own pages (or without a browser, e.g. curl).",
         403,
     )
@@ -205,7 +205,7 @@ class RateLimited(QuoteError):
     """A 429 with the seconds until asking again makes sense (sent as Retry-After)."""
 
     def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__("rate_limited", message, 429)
+        super().__init__(ErrorCode.RATE_LIMITED, message, 429)
         self.retry_after = retry_after
 
 
@@ -220,7 +220,7 @@ def frame_too_large(text_data: str | None, bytes_data: bytes | None) -> QuoteErr
         size = len(bytes_data or b"")
     if size <= cap:
         return None
-    return QuoteError("frame_too_large", f"A frame may be at most {cap} bytes (UTF-8).", 413)
+    return QuoteError(ErrorCode.FRAME_TOO_LARGE, f"A frame may be at most {cap} bytes (UTF-8).", 413)
 
 
 async def count_refused_start(client_key: str) -> RateLimited | None:
@@ -228,7 +228,7 @@ async def count_refused_start(client_key: str) -> RateLimited | None:
     against the client's rate limit, as the gateway counts the rest: otherwise invalid requests
     are free, and each can cost a database query. The RateLimited to answer instead of the
     request's own error once the client is over the limit; None until then."""
-    limit, window = settings.QUOTES_GATEWAY["rate_limit"]
+    limit, window = settings.QUOTES_GATEWAY.rate_limit
     retry_after = await limits.run_on_cache(
         limits.count_request, "rate", client_key, limit=limit, window=window
     )

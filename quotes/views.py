@@ -32,18 +32,20 @@ from django.http import (
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.cache import patch_vary_headers
 from django.views import csrf
 from django.views.decorators.csrf import csrf_exempt
+from django_htmx.middleware import HtmxDetails
 
-from . import personas
+from . import personas, services
 from .ai import sse
-from .ai.backends import get_backend
+from .ai.backends import backend_for
 from .ai.catalog import doc_url
-from .ai.conversation import check_context_window, check_encodable, parse_messages
-from .ai.errors import QuoteError
+from .ai.conversation import check_context_window, clean_topic, parse_messages
+from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, refuse_if_full, stream_generation
-from .feedback import count_vote, record_vote
+from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
 from .security import refuse_cross_site
@@ -61,6 +63,12 @@ from .transports import (
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class HtmxHttpRequest(HttpRequest):
+    """A request that has been through django-htmx's HtmxMiddleware (settings.MIDDLEWARE)."""
+
+    htmx: HtmxDetails
+
+
 async def index(request: HttpRequest) -> HttpResponse:
     personas_ = [persona async for persona in Persona.objects.active()]
     return render(request, "quotes/index.html", {"personas": personas_})
@@ -71,7 +79,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
         persona = await Persona.objects.active().aget(slug=slug)
     except Persona.DoesNotExist:
         raise Http404("No such persona.") from None
-    model = get_backend().model_name(persona.model)
+    model = backend_for(persona).model_name(persona.model)
     return render(
         request,
         "quotes/persona.html",
@@ -83,6 +91,9 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             "max_message_chars": settings.QUOTES_MAX_MESSAGE_CHARS,
             "stream_url": reverse("quotes:stream"),
             "form_stream_url": reverse("quotes:stream-form"),
+            # The page script builds a quote's URLs from these patterns ("{id}" is its id).
+            "permalink_url": _url_pattern("quotes:permalink"),
+            "feedback_url": _url_pattern("quotes:feedback"),
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
             # (static/js/quote-stream.js), which the browser tests use to prove that path too.
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
@@ -90,14 +101,20 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
     )
 
 
+_ID_SLOT = uuid.UUID(int=0)
+
+
+def _url_pattern(name: str) -> str:
+    """The URL `name` takes a quote's public id in, with `{id}` where the id goes."""
+    return reverse(name, args=[_ID_SLOT]).replace(str(_ID_SLOT), "{id}")
+
+
 def error_response(error: QuoteError | Error, headers: dict[str, str] | None = None) -> JsonResponse:
     headers = dict(headers or {})
     retry_after = getattr(error, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
-    return JsonResponse(
-        {"error": {"code": error.code, "message": error.message}}, status=error.status, headers=headers
-    )
+    return JsonResponse(envelope(error.code, error.message), status=error.status, headers=headers)
 
 
 async def client_of(request: HttpRequest) -> Client:
@@ -123,11 +140,11 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     raise the QuoteError (400/404) that says what is wrong."""
     active = await _find_persona(params.get("persona"))
     persona = active.persona
-    topic = _clean_topic(params.get("topic"), default=persona.default_topic)
+    topic = clean_topic(params.get("topic"), default=persona.default_topic)
     messages = parse_messages(params.get("messages"))
     check_context_window(
         persona.build_request(topic=topic, messages=messages),
-        model=get_backend().model_name(persona.model),
+        model=backend_for(persona).model_name(persona.model),
     )
     return QuoteInput(
         persona=persona,
@@ -151,11 +168,18 @@ def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGener
 
 
 @csrf_exempt  # the JSON API requires Content-Type: application/json instead, which needs CORS cross-site
-async def stream_quote(request: HttpRequest) -> HttpResponseBase:
+async def stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
     """POST a JSON body, or GET with query parameters (for EventSource); answer an SSE stream.
 
-    A request from htmx (`HX-Request: true`) gets the htmx dialect (see HtmxEncoder)."""
-    htmx = request.headers.get("HX-Request") == "true"
+    A request from htmx (`HX-Request: true`) gets the htmx dialect (see HtmxEncoder), so every
+    answer varies on that header."""
+    response = await _stream_quote(request)
+    patch_vary_headers(response, ("HX-Request",))
+    return response
+
+
+async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
+    htmx = bool(request.htmx)
     try:
         refuse_cross_site(request)  # another site's page must not start a (paid) generation
         params = _read_params(request)
@@ -187,7 +211,7 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     htmx dialect."""
     try:
         if request.method != "POST":
-            raise QuoteError("method_not_allowed", "Post the page's form.", 405)
+            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
         _check_body_size(request)
         params = _form_params(request)
         full = await refuse_if_full(
@@ -201,14 +225,18 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     return await _htmx_stream(_events_for(quote, await client_of(request), "htmx"))
 
 
-def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
+def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
     """CSRF_FAILURE_VIEW: htmx gets the refusal as an error event the page can show (hx-sse
     handles any text/event-stream response, whatever its status); everyone else gets Django's
-    own page."""
-    if request.headers.get("HX-Request") == "true":
-        error = Error("csrf_failed", "This page has expired. Reload it, then ask again.", 403)
-        return _htmx_error_response(error, Meta())
-    return csrf.csrf_failure(request, reason)
+    own page. One URL answers both, so the answer varies on HX-Request."""
+    response: HttpResponse
+    if request.htmx:
+        error = Error(ErrorCode.CSRF_FAILED, "This page has expired. Reload it, then ask again.", 403)
+        response = _htmx_error_response(error, Meta())
+    else:
+        response = csrf.csrf_failure(request, reason)
+    patch_vary_headers(response, ("HX-Request",))
+    return response
 
 
 def _truthy(value: object) -> bool:
@@ -216,7 +244,9 @@ def _truthy(value: object) -> bool:
 
 
 def _check_body_size(request: HttpRequest) -> None:
-    too_large = QuoteError("body_too_large", f"The body is over {settings.QUOTES_MAX_BODY_BYTES} bytes.", 413)
+    too_large = QuoteError(
+        ErrorCode.BODY_TOO_LARGE, f"The body is over {settings.QUOTES_MAX_BODY_BYTES} bytes.", 413
+    )
     if int(request.headers.get("Content-Length") or 0) > settings.QUOTES_MAX_BODY_BYTES:
         raise too_large
     try:
@@ -231,18 +261,22 @@ def _read_params(request: HttpRequest) -> dict[str, Any]:
     if request.method == "GET":
         return request.GET.dict()
     if request.method != "POST":
-        raise QuoteError("method_not_allowed", "Use POST with a JSON body, or GET for EventSource.", 405)
+        raise QuoteError(
+            ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body, or GET for EventSource.", 405
+        )
     _check_body_size(request)
     if request.content_type != "application/json":
         raise QuoteError(
-            "unsupported_media_type", "Send the body as JSON with Content-Type: application/json.", 415
+            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+            "Send the body as JSON with Content-Type: application/json.",
+            415,
         )
     try:
         params = json.loads(request.body)
     except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
-        raise QuoteError("invalid_json", "The body is not valid JSON (UTF-8).", 400) from None
+        raise QuoteError(ErrorCode.INVALID_JSON, "The body is not valid JSON (UTF-8).", 400) from None
     if not isinstance(params, dict):
-        raise QuoteError("invalid_json", "The body must be a JSON object.", 400)
+        raise QuoteError(ErrorCode.INVALID_JSON, "The body must be a JSON object.", 400)
     return params
 
 
@@ -251,7 +285,7 @@ FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 def _form_params(request: HttpRequest) -> dict[str, Any]:
     if request.content_type not in FORM_TYPES:
-        raise QuoteError("unsupported_media_type", "Post the page's form.", 415)
+        raise QuoteError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, "Post the page's form.", 415)
     params: dict[str, Any] = request.POST.dict()
     params.pop("csrfmiddlewaretoken", None)
     if not params.get("topic"):
@@ -261,7 +295,9 @@ def _form_params(request: HttpRequest) -> dict[str, Any]:
         try:
             params["messages"] = json.loads(raw)
         except (ValueError, RecursionError):
-            raise QuoteError("invalid_messages", "`messages` must be a JSON list of turns.", 400) from None
+            raise QuoteError(
+                ErrorCode.INVALID_MESSAGES, "`messages` must be a JSON list of turns.", 400
+            ) from None
     return params
 
 
@@ -270,32 +306,17 @@ _SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
 
 async def _find_persona(slug: object) -> personas.ActivePersona:
     if slug is None or slug == "":
-        raise QuoteError("missing_persona", "Say which persona should speak: the `persona` field.", 400)
+        raise QuoteError(
+            ErrorCode.MISSING_PERSONA, "Say which persona should speak: the `persona` field.", 400
+        )
     if not isinstance(slug, str):
-        raise QuoteError("invalid_persona", "`persona` must be a string (a persona's slug).", 400)
+        raise QuoteError(ErrorCode.INVALID_PERSONA, "`persona` must be a string (a persona's slug).", 400)
     if not _SLUG.fullmatch(slug):  # never a persona, and PostgreSQL refuses some bytes (NUL) outright
-        raise QuoteError("unknown_persona", f"There is no persona called {slug[:100]!r}.", 404)
+        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
     active = await personas.get_active(slug)
     if active is None:
-        raise QuoteError("unknown_persona", f"There is no persona called {slug[:100]!r}.", 404)
+        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
     return active
-
-
-def _clean_topic(topic: object, *, default: str) -> str:
-    if topic is None:
-        return default
-    if not isinstance(topic, str):
-        raise QuoteError("invalid_topic", "`topic` must be a string.", 400)
-    check_encodable(topic, field="`topic`")
-    # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
-    topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
-    if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
-        raise QuoteError(
-            "topic_too_long",
-            f"The topic is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters.",
-            400,
-        )
-    return topic or default
 
 
 def _meta_headers(meta: Meta) -> dict[str, str]:
@@ -395,26 +416,28 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
 @csrf_exempt  # JSON only, like the stream API: a cross-site form cannot send application/json
 async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
     """POST {"value": 1 | -1}: a visitor's thumbs up or down on a quote, one per visitor (see
-    quotes/feedback.py). Setting the same value again changes nothing (idempotent); a new value
+    quotes.services.generation_feedback_set). Setting the same value again changes nothing (idempotent); a new value
     replaces that visitor's old one. Rate-limited per visitor (QUOTES_FEEDBACK_RATE_LIMIT)."""
     try:
         if request.method != "POST":
-            raise QuoteError("method_not_allowed", "Use POST with a JSON body.", 405)
+            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body.", 405)
         client = await client_of(request)
         await count_vote(client.key)
         params = _read_params(request)
         value = params.get("value")
         if type(value) is not int or value not in (1, -1):
-            raise QuoteError("invalid_feedback", "`value` must be 1 (thumbs up) or -1 (thumbs down).", 400)
+            raise QuoteError(
+                ErrorCode.INVALID_FEEDBACK, "`value` must be 1 (thumbs up) or -1 (thumbs down).", 400
+            )
         try:
             generation = await Generation.objects.aget(public_id=public_id, is_preview=False)
         except Generation.DoesNotExist:
-            raise QuoteError("unknown_quote", "There is no such quote.", 404) from None
+            raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404) from None
         if generation.status != Generation.Status.OK:
-            raise QuoteError("not_rateable", "Only a finished quote can be rated.", 409)
+            raise QuoteError(ErrorCode.NOT_RATEABLE, "Only a finished quote can be rated.", 409)
         if generation.created_at < timezone.now() - FEEDBACK_WINDOW:
-            raise QuoteError("feedback_closed", "This quote is too old to be rated now.", 403)
+            raise QuoteError(ErrorCode.FEEDBACK_CLOSED, "This quote is too old to be rated now.", 403)
     except QuoteError as exc:
         return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
-    await record_vote(generation_id=generation.pk, client_key=client.key, value=value)
+    await services.generation_feedback_set(generation_id=generation.pk, client_key=client.key, value=value)
     return JsonResponse({"id": str(generation.public_id), "feedback": value})

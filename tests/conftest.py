@@ -10,6 +10,7 @@ from quotes.ai.backends import get_backend
 from quotes.ai.backends.local import LocalBackend
 from quotes.ai.events import Token
 from quotes.models import Persona
+from quotes.services import persona_save
 
 pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server", "tests.redis_server"]
 
@@ -65,8 +66,9 @@ def local_backend() -> Iterator[LocalBackend]:
 
 @pytest.fixture
 def persona(transactional_db: None) -> Persona:
-    """A persona with greedy sampling (temperature 0) and a small max_tokens: fast and repeatable."""
-    return Persona.objects.create(
+    """A persona with greedy sampling (temperature 0) and a small max_tokens: fast and repeatable,
+    saved as an editor would save it (so it has its first version)."""
+    persona = Persona(
         slug="test-watts",
         name="Alan Watts",
         system_prompt="You are Alan Watts",
@@ -75,6 +77,8 @@ def persona(transactional_db: None) -> Persona:
         max_tokens=16,
         temperature=0.0,
     )
+    persona_save(persona=persona)
+    return persona
 
 
 #: A completion that keeps its slot for seconds: no stop strings, and the end of text ignored.

@@ -1,4 +1,4 @@
-"""Gateway analytics: the numbers (quotes.analytics), the admin page and its charts, the CSV export
+"""Gateway analytics: the numbers (quotes.selectors), the admin page and its charts, the CSV export
 of the request log, and `manage.py gateway_stats`."""
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from django.test import Client
 from django.utils import timezone
 
 from quotes.admin import CSV_COLUMNS
-from quotes.analytics import StatsRangeForm, gateway_stats, parse_since, percentile
 from quotes.charts import bar_list, nice_ceiling
+from quotes.forms import StatsRangeForm
 from quotes.models import Generation, Persona
+from quotes.selectors import gateway_stats, parse_since, percentile
 
 from .asgi import request
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -187,7 +188,7 @@ async def test_socket_rate_limit_is_an_error_frame(
     socket: WebsocketCommunicator, persona: Persona, settings: Any
 ) -> None:
     # An hour's window: a minute's could turn over between the two starts and admit the second.
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 3600)}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, rate_limit=(1, 3600))
     await socket.send_json_to({"type": "start", "persona": persona.slug})
     assert (await frames_until(socket, "done", "error"))[-1]["type"] == "done"
 
@@ -205,7 +206,7 @@ async def test_socket_flood_of_refused_starts_writes_one_counted_row(
 ) -> None:
     """One socket sent 181 refused `start` frames in 0.9 s, and each wrote a full log row."""
     settings = workers_ai_settings
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, rate_limit=(1, 60))
     window_left = 60 - time.time() % 60
     if window_left < 15:  # the limit's window must not turn over mid-test
         await asyncio.sleep(window_left + 0.05)
@@ -279,7 +280,7 @@ async def test_socket_frame_at_the_cap_is_parsed(
 async def test_socket_every_start_counts_against_the_rate_limit(
     socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
-    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (3, 3600)}
+    workers_ai_settings.QUOTES_GATEWAY = replace(workers_ai_settings.QUOTES_GATEWAY, rate_limit=(3, 3600))
     await at_start_of_window()
     for _ in range(3):
         await socket.send_json_to({"type": "start", "persona": "nobody"})
@@ -299,7 +300,7 @@ async def test_socket_every_start_counts_against_the_rate_limit(
 async def test_socket_a_start_refused_as_busy_counts_too(
     socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
-    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "rate_limit": (2, 3600)}
+    workers_ai_settings.QUOTES_GATEWAY = replace(workers_ai_settings.QUOTES_GATEWAY, rate_limit=(2, 3600))
     await at_start_of_window()
     fake_workers_ai.script(Scenario(tokens=["tick"] * 200, token_delay_s=0.02))
     await socket.send_json_to({"type": "start", "persona": persona.slug})  # 1: the gateway counts it

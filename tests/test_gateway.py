@@ -17,12 +17,13 @@ import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.conf import settings as django_settings
 from django.core.cache import cache
 from django.utils import timezone
@@ -32,6 +33,7 @@ from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.ai.catalog import estimate_cost
 from quotes.models import Generation, Persona
+from quotes.services import persona_save
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
 from tests.conftest import slots_held
 from tests.fakes.fixtures import workers_ai_config
@@ -122,7 +124,7 @@ def closed_port() -> int:
 
 
 def configure(settings: Any, **options: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, **options}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, **options)
 
 
 async def use_workers_ai(settings: Any, fake_server: FakeWorkersAI, **overrides: Any) -> None:
@@ -219,6 +221,11 @@ async def wait_for_rows(count: int, timeout_s: float = 5.0) -> list[Generation]:
         await asyncio.sleep(0.02)
 
 
+async def save(persona: Persona) -> None:
+    """Save the persona as an editor does (a new version when its generation settings changed)."""
+    await sync_to_async(persona_save)(persona=persona)
+
+
 async def latest_version_id(persona: Persona) -> int:
     version = await persona.versions.order_by("-number").afirst()
     assert version is not None
@@ -258,7 +265,7 @@ async def test_log_ok_row_has_every_field_by_the_time_done_is_read(
     persona: Persona, upstream: Upstream
 ) -> None:
     persona.system_prompt = "You are Alan Watts, the philosopher"
-    await persona.asave()  # a second version: the row must point at the latest
+    await save(persona)  # a second version: the row must point at the latest
     started = timezone.now()
 
     response = await post(client=("203.0.113.7", 4242))
@@ -399,7 +406,7 @@ async def test_cache_can_be_turned_off(
 ) -> None:
     if how == "persona-ttl-0":
         persona.cache_ttl = 0
-        await persona.asave()
+        await save(persona)
     else:
         configure(settings, skip_cache=True)
 
@@ -422,7 +429,7 @@ async def test_cache_uses_the_persona_ttl_override(
         "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "persona-quotes"}
     }
     persona.cache_ttl = 120
-    await persona.asave()
+    await save(persona)
 
     await post()
 
@@ -482,7 +489,7 @@ async def test_cache_a_new_persona_version_is_a_miss(
         persona.system_prompt = "You are Alan Watts, speaking softly"
     else:
         persona.fallback_models = [FALLBACK]  # same request to the primary model, new version
-    await persona.asave()
+    await save(persona)
 
     second = await post()
 
@@ -765,7 +772,7 @@ async def test_rate_limit_refusals_share_one_small_row_and_the_analytics_count_e
     from django.test import Client as DjangoClient
 
     from quotes.admin import CSV_COLUMNS
-    from quotes.analytics import gateway_stats
+    from quotes.selectors import gateway_stats
 
     configure(settings, rate_limit=(2, 60))
     await at_start_of_window(60, margin_s=20)
@@ -898,7 +905,7 @@ async def test_fallback_model_answers_when_the_primary_is_out_of_capacity(
     configure(settings, max_attempts=2, retry_delay_ms=10)
     if where == "persona":
         persona.fallback_models = [FALLBACK]
-        await persona.asave()
+        await save(persona)
     else:
         configure(settings, fallback_models=[FALLBACK])
     fake.script(Scenario.out_of_capacity(), Scenario.out_of_capacity())
@@ -1100,7 +1107,7 @@ async def test_redis_cache_hit_lives_in_redis(
     persona: Persona, fake: FakeWorkersAI, redis_cache: Any
 ) -> None:
     persona.cache_ttl = 120
-    await persona.asave()
+    await save(persona)
 
     first = await post()
     second = await post()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlencode
 
@@ -168,7 +169,7 @@ async def test_htmx_bad_input_is_an_error_event_with_a_readable_message(
 
 
 async def test_htmx_rate_limit_is_an_error_event_with_retry_after(persona: Persona, settings: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (1, 60)}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, rate_limit=(1, 60))
     await at_start_of_window(60, margin_s=20)  # a fixed window: both requests must fall in one
     first = await htmx_form_post({"persona": persona.slug})
     assert first.status == 200
@@ -193,6 +194,19 @@ async def test_htmx_json_post_gets_the_htmx_dialect_and_others_keep_the_workers_
     assert parse_sse(htmx.body)[-1]["event"] == "done"
     assert parse_sse(plain.body)[-1] == {"event": "message", "data": "[DONE]"}
     assert b"event: meta" not in plain.body
+    # One URL, two dialects: a cache between must keep them apart.
+    for response in (htmx, plain):
+        assert "hx-request" in response.headers["vary"].lower()
+
+
+async def test_refusals_vary_on_hx_request_too(persona: Persona) -> None:
+    for headers in ({"hx-request": "true"}, {}):
+        response = await request("POST", "/api/quotes/stream", json_body={}, headers=headers)
+        assert response.status == 400
+        assert "hx-request" in response.headers["vary"].lower()
+    refused = await htmx_form_post({"persona": persona.slug}, csrf=None)
+    assert refused.status == 403
+    assert "hx-request" in refused.headers["vary"].lower()
 
 
 async def test_eventsource_get_ends_with_a_named_done_event(persona: Persona) -> None:

@@ -41,7 +41,6 @@ def every_field_set() -> dict[str, Any]:
         "name": "Hypatia",
         "slug": "hypatia",
         "description": "Mathematician of Alexandria.",
-        "emoji": "📐",
         "system_prompt": "You are Hypatia.\nYou teach geometry.",
         "user_prompt_template": "One line about {topic}, with a diagram in words.",
         "default_topic": "conic sections",
@@ -91,7 +90,6 @@ def test_import_round_trips_every_field(tmp_path: Path) -> None:
     for name, value in {
         "name": "H",
         "description": "",
-        "emoji": "",
         "system_prompt": "changed",
         "user_prompt_template": "{topic}",
         "default_topic": "x",
@@ -246,4 +244,20 @@ def test_import_rolls_back_when_a_save_fails(tmp_path: Path, monkeypatch: pytest
         import_file(path)
     monkeypatch.undo()
     assert len(saved) == 3
+    assert snapshot() == before
+
+
+def test_import_skips_the_retired_emoji_field_of_older_files(tmp_path: Path) -> None:
+    # Files exported before migration 0010 carry each persona's `emoji`: they still import.
+    data = json.loads(export())
+    for entry in data:
+        entry["emoji"] = "🌊"
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    before = snapshot()
+
+    out, err = import_file(path)
+
+    assert err == ""
+    assert "0 created, 0 updated, 6 unchanged" in out
     assert snapshot() == before

@@ -11,6 +11,7 @@ import asyncio
 import ipaddress
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -216,7 +217,7 @@ async def test_metrics_error_ok_with_cost_and_rate_limited_on_workers_ai(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     # A fixed window of a day: two requests pass, the third is refused.
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (2, 86400)}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, rate_limit=(2, 86400))
     fake.script(Scenario.model_not_found())
     before = await scrape()
 
@@ -295,12 +296,12 @@ async def test_metrics_websocket_transport(persona: Persona, fake: FakeWorkersAI
 async def test_metrics_retries_and_fallback_steps(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    settings.QUOTES_GATEWAY = {
-        **settings.QUOTES_GATEWAY,
-        "max_attempts": 2,
-        "retry_delay_ms": 10,
-        "fallback_models": [FALLBACK],
-    }
+    settings.QUOTES_GATEWAY = replace(
+        settings.QUOTES_GATEWAY,
+        max_attempts=2,
+        retry_delay_ms=10,
+        fallback_models=[FALLBACK],
+    )
     fake.script(Scenario.out_of_capacity(), Scenario.out_of_capacity())
     before = await scrape()
 
@@ -317,7 +318,7 @@ async def test_metrics_retries_and_fallback_steps(
 
 
 async def test_metrics_coalesced_listeners(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "max_concurrent_streams": 10}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_concurrent_streams=10)
     fake.default = Scenario(token_delay_s=0.1)
     before = await scrape()
 

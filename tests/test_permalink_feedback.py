@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from html.parser import HTMLParser
 from typing import Any
@@ -188,7 +189,7 @@ async def test_feedback_addresses_in_one_ipv6_64_are_one_voter(persona: Persona)
 
 
 async def test_feedback_is_rate_limited_per_client(persona: Persona, settings: Any) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "feedback_rate_limit": (3, 60)}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, feedback_rate_limit=(3, 60))
     remaining = 60 - time.time() % 60
     if remaining < 5:  # fixed window: don't count across its edge
         await asyncio.sleep(remaining + 0.05)

@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 
 from quotes.models import Persona
+from quotes.services import persona_delete, persona_save
 
 
 def make_persona(**overrides: object) -> Persona:
@@ -79,7 +80,6 @@ def test_admin_edits_personas_and_rejects_a_bad_template(admin_client: Client) -
         "name": watts.name,
         "slug": watts.slug,
         "description": watts.description,
-        "emoji": watts.emoji,
         "system_prompt": watts.system_prompt,
         "user_prompt_template": "Tell me about {subject}",
         "default_topic": watts.default_topic,
@@ -112,12 +112,12 @@ def test_persona_with_generations_is_deactivated_not_deleted() -> None:
 
     watts = Persona.objects.get(slug="alan-watts")
     Generation.objects.create(persona=watts, backend="local", model="gemma-3-270m", status="ok")
-    watts.delete()
+    assert persona_delete(persona=watts) is True
     watts.refresh_from_db()
     assert watts.is_active is False
     lonely = make_persona(slug="lonely")
-    lonely.save()
-    lonely.delete()
+    persona_save(persona=lonely)
+    assert persona_delete(persona=lonely) is False
     assert not Persona.objects.filter(slug="lonely").exists()
 
 
@@ -125,10 +125,9 @@ def test_persona_with_generations_is_deactivated_not_deleted() -> None:
 def test_persona_save_records_the_version_author_and_note(django_user_model: type) -> None:
     editor = django_user_model.objects.create_user("ed", password="x")
     persona = make_persona(slug="noted")
-    persona.save(version_note="first draft", version_author=editor)
-    assert persona.saved_version is not None
-    assert (persona.saved_version.number, persona.saved_version.note) == (1, "first draft")
-    assert persona.saved_version.created_by == editor
+    version = persona_save(persona=persona, note="first draft", created_by=editor)
+    assert version is not None
+    assert (version.number, version.note) == (1, "first draft")
+    assert version.created_by == editor
     persona.display_order = 5
-    persona.save()
-    assert persona.saved_version is None  # nothing the model sees changed
+    assert persona_save(persona=persona) is None  # nothing the model sees changed

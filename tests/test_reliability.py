@@ -21,7 +21,7 @@ import socket
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +66,11 @@ async def _close_backends_on_this_loop() -> AsyncIterator[None]:
 @pytest.fixture
 def unlimited(settings: Any) -> Any:
     """Many requests from one client in a row: raise the per-client limits out of the way."""
-    settings.QUOTES_GATEWAY = {
-        **settings.QUOTES_GATEWAY,
-        "rate_limit": (1_000_000, 60),
-        "max_concurrent_streams": 1_000,
-    }
+    settings.QUOTES_GATEWAY = replace(
+        settings.QUOTES_GATEWAY,
+        rate_limit=(1_000_000, 60),
+        max_concurrent_streams=1_000,
+    )
     return settings
 
 
@@ -320,7 +320,7 @@ async def test_fault_summary_client_outcome_log_row_and_no_traceback(
     caplog: pytest.LogCaptureFixture,
     fault: Fault,
 ) -> None:
-    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, **fault.gateway}
+    workers_ai_settings.QUOTES_GATEWAY = replace(workers_ai_settings.QUOTES_GATEWAY, **fault.gateway)
     overrides = dict(fault.workers_ai)
     if fault.refused:
         with socket.socket() as sock:

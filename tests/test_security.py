@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> Asyn
 
 
 def limit_to(settings: Any, count: int) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "rate_limit": (count, 60)}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, rate_limit=(count, 60))
 
 
 async def at_start_of_window(window: int = 60, margin_s: float = 5.0) -> None:

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quotes.ai.backends.workers_ai import dropped, malformed, parse_events, timed_out
+from quotes.ai.backends.workers_ai import parse_events
+from quotes.ai.errors import upstream_dropped, upstream_malformed, upstream_timeout
 from quotes.ai.events import Done, Event, Token, Usage
 
 SSE = {"content-type": "text/event-stream"}
@@ -120,7 +121,7 @@ def wire_streams(draw: st.DrawFn) -> tuple[bytes, list[Event]]:
         if draw(st.booleans()):
             body += 'data: {"response":"after done"}\n\n'
     else:
-        expected.append(dropped())
+        expected.append(upstream_dropped())
     return body.encode(), expected
 
 
@@ -207,20 +208,20 @@ def test_parse_events_ignores_openai_chunks_without_content():
 def test_parse_events_stops_at_malformed_json():
     body = b'data: {"response":"a"}\n\ndata: {not json\n\ndata: {"response":"b"}\n\ndata: [DONE]\n\n'
 
-    assert parse([body]) == [Token("a"), malformed()]
+    assert parse([body]) == [Token("a"), upstream_malformed()]
 
 
 def test_parse_events_drops_an_event_cut_off_by_the_end_of_the_stream():
     body = b'data: {"response":"a"}\n\ndata: {"response":"b"}\n'
 
-    assert parse([body]) == [Token("a"), dropped()]
+    assert parse([body]) == [Token("a"), upstream_dropped()]
 
 
 def test_parse_events_rejects_a_body_that_is_not_an_event_stream():
     body = b'{"result":{"response":"hi"},"success":true}'
 
-    assert parse([body], headers={"content-type": "application/json"}) == [malformed()]
-    assert parse([body], headers={}) == [malformed()]
+    assert parse([body], headers={"content-type": "application/json"}) == [upstream_malformed()]
+    assert parse([body], headers={}) == [upstream_malformed()]
 
 
 def test_parse_events_accepts_an_event_stream_content_type_with_parameters():
@@ -234,10 +235,10 @@ def test_parse_events_accepts_an_event_stream_content_type_with_parameters():
     [
         (
             httpx.RemoteProtocolError("peer closed connection without sending complete message body"),
-            dropped(),
+            upstream_dropped(),
         ),
-        (httpx.ReadError("connection reset by peer"), dropped()),
-        (httpx.ReadTimeout("timed out"), timed_out()),
+        (httpx.ReadError("connection reset by peer"), upstream_dropped()),
+        (httpx.ReadTimeout("timed out"), upstream_timeout()),
     ],
 )
 def test_parse_events_reports_a_network_failure_mid_stream(failure, error):

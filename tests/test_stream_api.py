@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -278,11 +279,11 @@ async def test_stream_treats_the_topic_as_text_not_a_template(persona: Persona) 
 async def test_stream_rate_limit_counts_concurrent_requests_exactly(persona: Persona, settings: Any) -> None:
     """Counting is atomic: of 12 requests at once under a limit of 5, exactly 5 get through.
     (Django's async cache `aincr` is a get then a set, and would let more through.)"""
-    settings.QUOTES_GATEWAY = {
-        **settings.QUOTES_GATEWAY,
-        "rate_limit": (5, 3600),  # a window that will not turn over mid-test
-        "max_concurrent_streams": 100,
-    }
+    settings.QUOTES_GATEWAY = replace(
+        settings.QUOTES_GATEWAY,
+        rate_limit=(5, 3600),  # a window that will not turn over mid-test
+        max_concurrent_streams=100,
+    )
     bodies = [{"persona": persona.slug, "topic": f"topic {i}"} for i in range(12)]
     streams = [post_stream(body) for body in bodies]
     starts = await asyncio.gather(*(stream.start(timeout=120) for stream in streams))

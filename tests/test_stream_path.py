@@ -10,6 +10,7 @@ import json
 import random
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -38,12 +39,12 @@ async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> Asyn
 @pytest.fixture(autouse=True)
 def _roomy_limits(settings: Any) -> None:
     """One test client opens many streams: the per-client limits are not what is tested here."""
-    settings.QUOTES_GATEWAY = {
-        **settings.QUOTES_GATEWAY,
-        "rate_limit": (100_000, 60),
-        "max_concurrent_streams": 100_000,
-        "cache_ttl": 0,
-    }
+    settings.QUOTES_GATEWAY = replace(
+        settings.QUOTES_GATEWAY,
+        rate_limit=(100_000, 60),
+        max_concurrent_streams=100_000,
+        cache_ttl=0,
+    )
 
 
 def stream(topic: str, *, headers: dict[str, str] | None = None) -> AsgiStream:
@@ -78,7 +79,7 @@ async def wait_for_rows(count: int, timeout_s: float = 10.0) -> list[Generation]
 async def test_open_stream_cap_refuses_at_once_with_503_and_retry_after(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "max_open_streams": 2}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=2)
     fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
     held = [stream("one"), stream("two")]
     for s in held:
@@ -114,7 +115,7 @@ async def test_open_stream_cap_counts_websockets_and_refuses_with_an_error_frame
 ) -> None:
     from config.asgi import application
 
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "max_open_streams": 1}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
     fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
     held = stream("held")
     await first_token(held)
@@ -133,7 +134,7 @@ async def test_open_stream_cap_counts_websockets_and_refuses_with_an_error_frame
 async def test_open_stream_cap_for_htmx_is_a_503_error_event(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "max_open_streams": 1}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
     fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
     held = stream("held")
     await first_token(held)

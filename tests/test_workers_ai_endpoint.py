@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -986,7 +987,7 @@ async def test_workers_ai_endpoint_reuses_the_upstream_connection(
         **workers_ai_settings.WORKERS_AI,
         "base_url": f"http://127.0.0.1:{upstream.port}/client/v4",
     }
-    workers_ai_settings.QUOTES_GATEWAY = {**workers_ai_settings.QUOTES_GATEWAY, "cache_ttl": 0}
+    workers_ai_settings.QUOTES_GATEWAY = replace(workers_ai_settings.QUOTES_GATEWAY, cache_ttl=0)
     await reset_backends()
 
     for _ in range(3):

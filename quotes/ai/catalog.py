@@ -18,6 +18,8 @@ from typing import Literal
 
 from django.core.exceptions import ValidationError
 
+from .events import SAMPLING_FIELDS
+
 BackendKind = Literal["workers-ai", "local"]
 
 WORKERS_AI_DOCS = "https://developers.cloudflare.com/workers-ai/models/{name}/"
@@ -248,41 +250,23 @@ def count_tokens_estimate(text: str) -> int:
     return (len(text) + 3) // 4
 
 
-_RANGED_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-)
-_INTEGER_FIELDS = frozenset({"top_k", "seed"})
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def validate_generation_settings(
-    model_id: str,
-    *,
-    max_tokens: int,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    repetition_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    lora: str | None = None,
+    model_id: str, *, max_tokens: int, lora: str | None = None, **sampling: float | None
 ) -> dict[str, ValidationError]:
     """Per-field errors for one generation's settings against the model's documented limits.
 
     Returns an empty dict when everything is allowed; otherwise a dict ready for
     `ValidationError(errors)` or `form.add_error(None, ValidationError(errors))`. `None` means
     "not set" for every optional field. Each message names the field and its allowed range.
+    `sampling` takes GenerationRequest's sampling fields (SAMPLING_FIELDS) by name.
     """
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"not a sampling field: {', '.join(sorted(unknown))}")
     info = MODELS.get(model_id)
     if info is None:
         return {
@@ -305,27 +289,18 @@ def validate_generation_settings(
             params={"high": info.max_output_tokens, "model": model_id},
         )
 
-    values = {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": seed,
-        "repetition_penalty": repetition_penalty,
-        "frequency_penalty": frequency_penalty,
-        "presence_penalty": presence_penalty,
-    }
-    for field in _RANGED_FIELDS:
-        value = values[field]
+    for field in SAMPLING_FIELDS.values():
+        value = sampling.get(field.name)
         if value is None:
             continue
-        allowed: Range = getattr(info, field)
-        integer = field in _INTEGER_FIELDS
+        allowed: Range = getattr(info, field.name)
+        integer = field.integer
         if not _is_number(value) or (integer and not float(value).is_integer()) or value not in allowed:
             kind = "a whole number" if integer else "a number"
-            errors[field] = ValidationError(
+            errors[field.name] = ValidationError(
                 "%(field)s must be %(kind)s from %(range)s for %(model)s.",
                 code="out_of_range",
-                params={"field": field, "kind": kind, "range": str(allowed), "model": model_id},
+                params={"field": field.name, "kind": kind, "range": str(allowed), "model": model_id},
             )
 
     if lora is not None and not info.supports_lora:

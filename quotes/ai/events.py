@@ -6,8 +6,12 @@ A backend is an async iterator of these events. Only the view layer turns them i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .errors import ErrorCode
 
 Role = Literal["system", "user", "assistant"]
 
@@ -16,6 +20,17 @@ Role = Literal["system", "user", "assistant"]
 class Message:
     role: Role
     content: str
+
+
+_HELP = "Leave empty for the model's default. The allowed range depends on the model."
+
+
+def _sampling(*, integer: bool = False, openai: bool, help_text: str = _HELP) -> Any:
+    """Declare a sampling field of GenerationRequest: its name is the same for the Persona field,
+    Workers AI and the catalog's per-model range (`ModelInfo.<name>`); `openai` says whether the
+    OpenAI API takes it under that name too (strict servers answer 400 to unknown ones)."""
+    metadata = {"sampling": True, "integer": integer, "openai": openai, "help_text": help_text}
+    return field(default=None, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,27 +49,61 @@ class GenerationRequest:
     #: the persona's description: the embedded model's frame uses it, chat models do not
     description: str = ""
     max_tokens: int = 256
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    # The sampling fields: declared here once. Persona's fields, its form's help texts, the
+    # catalog's range checks and the OpenAI body are derived from these (SAMPLING_FIELDS).
+    temperature: float | None = _sampling(openai=True, help_text="")
+    top_p: float | None = _sampling(openai=True)
+    top_k: int | None = _sampling(integer=True, openai=False)
+    seed: int | None = _sampling(integer=True, openai=True)
+    repetition_penalty: float | None = _sampling(openai=False)
+    frequency_penalty: float | None = _sampling(openai=True)
+    presence_penalty: float | None = _sampling(openai=True)
     lora: str | None = None
 
     def sampling(self) -> dict[str, float | int | str]:
         """The sampling fields that are set, under their Workers AI names."""
-        fields = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "repetition_penalty": self.repetition_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-        }
-        return {name: value for name, value in fields.items() if value is not None}
+        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingField:
+    """One sampling field of GenerationRequest, as the rest of the project needs to know it."""
+
+    name: str
+    #: a whole number (top_k, seed), else any number
+    integer: bool
+    #: the OpenAI API takes it under the same name
+    openai: bool
+    #: the persona form's help text ("" for none)
+    help_text: str
+
+
+#: The sampling fields, in GenerationRequest's order, by name.
+SAMPLING_FIELDS: dict[str, SamplingField] = {
+    f.name: SamplingField(
+        name=f.name,
+        integer=f.metadata["integer"],
+        openai=f.metadata["openai"],
+        help_text=f.metadata["help_text"],
+    )
+    for f in dataclasses.fields(GenerationRequest)
+    if f.metadata.get("sampling")
+}
+
+#: Everything about a persona that shapes what the model is sent: a change to any of these is a
+#: new PersonaVersion (quotes.services.persona_save).
+GENERATION_FIELDS: tuple[str, ...] = (
+    "system_prompt",
+    "user_prompt_template",
+    "default_topic",
+    "backend",
+    "model",
+    "fallback_models",
+    "lora",
+    "max_tokens",
+    *SAMPLING_FIELDS,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +168,7 @@ class Error:
     `status` is the HTTP status to answer with when no byte has been sent yet, and
     `retry_after` (seconds) says when trying again makes sense."""
 
-    code: str
+    code: ErrorCode
     message: str
     status: int = 502
     retry_after: int | None = None

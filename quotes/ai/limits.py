@@ -31,6 +31,8 @@ from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
 from django.core.cache.backends.redis import RedisCache
 
+from .errors import ErrorCode
+
 logger = logging.getLogger(__name__)
 
 # A stream slot outlives a crashed process by at most this long. Every admit refreshes it, so
@@ -100,15 +102,15 @@ def count_in_window(key: str, timeout: int) -> int:
     return _increment(key, timeout)
 
 
-def admit(client_key: str, *, limit: int, window: int, max_streams: int) -> tuple[str, int] | None:
+def admit(client_key: str, *, limit: int, window: int, max_streams: int) -> tuple[ErrorCode, int] | None:
     """Count one request and take a stream slot. None when admitted; else why not, and the
     seconds until trying again makes sense: ("rate_limited", s) or ("too_many_streams", s)."""
     retry_after = count_request("rate", client_key, limit=limit, window=window)
     if retry_after is not None:
-        return "rate_limited", retry_after
+        return ErrorCode.RATE_LIMITED, retry_after
     if _increment(f"quotes:streams:{client_key}", STREAM_SLOT_TTL_S) > max_streams:
         release_stream_slot(client_key)
-        return "too_many_streams", 5
+        return ErrorCode.TOO_MANY_STREAMS, 5
     return None
 
 
@@ -135,7 +137,7 @@ def _keep(future: asyncio.Future[Any]) -> None:
 
 async def admit_stream(
     client_key: str, *, limit: int, window: int, max_streams: int
-) -> tuple[str, int] | None:
+) -> tuple[ErrorCode, int] | None:
     """`admit`, safe against cancellation. On Redis it runs in a thread, which goes on if the
     request is cancelled meanwhile (the visitor left): the slot it then takes would never be
     released by the request. So it is shielded, and a cancelled request's slot is given back

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import envelope
 from .events import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -48,7 +49,7 @@ def usage(value: Usage) -> bytes:
 
 
 def error(code: str, message: str) -> bytes:
-    return encode(_dumps({"error": {"code": code, "message": message}}), event="error")
+    return encode(_dumps(envelope(code, message)), event="error")
 
 
 # --- htmx (hx-sse) ------------------------------------------------------------------------

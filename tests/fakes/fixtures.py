@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import suppress
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -87,7 +88,7 @@ def workers_ai_settings(settings: Any, fake_workers_ai: FakeWorkersAI) -> Iterat
     settings.AI_GATEWAY = gateway_config(fake_workers_ai)
     # One attempt, no fallbacks: each scripted upstream answer maps straight to what the client
     # sees. The gateway tests turn retries and fallbacks on where they test them.
-    settings.QUOTES_GATEWAY = {**settings.QUOTES_GATEWAY, "max_attempts": 1, "fallback_models": []}
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_attempts=1, fallback_models=[])
     yield settings
     _reset_backends()
 

@@ -8,6 +8,13 @@ from typing import Protocol
 from ..events import Event, GenerationRequest
 
 
+class HasBackend(Protocol):
+    """A persona, as far as choosing its backend goes (backends know no Django models)."""
+
+    @property
+    def backend(self) -> str: ...
+
+
 class Backend(Protocol):
     #: the name in settings and in the log: "local", "workers-ai", "openai"
     name: str
@@ -41,6 +48,14 @@ def get_backend(name: str | None = None) -> Backend:
     if backend is None:
         backend = _backends[name] = _make_backend(name)
     return backend
+
+
+def backend_for(persona: HasBackend) -> Backend:
+    """The backend that answers for `persona`: its own, or settings.AI_BACKEND when it names none.
+
+    The one place this is decided: the page's model name, the context-window check, the admin
+    preview and the gateway must all agree on it."""
+    return get_backend(persona.backend or None)
 
 
 def loaded_backends() -> list[Backend]:

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from ..errors import busy
+from ..errors import ErrorCode, busy
 from ..events import Done, Error, Event, GenerationRequest, Token, Usage
 
 logger = logging.getLogger(__name__)
@@ -326,7 +326,9 @@ class LocalBackend:
             logger.error("local model refused a request: %s", detail)
         job.stats.stop_reason = "error"
         with contextlib.suppress(RuntimeError):  # the requester's loop is closed: nobody to tell
-            job.put(Error("local_model_unavailable", "The built-in model could not write a quote.", 503))
+            job.put(
+                Error(ErrorCode.LOCAL_MODEL_UNAVAILABLE, "The built-in model could not write a quote.", 503)
+            )
 
     def _generate(self, job: _Job) -> None:
         server = self._load()

@@ -23,8 +23,16 @@ from typing import Any
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from ..errors import upstream_auth
-from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
+from ..errors import (
+    upstream_auth,
+    upstream_dropped,
+    upstream_malformed,
+    upstream_rejected,
+    upstream_timeout,
+    upstream_unavailable,
+    upstream_unreachable,
+)
+from ..events import SAMPLING_FIELDS, Done, Error, Event, GenerationRequest, Meta, Token, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +43,9 @@ _MESSAGE_LIMIT = 300
 #: Upstream response headers worth keeping on Meta (lower-case prefixes).
 _KEPT_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
 
-# The OpenAI sampling fields GenerationRequest can carry. top_k and repetition_penalty are not
-# OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
-_OPENAI_SAMPLING = ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty")
+# The OpenAI sampling fields GenerationRequest can carry. Some (top_k, repetition_penalty) are
+# not OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
+_OPENAI_SAMPLING = tuple(name for name, field in SAMPLING_FIELDS.items() if field.openai)
 
 
 class _Failure(Exception):
@@ -110,18 +118,16 @@ class OpenAICompatBackend:
             async with asyncio.timeout_at(deadline):
                 response = await client.send(http_request, stream=True)
         except (TimeoutError, httpx.TimeoutException):
-            yield _timeout()
+            yield upstream_timeout()
             return
         except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.InvalidURL):
-            yield Error(
-                code="upstream_unreachable",
-                message="Could not connect to the model server. Is it running, and is OPENAI_BASE_URL right?",
-                status=502,
+            yield upstream_unreachable(
+                "Could not connect to the model server. Is it running, and is OPENAI_BASE_URL right?"
             )
             return
         except httpx.HTTPError:
             # Connected, but the peer hung up before answering.
-            yield _dropped()
+            yield upstream_dropped()
             return
 
         # From here on the response is open: it is closed on every way out, including the
@@ -148,7 +154,7 @@ class OpenAICompatBackend:
                     async with asyncio.timeout_at(deadline):
                         message = await anext(sse)
                 except StopAsyncIteration:
-                    raise _Failure(_dropped()) from None
+                    raise _Failure(upstream_dropped()) from None
                 data = message.data
                 if not data:
                     continue
@@ -178,23 +184,23 @@ class OpenAICompatBackend:
                             int(counts.get("prompt_tokens") or 0), int(counts.get("completion_tokens") or 0)
                         )
                 except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-                    raise _Failure(_malformed()) from None
+                    raise _Failure(upstream_malformed()) from None
         except _Failure as failure:
             if usage is not None:
                 yield usage
             yield failure.event
         except SSEError:
             # 2xx but not text/event-stream (e.g. a JSON body from a server ignoring "stream").
-            yield _malformed()
+            yield upstream_malformed()
         except (TimeoutError, httpx.TimeoutException):
             if usage is not None:
                 yield usage
-            yield _timeout()
+            yield upstream_timeout()
         except httpx.HTTPError:
             # The peer closed or reset the connection mid-stream.
             if usage is not None:
                 yield usage
-            yield _dropped()
+            yield upstream_dropped()
         finally:
             await sse.aclose()
 
@@ -229,23 +235,13 @@ class OpenAICompatBackend:
             )
             return upstream_auth()
         if 400 <= status < 500:
-            return Error(
-                code="upstream_rejected",
-                message=f"The model server rejected the request (HTTP {status}){suffix}",
-                status=status,
-            )
-        return Error(
-            code="upstream_unavailable",
-            message=f"The model server failed (HTTP {status}){suffix}",
-            status=502,
-        )
+            return upstream_rejected(f"The model server rejected the request (HTTP {status}){suffix}", status)
+        return upstream_unavailable(f"The model server failed (HTTP {status}){suffix}")
 
     def _stream_error(self, error: object) -> Error:
         detail = _message_of(error)
         suffix = f": {self._scrub(detail)}" if detail else "."
-        return Error(
-            code="upstream_unavailable", message=f"The model server failed mid-stream{suffix}", status=502
-        )
+        return upstream_unavailable(f"The model server failed mid-stream{suffix}")
 
 
 def _message_of(error: object) -> str:
@@ -274,23 +270,3 @@ def _error_detail(raw: bytes) -> str:
         if isinstance(errors, list) and errors:
             return _message_of(errors[0]) or text
     return text
-
-
-def _timeout() -> Error:
-    return Error(code="upstream_timeout", message="The model server took too long to answer.", status=504)
-
-
-def _dropped() -> Error:
-    return Error(
-        code="upstream_dropped",
-        message="The model server closed the stream before the quote was finished.",
-        status=502,
-    )
-
-
-def _malformed() -> Error:
-    return Error(
-        code="upstream_malformed",
-        message="The model server sent a stream we could not read.",
-        status=502,
-    )

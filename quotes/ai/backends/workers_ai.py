@@ -24,7 +24,16 @@ from typing import Any, cast
 
 import httpx
 
-from ..errors import upstream_auth
+from ..errors import (
+    ErrorCode,
+    upstream_auth,
+    upstream_dropped,
+    upstream_malformed,
+    upstream_rejected,
+    upstream_timeout,
+    upstream_unavailable,
+    upstream_unreachable,
+)
 from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
 from ..sse import SSEDecoder
 from ..watchdog import Watchdog
@@ -50,51 +59,33 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 _RETRY = "Please try again shortly."
 
 # Documented Workers AI codes -> (our code, the status we answer, a message for the visitor).
-ERROR_CODES: dict[int, tuple[str, int, str]] = {
-    5007: ("model_not_found", 400, "That model does not exist on Workers AI."),
-    3042: ("model_not_found", 400, "That model id is not valid on Workers AI."),
-    3003: ("upstream_bad_request", 400, "The model service says the request was incomplete."),
-    5005: ("lora_not_supported", 400, "This model does not accept a LoRA adapter."),
-    5016: ("upstream_forbidden", 403, "This model's terms of use have not been accepted for this site."),
-    5018: ("upstream_forbidden", 403, "This model is private and not available to this site."),
-    3041: ("upstream_forbidden", 403, "This model is private and not available to this site."),
-    3023: ("upstream_forbidden", 403, "The site's Workers AI account is blocked."),
-    3006: ("request_too_large", 413, "The request is too large for the model. Try a shorter topic."),
-    3007: ("upstream_timeout", 408, f"The model took too long to answer. {_RETRY}"),
-    3008: ("upstream_timeout", 408, f"The model request was aborted. {_RETRY}"),
+ERROR_CODES: dict[int, tuple[ErrorCode, int, str]] = {
+    5007: (ErrorCode.MODEL_NOT_FOUND, 400, "That model does not exist on Workers AI."),
+    3042: (ErrorCode.MODEL_NOT_FOUND, 400, "That model id is not valid on Workers AI."),
+    3003: (ErrorCode.UPSTREAM_BAD_REQUEST, 400, "The model service says the request was incomplete."),
+    5005: (ErrorCode.LORA_NOT_SUPPORTED, 400, "This model does not accept a LoRA adapter."),
+    5016: (
+        ErrorCode.UPSTREAM_FORBIDDEN,
+        403,
+        "This model's terms of use have not been accepted for this site.",
+    ),
+    5018: (ErrorCode.UPSTREAM_FORBIDDEN, 403, "This model is private and not available to this site."),
+    3041: (ErrorCode.UPSTREAM_FORBIDDEN, 403, "This model is private and not available to this site."),
+    3023: (ErrorCode.UPSTREAM_FORBIDDEN, 403, "The site's Workers AI account is blocked."),
+    3006: (ErrorCode.REQUEST_TOO_LARGE, 413, "The request is too large for the model. Try a shorter topic."),
+    3007: (ErrorCode.UPSTREAM_TIMEOUT, 408, f"The model took too long to answer. {_RETRY}"),
+    3008: (ErrorCode.UPSTREAM_TIMEOUT, 408, f"The model request was aborted. {_RETRY}"),
     3036: (
-        "upstream_quota_exceeded",
+        ErrorCode.UPSTREAM_QUOTA_EXCEEDED,
         429,
         "Today's free model allowance is used up. Please try again tomorrow.",
     ),
-    3040: ("upstream_capacity", 429, f"The model is out of capacity right now. {_RETRY}"),
+    3040: (ErrorCode.UPSTREAM_CAPACITY, 429, f"The model is out of capacity right now. {_RETRY}"),
 }
 
 
-def _error(code: str, message: str, status: int) -> Error:
-    return Error(code=code, message=message, status=status)
-
-
-def dropped() -> Error:
-    return _error(
-        "upstream_dropped", "The connection to the model was lost before the quote was finished.", 502
-    )
-
-
-def malformed() -> Error:
-    return _error("upstream_malformed", "The model service sent an answer we could not read.", 502)
-
-
-def timed_out() -> Error:
-    return _error("upstream_timeout", f"The model took too long to answer. {_RETRY}", 504)
-
-
-def unreachable() -> Error:
-    return _error("upstream_unreachable", f"The model service cannot be reached right now. {_RETRY}", 502)
-
-
 def invalid_model(model: str) -> Error:
-    return _error("model_not_found", f"{model[:80]!r} is not a valid model id.", 400)
+    return Error(ErrorCode.MODEL_NOT_FOUND, f"{model[:80]!r} is not a valid model id.", 400)
 
 
 def error_for_status(status: int, body: bytes, *, secrets: Iterable[str] = ()) -> Error:
@@ -113,17 +104,17 @@ def error_for_status(status: int, body: bytes, *, secrets: Iterable[str] = ()) -
     for number in codes:
         if number in ERROR_CODES:
             code, our_status, message = ERROR_CODES[number]
-            return _error(code, message + detail, our_status)
+            return Error(code, message + detail, our_status)
     if status in (401, 403):
         # The visitor did nothing wrong: our credentials are bad or lack a permission.
         return upstream_auth()
     if status == 429:
-        return _error("upstream_rejected", f"The model service is receiving too many requests. {_RETRY}", 429)
+        return upstream_rejected(f"The model service is receiving too many requests. {_RETRY}", 429)
     if 400 <= status < 500:
-        return _error("upstream_rejected", "The model service rejected the request." + detail, status)
+        return upstream_rejected("The model service rejected the request." + detail, status)
     if status >= 500:
-        return _error("upstream_unavailable", f"The model service is having trouble right now. {_RETRY}", 502)
-    return _error("upstream_malformed", f"The model service gave an unexpected answer (HTTP {status}).", 502)
+        return upstream_unavailable()
+    return upstream_malformed(f"The model service gave an unexpected answer (HTTP {status}).")
 
 
 def _parse_envelope(body: bytes) -> tuple[list[int], str]:
@@ -217,7 +208,7 @@ class StreamParser:
             except ValueError:
                 payload = None
             if not isinstance(payload, dict):
-                events.append(malformed())
+                events.append(upstream_malformed())
                 self.finished = True
                 return events
             text = payload.get("response")
@@ -251,7 +242,7 @@ async def parse_events(
     (see StreamParser); a stream that ends without `[DONE]` is `upstream_dropped`, as is a
     connection that breaks."""
     if not is_event_stream(response):
-        yield malformed()
+        yield upstream_malformed()
         return
     parser = StreamParser(secrets)
     chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
@@ -264,17 +255,17 @@ async def parse_events(
             if parser.finished:
                 return
     except httpx.TimeoutException:
-        yield timed_out()
+        yield upstream_timeout()
         return
     except httpx.DecodingError:
-        yield malformed()
+        yield upstream_malformed()
         return
     except httpx.TransportError:  # RemoteProtocolError, ReadError, ...: the connection broke
-        yield dropped()
+        yield upstream_dropped()
         return
     finally:
         await chunks.aclose()
-    yield dropped()
+    yield upstream_dropped()
 
 
 def _openai_delta(payload: dict[str, Any]) -> str | None:
@@ -443,13 +434,13 @@ class WorkersAIBackend:
                         client.stream("POST", self.url(request.model), json=self._body(request))
                     )
             except (httpx.TimeoutException, TimeoutError):  # connect, pool, or no headers in time
-                yield self._log(timed_out(), request)
+                yield self._log(upstream_timeout(), request)
                 return
             except httpx.ConnectError:
-                yield self._log(unreachable(), request)
+                yield self._log(upstream_unreachable(), request)
                 return
             except httpx.TransportError:
-                yield self._log(dropped(), request)
+                yield self._log(upstream_dropped(), request)
                 return
 
             headers = response.headers
@@ -469,7 +460,7 @@ class WorkersAIBackend:
                 yield self._log(error_for_status(response.status_code, body, secrets=self._secrets), request)
                 return
             if not is_event_stream(response):
-                yield self._log(malformed(), request)
+                yield self._log(upstream_malformed(), request)
                 return
 
             parser = StreamParser(self._secrets)
@@ -485,15 +476,15 @@ class WorkersAIBackend:
                     try:
                         events = parser.feed(await anext(chunks))
                     except StopAsyncIteration:
-                        events = [dropped()]
+                        events = [upstream_dropped()]
                     except asyncio.CancelledError:
                         if not watchdog.expired():
                             raise
-                        events = [timed_out()]
+                        events = [upstream_timeout()]
                     except httpx.DecodingError:
-                        events = [malformed()]
+                        events = [upstream_malformed()]
                     except httpx.TransportError:  # the connection broke
-                        events = [dropped()]
+                        events = [upstream_dropped()]
                     watchdog.release()
                     for event in events:
                         if type(event) is Token:

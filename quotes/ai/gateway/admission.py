@@ -17,7 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ...conf import GatewaySettings
 from .. import limits
+from ..errors import ErrorCode
 from ..events import Error
 
 logger = logging.getLogger(__name__)
@@ -45,15 +47,15 @@ class OpenStreams:
 open_streams = OpenStreams()
 
 
-def at_capacity(options: dict[str, Any]) -> bool:
+def at_capacity(options: GatewaySettings) -> bool:
     """Whether a new stream would be refused now (checked before a request is even parsed; the
     admission itself checks again)."""
-    return open_streams.count >= options["max_open_streams"]
+    return open_streams.count >= options.max_open_streams
 
 
 def over_capacity() -> Error:
     return Error(
-        "over_capacity",
+        ErrorCode.OVER_CAPACITY,
         "The site is busy writing other quotes right now. Please try again in a few seconds.",
         503,
         retry_after=OVER_CAPACITY_RETRY_AFTER_S,
@@ -81,15 +83,15 @@ class Ticket:
         await self.release_client_slot()
 
 
-async def admit(client_key: str, options: dict[str, Any]) -> Ticket | Error:
+async def admit(client_key: str, options: GatewaySettings) -> Ticket | Error:
     """A Ticket, or the Error (503 over capacity, 429 rate limited) that refuses the stream."""
-    if not open_streams.try_open(options["max_open_streams"]):
+    if not open_streams.try_open(options.max_open_streams):
         return over_capacity()
-    limit, window = options["rate_limit"]
+    limit, window = options.rate_limit
     try:
         # Atomic, in one round trip on Redis, and safe against this request being cancelled.
         refused = await limits.admit_stream(
-            client_key, limit=limit, window=window, max_streams=options["max_concurrent_streams"]
+            client_key, limit=limit, window=window, max_streams=options.max_concurrent_streams
         )
     except BaseException:
         open_streams.close()

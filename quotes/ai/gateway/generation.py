@@ -21,9 +21,9 @@ from django.conf import settings
 from ... import metrics, personas
 from ...models import Generation, Persona, PersonaVersion
 from ...security import client_address
-from ..backends import get_backend
+from ..backends import backend_for
 from ..cache import answer_key, get_answer
-from ..errors import internal
+from ..errors import ErrorCode, internal
 from ..events import Done, Error, Event, Message, Meta, Token, Usage
 from ..refusals import record_refusal
 from . import admission, answers
@@ -63,7 +63,7 @@ async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Err
     active = personas.peek(slug) if isinstance(slug, str) else None
     if active is None:
         return None  # unknown here: the full path looks it up (and refuses it all the same)
-    backend = get_backend(active.persona.backend or None)
+    backend = backend_for(active.persona)
     model = backend.model_name(active.persona.model)
     metrics.stream_opened(transport)
     metrics.stream_refused(transport=transport, backend=backend.name, model=model, code=error.code)
@@ -77,7 +77,7 @@ async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Err
         preview=False,
         code=error.code,
         message=error.message,
-        window=options["rate_limit"][1],
+        window=options.rate_limit[1],
         status=Generation.Status.BUSY,
         local=True,
     )
@@ -104,7 +104,7 @@ async def stream_generation(
     "htmx", "websocket", ...).
     """
     options = settings.QUOTES_GATEWAY
-    backend = get_backend(persona.backend or None)
+    backend = backend_for(persona)
     if preview:
         version = None
     elif version is ...:
@@ -158,17 +158,17 @@ async def stream_generation(
                 preview=preview,
                 code=admitted.code,
                 message=admitted.message,
-                window=options["rate_limit"][1],
-                status=Generation.Status.BUSY if admitted.code == "over_capacity" else None,
-                local=admitted.code == "over_capacity",  # this process's cap: counted here
+                window=options.rate_limit[1],
+                status=Generation.Status.BUSY if admitted.code is ErrorCode.OVER_CAPACITY else None,
+                local=admitted.code is ErrorCode.OVER_CAPACITY,  # this process's cap: counted here
             )
             yield admitted
             return
         assert isinstance(admitted, admission.Ticket)
         ticket = admitted
 
-        ttl = options["cache_ttl"] if persona.cache_ttl is None else persona.cache_ttl
-        use_cache = ttl > 0 and not (preview or bypass_cache or options["skip_cache"])
+        ttl = options.cache_ttl if persona.cache_ttl is None else persona.cache_ttl
+        use_cache = ttl > 0 and not (preview or bypass_cache or options.skip_cache)
         key = (
             answer_key(backend=backend.name, request=primary, version_id=version.pk if version else None)
             if use_cache
@@ -184,14 +184,14 @@ async def stream_generation(
         events: AsyncGenerator[Event, None]
         if use_cache and (cached := await get_answer(key)) is not None:
             record.cache_status = Generation.CacheStatus.HIT
-            events = answers.replay(cached, pacing=options["replay_pacing_ms"] / 1000)
+            events = answers.replay(cached, pacing=options.replay_pacing_ms / 1000)
         else:
             flight = flights.get(key) if use_cache else None
             if flight is not None:
                 record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
                 metrics.coalesced_listener()
             else:
-                models = [primary.model, *persona.fallback_models, *options["fallback_models"]]
+                models = [primary.model, *persona.fallback_models, *options.fallback_models]
                 plan = Plan(
                     backend=backend,
                     persona=persona,
@@ -206,7 +206,7 @@ async def stream_generation(
                     key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
                 )
                 flight.start(plan, _storer(key, ttl) if use_cache else None)
-            listener = flight.subscribe(keepalive_s=options["keepalive_s"], idle_s=options["idle_timeout_s"])
+            listener = flight.subscribe(keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
             events = listener.events()
 
         hit = record.cache_status == Generation.CacheStatus.HIT
@@ -233,7 +233,7 @@ async def stream_generation(
                     record.status = Generation.Status.OK
                 elif type(event) is Error:
                     record.status = (
-                        Generation.Status.BUSY if event.code == "busy" else Generation.Status.ERROR
+                        Generation.Status.BUSY if event.code is ErrorCode.BUSY else Generation.Status.ERROR
                     )
                     record.error = event
                 if record.status:

@@ -13,29 +13,31 @@ import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
 
 from django.conf import settings
 
 from ... import metrics
+from ...conf import GatewaySettings
 from ...models import Persona
 from ..backends import Backend
-from ..errors import internal
+from ..errors import ErrorCode, internal, upstream_timeout
 from ..events import Done, Error, Event, GenerationRequest, Message, Meta, Token
 from ..watchdog import Watchdog
 
 #: Errors worth another attempt at the same model (before the first token only).
 RETRYABLE = frozenset(
     {
-        "upstream_unreachable",
-        "upstream_unavailable",
-        "upstream_capacity",
-        "upstream_timeout",
-        "upstream_dropped",
+        ErrorCode.UPSTREAM_UNREACHABLE,
+        ErrorCode.UPSTREAM_UNAVAILABLE,
+        ErrorCode.UPSTREAM_CAPACITY,
+        ErrorCode.UPSTREAM_TIMEOUT,
+        ErrorCode.UPSTREAM_DROPPED,
     }
 )
 #: Errors another model would not fix: no fallback for these.
-NOT_FOR_FALLBACK = frozenset({"upstream_auth", "busy", "request_too_large", "context_window_exceeded"})
+NOT_FOR_FALLBACK = frozenset(
+    {ErrorCode.UPSTREAM_AUTH, ErrorCode.BUSY, ErrorCode.REQUEST_TOO_LARGE, ErrorCode.CONTEXT_WINDOW_EXCEEDED}
+)
 
 
 @dataclass(slots=True)
@@ -59,14 +61,14 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
     cf-aig-log-id, belong in the log) and the Error."""
     options = settings.QUOTES_GATEWAY
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + options["total_timeout_s"]
-    idle_s = options["idle_timeout_s"]
+    deadline = loop.time() + options.total_timeout_s
+    idle_s = options.idle_timeout_s
     error: Error = internal()
     meta = Meta()
     watchdog = Watchdog()
     try:
         for step, model in enumerate(plan.models):
-            for attempt in range(options["max_attempts"]):
+            for attempt in range(options.max_attempts):
                 if attempt:
                     await asyncio.sleep(retry_delay(attempt, options))
                 request = (
@@ -81,7 +83,7 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                 started = False
                 # From the request, not from the headers: an upstream's Meta does not restart it,
                 # so a listener can tell how long a live flight may take (first_token_budget).
-                first_token_by = loop.time() + options["ttft_timeout_s"]
+                first_token_by = loop.time() + options.ttft_timeout_s
                 async with aclosing(plan.backend.stream(request)) as events:
                     while True:
                         due = loop.time() + idle_s if started else first_token_by
@@ -131,29 +133,27 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
     yield error
 
 
-def retry_delay(attempt: int, options: dict[str, Any]) -> float:
-    base = float(options["retry_delay_ms"]) / 1000
-    if options["backoff"] == "linear":
+def retry_delay(attempt: int, options: GatewaySettings) -> float:
+    base = float(options.retry_delay_ms) / 1000
+    if options.backoff == "linear":
         return base * attempt
-    if options["backoff"] == "exponential":
+    if options.backoff == "exponential":
         return base * 2 ** (attempt - 1)
     return base
 
 
-def first_token_budget(models: int, options: dict[str, Any]) -> float:
+def first_token_budget(models: int, options: GatewaySettings) -> float:
     """The longest a live flight takes to its first token or its error: every model, each
     attempt up to the first-token timeout with the retry delays between, within the total
     (which a retry's delay may overrun)."""
-    attempts = options["max_attempts"]
+    attempts = options.max_attempts
     delays = sum(retry_delay(attempt, options) for attempt in range(1, attempts))
-    return float(
-        min(models * (attempts * options["ttft_timeout_s"] + delays), options["total_timeout_s"] + delays)
-    )
+    return float(min(models * (attempts * options.ttft_timeout_s + delays), options.total_timeout_s + delays))
 
 
 def timeout_error(*, started: bool, total: bool) -> Error:
     if total:
-        return Error("deadline_exceeded", "The quote took too long to write.", 504)
+        return Error(ErrorCode.DEADLINE_EXCEEDED, "The quote took too long to write.", 504)
     if started:
-        return Error("idle_timeout", "The model stopped writing mid-quote.", 504)
-    return Error("upstream_timeout", "The model took too long to start writing.", 504)
+        return Error(ErrorCode.IDLE_TIMEOUT, "The model stopped writing mid-quote.", 504)
+    return upstream_timeout("The model took too long to start writing.")

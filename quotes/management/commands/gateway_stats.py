@@ -10,8 +10,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from quotes.analytics import Stats, gateway_stats, parse_since
 from quotes.charts import BreakdownDisplay, breakdown_display, kpi_tiles
+from quotes.selectors import Stats, gateway_stats, parse_since
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

@@ -1,4 +1,7 @@
-"""The gateway's analytics: what the request log (`Generation`) says about a time range.
+"""The domain's read queries: a persona's version history, and the gateway's analytics (what
+the request log, `Generation`, says about a time range). Writes live in quotes.services.
+
+## Analytics
 
 Everything is counted by the database (aggregate/annotate, buckets with TruncHour/TruncDay),
 except percentiles: SQLite has none and PostgreSQL's `percentile_cont` is not portable, so
@@ -27,6 +30,8 @@ Definitions, the same in the admin page, the CSV and `manage.py gateway_stats`:
 from __future__ import annotations
 
 import datetime as dt
+import difflib
+import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -34,13 +39,13 @@ from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
 
-from django import forms
 from django.db.models import Count, Q, QuerySet, Sum
 from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
 from .ai.catalog import get_model
-from .models import Generation
+from .ai.events import GENERATION_FIELDS
+from .models import Generation, Persona, PersonaVersion
 
 Bucket = Literal["hour", "day"]
 
@@ -327,9 +332,9 @@ def gateway_stats(
         )
 
     by_persona = _breakdown(
-        rows.values("persona__slug", "persona__name", "persona__emoji").annotate(**_totals()).order_by(),
+        rows.values("persona__slug", "persona__name").annotate(**_totals()).order_by(),
         key="persona__slug",
-        label=lambda row: f"{row['persona__emoji']} {row['persona__name']}".strip(),
+        label=lambda row: row["persona__name"],
         ttft=ttft_by_persona,
     )
     by_model = _breakdown(
@@ -372,57 +377,93 @@ def parse_since(value: str, *, now: dt.datetime | None = None) -> dt.datetime:
     return (now or timezone.now()) - dt.timedelta(**{units[unit]: int(number)})
 
 
-# --- the admin page's range filter -----------------------------------------------------------
+# --- the diff between two versions -----------------------------------------------------------
+
+LineKind = Literal["add", "remove", "same"]
 
 
-class StatsRangeForm(forms.Form):
-    """The analytics page's GET parameters: a named range, or a custom from-to in whole days."""
+@dataclass(frozen=True, slots=True)
+class DiffLine:
+    kind: LineKind
+    text: str
 
-    range = forms.ChoiceField(
-        choices=[
-            ("24h", "Last 24 hours"),
-            ("7d", "Last 7 days"),
-            ("30d", "Last 30 days"),
-            ("custom", "Custom"),
-        ],
-        required=False,
-    )
-    start = forms.DateField(
-        label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d")
-    )
-    end = forms.DateField(
-        label="To", required=False, widget=forms.DateInput(attrs={"type": "date"}, format="%Y-%m-%d")
-    )
-    bucket = forms.ChoiceField(
-        choices=[("", "Auto"), ("hour", "Hour"), ("day", "Day")], required=False, label="Per"
-    )
-    previews = forms.BooleanField(label="Include previews", required=False)
+    @property
+    def sign(self) -> str:
+        return {"add": "+", "remove": "-", "same": " "}[self.kind]
 
-    def clean(self) -> dict[str, Any]:
-        data = super().clean() or {}
-        chosen = data.get("range") or ("custom" if data.get("start") or data.get("end") else "24h")
-        data["range"] = chosen
-        now = timezone.now()
-        if chosen != "custom":
-            data["since"], data["until"] = now - PRESET_RANGES[chosen], now
-        else:
-            start, end = data.get("start"), data.get("end")
-            if start is None and "start" not in self.errors:
-                self.add_error("start", "Choose the first day of the range.")
-            if end is None and "end" not in self.errors:
-                self.add_error("end", "Choose the last day of the range.")
-            if start is None or end is None:
-                return data
-            if end < start:
-                raise forms.ValidationError("The range ends before it starts: swap From and To.")
-            tz = timezone.get_current_timezone()
-            since = dt.datetime.combine(start, dt.time.min, tzinfo=tz)
-            until = dt.datetime.combine(end + dt.timedelta(days=1), dt.time.min, tzinfo=tz)
-            if until - since > MAX_RANGE:
-                raise forms.ValidationError(f"Choose at most {MAX_RANGE.days} days.")
-            if since > now:
-                raise forms.ValidationError("The range starts in the future.")
-            data["since"], data["until"] = since, until
-        if data.get("bucket") == "hour" and data["until"] - data["since"] > dt.timedelta(days=31):
-            self.add_error("bucket", "Hourly buckets go up to 31 days; choose Day or Auto.")
-        return data
+
+@dataclass(slots=True)
+class FieldDiff:
+    name: str
+    lines: list[DiffLine] = field(default_factory=list)
+
+
+def _display(value: object) -> str:
+    if value is None:
+        return "(not set)"
+    if value == "":
+        return "(empty)"
+    if isinstance(value, list):
+        return ", ".join(str(item) for item in value) if value else "(none)"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _text_lines(value: object) -> list[str]:
+    return _display(value).splitlines() or [""]
+
+
+def config_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> list[FieldDiff]:
+    """The fields that differ between two version configs, line by line (every field when
+    there is no older version). Plain text: the template escapes it."""
+    names = [n for n in GENERATION_FIELDS if n in new or (old and n in old)]
+    names += sorted(set(new) - set(names))
+    diffs = []
+    for name in names:
+        after = new.get(name)
+        if old is None:
+            diffs.append(FieldDiff(name, [DiffLine("add", line) for line in _text_lines(after)]))
+            continue
+        before = old.get(name)
+        if before == after:
+            continue
+        a, b = _text_lines(before), _text_lines(after)
+        lines: list[DiffLine] = []
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+            if tag == "equal":
+                lines += [DiffLine("same", line) for line in a[i1:i2]]
+                continue
+            lines += [DiffLine("remove", line) for line in a[i1:i2]]
+            lines += [DiffLine("add", line) for line in b[j1:j2]]
+        diffs.append(FieldDiff(name, lines))
+    return diffs
+
+
+def persona_has_generations(persona: Persona) -> bool:
+    """Whether the request log refers to `persona` (then it is deactivated, never deleted)."""
+    return persona.pk is not None and persona.generations.exists()
+
+
+@dataclass(slots=True)
+class VersionEntry:
+    version: PersonaVersion
+    diffs: list[FieldDiff]
+    is_current: bool
+
+
+def version_history(persona: Persona) -> list[VersionEntry]:
+    """The persona's versions, newest first, each with its diff against the one before."""
+    versions = list(persona.versions.select_related("created_by").order_by("-number"))
+    current = persona.generation_config()
+    entries = []
+    for index, version in enumerate(versions):
+        older = versions[index + 1] if index + 1 < len(versions) else None
+        entries.append(
+            VersionEntry(
+                version=version,
+                diffs=config_diff(older.config if older else None, version.config),
+                is_current=version.config == current,
+            )
+        )
+    return entries

@@ -1,0 +1,92 @@
+"""The domain's actions: everything that changes personas, their versions or the votes on a quote.
+
+The admin, the management commands and the views call these and nothing else to write; each is
+one transaction and takes keyword-only arguments. Reads live in quotes.selectors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import transaction
+from django.db.models import Sum
+
+from .ai.events import GENERATION_FIELDS
+from .models import Generation, Persona, PersonaVersion, Vote
+from .selectors import persona_has_generations
+
+
+@transaction.atomic
+def persona_save(*, persona: Persona, created_by: Any = None, note: str = "") -> PersonaVersion | None:
+    """Save `persona`; when what it sends to the model changed since its last version, record a
+    new version with who made it and why, and return it (None when nothing the model sees changed)."""
+    persona.save()
+    config = persona.generation_config()
+    latest = persona.versions.order_by("-number").first()
+    if latest is not None and latest.config == config:
+        return None
+    return PersonaVersion.objects.create(
+        persona=persona,
+        number=(latest.number + 1) if latest else 1,
+        config=config,
+        note=note[:200],
+        created_by=created_by,
+    )
+
+
+@transaction.atomic
+def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) -> PersonaVersion | None:
+    """Apply `version`'s configuration to `persona` and save it as a new version.
+
+    Raises ValidationError when the old configuration is no longer valid (say, a model left the
+    catalog); returns None when the persona already has exactly that configuration.
+    """
+    if version.persona_id != persona.pk:
+        raise ValueError("That version belongs to another persona.")
+    for name in GENERATION_FIELDS:
+        if name in version.config:
+            setattr(persona, name, version.config[name])
+    persona.full_clean()
+    return persona_save(persona=persona, created_by=user, note=f"rollback to v{version.number}")
+
+
+@transaction.atomic
+def persona_deactivate(*, persona: Persona) -> None:
+    """Hide `persona` from the site (its pages, the API) while its log rows keep pointing at it."""
+    persona.is_active = False
+    persona.save(update_fields=["is_active"])
+
+
+@transaction.atomic
+def persona_delete(*, persona: Persona) -> bool:
+    """Delete `persona`, or deactivate it instead when the request log refers to it (the log must
+    keep pointing at it). True when it was deactivated."""
+    if persona_has_generations(persona):
+        persona_deactivate(persona=persona)
+        return True
+    persona.delete()
+    return False
+
+
+def _generation_feedback_set(*, generation_id: int, client_key: str, value: int) -> None:
+    with transaction.atomic():
+        # The quote's row is locked first, so concurrent votes on it sum one after another.
+        Generation.objects.select_for_update().filter(pk=generation_id).values_list("pk", flat=True).get()
+        Vote.objects.update_or_create(
+            generation_id=generation_id, client_key=client_key, defaults={"value": value}
+        )
+        total = Vote.objects.filter(generation_id=generation_id).aggregate(total=Sum("value"))["total"] or 0
+        verdict = 1 if total > 0 else -1 if total < 0 else None
+        Generation.objects.filter(pk=generation_id).update(feedback=verdict)
+
+
+async def generation_feedback_set(*, generation_id: int, client_key: str, value: int) -> None:
+    """Set this client's vote (1 or -1) on the quote, then the quote's verdict from all its votes.
+
+    One vote per client per quote, which that client may change and no one else can;
+    `Generation.feedback` is the sign of the votes' sum, so many voters cannot push a single
+    quote past one thumb (the admin's column and the analytics count quotes by that verdict)."""
+    await sync_to_async(_generation_feedback_set)(
+        generation_id=generation_id, client_key=client_key, value=value
+    )
