@@ -20,6 +20,7 @@ Unknown slugs are not remembered (a stranger could fill the memory with them).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -51,6 +52,7 @@ class ActivePersona:
 
 
 _entries: dict[str, ActivePersona] = {}
+_loading: dict[str, asyncio.Future[ActivePersona | None]] = {}
 _under: str | None = None  # the version value the entries were loaded under (None: none yet)
 
 
@@ -69,7 +71,14 @@ async def get_active(slug: str) -> ActivePersona | None:
     entry = _entries.get(slug)
     now = time.monotonic()
     if entry is None or now - entry.loaded_at > MAX_AGE_S:
-        entry = await sync_to_async(_load, thread_sensitive=False)(slug, now)
+        # One load per slug at a time: a burst of requests for a persona not in memory (a process
+        # that just started) waits for one query instead of sending one each.
+        loading = _loading.get(slug)
+        if loading is None:
+            loading = asyncio.ensure_future(sync_to_async(_load, thread_sensitive=False)(slug, now))
+            _loading[slug] = loading
+            loading.add_done_callback(lambda _: _loading.pop(slug, None))
+        entry = await asyncio.shield(loading)
         if entry is None:
             _entries.pop(slug, None)
             return None
