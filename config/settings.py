@@ -356,6 +356,10 @@ QUOTES_GATEWAY = GatewaySettings(
     idle_timeout_s=_env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
     total_timeout_s=WORKERS_AI["total_timeout_s"],
     keepalive_s=_env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),
+    # A dropped connection keeps its generation running this long so the client can resume it
+    # (Last-Event-ID); a finished one's events stay in the cache this long for a late resume.
+    resume_grace_s=_env_or_error("QUOTES_RESUME_GRACE_S", float, 10.0),
+    resume_ttl_s=_env_or_error("QUOTES_RESUME_TTL_S", int, 300),
 )
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
@@ -370,6 +374,8 @@ for _name, _key in (
 ):
     _positive(_name, getattr(QUOTES_GATEWAY, _key), low=0.001)
 _positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY.cache_ttl, low=0)
+_positive("QUOTES_RESUME_GRACE_S", QUOTES_GATEWAY.resume_grace_s, low=0, high=300)
+_positive("QUOTES_RESUME_TTL_S", QUOTES_GATEWAY.resume_ttl_s, low=0)
 
 # --- Who the client is ----------------------------------------------------------------------
 

@@ -41,3 +41,7 @@ class GatewaySettings:
     idle_timeout_s: float
     total_timeout_s: float
     keepalive_s: float
+    #: a dropped connection's generation keeps running this long for a resume (0: stop at once)
+    resume_grace_s: float = 10.0
+    #: a finished generation's events are kept this long (the cache) for a late resume
+    resume_ttl_s: int = 300

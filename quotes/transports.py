@@ -32,6 +32,7 @@ from .ai import sse
 from .ai.catalog import doc_url
 from .ai.errors import internal
 from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
+from .ai.gateway.runs import Cursor
 
 Out = TypeVar("Out")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -56,6 +57,11 @@ class Encoder(Protocol[Out_co]):
 
     def error(self, error: Error) -> Out_co | None: ...
 
+    # `out` is what this encoder made (Any: a covariant protocol takes no Out_co argument).
+    def identify(self, out: Any, cursor: Cursor, n: int) -> Out_co:
+        """`out` numbered as the generation's n-th event (its resume id, `<public_id>:<n>`)."""
+        ...
+
 
 #: The error when the events end without Done or Error (made once: never per token).
 _ENDED = internal()
@@ -64,10 +70,11 @@ _ENDED = internal()
 @dataclass(frozen=True, slots=True)
 class Opening:
     """A stream's beginning: its facts (Meta, merged) and its first real event (a Token, Usage,
-    Done or Error), read before an HTTP status is chosen."""
+    Done or Error), read before an HTTP status is chosen. A resumed stream's opening has the
+    facts its client already had and no first event (it is read as the stream flows)."""
 
     meta: Meta
-    first: Event
+    first: Event | None
 
 
 async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
@@ -84,20 +91,36 @@ async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
 
 
 async def relay(
-    events: AsyncGenerator[Event, None], encoder: Encoder[Out], opening: Opening | None = None
+    events: AsyncGenerator[Event, None],
+    encoder: Encoder[Out],
+    opening: Opening | None = None,
+    cursor: Cursor | None = None,
 ) -> AsyncGenerator[Out, None]:
-    """Drive `events` into `encoder` until Done or Error (always one of them, last)."""
+    """Drive `events` into `encoder` until Done or Error (always one of them, last). With a
+    `cursor`, what each event makes carries the event's id (`<public_id>:<n>`); pings carry
+    none. A resumed stream (`cursor.resumed`) sends no opening of its own, and may end without
+    a terminal event (the client had seen it)."""
     async with aclosing(events):
         meta = opening.meta if opening is not None else Meta()
-        out = encoder.start(meta)
-        if out is not None:
-            yield out
-        event = opening.first if opening is not None else await anext(events, _ENDED)
+        if cursor is None or not cursor.resumed:
+            out = encoder.start(meta)
+            if out is not None:
+                if cursor is not None and cursor.position is not None:
+                    # It stands for the events read before the first one (its Meta).
+                    out = encoder.identify(out, cursor, cursor.position.index - 1)
+                yield out
+        event = opening.first if opening is not None and opening.first is not None else None
+        if event is None:
+            event = await anext(events, _ENDED)
         while True:
             if type(event) is Token:
                 out = encoder.token(event.text)
             elif type(event) is Ping:
                 out = encoder.ping()
+                if out is not None:
+                    yield out
+                event = await anext(events, _ENDED)
+                continue
             elif type(event) is Usage:
                 out = encoder.usage(event)
             elif type(event) is Meta:
@@ -107,15 +130,23 @@ async def relay(
             elif type(event) is Done:
                 out = encoder.done(meta)
                 if out is not None:
+                    if cursor is not None and cursor.position is not None:
+                        out = encoder.identify(out, cursor, cursor.position.index)
                     yield out
                 return
             else:  # Error: after the first byte the status is sent, so the error is an event
                 assert type(event) is Error
+                if event is _ENDED and cursor is not None and cursor.resumed:
+                    return  # resumed after the last event: nothing more to send
                 out = encoder.error(event)
                 if out is not None:
+                    if cursor is not None and cursor.position is not None and event is not _ENDED:
+                        out = encoder.identify(out, cursor, cursor.position.index)
                     yield out
                 return
             if out is not None:
+                if cursor is not None and cursor.position is not None:
+                    out = encoder.identify(out, cursor, cursor.position.index)
                 yield out
             event = await anext(events, _ENDED)
 
@@ -155,10 +186,21 @@ def error_payload(error: Error) -> dict[str, Any]:
 # -- the encoders ---------------------------------------------------------------------------------
 
 
+def _sse_id(out: bytes, cursor: Cursor, n: int) -> bytes:
+    # `id:` first: an SSE event's fields may come in any order, and a line costs one concat.
+    return cursor.sse_prefix + b"%d\n" % n + out
+
+
+#: How long EventSource waits before it reconnects (and resumes with Last-Event-ID), in ms.
+RETRY_MS = 1000
+
+
 class WorkersAIEncoder:
     """The JSON stream: Workers AI's own wire format, whichever backend answers."""
 
     __slots__ = ()
+
+    identify = staticmethod(_sse_id)
 
     def start(self, meta: Meta) -> bytes | None:
         return None  # the facts went out as headers
@@ -184,9 +226,13 @@ class WorkersAIEncoder:
 
 class EventSourceEncoder(WorkersAIEncoder):
     """EventSource reconnects when a body ends, which would write a second quote: a named `done`
-    after `[DONE]` tells the client to close() first."""
+    after `[DONE]` tells the client to close() first. A body cut short is another matter: the
+    browser reconnects after `retry` ms with Last-Event-ID, which resumes the same generation."""
 
     __slots__ = ()
+
+    def start(self, meta: Meta) -> bytes:
+        return b"retry: %d\n\n" % RETRY_MS
 
     def done(self, meta: Meta) -> bytes:
         return sse.DONE + sse.named(
@@ -200,6 +246,8 @@ class HtmxEncoder:
     HTML-escaped, facts as named JSON events (`meta` first, then `done` or `error`)."""
 
     __slots__ = ("_space", "_usage")
+
+    identify = staticmethod(_sse_id)
 
     def __init__(self) -> None:
         self._usage: Usage | None = None
@@ -268,3 +316,8 @@ class WebSocketEncoder:
 
     def error(self, error: Error) -> dict[str, Any]:
         return {"type": "error", **error_payload(error)}
+
+    @staticmethod
+    def identify(out: dict[str, Any], cursor: Cursor, n: int) -> dict[str, Any]:
+        out["event_id"] = f"{cursor.public_id}:{n}"  # "id" is the generation's, in meta and done
+        return out
