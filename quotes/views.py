@@ -97,6 +97,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             # The page script builds a quote's URLs from these patterns ("{id}" is its id).
             "permalink_url": _url_pattern("quotes:permalink"),
             "feedback_url": _url_pattern("quotes:feedback"),
+            "stop_url": _url_pattern("quotes:stop"),
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
             # (static/js/quote-stream.js), which the browser tests use to prove that path too.
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
