@@ -6,7 +6,9 @@ A run keeps the generation's events as clients see them (`history`: its Meta fir
 its flight or its cache replay publishes, the terminal Done or Error last) and gathers its log
 row as they come. The event numbered n (1-based) in `history` is the one a client names with
 `Last-Event-ID: <public_id>:<n>`, whatever its transport: a connection is a Listener reading
-`history` by index, so a resume is only a Listener that starts at n.
+`history` by index, so a resume is only a Listener that starts at n. A token is kept as its
+text alone (a `str`, not a Token: the object would cost about 40 bytes more per token, for as
+long as the run is kept), and made a Token again as it is handed on.
 
 How a run ends decides its row:
 - its flight or replay reaches Done or Error: the row (ok, error), then the terminal event;
@@ -102,7 +104,8 @@ class Run:
         self.client_key = client_key
         self.grace_s = grace_s
         self.ttl = ttl
-        self.history: list[Event] = []
+        #: the events so far; a token as its text (see the module's docstring)
+        self.history: list[Event | str] = []
         self.listeners: set[Listener] = set()
         self.flight: Flight | None = None
         self.task: asyncio.Task[None] | None = None  # a cache replay's driver
@@ -155,7 +158,9 @@ class Run:
         if type(event) is Token:
             if self.record.ttft is None:
                 self.record.ttft = time.perf_counter()
-        elif type(event) is Usage:
+            self._publish(event.text)
+            return
+        if type(event) is Usage:
             self.record.usage = event
         elif type(event) is Meta:
             record = self.record
@@ -174,7 +179,7 @@ class Run:
             return
         self._publish(event)
 
-    def _publish(self, event: Event) -> None:
+    def _publish(self, event: Event | str) -> None:
         self.history.append(event)
         for listener in self.listeners:
             waiter = listener.waiter
@@ -215,7 +220,7 @@ class Run:
         try:
             self._detach()
             await self.ticket.release_client_slot()  # before the client hears "done" and asks again
-            self.record.parts = [event.text for event in self.history if type(event) is Token]
+            self.record.parts = [entry for entry in self.history if type(entry) is str]
             await self._log()  # the row, before anyone hears the end
             self._publish(terminal)
             self.ended = True
@@ -312,11 +317,14 @@ class Listener:
         try:
             while True:
                 if self.index < len(history):
-                    event = history[self.index]
+                    entry = history[self.index]
                     self.index += 1
-                    kind = type(event)
-                    if kind is Token:
+                    if type(entry) is str:
+                        event: Event = Token(entry)
                         self.started = True
+                    else:
+                        event = entry  # type: ignore[assignment]
+                    kind = type(event)
                     now = loop.time()
                     self._quiet_since = now
                     if self.started:
@@ -401,16 +409,16 @@ class Replayer:
 
     __slots__ = ("events_", "index")
 
-    def __init__(self, events: list[Event], index: int) -> None:
+    def __init__(self, events: list[Event | str], index: int) -> None:
         self.events_ = events
         self.index = index
 
     async def events(self) -> AsyncGenerator[Event, None]:
         events = self.events_
         while self.index < len(events):
-            event = events[self.index]
+            entry = events[self.index]
             self.index += 1
-            yield event
+            yield Token(entry) if type(entry) is str else entry  # type: ignore[misc]
 
 
 def parse_event_id(value: object) -> tuple[str, int] | None:
@@ -447,7 +455,7 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
         return None
     if not isinstance(stored, tuple) or len(stored) != 2:
         return None
-    events: list[Event] = stored[1]
+    events: list[Event | str] = stored[1]
     if after > len(events):
         return None
     replayer = Replayer(events, after)
