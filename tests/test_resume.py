@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -17,7 +18,9 @@ import pytest
 from channels.testing import WebsocketCommunicator
 
 from quotes.ai.backends import reset_backends
+from quotes.ai.events import Done, Event, Meta, Token, Usage
 from quotes.ai.gateway import runs as runs_module
+from quotes.ai.gateway.runs import EventLog
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, parse_sse, request
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
@@ -25,7 +28,7 @@ from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STREAM_URL = "/api/quotes/stream"
-TOKENS = [f"w{i} " for i in range(40)]
+TOKENS = [f"w{i} " for i in range(150)]  # over two of the log's joined chunks (64 tokens)
 TEXT = "".join(TOKENS)
 LAST_ID = re.compile(rb"(?m)^id: ([0-9a-f-]{36}:\d+)$")
 
@@ -90,12 +93,28 @@ async def row_of(public_id: str, timeout_s: float = 10.0) -> Generation:
 
 async def cut(fake: FakeWorkersAI, *, events: int = 6) -> tuple[AsgiStream, bytes, str]:
     """Start a slow stream, read `events` events, then drop the connection."""
-    fake.script(Scenario(tokens=TOKENS, token_delay_s=0.02))
+    fake.script(Scenario(tokens=TOKENS, token_delay_s=0.01))
     stream = post_stream()
     received = await read_events(stream, events)
     generation_id = stream.response.headers["x-generation-id"] if stream.response else ""
     await stream.disconnect()
     return stream, received, generation_id
+
+
+def test_resume_event_log_gives_back_every_event_after_a_pickle() -> None:
+    events: list[Event] = [Meta(model="m", generation_id="g")]
+    events += [Token("é" * (i % 5) + str(i)) for i in range(200)]
+    events += [Usage(prompt_tokens=3, completion_tokens=200), Done()]
+    log = EventLog()
+    for event in events:
+        log.append(event)
+        assert log.at(len(log) - 1) == event  # readable at once (a live listener)
+
+    kept = pickle.loads(pickle.dumps(log))  # as the cache keeps a finished one
+
+    assert [kept.at(i) for i in range(len(kept))] == events
+    assert kept.text == "".join(e.text for e in events if isinstance(e, Token))
+    assert kept.meta_until(5) == Meta(model="m", generation_id="g")
 
 
 # -- the ids ----------------------------------------------------------------------------------------
@@ -258,7 +277,7 @@ async def connect() -> WebsocketCommunicator:
 async def test_resume_websocket_frame_gives_the_frames_after_the_id(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
-    fake.script(Scenario(tokens=TOKENS, token_delay_s=0.02))
+    fake.script(Scenario(tokens=TOKENS, token_delay_s=0.01))
     first = await connect()
     await first.send_json_to({"type": "start", "persona": persona.slug})
     frames = []

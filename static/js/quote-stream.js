@@ -402,7 +402,8 @@ function pause(ms, signal) {
  *
  * The server ends a finished stream with `data: [DONE]` and then a named `done` event, and an
  * interrupted one with a named `error` event; this closes the EventSource on either, because an
- * EventSource left open reconnects when the body ends, and that would write a second quote.
+ * EventSource left open reconnects when the body ends. A connection that drops is left to the
+ * browser's own reconnect (a few times): it sends Last-Event-ID, and the server resumes.
  *
  *   const { text, id, permalink } = await streamQuoteEventSource({
  *     url: "/api/quotes/stream", params: { persona: "alan-watts" }, onToken: (t) => {},
@@ -446,7 +447,16 @@ export function streamQuoteEventSource({ url, params = {}, onToken = () => {}, s
       }
       resolve({ text, usage, id: json?.id ?? null, permalink: json?.permalink ?? null });
     });
+    let drops = 0;
+    source.addEventListener("open", () => {
+      drops = 0;
+    });
     source.addEventListener("error", (event) => {
+      if (!event.data && source.readyState === EventSource.CONNECTING && ++drops <= RESUME_DELAYS_MS.length) {
+        // The connection dropped and the browser is reconnecting by itself (after the
+        // server's `retry`), with Last-Event-ID: the server resumes the same generation.
+        return;
+      }
       close();
       if (event.data) {
         let json = null;

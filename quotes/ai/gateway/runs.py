@@ -2,13 +2,11 @@
 
     listener (one per connection, at an offset)  <-  run (one per generation)  <-  flight or replay
 
-A run keeps the generation's events as clients see them (`history`: its Meta first, then what
-its flight or its cache replay publishes, the terminal Done or Error last) and gathers its log
-row as they come. The event numbered n (1-based) in `history` is the one a client names with
-`Last-Event-ID: <public_id>:<n>`, whatever its transport: a connection is a Listener reading
-`history` by index, so a resume is only a Listener that starts at n. A token is kept as its
-text alone (a `str`, not a Token: the object would cost about 40 bytes more per token, for as
-long as the run is kept), and made a Token again as it is handed on.
+A run keeps the generation's events as clients see them (`log`, an EventLog: its Meta first,
+then what its flight or its cache replay publishes, the terminal Done or Error last) and
+gathers its row as they come. The event numbered n (1-based) in the log is the one a client
+names with `Last-Event-ID: <public_id>:<n>`, whatever its transport: a connection is a Listener
+reading the log by index, so a resume is only a Listener that starts at n.
 
 How a run ends decides its row:
 - its flight or replay reaches Done or Error: the row (ok, error), then the terminal event;
@@ -36,6 +34,7 @@ import logging
 import math
 import re
 import time
+from array import array
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -66,6 +65,75 @@ def finished_key(public_id: str) -> str:
     return f"quotes:run:{public_id}"
 
 
+#: Tokens kept one by one before they are joined into one string.
+JOIN_EVERY = 64
+
+
+class EventLog:
+    """A generation's events in order, numbered from 1, kept compactly: a stream may run for
+    minutes, and a Token (or even a str) per token would cost about 50 bytes each besides its
+    characters. Token texts are joined every JOIN_EVERY tokens, each token remembered by its
+    end offset (4 bytes); other events are kept as they are. Reading one back makes a Token
+    again. Picklable: a finished log goes to the cache as it is.
+
+    This is the interface a log kept elsewhere (Redis, for a resume on another process) would
+    offer: `append`, `len`, `at(i)`, `meta_until(n)`, `text`.
+    """
+
+    __slots__ = ("_chunks", "_ends", "_others", "_slots", "_tail")
+
+    def __init__(self) -> None:
+        #: per event: a token's ordinal (>= 0), or -1 - its index in `_others`
+        self._slots = array("i")
+        #: per token: the offset its text ends at, within its chunk
+        self._ends = array("I")
+        self._chunks: list[str] = []  # JOIN_EVERY tokens' texts each
+        self._tail: list[str] = []  # the latest tokens' texts, not yet joined
+        self._others: list[Event] = []
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def append(self, event: Event) -> None:
+        if type(event) is Token:
+            tail = self._tail
+            ordinal = len(self._ends)
+            self._slots.append(ordinal)
+            start = self._ends[-1] if tail else 0
+            self._ends.append(start + len(event.text))
+            tail.append(event.text)
+            if len(tail) == JOIN_EVERY:
+                self._chunks.append("".join(tail))
+                tail.clear()
+        else:
+            self._slots.append(-1 - len(self._others))
+            self._others.append(event)
+
+    def at(self, index: int) -> Event:
+        """The event at 0-based `index` (the event numbered index + 1)."""
+        slot = self._slots[index]
+        if slot < 0:
+            return self._others[-1 - slot]
+        chunk, position = divmod(slot, JOIN_EVERY)
+        if chunk == len(self._chunks):
+            return Token(self._tail[position])
+        start = self._ends[slot - 1] if position else 0
+        return Token(self._chunks[chunk][start : self._ends[slot]])
+
+    def meta_until(self, count: int) -> Meta:
+        """What the first `count` events said about the generation (merged)."""
+        meta = Meta()
+        for index in range(count):
+            slot = self._slots[index]
+            if slot < 0 and type(event := self._others[-1 - slot]) is Meta:
+                meta = meta.merged(event)
+        return meta
+
+    @property
+    def text(self) -> str:
+        return "".join(self._chunks) + "".join(self._tail)
+
+
 class Run:
     __slots__ = (
         "_grace",
@@ -77,9 +145,9 @@ class Run:
         "first_token_s",
         "flight",
         "grace_s",
-        "history",
         "hit",
         "listeners",
+        "log",
         "public_id",
         "record",
         "task",
@@ -104,8 +172,7 @@ class Run:
         self.client_key = client_key
         self.grace_s = grace_s
         self.ttl = ttl
-        #: the events so far; a token as its text (see the module's docstring)
-        self.history: list[Event | str] = []
+        self.log = EventLog()
         self.listeners: set[Listener] = set()
         self.flight: Flight | None = None
         self.task: asyncio.Task[None] | None = None  # a cache replay's driver
@@ -114,7 +181,7 @@ class Run:
         self.hit = False
         #: the terminal event is known (the row and its publication may be on their way)
         self.closing = False
-        #: the terminal event is in `history`
+        #: the terminal event is in the log
         self.ended = False
         self.finishing: asyncio.Task[None] | None = None
         self._grace: asyncio.TimerHandle | None = None
@@ -158,9 +225,7 @@ class Run:
         if type(event) is Token:
             if self.record.ttft is None:
                 self.record.ttft = time.perf_counter()
-            self._publish(event.text)
-            return
-        if type(event) is Usage:
+        elif type(event) is Usage:
             self.record.usage = event
         elif type(event) is Meta:
             record = self.record
@@ -179,8 +244,8 @@ class Run:
             return
         self._publish(event)
 
-    def _publish(self, event: Event | str) -> None:
-        self.history.append(event)
+    def _publish(self, event: Event) -> None:
+        self.log.append(event)
         for listener in self.listeners:
             waiter = listener.waiter
             if waiter is not None and not waiter.done():
@@ -220,7 +285,7 @@ class Run:
         try:
             self._detach()
             await self.ticket.release_client_slot()  # before the client hears "done" and asks again
-            self.record.parts = [entry for entry in self.history if type(entry) is str]
+            self.record.parts = [self.log.text]
             await self._log()  # the row, before anyone hears the end
             self._publish(terminal)
             self.ended = True
@@ -229,7 +294,7 @@ class Run:
                     await run_on_cache(
                         cache.set,
                         finished_key(self.public_id),
-                        (self.client_key, self.history),
+                        (self.client_key, self.log),
                         timeout=self.ttl,
                     )
                 except Exception:  # a cache that is down costs a late resume, never this answer
@@ -260,14 +325,6 @@ class Run:
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
-
-    def meta_until(self, index: int) -> Meta:
-        """What the first `index` events said about the generation (a resumed response's headers)."""
-        meta = Meta()
-        for event in self.history[:index]:
-            if type(event) is Meta:
-                meta = meta.merged(event)
-        return meta
 
 
 #: The runs of this process not yet ended, by public id.
@@ -310,21 +367,18 @@ class Listener:
     async def events(self) -> AsyncGenerator[Event, None]:
         loop = asyncio.get_running_loop()
         run = self.run
-        history = run.history
+        log = run.log
         now = loop.time()
         self._quiet_since = now
         self.deadline = now + (self.idle_s if self.started else run.first_token_s) + LISTENER_GRACE_S
         try:
             while True:
-                if self.index < len(history):
-                    entry = history[self.index]
+                if self.index < len(log):
+                    event = log.at(self.index)
                     self.index += 1
-                    if type(entry) is str:
-                        event: Event = Token(entry)
-                        self.started = True
-                    else:
-                        event = entry  # type: ignore[assignment]
                     kind = type(event)
+                    if kind is Token:
+                        self.started = True
                     now = loop.time()
                     self._quiet_since = now
                     if self.started:
@@ -407,18 +461,18 @@ class Cursor:
 class Replayer:
     """A finished generation's events from the cache, from `index` on (a late resume)."""
 
-    __slots__ = ("events_", "index")
+    __slots__ = ("index", "log")
 
-    def __init__(self, events: list[Event | str], index: int) -> None:
-        self.events_ = events
+    def __init__(self, log: EventLog, index: int) -> None:
+        self.log = log
         self.index = index
 
     async def events(self) -> AsyncGenerator[Event, None]:
-        events = self.events_
-        while self.index < len(events):
-            entry = events[self.index]
+        log = self.log
+        while self.index < len(log):
+            event = log.at(self.index)
             self.index += 1
-            yield Token(entry) if type(entry) is str else entry  # type: ignore[misc]
+            yield event
 
 
 def parse_event_id(value: object) -> tuple[str, int] | None:
@@ -444,33 +498,20 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
     cursor = Cursor()
     cursor.resumed = True
     run = runs.get(public_id)
-    if run is not None and after <= len(run.history):
+    if run is not None and after <= len(run.log):
         listener = run.subscribe(after, keepalive_s=keepalive_s, idle_s=idle_s)
         cursor.bind(public_id, listener, run)
-        return Resumed(run.meta_until(after), listener.events(), cursor)
+        return Resumed(run.log.meta_until(after), listener.events(), cursor)
     try:
         stored = await run_on_cache(cache.get, finished_key(public_id))
     except Exception:
         logger.exception("could not read a finished generation for resuming")
         return None
-    if not isinstance(stored, tuple) or len(stored) != 2:
+    if not isinstance(stored, tuple) or len(stored) != 2 or not isinstance(stored[1], EventLog):
         return None
-    events: list[Event | str] = stored[1]
-    if after > len(events):
+    log: EventLog = stored[1]
+    if after > len(log):
         return None
-    replayer = Replayer(events, after)
+    replayer = Replayer(log, after)
     cursor.bind(public_id, replayer, None)
-    meta = Meta()
-    for event in events[:after]:
-        if type(event) is Meta:
-            meta = meta.merged(event)
-    return Resumed(meta, replayer.events(), cursor)
-
-
-async def finished_owner(public_id: str) -> str | None:
-    """The client key of a finished generation still kept for resuming."""
-    try:
-        stored = await run_on_cache(cache.get, finished_key(public_id))
-    except Exception:
-        return None
-    return stored[0] if isinstance(stored, tuple) and len(stored) == 2 else None
+    return Resumed(log.meta_until(after), replayer.events(), cursor)
