@@ -13,11 +13,13 @@ cut, while the browser is offline for the tries that follow.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from playwright.sync_api import BrowserContext, Page, expect
 
@@ -137,3 +139,40 @@ def test_resume_in_browser_offline_then_online_ends_with_the_whole_quote(
     assert rows(site) == [("ok", "", "".join(TOKENS))]
     # The browser logs the cut and the tries made while offline; nothing else.
     assert [p for p in problems if not any(cut in p for cut in CUT_LOGS)] == []
+
+
+def test_resume_on_real_daphne_after_closing_the_socket(site: DaphneServer, upstream: FakeWorkersAI) -> None:
+    """No browser: a client reads a few events from daphne, closes its socket (daphne sends the
+    app `http.disconnect`), and resumes with Last-Event-ID on a new connection."""
+    upstream.reset()
+    upstream.default = Scenario(tokens=TOKENS, token_delay_s=0.02)
+    site.execute("DELETE FROM quotes_generation")
+    received: list[str] = []
+    last_id = ""
+    with (
+        httpx.Client(base_url=site.url, timeout=10) as client,
+        client.stream("POST", "/api/quotes/stream", json={"persona": "alan-watts"}) as response,
+    ):
+        assert response.status_code == 200
+        generation_id = response.headers["x-generation-id"]
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                last_id = line[4:]
+            elif line.startswith("data: "):
+                received.append(json.loads(line[6:])["response"])
+            if len(received) == 5:
+                break  # leaving the block closes the socket mid-stream
+    assert last_id.startswith(generation_id + ":")
+
+    with httpx.Client(base_url=site.url, timeout=30) as client:
+        rest = client.get("/api/quotes/stream", headers={"Last-Event-ID": last_id})
+    tokens = [
+        json.loads(line[6:]).get("response", "")
+        for line in rest.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+    assert rest.status_code == 200 and rest.text.endswith("data: [DONE]\n\n")
+    assert "".join(received + tokens) == "".join(TOKENS)
+    assert len(upstream.requests) == 1
+    assert rows(site) == [("ok", "", "".join(TOKENS))]
