@@ -9,6 +9,8 @@ Server -> client:
     {"type": "done", "usage": {...} | null, "id", "permalink"}
     {"type": "error", "code", "message", "retry_after"}
     {"type": "cancelled"}   after a cancel that stopped a generation
+    {"type": "reconnect", "last_event_id", "retry_ms"}   the process is restarting: the socket
+        is then closed with code 1012 (service restart); resume on another connection
 
 One generation at a time per socket: a `start` while one runs gets an error frame with code
 `busy_socket` (cancel first). Every `start` counts against the client's rate limit, refused ones
@@ -125,6 +127,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         async with aclosing(relay(events, WebSocketEncoder())) as frames:
             async for frame in frames:
                 await self.send_json(frame)
+                if frame["type"] == "reconnect":
+                    # The process is draining: this socket ends so the client resumes on another.
+                    await self.close(code=1012)  # "service restart"
 
     async def _cancel(self) -> bool:
         """Stop the running generation, if any, and wait until its log row is written."""

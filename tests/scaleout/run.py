@@ -130,7 +130,7 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
     command = [
         sys.executable,
         "-m",
-        "daphne",
+        "quotes.server",
         "-b",
         "127.0.0.1",
         "-p",

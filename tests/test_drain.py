@@ -1,0 +1,173 @@
+"""Drain on deploy: a real daphne process, started with the systemd unit's own command
+(`python -m quotes.server`, tests/deployed.py), streaming from the fake Workers AI, gets SIGTERM
+mid-stream.
+
+- It takes no new stream (503 server_draining with Retry-After) and /healthz says "draining".
+- A stream that ends before the drain's deadline (QUOTES_DRAIN_TIMEOUT_S) ends whole.
+- A stream still open at the deadline ends with `event: reconnect` (no [DONE]), its upstream
+  is closed and its log row says cancelled / server_draining; the process then exits.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deployed import ROOT, environment, running_daphne
+from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
+from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.scaleout.services import free_port, tail
+
+UNIT = "systemd/persona-quotes@.service"
+STREAM = "/api/quotes/stream"
+QUOTE = {"persona": "alan-watts", "topic": "moving house"}
+
+
+class Server:
+    def __init__(self, url: str, process: subprocess.Popen[bytes], database: Path, log: Path) -> None:
+        self.url = url
+        self.process = process
+        self.database = database
+        self.log = log
+
+    def rows(self) -> list[tuple[str, str]]:
+        with sqlite3.connect(self.database) as db:
+            return list(db.execute("SELECT status, error_code FROM quotes_generation ORDER BY id"))
+
+
+@pytest.fixture
+def serve(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterator[Callable[[float], Server]]:
+    """Start the unit's daphne with a drain deadline of `drain_s` seconds (on a fresh SQLite
+    file, answering from the fake Workers AI)."""
+    started: list[Iterator[subprocess.Popen[bytes]]] = []
+
+    def start(drain_s: float) -> Server:
+        database = tmp_path / "db.sqlite3"
+        env = environment(
+            DATABASE_URL=f"sqlite:///{database}",
+            DJANGO_ALLOWED_HOSTS="127.0.0.1",
+            AI_BACKEND="workers-ai",
+            CLOUDFLARE_ACCOUNT_ID=TEST_ACCOUNT_ID,
+            CLOUDFLARE_API_TOKEN=TEST_API_TOKEN,
+            CLOUDFLARE_API_BASE_URL=fake_workers_ai.api_base_url,
+            QUOTES_CACHE_TTL="0",
+            QUOTES_DRAIN_TIMEOUT_S=str(drain_s),
+        )
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+        )
+        port = free_port()
+        log = tmp_path / "daphne.log"
+        context = running_daphne(UNIT, port, env, log)
+        process = context.__enter__()
+        started.append(context)
+        return Server(f"http://127.0.0.1:{port}", process, database, log)
+
+    yield start
+    for context in started:
+        context.__exit__(None, None, None)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def events_of(lines: list[str]) -> list[dict[str, str]]:
+    """SSE events (enough of the format for these streams: one data line each)."""
+    events, current = [], {}
+    for line in lines:
+        if not line:
+            if "data" in current:
+                events.append({"event": "message", **current})
+            current = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(":")
+            current[field] = value.removeprefix(" ")
+    return events
+
+
+def text_of(events: list[dict[str, str]]) -> str:
+    return "".join(
+        json.loads(e["data"])["response"] for e in events if e["event"] == "message" and e["data"] != "[DONE]"
+    )
+
+
+def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(12)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.25))  # 3 s, inside the 20 s
+    server = serve(20)
+
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + STREAM, json=QUOTE) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        head = [next(lines)]  # the first token's event
+        server.process.send_signal(signal.SIGTERM)
+
+        def draining() -> bool:
+            return httpx.get(server.url + "/healthz", timeout=5).status_code == 503
+
+        wait_for(draining, "/healthz answers 503")
+        health = httpx.get(server.url + "/healthz", timeout=5)
+        refused = httpx.post(server.url + STREAM, json=QUOTE, timeout=5)
+        rest = list(lines)
+
+    assert health.json() == {"status": "draining"}
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "server_draining"
+    assert int(refused.headers["Retry-After"]) > 0
+    events = events_of(head + rest)
+    assert events[-1] == {"event": "message", "data": "[DONE]"}
+    assert text_of(events) == "".join(tokens)
+    assert len(fake_workers_ai.requests) == 1  # the refused stream never went upstream
+
+    server.process.wait(timeout=30)  # with no stream left, the process exits by itself
+    assert server.process.returncode == 0, tail(server.log)
+    # The refusal is counted like an over-capacity one (a "busy" refusal row), the stream logged.
+    assert sorted(server.rows()) == [("busy", "server_draining"), ("ok", "")]
+
+
+def test_a_stream_open_at_the_drain_deadline_is_told_to_reconnect(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(200)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.1))  # 20 s, past the 1 s deadline
+    server = serve(1)
+
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + STREAM, json=QUOTE) as stream:
+        assert stream.status_code == 200
+        quote_id = stream.headers["X-Quote-Id"]
+        lines = stream.iter_lines()
+        head = [next(lines)]
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)  # the body ends: the process cut the stream
+
+    events = events_of(head + rest)
+    last = events[-1]
+    assert last["event"] == "reconnect", events[-3:]
+    assert last["retry"].isdigit()
+    reconnect = json.loads(last["data"])
+    assert reconnect["retry_ms"] == int(last["retry"])
+    assert reconnect["last_event_id"].startswith(f"{quote_id}:")
+    assert all(e["data"] != "[DONE]" for e in events)
+    text = text_of(events[:-1])
+    assert text and "".join(tokens).startswith(text) and text != "".join(tokens)
+    # The upstream was closed, not left to run on.
+    assert fake_workers_ai.requests[0].client_disconnected.wait(5)
+
+    server.process.wait(timeout=1 + 20)
+    assert server.process.returncode == 0, tail(server.log)
+    assert server.rows() == [("cancelled", "server_draining")]
