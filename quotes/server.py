@@ -29,6 +29,7 @@ from typing import Any
 # daphne.cli imports daphne.server first, which installs Twisted's asyncio reactor.
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
+from daphne.ws_protocol import WebSocketProtocol
 from twisted.internet import reactor
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,12 @@ class DrainingServer(Server):
         self.draining: asyncio.Task[None] | None = None
 
     def run(self) -> None:
-        reactor.callWhenRunning(self._handle_signals)
+        reactor.callWhenRunning(self._started)
         super().run()
+
+    def _started(self) -> None:
+        self.ws_factory.protocol = QuotesWebSocketProtocol  # made by run(), before the reactor runs
+        self._handle_signals()
 
     def _handle_signals(self) -> None:
         loop = asyncio.get_event_loop()  # daphne's loop, which the reactor runs
@@ -68,6 +73,25 @@ class DrainingServer(Server):
             logger.exception("draining failed; stopping anyway")
         finally:
             self.stop()  # daphne's shutdown: whatever is left (idle sockets) is cancelled
+
+
+#: Close codes a server sends of its own accord (IANA's registry): going away, policy violation,
+#: message too big, internal error, service restart, try again later.
+SERVER_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011, 1012, 1013})
+
+
+class QuotesWebSocketProtocol(WebSocketProtocol):
+    """daphne's WebSocket protocol, closing with the codes a server sends. daphne passes an ASGI
+    `websocket.close` code to autobahn's `sendClose()`, which takes only 1000 and 3000-4999 (the
+    codes an application picks) and raises on any other, so the socket was never closed: 1012
+    (service restart, for a drain) and 1009 (a frame too large, quotes.consumers) go out as the
+    close frames they are."""
+
+    def serverClose(self, code: int | None = None) -> None:
+        if code in SERVER_CLOSE_CODES:
+            self.sendCloseFrame(code=code, isReply=False)
+        else:
+            super().serverClose(code)
 
 
 async def drain_and_close() -> None:

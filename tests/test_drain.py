@@ -6,13 +6,18 @@ mid-stream.
 - A stream that ends before the drain's deadline (QUOTES_DRAIN_TIMEOUT_S) ends whole.
 - A stream still open at the deadline ends with `event: reconnect` (no [DONE]), its upstream
   is closed and its log row says cancelled / server_draining; the process then exits.
+- The WebSocket's stream ends the same way: a `reconnect` frame, then close code 1012.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import signal
+import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -166,6 +171,84 @@ def test_a_stream_open_at_the_drain_deadline_is_told_to_reconnect(
     text = text_of(events[:-1])
     assert text and "".join(tokens).startswith(text) and text != "".join(tokens)
     # The upstream was closed, not left to run on.
+    assert fake_workers_ai.requests[0].client_disconnected.wait(5)
+
+    server.process.wait(timeout=1 + 20)
+    assert server.process.returncode == 0, tail(server.log)
+    assert server.rows() == [("cancelled", "server_draining")]
+
+
+# -- the WebSocket, with a client small enough to read here (RFC 6455: text frames, close) -------
+
+
+class WebSocket:
+    def __init__(self, port: int, path: str) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.reader = self.sock.makefile("rb")
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Origin: http://127.0.0.1:{port}\r\n\r\n".encode()
+        )
+        status = self.reader.readline()
+        assert b" 101 " in status, status
+        while self.reader.readline() not in (b"\r\n", b""):
+            pass
+
+    def send_json(self, payload: object) -> None:
+        data, mask = json.dumps(payload).encode(), os.urandom(4)
+        assert len(data) < 126
+        masked = bytes(byte ^ mask[i % 4] for i, byte in enumerate(data))
+        self.sock.sendall(bytes([0x81, 0x80 | len(data)]) + mask + masked)
+
+    def receive(self) -> tuple[int, bytes]:
+        """(opcode, payload) of the next frame from the server (unmasked, unfragmented)."""
+        head = self.reader.read(2)
+        assert len(head) == 2, "the connection closed without a close frame"
+        length = head[1] & 0x7F
+        if length == 126:
+            (length,) = struct.unpack("!H", self.reader.read(2))
+        elif length == 127:
+            (length,) = struct.unpack("!Q", self.reader.read(8))
+        return head[0] & 0x0F, self.reader.read(length)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
+def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close_1012(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(200)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.1))
+    server = serve(1)
+    socket_ = WebSocket(int(server.url.rsplit(":", 1)[1]), "/ws/quotes/")
+    try:
+        socket_.send_json({"type": "start", **QUOTE})
+        frames: list[dict[str, object]] = []
+        while not any(frame["type"] == "token" for frame in frames):
+            opcode, payload = socket_.receive()
+            assert opcode == 0x1, (opcode, payload)
+            frames.append(json.loads(payload))
+        server.process.send_signal(signal.SIGTERM)
+        while True:
+            opcode, payload = socket_.receive()
+            if opcode == 0x8:  # close
+                close_code = struct.unpack("!H", payload[:2])[0]
+                break
+            frames.append(json.loads(payload))
+    finally:
+        socket_.close()
+
+    assert close_code == 1012  # service restart
+    meta = next(frame for frame in frames if frame["type"] == "meta")
+    last = frames[-1]
+    assert last["type"] == "reconnect", frames[-3:]
+    assert isinstance(last["retry_ms"], int)
+    assert str(last["last_event_id"]).startswith(f"{meta['id']}:")
+    assert not any(frame["type"] == "done" for frame in frames)
     assert fake_workers_ai.requests[0].client_disconnected.wait(5)
 
     server.process.wait(timeout=1 + 20)
