@@ -7,6 +7,8 @@ mid-stream.
 - A stream still open at the deadline ends with `event: reconnect` (no [DONE]), its upstream
   is closed and its log row says cancelled / server_draining; the process then exits.
 - The WebSocket's stream ends the same way: a `reconnect` frame, then close code 1012.
+- Behind nginx with the project's proxy rules, a draining process's refusals are retried on
+  the other process: no visitor sees them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pytest
 from tests.deployed import ROOT, environment, running_daphne
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.scaleout.services import free_port, tail
+from tests.scaleout.services import free_port, nginx, tail
 
 UNIT = "systemd/persona-quotes@.service"
 STREAM = "/api/quotes/stream"
@@ -54,9 +56,9 @@ def serve(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterator[Callable[[
     """Start the unit's daphne with a drain deadline of `drain_s` seconds (on a fresh SQLite
     file, answering from the fake Workers AI)."""
     started: list[Iterator[subprocess.Popen[bytes]]] = []
+    database = tmp_path / "db.sqlite3"
 
     def start(drain_s: float) -> Server:
-        database = tmp_path / "db.sqlite3"
         env = environment(
             DATABASE_URL=f"sqlite:///{database}",
             DJANGO_ALLOWED_HOSTS="127.0.0.1",
@@ -67,11 +69,12 @@ def serve(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterator[Callable[[
             QUOTES_CACHE_TTL="0",
             QUOTES_DRAIN_TIMEOUT_S=str(drain_s),
         )
-        subprocess.run(
-            [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-        )
+        if not database.exists():
+            subprocess.run(
+                [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+            )
         port = free_port()
-        log = tmp_path / "daphne.log"
+        log = tmp_path / f"daphne-{len(started)}.log"
         context = running_daphne(UNIT, port, env, log)
         process = context.__enter__()
         started.append(context)
@@ -254,3 +257,47 @@ def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close
     server.process.wait(timeout=1 + 20)
     assert server.process.returncode == 0, tail(server.log)
     assert server.rows() == [("cancelled", "server_draining")]
+
+
+def test_behind_nginx_new_streams_go_to_the_other_process_while_one_drains(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI, tmp_path: Path
+) -> None:
+    """The rolling restart's middle: process A drains (a stream still open on it), B serves.
+    nginx (deploy/nginx/persona-quotes-locations.conf) sends every new stream to B, even those
+    it first tried on A."""
+    tokens = [f" word{n}" for n in range(12)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.25))  # A's stream: 3 s
+    a, b = serve(20), serve(20)
+    proxy_port = free_port()
+    upstreams = " ".join(
+        f"server {s.url.removeprefix('http://')} max_fails=3 fail_timeout=10s;" for s in (a, b)
+    )
+    site = f"""
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    upstream persona_quotes {{ least_conn; {upstreams} keepalive 16; }}
+    server {{
+        listen 127.0.0.1:{proxy_port};
+        server_name 127.0.0.1;
+        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
+    }}
+"""
+    with (
+        nginx(tmp_path, site=site, port=proxy_port) as proxy,
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", a.url + STREAM, json=QUOTE) as stream,
+    ):
+        lines = stream.iter_lines()
+        head = [next(lines)]
+        a.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(a.url + "/healthz", timeout=5).status_code == 503, "A drains")
+        # nginx has no idea which process drains: with the two tied, it tries A about every
+        # other time.
+        answers = [client.post(proxy.url + STREAM, json={**QUOTE, "topic": f"n{n}"}) for n in range(4)]
+        rest = list(lines)
+
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert all(text_of(events_of(r.text.splitlines())) for r in answers)
+    assert text_of(events_of(head + rest)) == "".join(tokens)  # A's own stream ended whole
+    a.process.wait(timeout=30)
+    assert a.process.returncode == 0, tail(a.log)
+    assert b.process.poll() is None
