@@ -138,9 +138,8 @@ async def relay(
                 elif type(event) is Ping:
                     out = encoder.ping()
                     if out is not None:
-                        yield out
-                    event = await _next(events, watch)
-                    continue
+                        yield out  # a comment, no event: not counted
+                        out = None
                 elif type(event) is Usage:
                     out = encoder.usage(event)
                 elif type(event) is Meta:
@@ -161,7 +160,18 @@ async def relay(
                 if out is not None:
                     sent += 1
                     yield out
-                event = await _next(events, watch)
+                # _next(), inlined: this is once per token.
+                if watch.cut:
+                    break
+                watch.waiting = True
+                try:
+                    event = await anext(events, _ENDED)
+                except asyncio.CancelledError:
+                    if not _was_cut(watch):
+                        raise
+                    break
+                finally:
+                    watch.waiting = False
             # Cut by the drain: the generation is closed first (its upstream, its log row), then
             # the client hears where to go.
             await events.aclose()

@@ -22,9 +22,11 @@ import sqlite3
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -106,10 +108,10 @@ def events_of(lines: list[str]) -> list[dict[str, str]]:
     return events
 
 
-def text_of(events: list[dict[str, str]]) -> str:
-    return "".join(
-        json.loads(e["data"])["response"] for e in events if e["event"] == "message" and e["data"] != "[DONE]"
-    )
+def text_of(events: list[dict[str, str]], *, html: bool = False) -> str:
+    """The quote's text: from Workers AI's JSON events, or htmx's text fragments."""
+    messages = [e["data"] for e in events if e["event"] == "message" and e["data"] != "[DONE]"]
+    return "".join(messages if html else [json.loads(data)["response"] for data in messages])
 
 
 def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(
@@ -148,14 +150,27 @@ def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(
     assert sorted(server.rows()) == [("busy", "server_draining"), ("ok", "")]
 
 
+#: How each SSE client asks: the JSON API, EventSource (GET), the page's htmx.
+SSE_CLIENTS: dict[str, dict[str, Any]] = {
+    "api": {"method": "POST", "json": QUOTE},
+    "eventsource": {"method": "GET", "params": QUOTE, "headers": {"Accept": "text/event-stream"}},
+    "htmx": {"method": "POST", "json": QUOTE, "headers": {"HX-Request": "true"}},
+}
+
+
+@pytest.mark.parametrize("client_kind", list(SSE_CLIENTS))
 def test_a_stream_open_at_the_drain_deadline_is_told_to_reconnect(
-    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI, client_kind: str
 ) -> None:
     tokens = [f" word{n}" for n in range(200)]
     fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.1))  # 20 s, past the 1 s deadline
     server = serve(1)
+    ask = dict(SSE_CLIENTS[client_kind])
 
-    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + STREAM, json=QUOTE) as stream:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(ask.pop("method"), server.url + STREAM, **ask) as stream,
+    ):
         assert stream.status_code == 200
         quote_id = stream.headers["X-Quote-Id"]
         lines = stream.iter_lines()
@@ -170,8 +185,8 @@ def test_a_stream_open_at_the_drain_deadline_is_told_to_reconnect(
     reconnect = json.loads(last["data"])
     assert reconnect["retry_ms"] == int(last["retry"])
     assert reconnect["last_event_id"].startswith(f"{quote_id}:")
-    assert all(e["data"] != "[DONE]" for e in events)
-    text = text_of(events[:-1])
+    assert all(e["data"] != "[DONE]" and e["event"] != "done" for e in events)
+    text = text_of(events[:-1], html=client_kind == "htmx")
     assert text and "".join(tokens).startswith(text) and text != "".join(tokens)
     # The upstream was closed, not left to run on.
     assert fake_workers_ai.requests[0].client_disconnected.wait(5)
@@ -301,3 +316,31 @@ def test_behind_nginx_new_streams_go_to_the_other_process_while_one_drains(
     a.process.wait(timeout=30)
     assert a.process.returncode == 0, tail(a.log)
     assert b.process.poll() is None
+
+
+def test_a_stream_cut_before_its_first_token_is_refused_like_a_new_one(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """Nothing sent yet at the deadline (the model still thinking): a 503 server_draining with
+    Retry-After, as a refused stream gets, rather than a stream that says nothing."""
+    fake_workers_ai.script(Scenario(stall_before_s=20))
+    server = serve(1)
+
+    def terminate_once_upstream_asked() -> None:
+        fake_workers_ai.wait_for_requests(1, timeout_s=30)
+        server.process.send_signal(signal.SIGTERM)
+
+    signaller = threading.Thread(target=terminate_once_upstream_asked)
+    signaller.start()
+    try:
+        response = httpx.post(server.url + STREAM, json=QUOTE, timeout=30)
+    finally:
+        signaller.join()
+
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "server_draining"
+    assert int(response.headers["Retry-After"]) > 0
+    assert fake_workers_ai.requests[0].client_disconnected.wait(5)
+    server.process.wait(timeout=1 + 20)
+    assert server.process.returncode == 0, tail(server.log)
+    assert server.rows() == [("cancelled", "server_draining")]
