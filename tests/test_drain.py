@@ -242,7 +242,8 @@ def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close
     tokens = [f" word{n}" for n in range(200)]
     fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.1))
     server = serve(1)
-    socket_ = WebSocket(int(server.url.rsplit(":", 1)[1]), "/ws/quotes/")
+    port = int(server.url.rsplit(":", 1)[1])
+    socket_ = WebSocket(port, "/ws/quotes/")
     try:
         socket_.send_json({"type": "start", **QUOTE})
         frames: list[dict[str, object]] = []
@@ -251,6 +252,15 @@ def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close
             assert opcode == 0x1, (opcode, payload)
             frames.append(json.loads(payload))
         server.process.send_signal(signal.SIGTERM)
+        # Meanwhile, a start on another socket is refused, and that socket closed with 1012.
+        wait_for(lambda: httpx.get(server.url + "/healthz", timeout=5).status_code == 503, "draining")
+        late = WebSocket(port, "/ws/quotes/")
+        try:
+            late.send_json({"type": "start", **QUOTE})
+            refusal = late.receive()
+            refusal_close = late.receive()
+        finally:
+            late.close()
         while True:
             opcode, payload = socket_.receive()
             if opcode == 0x8:  # close
@@ -261,6 +271,8 @@ def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close
         socket_.close()
 
     assert close_code == 1012  # service restart
+    assert refusal[0] == 0x1 and json.loads(refusal[1])["code"] == "server_draining"
+    assert refusal_close[0] == 0x8 and struct.unpack("!H", refusal_close[1][:2])[0] == 1012
     meta = next(frame for frame in frames if frame["type"] == "meta")
     last = frames[-1]
     assert last["type"] == "reconnect", frames[-3:]
@@ -271,7 +283,7 @@ def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close
 
     server.process.wait(timeout=1 + 20)
     assert server.process.returncode == 0, tail(server.log)
-    assert server.rows() == [("cancelled", "server_draining")]
+    assert sorted(server.rows()) == [("busy", "server_draining"), ("cancelled", "server_draining")]
 
 
 def test_behind_nginx_new_streams_go_to_the_other_process_while_one_drains(
