@@ -68,13 +68,13 @@ async def _backend() -> Check:
         missing = [
             variable
             for variable, value in (
-                ("CLOUDFLARE_ACCOUNT_ID", settings.WORKERS_AI.get("account_id")),
-                ("CLOUDFLARE_API_TOKEN", settings.WORKERS_AI.get("api_token")),
+                ("CLOUDFLARE_ACCOUNT_ID", settings.WORKERS_AI.account_id),
+                ("CLOUDFLARE_API_TOKEN", settings.WORKERS_AI.api_token),
             )
             if not value
         ]
     elif name == "openai":
-        missing = [] if settings.OPENAI_COMPAT.get("base_url") else ["OPENAI_BASE_URL"]
+        missing = [] if settings.OPENAI_COMPAT.base_url else ["OPENAI_BASE_URL"]
     else:
         return {"status": "error", "backend": name, "detail": f"unknown backend {name!r}"}
     if missing:
