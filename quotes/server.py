@@ -32,7 +32,7 @@ from daphne.server import Server
 from daphne.ws_protocol import WebSocketProtocol
 from twisted.internet import reactor
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("quotes.server")  # run as __main__ (python -m)
 
 #: After the drain, for Twisted to write out the last bytes of the streams that just ended
 #: before the reactor's shutdown drops every connection.

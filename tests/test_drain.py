@@ -87,6 +87,26 @@ def serve(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterator[Callable[[
         context.__exit__(None, None, None)
 
 
+@pytest.fixture
+def serve_local(tmp_path: Path) -> Iterator[Server]:
+    """The unit's daphne on the embedded model (loaded at start-up), with no drain grace at all."""
+    database = tmp_path / "db.sqlite3"
+    env = environment(
+        DATABASE_URL=f"sqlite:///{database}",
+        DJANGO_ALLOWED_HOSTS="127.0.0.1",
+        AI_BACKEND="local",
+        LOCAL_MODEL_PRELOAD="true",
+        QUOTES_CACHE_TTL="0",
+        QUOTES_DRAIN_TIMEOUT_S="0",
+    )
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+    )
+    port, log = free_port(), tmp_path / "daphne.log"
+    with running_daphne(UNIT, port, env, log) as process:
+        yield Server(f"http://127.0.0.1:{port}", process, database, log)
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -355,4 +375,27 @@ def test_a_stream_cut_before_its_first_token_is_refused_like_a_new_one(
     assert fake_workers_ai.requests[0].client_disconnected.wait(5)
     server.process.wait(timeout=1 + 20)
     assert server.process.returncode == 0, tail(server.log)
+    assert server.rows() == [("cancelled", "server_draining")]
+
+
+def test_the_embedded_model_stops_cleanly_when_its_stream_is_cut(serve_local: Server) -> None:
+    """The local backend (llama.cpp in process): cut mid-quote by a drain with no grace at all,
+    the model's threads stop and the process exits cleanly, with its log row written."""
+    server = serve_local
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", server.url + STREAM, json=QUOTE) as stream,
+    ):
+        assert stream.status_code == 200, stream.read()
+        lines = stream.iter_lines()
+        head = [next(lines)]
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+
+    events = events_of(head + rest)
+    assert events[-1]["event"] == "reconnect", events[-3:]
+    server.process.wait(timeout=30)
+    output = server.log.read_text()
+    assert server.process.returncode == 0, tail(server.log)
+    assert "Traceback" not in output and '"level": "ERROR"' not in output, tail(server.log)
     assert server.rows() == [("cancelled", "server_draining")]
