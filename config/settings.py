@@ -387,6 +387,10 @@ QUOTES_GATEWAY = GatewaySettings(
     idle_timeout_s=_env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
     total_timeout_s=AI_HTTP.total_timeout_s,
     keepalive_s=_env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),
+    # On SIGTERM (a deploy), open streams may finish for this long; later ones are told to
+    # resume elsewhere. 20 s covers nearly every quote and stays under the stop timeouts of
+    # systemd (TimeoutStopSec=45 in deploy/systemd) and Kubernetes (30 s); docs/deployment.md.
+    drain_timeout_s=_env_or_error("QUOTES_DRAIN_TIMEOUT_S", float, 20.0),
 )
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
@@ -402,6 +406,7 @@ for _name, _key in (
     _positive(_name, getattr(QUOTES_GATEWAY, _key), low=0.001)
 _positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY.cache_ttl, low=0)
 _positive("QUOTES_RETRY_DELAY_MS", QUOTES_GATEWAY.retry_delay_ms, low=0)
+_positive("QUOTES_DRAIN_TIMEOUT_S", QUOTES_GATEWAY.drain_timeout_s, low=0)
 
 # --- Who the client is ----------------------------------------------------------------------
 

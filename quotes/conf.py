@@ -44,6 +44,8 @@ class GatewaySettings:
     idle_timeout_s: float
     total_timeout_s: float
     keepalive_s: float
+    #: on SIGTERM, how long open streams may run on before they are told to resume elsewhere
+    drain_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)
