@@ -48,6 +48,7 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     TOO_MANY_STREAMS = "too_many_streams"
     OVER_CAPACITY = "over_capacity"
+    SERVER_DRAINING = "server_draining"
     BUSY_SOCKET = "busy_socket"
     # How a generation ended early (on its log row, and to a client still reading it).
     STOPPED = "stopped"

@@ -53,15 +53,20 @@ class Client:
 
 ANONYMOUS = Client(key="local", ip_hash="")
 
+#: Refusals for this process's own state (its cap, its drain), not the client's: busy rows,
+#: counted in this process.
+_PROCESS_REFUSALS = frozenset({ErrorCode.OVER_CAPACITY, ErrorCode.SERVER_DRAINING})
+
 
 async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Error | None:
-    """The process is at its open-stream cap: the over-capacity Error, counted (process-local,
-    no round trip) against the persona if this process knows it; None otherwise. Meant to run
-    before anything else a stream request costs, so a refusal stays quick when it matters."""
+    """The process is at its open-stream cap, or draining: the over-capacity (or
+    server-draining) Error, counted (process-local, no round trip) against the persona if this
+    process knows it; None otherwise. Meant to run before anything else a stream request costs,
+    so a refusal stays quick when it matters."""
     options = settings.QUOTES_GATEWAY
-    if not admission.at_capacity(options):
+    error = admission.refusal(options)
+    if error is None:
         return None
-    error = admission.over_capacity()
     active = personas.peek(slug) if isinstance(slug, str) else None
     if active is None:
         return None  # unknown here: the full path looks it up (and refuses it all the same)
@@ -167,8 +172,8 @@ async def stream_generation(
                 code=admitted.code,
                 message=admitted.message,
                 window=options.rate_limit[1],
-                status=Generation.Status.BUSY if admitted.code is ErrorCode.OVER_CAPACITY else None,
-                local=admitted.code is ErrorCode.OVER_CAPACITY,  # this process's cap: counted here
+                status=Generation.Status.BUSY if admitted.code in _PROCESS_REFUSALS else None,
+                local=admitted.code in _PROCESS_REFUSALS,  # this process's state: counted here
             )
             yield admitted
             return
@@ -232,11 +237,21 @@ async def stream_generation(
         if cursor is not None:
             cursor.bind(run.public_id, listener, run)
         async with aclosing(listener.events()) as events:
-            async for event in events:
-                yield event
+            try:
+                async for event in events:
+                    yield event
+            except (asyncio.CancelledError, GeneratorExit):
+                if (cut := admission.drain.cut_error()) is not None:
+                    # The process is going away: no grace here (a resume goes to another
+                    # process), the generation ends now and its row is written before exit.
+                    run.fail(cut, status=Generation.Status.CANCELLED)
+                    if run.finishing is not None:
+                        await asyncio.shield(run.finishing)
+                raise
     except (asyncio.CancelledError, GeneratorExit):
         if run is None and not record.status:
             record.status = Generation.Status.CANCELLED
+            record.error = admission.drain.cut_error()  # server_draining when the drain cut it
         raise
     except Exception:
         logger.exception("generation failed for persona %s", persona.slug)
