@@ -27,7 +27,7 @@ from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
 from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
-from . import admission, answers
+from . import admission, answers, relay
 from .flights import Flight, flights
 from .log import Record, writer
 from .policy import Plan, first_token_budget
@@ -212,11 +212,20 @@ async def stream_generation(
             run.drive(answers.replay(cached, pacing=options.replay_pacing_ms / 1000))
         else:
             flight = flights.get(key) if use_cache else None
-            if flight is not None:
+            owner = None
+            if flight is None and use_cache and run.relay is not None:
+                # Across processes: one of them claims the upstream call, the others follow it.
+                owner = await relay.claim(key, run.public_id)
+                if owner is None:
+                    run.relay.claim = key
+            if flight is not None or owner is not None:
                 record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
                 run.hit = True
                 metrics.coalesced_listener()
-            else:
+            if owner is not None:
+                # The owner's events after its own opening Meta (this run has its own).
+                run.drive(relay.follow(owner, for_run=True, skip=1))
+            elif flight is None:
                 models = [primary.model, *persona.fallback_models, *options.fallback_models]
                 plan = Plan(
                     backend=backend,
@@ -232,7 +241,8 @@ async def stream_generation(
                     key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
                 )
                 flight.start(plan, _storer(key, ttl) if use_cache else None)
-            run.attach(flight)
+            if flight is not None:
+                run.attach(flight)
         listener = run.subscribe(0, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
         if cursor is not None:
             cursor.bind(run.public_id, listener, run)

@@ -1,0 +1,328 @@
+"""The relay: a live run's events in Redis, for the other processes (only when REDIS_URL is set).
+
+    owner process:  run -> Publisher -> XADD quotes:live:<public_id>   (+ heartbeat key)
+    other process:  follow() <- XREAD BLOCK quotes:live:<public_id>    (a resume, or a follower)
+
+While a run is live, its process publishes its events to one Redis Stream per run and keeps a
+heartbeat key (`quotes:owner:<public_id>`, HEARTBEAT_TTL_S, refreshed every HEARTBEAT_EVERY_S)
+saying that it still holds it. Publishing is batched by itself: one task per run sends what the
+run's log gained since the last send in one XADD (one pickled list of events, numbered from the
+index it starts at), so a follower sees a token one round trip after it came, and under load a
+round trip carries many tokens instead of costing one each.
+
+Another process reads a run it does not hold with `follow()`: what the stream has, then new
+entries as they come (XREAD BLOCK), until the terminal event. When the heartbeat key has expired
+and nothing more comes (the owner was killed), the reader ends with `generation_lost` (retryable)
+instead of waiting forever.
+
+Coalescing across processes: the first process to start an upstream call for an answer-cache key
+claims it (`SET quotes:flight:<key> <run id> NX`); an identical request elsewhere follows that
+run's events (`claim()` returns the owner's run id) instead of calling the upstream itself.
+
+Every call is bounded by REDIS_OPTIONS' timeouts; a Redis that fails costs the cross-process
+parts (logged), never the stream of the process that holds the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import time
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from ..errors import ErrorCode
+from ..events import Done, Error, Event, Ping
+
+if TYPE_CHECKING:
+    from .runs import Run
+
+logger = logging.getLogger(__name__)
+
+#: How long a dead owner's heartbeat outlives it: followers give up this long after a kill -9.
+HEARTBEAT_TTL_S = 3.0
+HEARTBEAT_EVERY_S = 1.0
+#: How long a run's stream stays in Redis after its last entry (a late resume reads the
+#: finished log from the cache; this covers the moment in between, and followers still reading).
+STREAM_TTL_S = 120
+#: An owner's claim on an answer key lasts at most this long without being released.
+CLAIM_TTL_S = 300
+#: The codes a run ends with for its own connections' sake, not the generation's: a follower on
+#: another process, which did not ask for that, is told the generation is lost instead.
+RUN_ENDINGS = frozenset({ErrorCode.STOPPED, ErrorCode.ABANDONED, ErrorCode.SERVER_DRAINING})
+
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+def generation_lost() -> Error:
+    return Error(
+        ErrorCode.GENERATION_LOST,
+        "The server writing this quote went away before it finished. Please ask again.",
+        503,
+        retry_after=1,
+    )
+
+
+def stream_key(public_id: str) -> str:
+    return f"quotes:live:{public_id}"
+
+
+def owner_key(public_id: str) -> str:
+    return f"quotes:owner:{public_id}"
+
+
+def claim_key(answer_key: str) -> str:
+    return f"quotes:flight:{answer_key}"
+
+
+def enabled() -> bool:
+    return bool(settings.REDIS_URL)
+
+
+# -- the client: one pool per process (per event loop) --------------------------------------------
+
+_client: tuple[asyncio.AbstractEventLoop, aioredis.Redis] | None = None
+
+
+def client() -> aioredis.Redis:
+    """This process's Redis client (one connection pool). Bound to the running loop: daphne has
+    one; a test run has one per test, and `close()` ends each."""
+    global _client
+    loop = asyncio.get_running_loop()
+    if _client is None or _client[0] is not loop:
+        forget()
+        options = settings.REDIS_OPTIONS
+        _client = (
+            loop,
+            aioredis.Redis.from_url(
+                settings.REDIS_URL,
+                socket_timeout=options["socket_timeout"],
+                socket_connect_timeout=options["socket_connect_timeout"],
+            ),
+        )
+    return _client[1]
+
+
+def block_ms() -> int:
+    """How long one XREAD waits: well within the socket timeout, so a quiet stream is no error."""
+    return max(1, min(1000, int(settings.REDIS_OPTIONS["socket_timeout"] * 500)))
+
+
+#: The publishers of this process still sending, so a drain can wait for their last entries.
+publishers: set[Publisher] = set()
+
+
+async def flush(timeout_s: float) -> None:
+    """Wait (up to `timeout_s`) until every run's last events are in Redis (before an exit)."""
+    tasks = [p.task for p in publishers if p.task is not None and not p.task.done()]
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
+
+
+def forget() -> None:
+    """Drop a client whose loop is gone (a finished test's), closing its sockets without it."""
+    global _client
+    if _client is None:
+        return
+    _, redis = _client
+    _client = None
+    pool = redis.connection_pool
+    for connection in [*pool._available_connections, *pool._in_use_connections]:
+        writer = connection._writer
+        connection._writer = connection._reader = None
+        if writer is not None:
+            # Its loop is closed (so StreamWriter.close() cannot run): close the socket itself.
+            sock = writer.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock._sock.close()
+
+
+async def close() -> None:
+    """Stop publishing and close the pool (the end of a test's loop)."""
+    global _client
+    for publisher in list(publishers):
+        if publisher.task is not None:
+            publisher.task.cancel()
+    publishers.clear()
+    if _client is not None:
+        loop, redis = _client
+        _client = None
+        if loop is asyncio.get_running_loop():
+            await redis.aclose()
+
+
+# -- the owner's side -------------------------------------------------------------------------------
+
+
+class Publisher:
+    """Sends a run's events to its stream, and keeps its heartbeat, until its terminal event is out."""
+
+    __slots__ = ("claim", "run", "sent", "task", "wake")
+
+    def __init__(self, run: Run) -> None:
+        from .flights import detached_task
+
+        self.run = run
+        self.sent = 0
+        #: the answer key this run claimed for its upstream call (released at its end)
+        self.claim = ""
+        self.wake = asyncio.Event()
+        publishers.add(self)
+        self.task: asyncio.Task[None] | None = detached_task(self._send())
+
+    async def _send(self) -> None:
+        run = self.run
+        redis = client()
+        stream, owner = stream_key(run.public_id), owner_key(run.public_id)
+        beat_due = 0.0
+        try:
+            while True:
+                with_timeout = not run.ended
+                if with_timeout:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), HEARTBEAT_EVERY_S)
+                self.wake.clear()
+                log = run.log
+                end = len(log)
+                ended = run.ended and end > 0
+                try:
+                    pipe = redis.pipeline(transaction=False)
+                    if end > self.sent:
+                        batch = [log.at(i) for i in range(self.sent, end)]
+                        pipe.xadd(stream, {"i": self.sent, "d": pickle.dumps(batch, protocol=5)})
+                        pipe.expire(stream, STREAM_TTL_S)
+                    now = time.monotonic()
+                    if ended:
+                        pipe.delete(owner)
+                        if self.claim:
+                            pipe.eval(_RELEASE, 1, claim_key(self.claim), run.public_id)
+                    elif now >= beat_due:
+                        pipe.set(owner, b"1", px=int(HEARTBEAT_TTL_S * 1000))
+                        beat_due = now + HEARTBEAT_EVERY_S
+                    await pipe.execute()
+                    self.sent = end
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    # Other processes miss this run for now; its own connections do not.
+                    logger.exception("could not publish a run's events to Redis")
+                    if ended:
+                        return
+                    await asyncio.sleep(HEARTBEAT_EVERY_S)
+                    continue
+                if ended:
+                    return
+        finally:
+            publishers.discard(self)
+
+    def poke(self) -> None:
+        self.wake.set()
+
+
+# -- the other processes' side --------------------------------------------------------------------
+
+
+async def claim(answer_key: str, public_id: str) -> str | None:
+    """Claim the upstream call for `answer_key` for run `public_id`: None when this process now
+    owns it (or Redis cannot say: then it calls the upstream itself), else the owner's run id."""
+    try:
+        redis = client()
+        if await redis.set(claim_key(answer_key), public_id, nx=True, ex=CLAIM_TTL_S):
+            return None
+        owner = await redis.get(claim_key(answer_key))
+    except Exception:
+        logger.exception("could not claim an upstream call in Redis")
+        return None
+    if owner is None:
+        return None  # released in between: the answer is cached now, or it failed; ask ourselves
+    owner_id = owner.decode() if isinstance(owner, bytes) else str(owner)
+    return None if owner_id == public_id else owner_id
+
+
+async def read(public_id: str) -> tuple[list[Event], str] | None:
+    """The events of run `public_id` that its stream holds now (all of them, from the first)
+    and the id of the last entry read; None when Redis has no such run."""
+    try:
+        entries: Any = await client().xrange(stream_key(public_id))
+    except Exception:
+        logger.exception("could not read a run from Redis")
+        return None
+    if not entries:
+        return None
+    events: list[Event] = []
+    for _, fields in entries:
+        events.extend(pickle.loads(fields[b"d"]))
+    return events, entries[-1][0].decode()
+
+
+async def follow(
+    public_id: str,
+    *,
+    last: str = "0-0",
+    keepalive_s: float | None = None,
+    for_run: bool = False,
+    skip: int = 0,
+) -> AsyncGenerator[Event, None]:
+    """The events of run `public_id` from its stream, after entry `last`, as they come, ending
+    with its terminal event; `generation_lost` when its owner is gone (heartbeat expired) before
+    that. Pings after `keepalive_s` of quiet when given. `for_run`: the events feed a run of our
+    own (a follower), so a run-level ending of the owner's (stopped, abandoned, drained) is a
+    lost generation for it. `skip`: how many events to leave out first (a follower leaves out
+    the owner's opening Meta: its run has its own)."""
+    redis = client()
+    stream, owner = stream_key(public_id), owner_key(public_id)
+    wait = block_ms()
+    quiet_since = time.monotonic()
+    while True:
+        try:
+            answer: Any = await redis.xread({stream: last}, block=wait, count=64)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("could not follow a run in Redis")
+            yield generation_lost()
+            return
+        if answer:
+            for entry_id, fields in answer[0][1]:
+                last = entry_id.decode()
+                for event in pickle.loads(fields[b"d"]):
+                    if skip:
+                        skip -= 1
+                        continue
+                    kind = type(event)
+                    if kind is Error and for_run and event.code in RUN_ENDINGS:
+                        yield generation_lost()
+                        return
+                    yield event
+                    if kind is Done or kind is Error:
+                        return
+            quiet_since = time.monotonic()
+            continue
+        try:
+            alive = await redis.exists(owner)
+            if not alive:
+                # One last look: the owner may have sent its end just before its key went.
+                answer = await redis.xread({stream: last}, count=64)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("could not follow a run in Redis")
+            alive, answer = 0, None
+        if not alive and not answer:
+            logger.warning("run %s lost: its process stopped publishing it", public_id)
+            yield generation_lost()
+            return
+        if not alive:
+            continue  # the end came: read it on the next turn
+        if keepalive_s is not None and time.monotonic() - quiet_since >= keepalive_s:
+            quiet_since = time.monotonic()
+            yield Ping()
