@@ -5,6 +5,9 @@ database, answering from the fake Workers AI on 127.0.0.1.
 - A client cut mid-stream on A resumes on B with `Last-Event-ID`: exactly the text of one
   uninterrupted stream, one upstream call, one log row (A's).
 - Two identical requests, one on A and one on B, make one upstream call.
+- A drained (SIGTERM) with a stream still open at its deadline: the client, told to reconnect,
+  resumes on B and gets a clean, retryable `generation_lost` (A closed the upstream: the
+  generation is not carried on elsewhere).
 - A killed (SIGKILL) mid-stream: B's follower and a resume on B end with `generation_lost`,
   never hang, and the follower has its row.
 
@@ -77,6 +80,7 @@ def pair(
             QUOTES_CACHE_TTL=str(cache_ttl),
             QUOTES_RESUME_GRACE_S="10",
             QUOTES_MAX_ATTEMPTS="1",
+            QUOTES_DRAIN_TIMEOUT_S="1",
         )
         import redis
 
@@ -193,3 +197,32 @@ def test_relay_a_killed_owner_ends_its_followers_with_generation_lost(
     # B's follower has its row (A's own was never written: A was killed).
     wait_for(lambda: len(servers.rows()) == 1, "the follower's row")
     assert [(status, code) for _, status, code, _ in servers.rows()] == [("error", "generation_lost")]
+
+
+def test_relay_a_stream_cut_by_a_drain_resumes_on_the_other_process_to_a_clean_end(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05))  # 20 s: past A's 1 s drain
+    servers = pair(0)
+
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", servers.a.url + STREAM, json=QUOTE) as stream:
+            lines = stream.iter_lines()
+            head = lines_until_tokens(lines, 3)
+            servers.a.process.send_signal(signal.SIGTERM)
+            head += list(lines)  # A cuts it at its deadline
+        reconnect = events_of(head)[-1]
+        assert reconnect["event"] == "reconnect", head[-6:]
+        last_id = json.loads(reconnect["data"])["last_event_id"]
+        servers.a.process.wait(20)
+        resumed = client.post(servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id})
+
+    assert resumed.status_code == 200, resumed.text
+    events = events_of(resumed.text.splitlines())
+    assert not text_of(events[:-1])  # A had sent everything it had: nothing twice
+    assert events[-1]["event"] == "error"
+    error = json.loads(events[-1]["data"])["error"]
+    assert error["code"] == "generation_lost", error
+    assert len(fake_workers_ai.requests) == 1
+    assert [(status, code) for _, status, code, _ in servers.rows()] == [("cancelled", "server_draining")]
