@@ -78,15 +78,43 @@ def environment(**overrides: str) -> dict[str, str]:
     return env
 
 
+#: The unit the production layout runs N of behind nginx (docs/deployment.md).
+INSTANCE_UNIT = "systemd/persona-quotes@.service"
+
+
+def start_daphne(
+    port: int, env: dict[str, str], log: Path, *, source: str = INSTANCE_UNIT
+) -> subprocess.Popen[bytes]:
+    """daphne as deploy/`source` starts it (`python -m quotes.server ...`, draining on SIGTERM),
+    on 127.0.0.1:`port`, its output appended to `log`. The scale-out check and the benchmarks
+    start their processes here, so they run what the deploy files run."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            daphne_command(source, port), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def wait_until_healthy(
+    url: str, process: subprocess.Popen[bytes], log: Path, *, timeout_s: float = 60.0
+) -> None:
+    """Until `url`/healthz answers 200 (what deploy/rolling-restart waits for); RuntimeError
+    with the log's tail if the process exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"daphne {url} did not become healthy:\n{tail(log)}")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def running_daphne(
     source: str, port: int, env: dict[str, str], log: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
     """daphne started from deploy/`source`, once it answers HTTP (any status)."""
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            daphne_command(source, port), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+    process = start_daphne(port, env, log, source=source)
     try:
         deadline = time.monotonic() + 60
         while True:
