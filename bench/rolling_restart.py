@@ -15,8 +15,7 @@ client checks that it arrived whole, in order, once.
 Each of the N clients loops: POST /api/quotes/stream (a topic of its own, so nothing coalesces or
 comes from the cache), read the SSE body to `data: [DONE]`, compare the text, next quote. Mid-run
 the restart runs exactly like deploy/rolling-restart: SIGTERM to process 1, wait for it to exit
-(the drain), start it again, wait until its /healthz answers 200, wait NGINX_FAIL_TIMEOUT + 1 s
-(until nginx takes it back; `--settle`), then the same for process 2.
+(the drain), start it again, wait until its /healthz answers 200, then the same for process 2.
 
 Per quote, one outcome:
 
@@ -59,31 +58,13 @@ from typing import Any
 from bench.common import ARTIFACTS, PERSONA, PYTHON, ROOT, machine, percentile, table
 from bench.load import StampingUpstream, numbered_text, raise_fd_limit
 from bench.scaleout_load import StampingUpstreamStub, count_rows, production_env, truncate
-from tests.deployed import start_daphne, wait_until_healthy
+from tests.deployed import deploy_upstream, start_daphne, wait_until_healthy
 from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process, tail
 
-DEPLOY_SITE = ROOT / "deploy" / "nginx" / "persona-quotes.conf"
-ROLLING_RESTART = ROOT / "deploy" / "rolling-restart"
 LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
 STREAM_PATH = "/api/quotes/stream"
 
 # -- the layout ---------------------------------------------------------------------------------------
-
-
-def deploy_upstream(addresses: list[str]) -> str:
-    """deploy/nginx/persona-quotes.conf's `upstream persona_quotes` block, its servers pointed at
-    `addresses` with the parameters the deploy file gives its own (max_fails, fail_timeout): what
-    nginx does with a draining or restarting process is what the deploy file makes it do."""
-    text = DEPLOY_SITE.read_text()
-    block = re.search(r"upstream persona_quotes \{(.*?)\n\}", text, re.S)
-    assert block is not None, "no upstream block in " + str(DEPLOY_SITE)
-    lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
-    directives = [line for line in lines if line]
-    servers = [line for line in directives if line.startswith("server ")]
-    params = servers[0].removesuffix(";").split()[2:] if servers else []
-    others = [line for line in directives if not line.startswith("server ")]
-    body = [f"server {address} {' '.join(params)};".replace(" ;", ";") for address in addresses]
-    return "upstream persona_quotes {\n" + "\n".join(f"        {x}" for x in [*others, *body]) + "\n    }"
 
 
 def nginx_site(port: int, addresses: list[str], access_log: Path) -> str:
@@ -94,7 +75,7 @@ def nginx_site(port: int, addresses: list[str], access_log: Path) -> str:
         ''      close;
     }}
     log_format attempts '$request_method $uri $status "$upstream_addr" "$upstream_status" '
-                        '"$upstream_bytes_received" $request_time';
+                        '"$upstream_bytes_received" $request_time $msec';
     {deploy_upstream(addresses)}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
@@ -318,21 +299,12 @@ def _headers(head: bytes) -> dict[str, str]:
 # -- the rolling restart ------------------------------------------------------------------------------
 
 
-def deployed_settle_s() -> float:
-    """deploy/rolling-restart's pause between two instances: NGINX_FAIL_TIMEOUT + 1 s."""
-    match = re.search(r"NGINX_FAIL_TIMEOUT=\$\{NGINX_FAIL_TIMEOUT:-(\d+)\}", ROLLING_RESTART.read_text())
-    return float(match.group(1)) + 1 if match else 0.0
-
-
 async def rolling_restart(
-    processes: list[Process], env: dict[str, str], t0: float, healthy_within_s: float, settle_s: float
+    processes: list[Process], env: dict[str, str], t0: float, healthy_within_s: float
 ) -> None:
     """deploy/rolling-restart, one process after the other: SIGTERM (systemctl restart), wait for
-    the exit (the drain), start again, wait until /healthz answers 200, then `settle_s` (until
-    nginx takes it back) before the next."""
-    for number, process in enumerate(processes):
-        if number:
-            await asyncio.sleep(settle_s)
+    the exit (the drain), start again, wait until /healthz answers 200."""
+    for process in processes:
         process.sigterm_at = time.monotonic() - t0
         print(f"{process.sigterm_at:6.1f} s  daphne {process.index}: SIGTERM", flush=True)
         process.popen.send_signal(signal.SIGTERM)
@@ -364,14 +336,18 @@ async def drive(
 ) -> tuple[Client, float]:
     host, port = proxy_url.removeprefix("http://").split(":")
     t0 = time.monotonic()
+    print(f"   0.0 s  = {time.time():.3f} (epoch, as nginx's $msec)", flush=True)
     client = Client(host, int(port), tokens, args.tokens_per_second, t0)
     tasks = []
+    # Spread over one quote's length by default: the clients then end and begin quotes all the
+    # time, not in waves, so a restart meets streams at every stage.
+    ramp_per_second = args.ramp_per_second or args.streams / args.quote_seconds
     for index in range(args.streams):
-        await asyncio.sleep(max(0.0, index / args.ramp_per_second - client.now()))
+        await asyncio.sleep(max(0.0, index / ramp_per_second - client.now()))
         tasks.append(asyncio.create_task(client.run_client(index)))
     print(f"{client.now():6.1f} s  {args.streams} clients streaming", flush=True)
     await asyncio.sleep(args.restart_after)
-    await rolling_restart(processes, env, t0, args.healthy_within, args.settle)
+    await rolling_restart(processes, env, t0, args.healthy_within)
     await asyncio.sleep(args.after)
     client.stop.set()  # each client ends its current quote, then stops
     print(f"{client.now():6.1f} s  clients finishing their current quote", flush=True)
@@ -385,7 +361,7 @@ async def drive(
 def nginx_attempts(access_log: Path) -> dict[str, Any]:
     """Every attempt nginx made on a daphne for a stream request: answered by the daphne (a
     status and bytes received: it has a log row) or not (refused connection, reset)."""
-    line_re = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\S+)$')
+    line_re = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\S+) (\S+)$')
     answered: Counter[str] = Counter()
     unanswered: Counter[str] = Counter()
     client_statuses: Counter[str] = Counter()
@@ -452,13 +428,16 @@ def report(
     answered = sum(attempts["answered_by_daphne"].values())
     rows_total = sum(rows.values())
     durations = sorted(q.ended - q.started for q in quotes if q.outcome in ("whole", "resumed"))
+    restart_from, restart_to = processes[0].sigterm_at, processes[-1].healthy_at
+    during = [q for q in quotes if q.started < restart_to and q.ended > restart_from]
     return {
         "streams": args.streams,
         "tokens_per_quote": tokens,
         "tokens_per_second": args.tokens_per_second,
         "drain_timeout_s": args.drain_timeout,
-        "settle_s": args.settle,
         "quotes": len(quotes),
+        "quotes_during_restart": len(during),
+        "whole_during_restart": sum(1 for q in during if q.outcome == "whole"),
         "whole": outcomes["whole"],
         "resumed": outcomes["resumed"],
         "resume_failed": outcomes["resume failed"],
@@ -500,8 +479,8 @@ def print_report(r: dict[str, Any]) -> None:
         table(
             [
                 "streams",
-                "quotes",
-                "whole",
+                "quotes (during the restart)",
+                "whole (during)",
                 "resumed",
                 "resume failed",
                 "lost",
@@ -514,8 +493,8 @@ def print_report(r: dict[str, Any]) -> None:
             [
                 [
                     r["streams"],
-                    r["quotes"],
-                    r["whole"],
+                    f"{r['quotes']} ({r['quotes_during_restart']})",
+                    f"{r['whole']} ({r['whole_during_restart']})",
                     r["resumed"],
                     r["resume_failed"],
                     r["lost"],
@@ -580,17 +559,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=20.0, help="QUOTES_DRAIN_TIMEOUT_S (deployed: 20)"
     )
-    parser.add_argument("--ramp-per-second", type=float, default=100, help="clients started per second")
+    parser.add_argument(
+        "--ramp-per-second",
+        type=float,
+        default=0,
+        help="clients started per second (default: all within one quote's length)",
+    )
     parser.add_argument("--restart-after", type=float, default=10, help="seconds of load before the restart")
     parser.add_argument("--after", type=float, default=10, help="seconds of load after the restart")
     parser.add_argument("--healthy-within", type=float, default=120, help="as deploy/rolling-restart")
-    parser.add_argument(
-        "--settle",
-        type=float,
-        default=deployed_settle_s(),
-        help="seconds between one process's /healthz 200 and the next one's SIGTERM (default: "
-        "deploy/rolling-restart's, NGINX_FAIL_TIMEOUT + 1)",
-    )
     parser.add_argument(
         "--env",
         action="append",
@@ -634,7 +611,6 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"{args.streams} streams of {tokens} tokens at {args.tokens_per_second:g} tokens/s "
                     f"({args.quote_seconds:g} s each), QUOTES_DRAIN_TIMEOUT_S={args.drain_timeout:g}, "
-                    f"{args.settle:g} s between the restarts; "
                     f"load average {load_before[0]:.2f}",
                     flush=True,
                 )
@@ -646,6 +622,15 @@ def main(argv: list[str] | None = None) -> None:
                     rows = count_rows(pg.url, expected=sum(attempts["answered_by_daphne"].values()))
                     busy_rows = refusal_rows(pg.url)
                     nginx_errors = tail(nginx_dir / "nginx" / "error.log", 15)
+                    # For a post-mortem: what nginx did and what the daphnes said.
+                    kept = ARTIFACTS / "rolling-restart"
+                    kept.mkdir(parents=True, exist_ok=True)
+                    for source in [
+                        access_log,
+                        nginx_dir / "nginx" / "error.log",
+                        *(p.log for p in processes),
+                    ]:
+                        (kept / source.name).write_bytes(source.read_bytes())
             finally:
                 for process in processes:
                     stop_process(process.popen)

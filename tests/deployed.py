@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -127,3 +128,20 @@ def running_daphne(
         yield process
     finally:
         stop_process(process)
+
+
+def deploy_upstream(addresses: list[str]) -> str:
+    """deploy/nginx/persona-quotes.conf's `upstream persona_quotes` block (balancing, keep-alive),
+    its servers pointed at `addresses` (host:port) with the parameters the deploy file gives its
+    own (max_fails): what nginx does with a draining or restarting process is what the deploy
+    file makes it do."""
+    text = (ROOT / "deploy" / "nginx" / "persona-quotes.conf").read_text()
+    block = re.search(r"upstream persona_quotes \{(.*?)\n\}", text, re.S)
+    assert block is not None, "no upstream block in deploy/nginx/persona-quotes.conf"
+    lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    directives = [line for line in lines if line]
+    servers = [line for line in directives if line.startswith("server ")]
+    params = servers[0].removesuffix(";").split()[2:] if servers else []
+    others = [line for line in directives if not line.startswith("server ")]
+    body = [f"server {address} {' '.join(params)};".replace(" ;", ";") for address in addresses]
+    return "upstream persona_quotes {\n" + "\n".join(f"        {x}" for x in [*others, *body]) + "\n    }"

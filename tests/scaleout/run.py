@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from tests.deployed import start_daphne, wait_until_healthy
+from tests.deployed import deploy_upstream, start_daphne, wait_until_healthy
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 from .services import Nginx, ServiceError, free_port, nginx, postgres, redis, stop_process, tail
@@ -142,9 +142,6 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
 
 
 def nginx_site(port: int, upstreams: list[Daphne], metrics_ports: list[int]) -> str:
-    servers = "\n".join(
-        f"        server {d.url.removeprefix('http://')} max_fails=3 fail_timeout=10s;" for d in upstreams
-    )
     # One port per process for Prometheus, as deploy/nginx/persona-quotes.conf sets them up.
     metrics = "".join(
         f"""
@@ -161,11 +158,7 @@ def nginx_site(port: int, upstreams: list[Daphne], metrics_ports: list[int]) -> 
         default upgrade;
         ''      close;
     }}
-    upstream persona_quotes {{
-        least_conn;
-{servers}
-        keepalive 16;
-    }}
+    {deploy_upstream([d.url.removeprefix("http://") for d in upstreams])}
     server {{
         listen 127.0.0.1:{port};
         server_name 127.0.0.1;
