@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.deployed import ROOT, environment, running_daphne
+from tests.deployed import ROOT, deploy_upstream, environment, running_daphne
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 from tests.scaleout.services import free_port, nginx, tail
@@ -316,12 +316,9 @@ def test_behind_nginx_new_streams_go_to_the_other_process_while_one_drains(
     fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.25))  # A's stream: 3 s
     a, b = serve(20), serve(20)
     proxy_port = free_port()
-    upstreams = " ".join(
-        f"server {s.url.removeprefix('http://')} max_fails=3 fail_timeout=10s;" for s in (a, b)
-    )
     site = f"""
     map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
-    upstream persona_quotes {{ least_conn; {upstreams} keepalive 16; }}
+    {deploy_upstream([s.url.removeprefix("http://") for s in (a, b)])}
     server {{
         listen 127.0.0.1:{proxy_port};
         server_name 127.0.0.1;
