@@ -185,6 +185,41 @@ def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(
     assert sorted(server.rows()) == [("busy", "server_draining"), ("ok", "")]
 
 
+def test_every_refusal_of_a_draining_process_is_counted_up_to_its_exit(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A draining process refuses new streams until the moment it stops, and a refusal's count
+    reaches its row a second later (quotes.ai.refusals): the last second's refusals were lost
+    when the process exited. Here a client keeps asking until the port closes."""
+    fake_workers_ai.script(Scenario(tokens=[f" w{n}" for n in range(6)], token_delay_s=0.25))
+    server = serve(20)
+    refused = 0
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + STREAM, json=QUOTE) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        next(lines)
+        server.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(server.url + "/healthz", timeout=5).status_code == 503, "draining")
+        reader = threading.Thread(target=lambda: list(lines))
+        reader.start()
+        with httpx.Client(timeout=5) as asker:
+            while True:
+                try:
+                    answer = asker.post(server.url + STREAM, json=QUOTE)
+                except httpx.TransportError:
+                    break  # the process has stopped
+                assert answer.status_code == 503, answer.text
+                refused += 1
+        reader.join(timeout=30)
+
+    server.process.wait(timeout=30)
+    assert server.process.returncode == 0, tail(server.log)
+    with sqlite3.connect(server.database) as db:
+        [(counted,)] = db.execute("SELECT SUM(request_count) FROM quotes_generation WHERE status = 'busy'")
+    assert refused > 10  # the client kept asking through the drain
+    assert counted == refused
+
+
 #: How each SSE client asks: the JSON API, EventSource (GET), the page's htmx.
 SSE_CLIENTS: dict[str, dict[str, Any]] = {
     "api": {"method": "POST", "json": QUOTE},
