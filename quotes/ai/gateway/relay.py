@@ -50,6 +50,8 @@ HEARTBEAT_EVERY_S = 1.0
 #: How long a run's stream stays in Redis after its last entry (a late resume reads the
 #: finished log from the cache; this covers the moment in between, and followers still reading).
 STREAM_TTL_S = 120
+#: A live run's stream lasts at most this long (reset to STREAM_TTL_S at its end).
+LIVE_TTL_S = 3600
 #: An owner's claim on an answer key lasts at most this long without being released.
 CLAIM_TTL_S = 300
 #: The codes a run ends with for its own connections' sake, not the generation's: a follower on
@@ -199,7 +201,10 @@ class Publisher:
                     if end > self.sent:
                         batch = [log.at(i) for i in range(self.sent, end)]
                         pipe.xadd(stream, {"i": self.sent, "d": pickle.dumps(batch, protocol=5)})
-                        pipe.expire(stream, STREAM_TTL_S)
+                        if not self.sent or ended:
+                            # Set once live (a bound for a run whose process dies), once ended:
+                            # not per batch, which would double the commands per token.
+                            pipe.expire(stream, STREAM_TTL_S if ended else LIVE_TTL_S)
                     now = time.monotonic()
                     if ended:
                         pipe.delete(owner)
