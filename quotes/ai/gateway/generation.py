@@ -31,7 +31,7 @@ from . import admission, answers, relay
 from .flights import Flight, flights
 from .log import Record, writer
 from .policy import Plan, first_token_budget
-from .runs import Cursor, Run
+from .runs import ABANDONED, Cursor, Run
 
 logger = logging.getLogger(__name__)
 
@@ -212,20 +212,11 @@ async def stream_generation(
             run.drive(answers.replay(cached, pacing=options.replay_pacing_ms / 1000))
         else:
             flight = flights.get(key) if use_cache else None
-            owner = None
-            if flight is None and use_cache and run.relay is not None:
-                # Across processes: one of them claims the upstream call, the others follow it.
-                owner = await relay.claim(key, run.public_id)
-                if owner is None:
-                    run.relay.claim = key
-            if flight is not None or owner is not None:
+            if flight is not None:
                 record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
                 run.hit = True
                 metrics.coalesced_listener()
-            if owner is not None:
-                # The owner's events after its own opening Meta (this run has its own).
-                run.drive(relay.follow(owner, for_run=True, skip=1))
-            elif flight is None:
+            else:
                 models = [primary.model, *persona.fallback_models, *options.fallback_models]
                 plan = Plan(
                     backend=backend,
@@ -240,9 +231,32 @@ async def stream_generation(
                 flight = Flight(
                     key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
                 )
-                flight.start(plan, _storer(key, ttl) if use_cache else None)
-            if flight is not None:
-                run.attach(flight)
+                owner = None
+                if use_cache and run.relay is not None:
+                    # Across processes: one of them claims the upstream call, the others follow
+                    # its owner's run. Registered first, so that identical requests of this
+                    # process join this flight while Redis is asked, whatever it answers.
+                    flight.register()
+                    try:
+                        owner = await relay.claim(key, run.public_id)
+                    except BaseException:
+                        if flight.runs:  # requests joined meanwhile: they get their answer
+                            flight.start(plan, _storer(key, ttl))
+                        else:
+                            flight.unregister()
+                        run.fail(ABANDONED, status=Generation.Status.CANCELLED)
+                        raise
+                    if owner is None:
+                        run.relay.claim = key
+                if owner is None:
+                    flight.start(plan, _storer(key, ttl) if use_cache else None)
+                else:
+                    record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
+                    run.hit = True
+                    metrics.coalesced_listener()
+                    # The owner's events after its own opening Meta (this run has its own).
+                    flight.follow(relay.follow(owner, for_run=True, skip=1), plan, _storer(key, ttl))
+            run.attach(flight)
         listener = run.subscribe(0, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
         if cursor is not None:
             cursor.bind(run.public_id, listener, run)

@@ -64,6 +64,11 @@ return 0
 """
 
 
+class OwnerGone(Exception):
+    """The run a follower followed ended for its own connections' sake (stopped, abandoned,
+    drained), or its process stopped publishing it: the follower decides what to do."""
+
+
 def generation_lost() -> Error:
     return Error(
         ErrorCode.GENERATION_LOST,
@@ -279,9 +284,9 @@ async def follow(
 ) -> AsyncGenerator[Event, None]:
     """The events of run `public_id` from its stream, after entry `last`, as they come, ending
     with its terminal event; `generation_lost` when its owner is gone (heartbeat expired) before
-    that. Pings after `keepalive_s` of quiet when given. `for_run`: the events feed a run of our
-    own (a follower), so a run-level ending of the owner's (stopped, abandoned, drained) is a
-    lost generation for it. `skip`: how many events to leave out first (a follower leaves out
+    that. Pings after `keepalive_s` of quiet when given. `for_run`: the events feed a flight of
+    our own (a follower), which is told by OwnerGone when the owner's run ends for its own
+    connections' sake (stopped, abandoned, drained) or is lost, instead of an event. `skip`: how many events to leave out first (a follower leaves out
     the owner's opening Meta: its run has its own)."""
     redis = client()
     stream, owner = stream_key(public_id), owner_key(public_id)
@@ -294,6 +299,8 @@ async def follow(
             raise
         except Exception:
             logger.exception("could not follow a run in Redis")
+            if for_run:
+                raise OwnerGone("redis") from None
             yield generation_lost()
             return
         if answer:
@@ -305,8 +312,7 @@ async def follow(
                         continue
                     kind = type(event)
                     if kind is Error and for_run and event.code in RUN_ENDINGS:
-                        yield generation_lost()
-                        return
+                        raise OwnerGone(event.code)
                     yield event
                     if kind is Done or kind is Error:
                         return
@@ -324,6 +330,8 @@ async def follow(
             alive, answer = 0, None
         if not alive and not answer:
             logger.warning("run %s lost: its process stopped publishing it", public_id)
+            if for_run:
+                raise OwnerGone("heartbeat")
             yield generation_lost()
             return
         if not alive:
