@@ -7,9 +7,9 @@ database, answering from the fake Workers AI on 127.0.0.1.
 - Two identical requests, one on A and one on B, make one upstream call.
 - A drained (SIGTERM) with a stream still open at its deadline: the client, told to reconnect,
   resumes on B and gets a clean, retryable `generation_lost` (A closed the upstream: the
-  generation is not carried on elsewhere).
+  generation is not carried on elsewhere), and B logs that resume.
 - A killed (SIGKILL) mid-stream: B's follower and a resume on B end with `generation_lost`,
-  never hang, and the follower has its row.
+  never hang, and each has its row.
 
 Each needs Redis (the `redis_server` fixture, a real redis-server: never skipped).
 """
@@ -194,9 +194,9 @@ def test_relay_a_killed_owner_ends_its_followers_with_generation_lost(
         assert last["event"] == "error", lines[-6:]
         assert json.loads(last["data"])["error"]["code"] == "generation_lost", last
     assert text_of(events_of(follower_head + follower_rest)[:-1])  # what came before, kept
-    # B's follower has its row (A's own was never written: A was killed).
-    wait_for(lambda: len(servers.rows()) == 1, "the follower's row")
-    assert [(status, code) for _, status, code, _ in servers.rows()] == [("error", "generation_lost")]
+    # B's follower and B's resume have their rows (A's own was never written: A was killed).
+    wait_for(lambda: len(servers.rows()) == 2, "the follower's and the resume's rows")
+    assert [(status, code) for _, status, code, _ in servers.rows()] == [("error", "generation_lost")] * 2
 
 
 def test_relay_a_stream_cut_by_a_drain_resumes_on_the_other_process_to_a_clean_end(
@@ -225,4 +225,9 @@ def test_relay_a_stream_cut_by_a_drain_resumes_on_the_other_process_to_a_clean_e
     error = json.loads(events[-1]["data"])["error"]
     assert error["code"] == "generation_lost", error
     assert len(fake_workers_ai.requests) == 1
-    assert [(status, code) for _, status, code, _ in servers.rows()] == [("cancelled", "server_draining")]
+    # A's row for the generation, B's for the resume it could not carry on.
+    wait_for(lambda: len(servers.rows()) == 2, "the resume's row")
+    assert [(status, code) for _, status, code, _ in servers.rows()] == [
+        ("cancelled", "server_draining"),
+        ("error", "generation_lost"),
+    ]

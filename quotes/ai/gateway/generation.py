@@ -199,6 +199,16 @@ async def stream_generation(
             ttl=options.resume_ttl_s,
         )
         ticket = None
+        if run.relay is not None:
+            run.facts = {
+                "persona_id": persona.pk,
+                "persona_version_id": version.pk if version else None,
+                "backend": backend.name,
+                "model": record.model,
+                "topic": topic,
+                "client_hash": client.ip_hash,
+                "is_preview": preview,
+            }
         run.feed(
             Meta(
                 model=record.model,

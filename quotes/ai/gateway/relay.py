@@ -205,7 +205,10 @@ class Publisher:
                     pipe = redis.pipeline(transaction=False)
                     if end > self.sent:
                         batch = [log.at(i) for i in range(self.sent, end)]
-                        pipe.xadd(stream, {"i": self.sent, "d": pickle.dumps(batch, protocol=5)})
+                        fields = {"i": self.sent, "d": pickle.dumps(batch, protocol=5)}
+                        if not self.sent:
+                            fields["r"] = pickle.dumps(run.facts, protocol=5)
+                        pipe.xadd(stream, fields)  # type: ignore[arg-type]
                         if not self.sent or ended:
                             # Set once live (a bound for a run whose process dies), once ended:
                             # not per batch, which would double the commands per token.
@@ -258,9 +261,10 @@ async def claim(answer_key: str, public_id: str) -> str | None:
     return None if owner_id == public_id else owner_id
 
 
-async def read(public_id: str) -> tuple[list[Event], str] | None:
-    """The events of run `public_id` that its stream holds now (all of them, from the first)
-    and the id of the last entry read; None when Redis has no such run."""
+async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None:
+    """The events of run `public_id` that its stream holds now (all of them, from the first),
+    the id of the last entry read and the run's facts (Run.facts); None when Redis has no such
+    run."""
     try:
         entries: Any = await client().xrange(stream_key(public_id))
     except Exception:
@@ -271,7 +275,8 @@ async def read(public_id: str) -> tuple[list[Event], str] | None:
     events: list[Event] = []
     for _, fields in entries:
         events.extend(pickle.loads(fields[b"d"]))
-    return events, entries[-1][0].decode()
+    facts = entries[0][1].get(b"r")
+    return events, entries[-1][0].decode(), pickle.loads(facts) if facts else {}
 
 
 async def follow(

@@ -47,7 +47,7 @@ from ..limits import run_on_cache
 from . import relay
 from .admission import Ticket
 from .flights import Flight, detached_task
-from .log import Record
+from .log import Record, writer
 from .policy import timeout_error
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class Run:
         "client_key",
         "closing",
         "ended",
+        "facts",
         "finishing",
         "first_token_s",
         "flight",
@@ -186,6 +187,9 @@ class Run:
         #: the terminal event is in the log
         self.ended = False
         self.finishing: asyncio.Task[None] | None = None
+        #: what another process needs to log a resume of this run of its own (relay.py): the
+        #: persona, backend, topic..., as Generation fields
+        self.facts: dict[str, object] = {}
         self._grace: asyncio.TimerHandle | None = None
         #: sends the events to Redis for the other processes (only with REDIS_URL)
         self.relay = relay.Publisher(self) if relay.enabled() else None
@@ -492,23 +496,36 @@ class Replayer:
 
 class RemoteReader:
     """A generation live (or just ended) in another process: what Redis holds of it from
-    `index` on, then the live rest (relay.follow) until its terminal event."""
+    `index` on, then the live rest (relay.follow) until its terminal event. A resume that ends
+    with `generation_lost` (the owner died, or drained it) writes a row of its own first: the
+    attempt is logged, and the owner may never write the generation's."""
 
-    __slots__ = ("index", "keepalive_s", "last", "log", "public_id")
+    __slots__ = ("facts", "index", "keepalive_s", "last", "log", "public_id")
 
-    def __init__(self, public_id: str, log: EventLog, last: str, index: int, *, keepalive_s: float) -> None:
+    def __init__(
+        self,
+        public_id: str,
+        log: EventLog,
+        last: str,
+        index: int,
+        *,
+        keepalive_s: float,
+        facts: dict[str, object],
+    ) -> None:
         self.public_id = public_id
         self.log = log
         self.last = last
         self.index = index
         self.keepalive_s = keepalive_s
+        self.facts = facts
 
     async def events(self) -> AsyncGenerator[Event, None]:
         log = self.log
         while self.index < len(log):
-            event = log.at(self.index)
+            event = _elsewhere(log.at(self.index))
             self.index += 1
-            yield _elsewhere(event)
+            await self._log_if_lost(event)
+            yield event
             if type(event) is Done or type(event) is Error:
                 return
         if len(log) and type(log.at(len(log) - 1)) in (Done, Error):
@@ -516,7 +533,26 @@ class RemoteReader:
         async for event in relay.follow(self.public_id, last=self.last, keepalive_s=self.keepalive_s):
             if type(event) is not Ping:
                 self.index += 1
-            yield _elsewhere(event)
+            event = _elsewhere(event)
+            await self._log_if_lost(event)
+            yield event
+
+    async def _log_if_lost(self, event: Event) -> None:
+        if type(event) is not Error or event.code is not ErrorCode.GENERATION_LOST or not self.facts:
+            return
+        row = Generation(
+            **self.facts,
+            status=Generation.Status.ERROR,
+            error_code=event.code,
+            error_message=f"{event.message} (a resume of {self.public_id})",
+            text=self.log.text,
+        )
+        try:
+            await writer.write(row)
+        except asyncio.CancelledError:
+            raise  # the row is queued: it is written all the same
+        except Exception:
+            logger.exception("could not write the log row of a resume")
 
 
 def parse_event_id(value: object) -> tuple[str, int] | None:
@@ -547,13 +583,19 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
         listener = run.subscribe(after, keepalive_s=keepalive_s, idle_s=idle_s)
         cursor.bind(public_id, listener, run)
         return Resumed(run.log.meta_until(after), listener.events(), cursor)
+    if relay.enabled():
+        # Redis first: it has the run live in another process, or just ended (with what a
+        # resume needs to log itself if the run was lost).
+        elsewhere = await _resume_elsewhere(public_id, after, keepalive_s=keepalive_s)
+        if elsewhere is not None:
+            return elsewhere
     try:
         stored = await run_on_cache(cache.get, finished_key(public_id))
     except Exception:
         logger.exception("could not read a finished generation for resuming")
         return None
     if not isinstance(stored, tuple) or len(stored) != 2 or not isinstance(stored[1], EventLog):
-        return await _resume_elsewhere(public_id, after, keepalive_s=keepalive_s)
+        return None
     log: EventLog = stored[1]
     if after > len(log):
         return None
@@ -563,18 +605,16 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
 
 
 async def _resume_elsewhere(public_id: str, after: int, *, keepalive_s: float) -> Resumed | None:
-    if not relay.enabled():
-        return None
     found = await relay.read(public_id)
     if found is None:
         return None
-    events, last = found
+    events, last, facts = found
     if after > len(events):
         return None
     log = EventLog()
     for event in events:
         log.append(event)
-    reader = RemoteReader(public_id, log, last, after, keepalive_s=keepalive_s)
+    reader = RemoteReader(public_id, log, last, after, keepalive_s=keepalive_s, facts=facts)
     cursor = Cursor()
     cursor.resumed = True
     cursor.bind(public_id, reader, None)
