@@ -19,7 +19,9 @@ Coalescing across processes: the first process to start an upstream call for an 
 claims it (`SET quotes:flight:<key> <run id> NX`); an identical request elsewhere follows that
 run's events (`claim()` returns the owner's run id) instead of calling the upstream itself.
 
-Every call is bounded by REDIS_OPTIONS' timeouts; a Redis that fails costs the cross-process
+Two connection pools per process: a small one that short calls wait on (publishing, claims),
+one for blocking reads (a follower holds a connection while it waits). Every call is bounded by
+REDIS_OPTIONS' timeouts; a Redis that fails costs the cross-process
 parts (logged), never the stream of the process that holds the run.
 """
 
@@ -96,26 +98,49 @@ def enabled() -> bool:
 
 # -- the client: one pool per process (per event loop) --------------------------------------------
 
-_client: tuple[asyncio.AbstractEventLoop, aioredis.Redis] | None = None
+#: Short calls (publishing, claims, reads) share a few connections, waiting for a free one
+#: (within the socket timeout) rather than failing when every run publishes at once.
+SHORT_CONNECTIONS = 32
+#: A follower's XREAD BLOCK holds a connection while it waits: one each, from a pool of their own
+#: so that they never starve the publishers.
+BLOCKING_CONNECTIONS = 10_000
+
+_clients: tuple[asyncio.AbstractEventLoop, aioredis.Redis, aioredis.Redis] | None = None
+
+
+def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
+    """This process's two Redis clients (short calls, blocking reads). Bound to the running
+    loop: daphne has one; a test run has one per test, and `close()` ends each."""
+    global _clients
+    loop = asyncio.get_running_loop()
+    if _clients is None or _clients[0] is not loop:
+        forget()
+        options = settings.REDIS_OPTIONS
+        timeouts = {
+            "socket_timeout": options["socket_timeout"],
+            "socket_connect_timeout": options["socket_connect_timeout"],
+        }
+        short = aioredis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL,
+            max_connections=SHORT_CONNECTIONS,
+            timeout=options["socket_timeout"],
+            **timeouts,
+        )
+        blocking = aioredis.ConnectionPool.from_url(
+            settings.REDIS_URL, max_connections=BLOCKING_CONNECTIONS, **timeouts
+        )
+        _clients = (loop, aioredis.Redis.from_pool(short), aioredis.Redis.from_pool(blocking))
+    return _clients[1], _clients[2]
 
 
 def client() -> aioredis.Redis:
-    """This process's Redis client (one connection pool). Bound to the running loop: daphne has
-    one; a test run has one per test, and `close()` ends each."""
-    global _client
-    loop = asyncio.get_running_loop()
-    if _client is None or _client[0] is not loop:
-        forget()
-        options = settings.REDIS_OPTIONS
-        _client = (
-            loop,
-            aioredis.Redis.from_url(
-                settings.REDIS_URL,
-                socket_timeout=options["socket_timeout"],
-                socket_connect_timeout=options["socket_connect_timeout"],
-            ),
-        )
-    return _client[1]
+    """For short calls."""
+    return _pools()[0]
+
+
+def reader() -> aioredis.Redis:
+    """For blocking reads (XREAD BLOCK)."""
+    return _pools()[1]
 
 
 def block_ms() -> int:
@@ -135,36 +160,38 @@ async def flush(timeout_s: float) -> None:
 
 
 def forget() -> None:
-    """Drop a client whose loop is gone (a finished test's), closing its sockets without it."""
-    global _client
-    if _client is None:
+    """Drop clients whose loop is gone (a finished test's), closing their sockets without it."""
+    global _clients
+    if _clients is None:
         return
-    _, redis = _client
-    _client = None
-    pool = redis.connection_pool
-    for connection in [*pool._available_connections, *pool._in_use_connections]:
-        writer = connection._writer
-        connection._writer = connection._reader = None
-        if writer is not None:
-            # Its loop is closed (so StreamWriter.close() cannot run): close the socket itself.
-            sock = writer.transport.get_extra_info("socket")
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock._sock.close()
+    _, *redis_clients = _clients
+    _clients = None
+    for redis in redis_clients:
+        pool = redis.connection_pool
+        for connection in [*pool._available_connections, *pool._in_use_connections]:
+            writer = connection._writer
+            connection._writer = connection._reader = None
+            if writer is not None:
+                # Its loop is closed (so StreamWriter.close() cannot run): close the socket itself.
+                sock = writer.transport.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock._sock.close()
 
 
 async def close() -> None:
-    """Stop publishing and close the pool (the end of a test's loop)."""
-    global _client
+    """Stop publishing and close the pools (the end of a test's loop)."""
+    global _clients
     for publisher in list(publishers):
         if publisher.task is not None:
             publisher.task.cancel()
     publishers.clear()
-    if _client is not None:
-        loop, redis = _client
-        _client = None
+    if _clients is not None:
+        loop, *redis_clients = _clients
+        _clients = None
         if loop is asyncio.get_running_loop():
-            await redis.aclose()
+            for redis in redis_clients:
+                await redis.aclose()
 
 
 # -- the owner's side -------------------------------------------------------------------------------
@@ -293,7 +320,7 @@ async def follow(
     our own (a follower), which is told by OwnerGone when the owner's run ends for its own
     connections' sake (stopped, abandoned, drained) or is lost, instead of an event. `skip`: how many events to leave out first (a follower leaves out
     the owner's opening Meta: its run has its own)."""
-    redis = client()
+    redis = reader()
     stream, owner = stream_key(public_id), owner_key(public_id)
     wait = block_ms()
     quiet_since = time.monotonic()
