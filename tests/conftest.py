@@ -82,8 +82,7 @@ def _no_relay_left() -> Iterator[None]:
     yield
     from quotes.ai.gateway import relay
 
-    relay.publishers.clear()
-    relay.forget()
+    relay.reset()
 
 
 @pytest.fixture

@@ -154,9 +154,8 @@ publishers: set[Publisher] = set()
 
 async def flush(timeout_s: float) -> None:
     """Wait (up to `timeout_s`) until every run's last events are in Redis (before an exit)."""
-    tasks = [p.task for p in publishers if p.task is not None and not p.task.done()]
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout_s)
+    if _sender is not None and not _sender.done():
+        await asyncio.wait([_sender], timeout=timeout_s)  # it stops once every run is out
 
 
 def forget() -> None:
@@ -179,13 +178,25 @@ def forget() -> None:
                         sock._sock.close()
 
 
+def reset() -> None:
+    """Forget everything of a loop that is gone (a finished test's): its runs, its sender, its
+    clients."""
+    global _sender
+    _sender = None
+    _dirty.clear()
+    publishers.clear()
+    forget()
+
+
 async def close() -> None:
     """Stop publishing and close the pools (the end of a test's loop)."""
     global _clients
-    for publisher in list(publishers):
-        if publisher.task is not None:
-            publisher.task.cancel()
+    global _sender
+    if _sender is not None:
+        _sender.cancel()
+        _sender = None
     publishers.clear()
+    _dirty.clear()
     if _clients is not None:
         loop, *redis_clients = _clients
         _clients = None
@@ -198,74 +209,121 @@ async def close() -> None:
 
 
 class Publisher:
-    """Sends a run's events to its stream, and keeps its heartbeat, until its terminal event is out."""
+    """A run's place in this process's one sender: what of its log is in Redis (`sent`), its
+    heartbeat, the answer key it claimed. `poke()` (a run's event, synchronous) marks it."""
 
-    __slots__ = ("claim", "run", "sent", "task", "wake")
+    __slots__ = ("beat_due", "claim", "run", "sent")
 
     def __init__(self, run: Run) -> None:
-        from .flights import detached_task
-
         self.run = run
         self.sent = 0
+        self.beat_due = 0.0
         #: the answer key this run claimed for its upstream call (released at its end)
         self.claim = ""
-        self.wake = asyncio.Event()
         publishers.add(self)
-        self.task: asyncio.Task[None] | None = detached_task(self._send())
-
-    async def _send(self) -> None:
-        run = self.run
-        redis = client()
-        stream, owner = stream_key(run.public_id), owner_key(run.public_id)
-        beat_due = 0.0
-        try:
-            while True:
-                with_timeout = not run.ended
-                if with_timeout:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), HEARTBEAT_EVERY_S)
-                self.wake.clear()
-                log = run.log
-                end = len(log)
-                ended = run.ended and end > 0
-                try:
-                    pipe = redis.pipeline(transaction=False)
-                    if end > self.sent:
-                        batch = [log.at(i) for i in range(self.sent, end)]
-                        fields = {"i": self.sent, "d": pickle.dumps(batch, protocol=5)}
-                        if not self.sent:
-                            fields["r"] = pickle.dumps(run.facts, protocol=5)
-                        pipe.xadd(stream, fields)  # type: ignore[arg-type]
-                        if not self.sent or ended:
-                            # Set once live (a bound for a run whose process dies), once ended:
-                            # not per batch, which would double the commands per token.
-                            pipe.expire(stream, STREAM_TTL_S if ended else LIVE_TTL_S)
-                    now = time.monotonic()
-                    if ended:
-                        pipe.delete(owner)
-                        if self.claim:
-                            pipe.eval(_RELEASE, 1, claim_key(self.claim), run.public_id)
-                    elif now >= beat_due:
-                        pipe.set(owner, b"1", px=int(HEARTBEAT_TTL_S * 1000))
-                        beat_due = now + HEARTBEAT_EVERY_S
-                    await pipe.execute()
-                    self.sent = end
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    # Other processes miss this run for now; its own connections do not.
-                    logger.exception("could not publish a run's events to Redis")
-                    if ended:
-                        return
-                    await asyncio.sleep(HEARTBEAT_EVERY_S)
-                    continue
-                if ended:
-                    return
-        finally:
-            publishers.discard(self)
+        self.poke()
 
     def poke(self) -> None:
-        self.wake.set()
+        _dirty.add(self)
+        _wake_sender()
+
+    def stage(self, pipe: Any, now: float) -> tuple[int, bool]:
+        """Queue this run's commands on `pipe`: its new events, its heartbeat when due, and at
+        its end the stream's expiry, the heartbeat's removal and the claim's release. Returns
+        the log length sent, and whether that is the end."""
+        run = self.run
+        log = run.log
+        end = len(log)
+        ended = run.ended and end > 0
+        stream = stream_key(run.public_id)
+        if end > self.sent:
+            fields = {
+                "i": self.sent,
+                "d": pickle.dumps([log.at(i) for i in range(self.sent, end)], protocol=5),
+            }
+            if not self.sent:
+                fields["r"] = pickle.dumps(run.facts, protocol=5)
+            pipe.xadd(stream, fields)
+            if not self.sent or ended:
+                # Set once live (a bound for a run whose process dies), once ended: not per
+                # batch, which would double the commands per token.
+                pipe.expire(stream, STREAM_TTL_S if ended else LIVE_TTL_S)
+        if ended:
+            pipe.delete(owner_key(run.public_id))
+            if self.claim:
+                pipe.eval(_RELEASE, 1, claim_key(self.claim), run.public_id)
+        elif now >= self.beat_due:
+            pipe.set(owner_key(run.public_id), b"1", px=int(HEARTBEAT_TTL_S * 1000))
+            self.beat_due = now + HEARTBEAT_EVERY_S
+        return end, ended
+
+
+#: Publishers with something to send (new events, or their end).
+_dirty: set[Publisher] = set()
+_wake: asyncio.Event | None = None
+_sender: asyncio.Task[None] | None = None
+
+
+def _wake_sender() -> None:
+    global _wake, _sender
+    if _sender is None or _sender.done():
+        from .flights import detached_task
+
+        _wake = asyncio.Event()
+        _sender = detached_task(_send())
+    assert _wake is not None
+    _wake.set()
+
+
+async def _send() -> None:
+    """This process's one sender: every run's pending events, heartbeats and ends in one
+    pipeline per round trip, so that under load a round trip carries many runs' tokens (and
+    a drain's hundreds of ends), on one connection."""
+    assert _wake is not None
+    wake = _wake
+    while publishers:
+        if not _dirty:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), HEARTBEAT_EVERY_S)
+        wake.clear()
+        now = time.monotonic()
+        due = {p for p in publishers if now >= p.beat_due}
+        batch = list(_dirty | due)
+        _dirty.clear()
+        if not batch:
+            continue
+        pipe = client().pipeline(transaction=False)
+        staged = []
+        for publisher in batch:
+            before = len(pipe)
+            end, ended = publisher.stage(pipe, now)
+            staged.append((publisher, end, ended, before, len(pipe)))
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Other processes miss these runs for now; their own connections do not.
+            logger.exception("could not publish runs' events to Redis")
+            for publisher, _, ended, _, _ in staged:
+                if ended:
+                    publishers.discard(publisher)  # given up: its resumers will hear it is lost
+                else:
+                    _dirty.add(publisher)
+            await asyncio.sleep(HEARTBEAT_EVERY_S)
+            continue
+        for publisher, end, ended, first, last in staged:
+            if any(isinstance(result, Exception) for result in results[first:last]):
+                logger.warning("could not publish run %s's events to Redis", publisher.run.public_id)
+                if ended:
+                    publishers.discard(publisher)
+                else:
+                    _dirty.add(publisher)
+                    publisher.beat_due = 0.0
+                continue
+            publisher.sent = end
+            if ended:
+                publishers.discard(publisher)
 
 
 # -- the other processes' side --------------------------------------------------------------------
@@ -288,6 +346,13 @@ async def claim(answer_key: str, public_id: str) -> str | None:
     return None if owner_id == public_id else owner_id
 
 
+def _new(fields: dict[bytes, bytes], seen: int) -> list[Event]:
+    """The events of a stream entry that come after the first `seen` of the run (an entry sent
+    again after a failed reply would repeat some: a client must never get a token twice)."""
+    batch: list[Event] = pickle.loads(fields[b"d"])
+    return batch[max(0, seen - int(fields[b"i"])) :]
+
+
 async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None:
     """The events of run `public_id` that its stream holds now (all of them, from the first),
     the id of the last entry read and the run's facts (Run.facts); None when Redis has no such
@@ -301,7 +366,7 @@ async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None
         return None
     events: list[Event] = []
     for _, fields in entries:
-        events.extend(pickle.loads(fields[b"d"]))
+        events.extend(_new(fields, len(events)))
     facts = entries[0][1].get(b"r")
     return events, entries[-1][0].decode(), pickle.loads(facts) if facts else {}
 
@@ -313,13 +378,15 @@ async def follow(
     keepalive_s: float | None = None,
     for_run: bool = False,
     skip: int = 0,
+    seen: int = 0,
 ) -> AsyncGenerator[Event, None]:
     """The events of run `public_id` from its stream, after entry `last`, as they come, ending
     with its terminal event; `generation_lost` when its owner is gone (heartbeat expired) before
     that. Pings after `keepalive_s` of quiet when given. `for_run`: the events feed a flight of
     our own (a follower), which is told by OwnerGone when the owner's run ends for its own
     connections' sake (stopped, abandoned, drained) or is lost, instead of an event. `skip`: how many events to leave out first (a follower leaves out
-    the owner's opening Meta: its run has its own)."""
+    the owner's opening Meta: its run has its own). `seen`: how many events the entries up to
+    `last` hold."""
     redis = reader()
     stream, owner = stream_key(public_id), owner_key(public_id)
     wait = block_ms()
@@ -338,12 +405,14 @@ async def follow(
         if answer:
             for entry_id, fields in answer[0][1]:
                 last = entry_id.decode()
-                for event in pickle.loads(fields[b"d"]):
+                batch = _new(fields, seen)
+                seen += len(batch)
+                for event in batch:
                     if skip:
                         skip -= 1
                         continue
                     kind = type(event)
-                    if kind is Error and for_run and event.code in RUN_ENDINGS:
+                    if isinstance(event, Error) and for_run and event.code in RUN_ENDINGS:
                         raise OwnerGone(event.code)
                     yield event
                     if kind is Done or kind is Error:

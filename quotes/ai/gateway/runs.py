@@ -530,7 +530,9 @@ class RemoteReader:
                 return
         if len(log) and type(log.at(len(log) - 1)) in (Done, Error):
             return  # resumed at the last event: nothing more to say
-        async for event in relay.follow(self.public_id, last=self.last, keepalive_s=self.keepalive_s):
+        async for event in relay.follow(
+            self.public_id, last=self.last, keepalive_s=self.keepalive_s, seen=len(log)
+        ):
             if type(event) is not Ping:
                 self.index += 1
             event = _elsewhere(event)
