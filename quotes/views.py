@@ -203,6 +203,8 @@ async def _resume(last_event_id: str, encoder: Encoder[bytes]) -> HttpResponseBa
     resumed = await resume(
         parsed[0], parsed[1], keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
     )
+    if isinstance(resumed, Error):
+        return error_response(resumed)  # a draining process: 503, nginx asks another one
     if resumed is None:
         raise QuoteError(
             ErrorCode.RESUME_UNAVAILABLE,

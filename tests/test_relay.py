@@ -231,3 +231,29 @@ def test_relay_a_stream_cut_by_a_drain_resumes_on_the_other_process_to_a_clean_e
         ("cancelled", "server_draining"),
         ("error", "generation_lost"),
     ]
+
+
+def test_relay_a_draining_process_refuses_to_resume_a_run_it_does_not_hold(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A resume that lands on a draining process (nginx picks either) is refused like a new
+    stream when the run is elsewhere: served, it could outlive the drain's cut."""
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(*[Scenario(tokens=tokens, token_delay_s=0.05)] * 2)  # 20 s each
+    servers = pair(0)
+
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", servers.b.url + STREAM, json=QUOTE) as on_b,
+        client.stream("POST", servers.a.url + STREAM, json={**QUOTE, "topic": "a"}) as on_a,
+    ):
+        head = lines_until_tokens(on_b.iter_lines(), 3)
+        lines_until_tokens(on_a.iter_lines(), 1)  # A has a stream open: it drains for 1 s
+        servers.a.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(servers.a.url + "/healthz", timeout=5).status_code == 503, "A drains")
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+        refused = client.post(servers.a.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id})
+
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "server_draining"
+    assert refused.headers["Retry-After"] == "1"

@@ -45,7 +45,7 @@ from ..errors import ErrorCode
 from ..events import Done, Error, Event, Meta, Ping, Token, Usage
 from ..limits import run_on_cache
 from . import relay
-from .admission import Ticket
+from .admission import Ticket, drain, server_draining
 from .flights import Flight, detached_task
 from .log import Record, writer
 from .policy import timeout_error
@@ -573,11 +573,13 @@ class Resumed:
     cursor: Cursor
 
 
-async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: float) -> Resumed | None:
+async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: float) -> Resumed | Error | None:
     """The events of generation `public_id` after the `after`-th, then the live rest: from the
     run in this process, else from its finished events in the cache, else (with REDIS_URL) from
     its events in Redis, live in another process; None when none has it (unknown, expired, or
-    `after` beyond what it sent)."""
+    `after` beyond what it sent). A draining process serves only the runs it holds: any other
+    resume is refused like a new stream (the server_draining Error; nginx asks another process),
+    for it could outlive the drain's cut and be closed at exit without a word."""
     cursor = Cursor()
     cursor.resumed = True
     run = runs.get(public_id)
@@ -585,6 +587,8 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
         listener = run.subscribe(after, keepalive_s=keepalive_s, idle_s=idle_s)
         cursor.bind(public_id, listener, run)
         return Resumed(run.log.meta_until(after), listener.events(), cursor)
+    if drain.draining:
+        return server_draining()
     if relay.enabled():
         # Redis first: it has the run live in another process, or just ended (with what a
         # resume needs to log itself if the run was lost).
