@@ -257,3 +257,6 @@ def test_relay_a_draining_process_refuses_to_resume_a_run_it_does_not_hold(
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["code"] == "server_draining"
     assert refused.headers["Retry-After"] == "1"
+    servers.a.process.wait(20)
+    # Counted like a refused new stream.
+    assert ("busy", "server_draining") in [(status, code) for _, status, code, _ in servers.rows()]
