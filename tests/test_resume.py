@@ -24,6 +24,7 @@ from quotes.ai.gateway.runs import EventLog
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, parse_sse, request
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.test_htmx import htmx_form_post
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -212,6 +213,26 @@ async def test_resume_unknown_or_malformed_ids_are_refused(persona: Persona, fak
     [error] = parse_sse(htmx.body)
     assert error["event"] == "error" and json.loads(error["data"])["code"] == "resume_unavailable"
     assert fake.requests == []  # none of them started a generation
+
+
+async def test_resume_the_page_form_by_its_last_event_id_field(persona: Persona, fake: FakeWorkersAI) -> None:
+    fake.script(Scenario(tokens=TOKENS))
+    whole = await htmx_form_post({"persona": persona.slug})
+    blocks = whole.body.decode().split("\n\n")[:-1]
+    fragments = [b for b in blocks if "\nevent: " not in b]  # unnamed messages: the text
+    cut = LAST_ID.findall(fragments[9].encode())[0].decode()  # as if the page had seen 10
+
+    resumed = await htmx_form_post({"persona": persona.slug, "last_event_id": cut})
+
+    def text(body: str) -> str:
+        return "".join(e["data"] for e in parse_sse(body.encode()) if e["event"] == "message")
+
+    assert resumed.status == 200
+    assert text("\n\n".join(fragments[:10]) + "\n\n") + text(resumed.body.decode()) == text(
+        whole.body.decode()
+    )
+    assert parse_sse(resumed.body)[-1]["event"] == "done"
+    assert len(fake.requests) == 1
 
 
 # -- gone, and stopped ------------------------------------------------------------------------------
