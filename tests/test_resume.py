@@ -193,6 +193,24 @@ async def test_resume_after_the_end_from_the_finished_events(persona: Persona, f
     assert len(fake.requests) == 1
 
 
+async def test_resume_after_the_end_from_redis(persona: Persona, fake: FakeWorkersAI, redis_cache: Any) -> None:
+    """With Redis as the cache, a finished generation's log is kept there (so any process could
+    serve a late resume), with its TTL."""
+    _, received, generation_id = await cut(fake)
+    await row_of(generation_id)
+    for _ in range(100):
+        if generation_id not in runs_module.runs:
+            break
+        await asyncio.sleep(0.02)
+    [key] = [k for k in redis_cache.scan_iter(match=f"*quotes:run:{generation_id}")]
+    assert 0 < redis_cache.ttl(key) <= 300
+
+    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}")
+
+    assert text_of(received) + text_of(resumed.body) == TEXT
+    assert len(fake.requests) == 1
+
+
 async def test_resume_unknown_or_malformed_ids_are_refused(persona: Persona, fake: FakeWorkersAI) -> None:
     unknown = await request(
         "POST",
