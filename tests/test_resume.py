@@ -193,7 +193,9 @@ async def test_resume_after_the_end_from_the_finished_events(persona: Persona, f
     assert len(fake.requests) == 1
 
 
-async def test_resume_after_the_end_from_redis(persona: Persona, fake: FakeWorkersAI, redis_cache: Any) -> None:
+async def test_resume_after_the_end_from_redis(
+    persona: Persona, fake: FakeWorkersAI, redis_cache: Any
+) -> None:
     """With Redis as the cache, a finished generation's log is kept there (so any process could
     serve a late resume), with its TTL."""
     _, received, generation_id = await cut(fake)
