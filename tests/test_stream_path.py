@@ -149,6 +149,95 @@ async def test_open_stream_cap_for_htmx_is_a_503_error_event(
     await held.disconnect()
 
 
+async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_middleware(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """At the cap most requests are refusals: StreamAdmissionMiddleware answers them early in
+    the chain. The answer is the view's (503, Retry-After, the JSON envelope, the refusal counted
+    in its row), but none of the later middleware left a mark on it: no session touched (no
+    `Vary: Cookie`, no cookie set), no Content-Security-Policy, no X-Frame-Options. The
+    middleware before it still did their part (the request id, nosniff)."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
+    held = stream("held")
+    await first_token(held)
+
+    refusals = [stream(f"refused {i}") for i in range(3)]
+    responses = [await s.start() for s in refusals]
+    bodies = [json.loads((await s.read_all()).body) for s in refusals]
+
+    for response, body in zip(responses, bodies, strict=True):
+        assert response.status == 503 and int(response.headers["retry-after"]) > 0
+        assert response.headers["content-type"] == "application/json"
+        assert body["error"]["code"] == "over_capacity" and body["error"]["message"]
+        assert "cookie" not in response.headers.get("vary", "").lower().split(", ")
+        assert "hx-request" in response.headers["vary"].lower()
+        assert "set-cookie" not in response.headers
+        assert "content-security-policy" not in response.headers
+        assert "x-frame-options" not in response.headers
+        assert response.headers["x-request-id"] and response.headers["x-content-type-options"] == "nosniff"
+    assert len(fake.requests) == 1
+    await held.disconnect()
+    rows = await wait_for_rows(2)
+    # Counted like any refusal: one row for the client's window, its count copied within a second.
+    [refusal] = [row for row in rows if row.error_code == "over_capacity"]
+    assert refusal.status == Generation.Status.BUSY
+    for _ in range(100):
+        await refusal.arefresh_from_db()
+        if refusal.request_count == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert refusal.request_count == 3
+
+
+async def test_open_stream_cap_refuses_a_request_with_a_session_in_the_view(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """A request with a session cookie may be a user's, whose refusal is counted under their
+    key: it goes through the whole chain and the view refuses it, with every header."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
+    held = stream("held")
+    await first_token(held)
+
+    refused = stream("with a session", headers={"cookie": f"{settings.SESSION_COOKIE_NAME}=not-a-session"})
+    response = await refused.start()
+    body = json.loads((await refused.read_all()).body)
+
+    assert response.status == 503 and int(response.headers["retry-after"]) > 0
+    assert body["error"]["code"] == "over_capacity"
+    assert response.headers["x-frame-options"] == "DENY"  # the whole chain ran
+    await held.disconnect()
+
+
+async def test_stream_responses_carry_no_csp_but_pages_do(persona: Persona, fake: FakeWorkersAI) -> None:
+    """No browser renders a stream (or its JSON error) as a page, so it gets no policy (and the
+    policy is not built for it); the pages keep theirs."""
+    fake.default = Scenario(tokens=["tick"] * 3)
+    ok = stream("a stream")
+    response = await first_token(ok)
+    await ok.read_all()
+    unknown = AsgiStream(
+        "POST",
+        URL,
+        body=b'{"persona": "nobody"}',
+        headers={"content-type": "application/json"},
+    )
+    error = await unknown.start()
+    await unknown.read_all()
+    page = AsgiStream("GET", f"/personas/{persona.slug}/")
+    page_response = await page.start()
+    await page.read_all()
+
+    assert "content-security-policy" not in response.headers
+    assert error.status == 404 and "content-security-policy" not in error.headers
+    assert page_response.status == 200
+    assert "frame-ancestors 'none'" in page_response.headers["content-security-policy"]
+    # The stream keeps the other security headers.
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert response.headers["x-frame-options"] == "DENY"
+
+
 # -- threads --------------------------------------------------------------------------------------
 
 
