@@ -169,7 +169,11 @@ def worker() -> None:
                     await job()
                     profiler.stop()
                     path = ARTIFACTS / f"request-cost-{name}.txt"
-                    path.write_text(profiler.output_text(unicode=False, show_all=False))
+                    path.write_text(
+                        profiler.output_text(
+                            unicode=False, show_all=os.environ.get("BENCH_PROFILE_ALL") == "1"
+                        )
+                    )
                     result[f"{name}_profile"] = str(path.relative_to(ROOT))
             return result
 
