@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import SyncToAsync, ThreadSensitiveContext
+from django.conf import settings
 from django.core import signals
 from django.core.handlers.asgi import ASGIHandler as DjangoASGIHandler
 from django.db import close_old_connections, reset_queries
@@ -69,10 +70,15 @@ class RequestThreadPool:
                 self.give_back(waiter.result())  # handed over as this request was cancelled
             raise
 
-    def give_back(self, executor: ThreadPoolExecutor) -> None:
+    def give_back(self, executor: ThreadPoolExecutor, *, finished: bool = False) -> None:
+        """`finished`: the request's last call on the thread was Django's `response.close()`, so
+        request_finished (close_old_connections) has just run there."""
         # On that thread, after whatever the request left queued there and before anything the
         # next request runs there: the connection hygiene of request_finished and request_started.
-        executor.submit(_connection_hygiene)
+        if not finished:
+            executor.submit(_connection_hygiene)
+        elif settings.DEBUG:
+            executor.submit(reset_queries)
         while self._waiting:
             waiter = self._waiting.popleft()
             if not waiter.done():
@@ -111,14 +117,14 @@ class Lease:
         self.executor: ThreadPoolExecutor | None = executor
         self.context: ThreadSensitiveContext | None = None
 
-    def give_back(self) -> None:
+    def give_back(self, *, finished: bool = False) -> None:
         """Hand the thread on; this request's later thread-sensitive calls go to `tail`."""
         executor, self.executor = self.executor, None
         if executor is None:
             return
         if self.context is not None:
             SyncToAsync.context_to_thread_executor[self.context] = tail
-        pool.give_back(executor)
+        pool.give_back(executor, finished=finished)
 
 
 _lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("request_thread_lease", default=None)
@@ -143,12 +149,16 @@ class ASGIHandler(DjangoASGIHandler):
         executor = await pool.lease()
         lease = Lease(executor)
         token = _lease.set(lease)
+        finished = False
         try:
             context = ThreadSensitiveContext(executor=executor)
             lease.context = context
             async with context:
                 await self.handle(scope, receive, send)
+            # Django's handler ends every request it served with response.close() (which sends
+            # request_finished) on the request's thread: its connections are seen to already.
+            finished = True
         finally:
             lease.context = None  # exited: nothing maps to it any more
-            lease.give_back()
+            lease.give_back(finished=finished)  # a stream's was given back already: no-op
             _lease.reset(token)
