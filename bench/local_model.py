@@ -35,7 +35,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -228,9 +228,9 @@ def speed_section(args: argparse.Namespace) -> list[str]:
 
     from quotes.ai.backends.local import LocalBackend, ensure_model_file
 
-    path = ensure_model_file(settings.LOCAL_MODEL["path"])
+    path = ensure_model_file(settings.LOCAL_MODEL.path)
     loop = asyncio.new_event_loop()
-    backend = LocalBackend(**{**settings.LOCAL_MODEL, "path": path})
+    backend = LocalBackend.from_settings(replace(settings.LOCAL_MODEL, path=path))
     server = raw_server(backend)
     series = [
         Series("raw xllamacpp (handle_completions)", raw_runner(server, args.max_tokens)),

@@ -28,7 +28,7 @@ from quotes.ai.backends import get_backend  # noqa: E402
 from quotes.consumers import websocket_urlpatterns  # noqa: E402
 from quotes.security import TrustedProxyMiddleware  # noqa: E402
 
-if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL["preload"]:
+if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL.preload:
     get_backend()  # starts loading the embedded model on its thread now, not on the first request
 
 # The client's address from a trusted proxy's X-Forwarded-For, for HTTP and WebSocket alike

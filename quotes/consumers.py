@@ -9,7 +9,11 @@ Server -> client:
     {"type": "done", "usage": {...} | null, "id", "permalink"}
     {"type": "error", "code", "message", "retry_after"}
     {"type": "cancelled"}   after a cancel that stopped a generation
+    {"type": "reconnect", "last_event_id", "retry_ms"}   the process is restarting: the socket
+        is then closed with code 1012 (service restart); resume on another connection
 
+A `start` on a process that is restarting gets an error frame (`server_draining`), then the
+socket is closed with code 1012, so the client reconnects (through nginx, to another process).
 One generation at a time per socket: a `start` while one runs gets an error frame with code
 `busy_socket` (cancel first). Every `start` counts against the client's rate limit, refused ones
 included. A frame over QUOTES_MAX_FRAME_BYTES gets an error frame (`frame_too_large`), and the
@@ -96,6 +100,8 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         full = await refuse_if_full(slug=content.get("persona"), client=client, transport="websocket")
         if full is not None:
             await self._send_error(full)
+            if full.code is ErrorCode.SERVER_DRAINING:
+                await self.close(code=1012)  # this process is restarting: reconnect to another
             return
         try:
             quote = await parse_quote_request(content)
@@ -125,6 +131,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         async with aclosing(relay(events, WebSocketEncoder())) as frames:
             async for frame in frames:
                 await self.send_json(frame)
+                if frame["type"] == "reconnect" or frame.get("code") == ErrorCode.SERVER_DRAINING:
+                    # The process is draining: this socket ends so the client resumes on another.
+                    await self.close(code=1012)  # "service restart"
 
     async def _cancel(self) -> bool:
         """Stop the running generation, if any, and wait until its log row is written."""

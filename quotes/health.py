@@ -8,6 +8,10 @@ the process out of rotation. Each check is bounded in time.
 Anyone may ask, so by default each check says only "ok", "loading" or "error": a failing
 check's `detail` (exception text, missing settings), the backend's name and the timings are
 shown only to staff and when DEBUG is on, and a failure's detail goes to the log.
+
+A process that drains (it got SIGTERM: quotes.server) answers 503 `{"status": "draining"}` at
+once, without checks: it takes no new streams, so a load balancer (and the rolling restart in
+docs/deployment.md) must look elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from django.core.cache import cache
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
 
+from .ai.gateway.admission import drain
 from .models import Persona
 
 CHECK_TIMEOUT_S = 3.0
@@ -63,13 +68,13 @@ async def _backend() -> Check:
         missing = [
             variable
             for variable, value in (
-                ("CLOUDFLARE_ACCOUNT_ID", settings.WORKERS_AI.get("account_id")),
-                ("CLOUDFLARE_API_TOKEN", settings.WORKERS_AI.get("api_token")),
+                ("CLOUDFLARE_ACCOUNT_ID", settings.WORKERS_AI.account_id),
+                ("CLOUDFLARE_API_TOKEN", settings.WORKERS_AI.api_token),
             )
             if not value
         ]
     elif name == "openai":
-        missing = [] if settings.OPENAI_COMPAT.get("base_url") else ["OPENAI_BASE_URL"]
+        missing = [] if settings.OPENAI_COMPAT.base_url else ["OPENAI_BASE_URL"]
     else:
         return {"status": "error", "backend": name, "detail": f"unknown backend {name!r}"}
     if missing:
@@ -99,6 +104,8 @@ async def _run(check: Callable[[], Awaitable[Check]]) -> Check:
 
 @require_safe
 async def healthz(request: HttpRequest) -> JsonResponse:
+    if drain.draining:
+        return JsonResponse({"status": "draining"}, status=503, headers={"Cache-Control": "no-store"})
     names = list(CHECKS)
     results = await asyncio.gather(*(_run(CHECKS[name]) for name in names))
     checks = dict(zip(names, results, strict=True))

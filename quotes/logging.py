@@ -86,9 +86,9 @@ def _secrets() -> list[str]:
     try:
         values = [
             settings.CLOUDFLARE_API_TOKEN,
-            settings.WORKERS_AI.get("api_token", ""),
-            settings.AI_GATEWAY.get("token", ""),
-            settings.OPENAI_COMPAT.get("api_key", ""),
+            settings.WORKERS_AI.api_token,
+            settings.AI_GATEWAY.token,
+            settings.OPENAI_COMPAT.api_key,
             settings.SECRET_KEY,
             settings.QUOTES_METRICS_TOKEN,
         ]

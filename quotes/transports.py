@@ -12,15 +12,23 @@ on its wire, and nothing else:
   messages, and named `meta`, `done` and `error` events;
 - `WebSocketEncoder`: JSON frames (`meta`, `token`, `done`, `error`) for the consumer.
 
+Each also says how "resume elsewhere" looks (`reconnect`) when a draining process cuts a stream.
+
 An HTTP response must choose its status before its first byte, so the views first `open_stream()`:
 everything up to the first token (or the error that came instead) is read, the status and the
 headers follow from it, and `relay()` then starts from that first event. The WebSocket has no
 status to choose and relays from the start. Keep-alive pings before the first token are
 dropped there, for the same reason: the headers are not sent yet.
+
+When the process drains (quotes.ai.gateway.admission.drain) a stream still open at the drain's
+deadline is cut: before its first token it becomes a 503 server_draining (with Retry-After),
+like a refused one; after it, `relay()` ends it with the encoder's `reconnect` (an SSE
+`event: reconnect`, a WebSocket `reconnect` frame), which tells the client to resume elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -32,6 +40,7 @@ from .ai import sse
 from .ai.catalog import doc_url
 from .ai.errors import internal
 from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
+from .ai.gateway.admission import StreamWatch, drain, reconnect_retry_ms, server_draining
 
 Out = TypeVar("Out")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -56,6 +65,11 @@ class Encoder(Protocol[Out_co]):
 
     def error(self, error: Error) -> Out_co | None: ...
 
+    def reconnect(self, last_event_id: str | None, retry_ms: int) -> Out_co | None:
+        """The process is going away (draining): resume elsewhere after `retry_ms`, from
+        `last_event_id`. The stream ends after it."""
+        ...
+
 
 #: The error when the events end without Done or Error (made once: never per token).
 _ENDED = internal()
@@ -72,6 +86,8 @@ class Opening:
 
 async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
     meta = Meta()
+    watch = drain.watch()
+    watch.waiting = True
     try:
         first = await anext(events)
         while type(first) is Meta or type(first) is Ping:
@@ -80,44 +96,106 @@ async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
             first = await anext(events)
     except StopAsyncIteration:
         first = internal()
+    except asyncio.CancelledError:
+        if not _was_cut(watch):
+            raise
+        first = server_draining()  # nothing sent yet: refused like a new stream
+    finally:
+        watch.waiting = False
+    if type(first) is Error:
+        drain.forget()
     return Opening(meta, first)
+
+
+def _was_cut(watch: StreamWatch) -> bool:
+    """A CancelledError came from the drain's cut (then it is taken back), not from the client."""
+    if not watch.cut:
+        return False
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        task.uncancel()
+    return True
 
 
 async def relay(
     events: AsyncGenerator[Event, None], encoder: Encoder[Out], opening: Opening | None = None
 ) -> AsyncGenerator[Out, None]:
-    """Drive `events` into `encoder` until Done or Error (always one of them, last)."""
-    async with aclosing(events):
-        meta = opening.meta if opening is not None else Meta()
-        out = encoder.start(meta)
+    """Drive `events` into `encoder` until Done or Error (always one of them, last), or until the
+    draining process cuts the stream (then the encoder's `reconnect` is last)."""
+    watch = drain.watch()
+    sent = 0  # events sent, pings aside: the reconnect's last event id
+    meta = opening.meta if opening is not None else Meta()
+    try:
+        async with aclosing(events):
+            out = encoder.start(meta)
+            if out is not None:
+                sent += 1
+                yield out
+            event: Event | None = opening.first if opening is not None else await _next(events, watch)
+            while event is not None:
+                if type(event) is Token:
+                    out = encoder.token(event.text)
+                elif type(event) is Ping:
+                    out = encoder.ping()
+                    if out is not None:
+                        yield out  # a comment, no event: not counted
+                        out = None
+                elif type(event) is Usage:
+                    out = encoder.usage(event)
+                elif type(event) is Meta:
+                    merged = meta.merged(event)
+                    out = encoder.meta(merged) if merged != meta else None
+                    meta = merged
+                elif type(event) is Done:
+                    out = encoder.done(meta)
+                    if out is not None:
+                        yield out
+                    return
+                else:  # Error: after the first byte the status is sent, so the error is an event
+                    assert type(event) is Error
+                    out = encoder.error(event)
+                    if out is not None:
+                        yield out
+                    return
+                if out is not None:
+                    sent += 1
+                    yield out
+                # _next(), inlined: this is once per token.
+                if watch.cut:
+                    break
+                watch.waiting = True
+                try:
+                    event = await anext(events, _ENDED)
+                except asyncio.CancelledError:
+                    if not _was_cut(watch):
+                        raise
+                    break
+                finally:
+                    watch.waiting = False
+            # Cut by the drain: the generation is closed first (its upstream, its log row), then
+            # the client hears where to go.
+            await events.aclose()
+        last_event_id = f"{meta.generation_id}:{sent}" if meta.generation_id else None
+        out = encoder.reconnect(last_event_id, reconnect_retry_ms())
         if out is not None:
             yield out
-        event = opening.first if opening is not None else await anext(events, _ENDED)
-        while True:
-            if type(event) is Token:
-                out = encoder.token(event.text)
-            elif type(event) is Ping:
-                out = encoder.ping()
-            elif type(event) is Usage:
-                out = encoder.usage(event)
-            elif type(event) is Meta:
-                merged = meta.merged(event)
-                out = encoder.meta(merged) if merged != meta else None
-                meta = merged
-            elif type(event) is Done:
-                out = encoder.done(meta)
-                if out is not None:
-                    yield out
-                return
-            else:  # Error: after the first byte the status is sent, so the error is an event
-                assert type(event) is Error
-                out = encoder.error(event)
-                if out is not None:
-                    yield out
-                return
-            if out is not None:
-                yield out
-            event = await anext(events, _ENDED)
+    finally:
+        drain.forget()
+
+
+async def _next(events: AsyncGenerator[Event, None], watch: StreamWatch) -> Event | None:
+    """The next event, or None once the draining process has cut the stream."""
+    if watch.cut:
+        return None
+    watch.waiting = True
+    try:
+        return await anext(events, _ENDED)
+    except asyncio.CancelledError:
+        if not _was_cut(watch):
+            raise
+        return None
+    finally:
+        watch.waiting = False
 
 
 # -- the payloads the page and the socket share ---------------------------------------------------
@@ -181,6 +259,9 @@ class WorkersAIEncoder:
     def error(self, error: Error) -> bytes:
         return sse.error(error.code, error.message)
 
+    def reconnect(self, last_event_id: str | None, retry_ms: int) -> bytes:
+        return sse.reconnect(last_event_id, retry_ms)
+
 
 class EventSourceEncoder(WorkersAIEncoder):
     """EventSource reconnects when a body ends, which would write a second quote: a named `done`
@@ -233,6 +314,9 @@ class HtmxEncoder:
     def error(self, error: Error) -> bytes:
         return sse.named("error", error_payload(error))
 
+    def reconnect(self, last_event_id: str | None, retry_ms: int) -> bytes:
+        return sse.reconnect(last_event_id, retry_ms)
+
 
 class WebSocketEncoder:
     """JSON frames: `meta` whenever the facts change (the first one before any text), `token`,
@@ -268,3 +352,7 @@ class WebSocketEncoder:
 
     def error(self, error: Error) -> dict[str, Any]:
         return {"type": "error", **error_payload(error)}
+
+    def reconnect(self, last_event_id: str | None, retry_ms: int) -> dict[str, Any]:
+        """Followed by closing the socket with 1012 (service restart): see quotes.consumers."""
+        return {"type": "reconnect", "last_event_id": last_event_id, "retry_ms": retry_ms}

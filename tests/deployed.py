@@ -50,14 +50,15 @@ def daphne_command(source: str, port: int) -> list[str]:
     or public port."""
     prefix = "CMD " if source == "Dockerfile" else "ExecStart="
     args = command_args(instruction(source, prefix))
-    assert args[0].endswith("daphne"), args
+    assert args[0].endswith("python") and args[1:3] == ["-m", "quotes.server"], args
+    args = args[2:]  # daphne's own arguments follow quotes.server (daphne, draining on SIGTERM)
     if "--unix-socket" in args:
         at = args.index("--unix-socket")
         args[at : at + 2] = ["-b", "127.0.0.1", "-p", str(port)]
     else:
         args[args.index("-b") + 1] = "127.0.0.1"
         args[args.index("-p") + 1] = str(port)
-    return [sys.executable, "-m", "daphne", *args[1:]]
+    return [sys.executable, "-m", *args]
 
 
 def environment(**overrides: str) -> dict[str, str]:

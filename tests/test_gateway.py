@@ -36,7 +36,7 @@ from quotes.models import Generation, Persona
 from quotes.services import persona_save
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
 from tests.conftest import slots_held
-from tests.fakes.fixtures import workers_ai_config
+from tests.fakes.fixtures import upstream_configs
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -128,7 +128,7 @@ def configure(settings: Any, **options: Any) -> None:
 
 
 async def use_workers_ai(settings: Any, fake_server: FakeWorkersAI, **overrides: Any) -> None:
-    settings.WORKERS_AI = workers_ai_config(fake_server, **overrides)
+    settings.WORKERS_AI, settings.AI_HTTP = upstream_configs(fake_server, **overrides)
     await reset_backends()
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from quotes.conf import OpenAICompatSettings
 from tests.asgi import request
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -84,7 +85,7 @@ async def test_healthz_answers_503_with_detail_when_the_cache_is_down(
 
 async def test_healthz_answers_503_when_the_upstream_is_not_configured(settings: Any) -> None:
     settings.AI_BACKEND = "openai"
-    settings.OPENAI_COMPAT = {"base_url": "", "api_key": ""}
+    settings.OPENAI_COMPAT = OpenAICompatSettings(base_url="", api_key="")
     settings.DEBUG = True  # details for everyone in development
     response = await request("GET", "/healthz")
     assert response.status == 503
@@ -111,7 +112,7 @@ async def test_healthz_shows_no_detail_to_visitors(
     headers = await session_of(is_staff=False) if who == "member" else {}
     cache_down(settings)
     settings.AI_BACKEND = "openai"
-    settings.OPENAI_COMPAT = {"base_url": "", "api_key": ""}
+    settings.OPENAI_COMPAT = OpenAICompatSettings(base_url="", api_key="")
 
     response = await request("GET", "/healthz", headers=headers)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -297,7 +298,7 @@ def test_local_model_writes_a_quote_in_a_fresh_process() -> None:
         """
     )
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "PYTHONPATH": str(ROOT)}
-    env["LOCAL_MODEL_PATH"] = str(settings.LOCAL_MODEL["path"])
+    env["LOCAL_MODEL_PATH"] = str(settings.LOCAL_MODEL.path)
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -314,7 +315,7 @@ def test_local_model_writes_a_quote_in_a_fresh_process() -> None:
 async def test_local_closing_the_backend_stops_its_generations() -> None:
     """A process that shuts down (or a test that resets backends) does not wait for every open
     quote to be written to its end."""
-    backend = LocalBackend(**{**settings.LOCAL_MODEL, "slots": 1})
+    backend = LocalBackend.from_settings(replace(settings.LOCAL_MODEL, slots=1))
     stream = backend.stream_completion(LONG_COMPLETION)
     assert isinstance(await anext(stream), Token)
 

@@ -14,15 +14,18 @@ from typing import Any
 
 import pytest
 
-from quotes.ai.backends import reset_backends
+from quotes.ai.backends import get_backend, reset_backends
 from quotes.ai.backends.openai_compat import OpenAICompatBackend
 from quotes.ai.errors import upstream_auth
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Meta, Token, Usage
+from quotes.conf import OpenAICompatSettings, UpstreamHTTPSettings
 from quotes.models import Persona
 from tests.asgi import request
 from tests.llama_server import LlamaServer, free_port
 
-TIMEOUTS = {"connect_timeout_s": 2.0, "read_timeout_s": 20.0, "total_timeout_s": 60.0}
+TIMEOUTS = UpstreamHTTPSettings(
+    connect_timeout_s=2.0, read_timeout_s=20.0, total_timeout_s=60.0, max_connections=100
+)
 
 QUOTE = GenerationRequest(
     model="gemma-3-270m",
@@ -58,9 +61,7 @@ async def collect(backend: OpenAICompatBackend, request: GenerationRequest = QUO
 
 @pytest.fixture
 async def llama_backend(llama_server: LlamaServer) -> AsyncIterator[OpenAICompatBackend]:
-    backend = OpenAICompatBackend(
-        base_url=llama_server.base_url, api_key=llama_server.api_key, timeouts=TIMEOUTS
-    )
+    backend = OpenAICompatBackend(base_url=llama_server.base_url, api_key=llama_server.api_key, http=TIMEOUTS)
     yield backend
     await backend.aclose()
 
@@ -126,9 +127,7 @@ async def test_openai_compat_cancelled_task_closes_the_stream(llama_backend: Ope
 
 
 async def test_openai_compat_unreachable_port() -> None:
-    backend = OpenAICompatBackend(
-        base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="", timeouts=TIMEOUTS
-    )
+    backend = OpenAICompatBackend(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="", http=TIMEOUTS)
     try:
         events = await collect(backend)
     finally:
@@ -142,7 +141,7 @@ async def test_openai_compat_wrong_api_key_is_upstream_auth(
     llama_server: LlamaServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     wrong = "sk-wrong-" + llama_server.api_key[::-1]
-    backend = OpenAICompatBackend(base_url=llama_server.base_url, api_key=wrong, timeouts=TIMEOUTS)
+    backend = OpenAICompatBackend(base_url=llama_server.base_url, api_key=wrong, http=TIMEOUTS)
     try:
         events = await collect(backend)
     finally:
@@ -159,7 +158,7 @@ async def test_openai_compat_wrong_api_key_is_upstream_auth(
 
 async def test_openai_compat_base_url_of_no_api_is_rejected_with_404(llama_server: LlamaServer) -> None:
     root = llama_server.base_url.removesuffix("/v1") + "/api"  # a mistyped base URL
-    backend = OpenAICompatBackend(base_url=root, api_key=llama_server.api_key, timeouts=TIMEOUTS)
+    backend = OpenAICompatBackend(base_url=root, api_key=llama_server.api_key, http=TIMEOUTS)
     try:
         [error] = await collect(backend)
     finally:
@@ -280,7 +279,7 @@ async def scripted_backend(upstream: ScriptedUpstream) -> AsyncIterator[OpenAICo
     assert upstream._server is not None
     port = upstream._server.sockets[0].getsockname()[1]
     backend = OpenAICompatBackend(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-secret-123", timeouts=TIMEOUTS
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-secret-123", http=TIMEOUTS
     )
     yield backend
     await backend.aclose()
@@ -327,7 +326,7 @@ async def test_openai_compat_sends_openai_request(
 async def test_openai_compat_no_key_no_authorization_header(upstream: ScriptedUpstream) -> None:
     upstream.reply = Reply(pieces=[sse("[DONE]")])
     base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
-    backend = OpenAICompatBackend(base_url=base_url, api_key="", timeouts=TIMEOUTS)
+    backend = OpenAICompatBackend(base_url=base_url, api_key="", http=TIMEOUTS)
     try:
         events = await collect(backend)
     finally:
@@ -476,7 +475,7 @@ async def test_openai_compat_refused_credentials_reach_the_log_not_the_visitor(
     """Through the stream API: an anonymous visitor gets the neutral message the Workers AI
     backend gives; what the server said (scrubbed of the key) goes to the log."""
     settings.AI_BACKEND = "openai"
-    settings.OPENAI_COMPAT = {"base_url": upstream.url, "api_key": "sk-secret-123"}
+    settings.OPENAI_COMPAT = OpenAICompatSettings(base_url=upstream.url, api_key="sk-secret-123")
     await reset_backends()
     # An upstream that echoes the key, as OpenAI's "Incorrect API key provided" does.
     body = {
@@ -509,9 +508,9 @@ async def test_openai_compat_huge_error_body_is_bounded(
 
 async def test_openai_compat_read_stall_times_out(upstream: ScriptedUpstream) -> None:
     upstream.reply = Reply(pieces=[chunk("a"), asyncio.Event()])
-    timeouts = {**TIMEOUTS, "read_timeout_s": 0.3}
+    timeouts = replace(TIMEOUTS, read_timeout_s=0.3)
     base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
-    backend = OpenAICompatBackend(base_url=base_url, api_key="", timeouts=timeouts)
+    backend = OpenAICompatBackend(base_url=base_url, api_key="", http=timeouts)
     try:
         events = await collect(backend)
     finally:
@@ -524,9 +523,9 @@ async def test_openai_compat_read_stall_times_out(upstream: ScriptedUpstream) ->
 async def test_openai_compat_total_deadline_covers_a_trickling_stream(upstream: ScriptedUpstream) -> None:
     # Every read is quick, but the whole answer would take 5 s: the 0.5 s deadline ends it.
     upstream.reply = Reply(pieces=[piece for _ in range(50) for piece in (chunk("."), 0.1)])
-    timeouts = {**TIMEOUTS, "read_timeout_s": 1.0, "total_timeout_s": 0.5}
+    timeouts = replace(TIMEOUTS, read_timeout_s=1.0, total_timeout_s=0.5)
     base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
-    backend = OpenAICompatBackend(base_url=base_url, api_key="", timeouts=timeouts)
+    backend = OpenAICompatBackend(base_url=base_url, api_key="", http=timeouts)
     try:
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -538,6 +537,52 @@ async def test_openai_compat_total_deadline_covers_a_trickling_stream(upstream: 
     assert events[-1].code == "upstream_timeout"
     assert 2 <= sum(isinstance(e, Token) for e in events) < 50
     assert elapsed < 2
+
+
+async def test_openai_compat_backend_takes_its_timeouts_from_ai_http(
+    settings: Any, upstream: ScriptedUpstream
+) -> None:
+    """The backend the app builds reads AI_HTTP (AI_READ_TIMEOUT, ...), not Workers AI's
+    settings, which hold no timeouts any more."""
+    upstream.reply = Reply(pieces=[chunk("a"), asyncio.Event()])
+    settings.OPENAI_COMPAT = OpenAICompatSettings(base_url=upstream.url, api_key="")
+    settings.AI_HTTP = replace(settings.AI_HTTP, read_timeout_s=0.3)
+    await reset_backends()
+    try:
+        async with asyncio.timeout(10):  # a guard: the default read timeout is 30 s
+            events = await collect(get_backend("openai"))
+    finally:
+        await reset_backends()
+    assert events[1] == Token("a")
+    assert isinstance(events[-1], Error)
+    assert events[-1].code == "upstream_timeout"
+
+
+async def test_openai_compat_backend_holds_at_most_ai_max_connections(
+    settings: Any, upstream: ScriptedUpstream
+) -> None:
+    """AI_MAX_CONNECTIONS bounds this backend's pool too: with 1, a second stream waits for the
+    first one's connection and, past the connect (pool) timeout, ends with upstream_timeout."""
+    release = asyncio.Event()
+    upstream.reply = Reply(pieces=[chunk("a"), release, sse("[DONE]")])
+    settings.OPENAI_COMPAT = OpenAICompatSettings(base_url=upstream.url, api_key="")
+    settings.AI_HTTP = replace(settings.AI_HTTP, max_connections=1, connect_timeout_s=0.3)
+    await reset_backends()
+    backend = get_backend("openai")
+    first = backend.stream(QUOTE)
+    try:
+        async with asyncio.timeout(10):  # a guard: without the bound the second stream stalls
+            assert isinstance(await anext(first), Meta)
+            assert await anext(first) == Token("a")
+            second = await collect(backend)
+            release.set()
+            rest = [event async for event in first]
+    finally:
+        await first.aclose()
+        await reset_backends()
+    assert len(upstream.requests) == 1
+    assert len(second) == 1 and isinstance(second[0], Error) and second[0].code == "upstream_timeout"
+    assert isinstance(rest[-1], Done)
 
 
 async def test_openai_compat_one_client_per_backend_and_aclose(

@@ -32,7 +32,7 @@ from quotes.ai.backends import _backends, reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse
-from tests.fakes.fixtures import workers_ai_config
+from tests.fakes.fixtures import upstream_configs
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 from tests.test_workers_ai_endpoint import EXPECTED_ERRORS
 
@@ -327,7 +327,9 @@ async def test_fault_summary_client_outcome_log_row_and_no_traceback(
             sock.bind(("127.0.0.1", 0))
             overrides["base_url"] = f"http://127.0.0.1:{sock.getsockname()[1]}/client/v4"
     if overrides:
-        workers_ai_settings.WORKERS_AI = workers_ai_config(fake_workers_ai, **overrides)
+        workers_ai_settings.WORKERS_AI, workers_ai_settings.AI_HTTP = upstream_configs(
+            fake_workers_ai, **overrides
+        )
         await reset_backends()
     fake_workers_ai.script(*fault.scenarios)
 

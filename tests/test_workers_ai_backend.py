@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,12 +16,13 @@ import pytest
 from quotes.ai.backends import get_backend, reset_backends
 from quotes.ai.backends.workers_ai import WorkersAIBackend
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Meta, Token, Usage
+from quotes.conf import CloudflareGatewayRetries, CloudflareGatewaySettings
 from tests.fakes.fixtures import (
     TEST_ACCOUNT_ID,
     TEST_API_TOKEN,
     TEST_GATEWAY_TOKEN,
     gateway_config,
-    workers_ai_config,
+    upstream_configs,
 )
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario, render_body
 
@@ -54,18 +56,17 @@ def last_error(events: list[Event]) -> Error:
 
 @asynccontextmanager
 async def make_backend(
-    fake: FakeWorkersAI, *, gateway: dict[str, Any] | None = None, **workers_ai: Any
+    fake: FakeWorkersAI, *, gateway: CloudflareGatewaySettings | None = None, **overrides: Any
 ) -> AsyncIterator[WorkersAIBackend]:
-    backend = WorkersAIBackend(
-        workers_ai=workers_ai_config(fake, **workers_ai), gateway=gateway or gateway_config(fake)
-    )
+    workers_ai, http = upstream_configs(fake, **overrides)
+    backend = WorkersAIBackend(workers_ai=workers_ai, gateway=gateway or gateway_config(fake), http=http)
     try:
         yield backend
     finally:
         await backend.aclose()
 
 
-def full_gateway(fake: FakeWorkersAI) -> dict[str, Any]:
+def full_gateway(fake: FakeWorkersAI) -> CloudflareGatewaySettings:
     return gateway_config(
         fake,
         id="gw-test",
@@ -76,7 +77,7 @@ def full_gateway(fake: FakeWorkersAI) -> dict[str, Any]:
         metadata={"persona": "ada", "version": 3, "beta": True},
         collect_log=False,
         request_timeout_ms=5000,
-        retries={"max_attempts": 3, "retry_delay_ms": 500, "backoff": "exponential"},
+        retries=CloudflareGatewayRetries(max_attempts=3, retry_delay_ms=500, backoff="exponential"),
     )
 
 
@@ -204,7 +205,7 @@ async def test_backend_sends_only_the_gateway_options_that_are_set(fake_workers_
 
 
 async def test_backend_ignores_gateway_options_without_a_gateway_id(fake_workers_ai):
-    gateway = {**full_gateway(fake_workers_ai), "id": ""}
+    gateway = replace(full_gateway(fake_workers_ai), id="")
     async with make_backend(fake_workers_ai, gateway=gateway) as backend:
         await collect(backend)
 

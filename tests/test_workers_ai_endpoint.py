@@ -17,6 +17,7 @@ from django.forms.models import model_to_dict
 
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.workers_ai import ERROR_CODES as BACKEND_ERROR_CODES
+from quotes.conf import CloudflareGatewayRetries, CloudflareGatewaySettings, OpenAICompatSettings
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
 from tests.fakes.fixtures import (
@@ -24,7 +25,7 @@ from tests.fakes.fixtures import (
     TEST_API_TOKEN,
     TEST_GATEWAY_TOKEN,
     gateway_config,
-    workers_ai_config,
+    upstream_configs,
 )
 from tests.fakes.workers_ai import ERROR_CODES as FAKE_ERROR_CODES
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario, render_body
@@ -69,11 +70,11 @@ async def use_gateway(settings: Any, fake: FakeWorkersAI, **options: Any) -> Non
 
 
 async def use_workers_ai(settings: Any, fake: FakeWorkersAI, **overrides: Any) -> None:
-    settings.WORKERS_AI = workers_ai_config(fake, **overrides)
+    settings.WORKERS_AI, settings.AI_HTTP = upstream_configs(fake, **overrides)
     await reset_backends()
 
 
-def full_gateway(fake: FakeWorkersAI, **overrides: Any) -> dict[str, Any]:
+def full_gateway(fake: FakeWorkersAI, **overrides: Any) -> CloudflareGatewaySettings:
     options: dict[str, Any] = {
         "id": "gw-test",
         "token": TEST_GATEWAY_TOKEN,
@@ -83,7 +84,7 @@ def full_gateway(fake: FakeWorkersAI, **overrides: Any) -> dict[str, Any]:
         "metadata": {"persona": "watts", "version": 3, "beta": True},
         "collect_log": False,
         "request_timeout_ms": 5000,
-        "retries": {"max_attempts": 3, "retry_delay_ms": 500, "backoff": "exponential"},
+        "retries": CloudflareGatewayRetries(max_attempts=3, retry_delay_ms=500, backoff="exponential"),
         **overrides,
     }
     return gateway_config(fake, **options)
@@ -276,17 +277,17 @@ GATEWAY_OPTIONS = [
     pytest.param({"collect_log": True}, {"cf-aig-collect-log": "true"}, id="collect_log-true"),
     pytest.param({"request_timeout_ms": 5000}, {"cf-aig-request-timeout": "5000"}, id="request_timeout_ms"),
     pytest.param(
-        {"retries": {"max_attempts": 3, "retry_delay_ms": None, "backoff": None}},
+        {"retries": CloudflareGatewayRetries(max_attempts=3)},
         {"cf-aig-max-attempts": "3"},
         id="retries-max_attempts",
     ),
     pytest.param(
-        {"retries": {"max_attempts": None, "retry_delay_ms": 500, "backoff": None}},
+        {"retries": CloudflareGatewayRetries(retry_delay_ms=500)},
         {"cf-aig-retry-delay": "500"},
         id="retries-retry_delay_ms",
     ),
     pytest.param(
-        {"retries": {"max_attempts": None, "retry_delay_ms": None, "backoff": "exponential"}},
+        {"retries": CloudflareGatewayRetries(backoff="exponential")},
         {"cf-aig-backoff": "exponential"},
         id="retries-backoff",
     ),
@@ -937,13 +938,12 @@ async def test_openai_backend_endpoint_streams_a_quote_from_llama_cpp(
     persona: Persona, settings: Any, llama_server: LlamaServer
 ) -> None:
     settings.AI_BACKEND = "openai"
-    settings.OPENAI_COMPAT = {"base_url": llama_server.base_url, "api_key": llama_server.api_key}
-    settings.WORKERS_AI = {
-        **settings.WORKERS_AI,
-        "connect_timeout_s": 2.0,
-        "read_timeout_s": 30.0,
-        "total_timeout_s": 60.0,
-    }
+    settings.OPENAI_COMPAT = OpenAICompatSettings(
+        base_url=llama_server.base_url, api_key=llama_server.api_key
+    )
+    settings.AI_HTTP = replace(
+        settings.AI_HTTP, connect_timeout_s=2.0, read_timeout_s=30.0, total_timeout_s=60.0
+    )
     await reset_backends()
 
     response = await post_quote()
@@ -983,10 +983,9 @@ async def test_workers_ai_endpoint_reuses_the_upstream_connection(
     ready = threading.Event()
     threading.Thread(target=lambda: _asyncio.run(upstream.serve(ready)), daemon=True).start()
     assert ready.wait(10)
-    workers_ai_settings.WORKERS_AI = {
-        **workers_ai_settings.WORKERS_AI,
-        "base_url": f"http://127.0.0.1:{upstream.port}/client/v4",
-    }
+    workers_ai_settings.WORKERS_AI = replace(
+        workers_ai_settings.WORKERS_AI, base_url=f"http://127.0.0.1:{upstream.port}/client/v4"
+    )
     workers_ai_settings.QUOTES_GATEWAY = replace(workers_ai_settings.QUOTES_GATEWAY, cache_ttl=0)
     await reset_backends()
 

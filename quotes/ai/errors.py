@@ -45,6 +45,7 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     TOO_MANY_STREAMS = "too_many_streams"
     OVER_CAPACITY = "over_capacity"
+    SERVER_DRAINING = "server_draining"
     BUSY_SOCKET = "busy_socket"
     # Our own model and gateway.
     BUSY = "busy"

@@ -52,6 +52,14 @@ def error(code: str, message: str) -> bytes:
     return encode(_dumps(envelope(code, message)), event="error")
 
 
+def reconnect(last_event_id: str | None, retry_ms: int) -> bytes:
+    """The server is going away: resume elsewhere. `retry:` sets EventSource's own reconnection
+    delay (it reconnects by itself when the body ends, with Last-Event-ID); the named event
+    carries the same facts for the fetch and htmx clients."""
+    payload = {"last_event_id": last_event_id, "retry_ms": retry_ms}
+    return f"retry: {int(retry_ms)}\n".encode() + encode(_dumps(payload), event="reconnect")
+
+
 # --- htmx (hx-sse) ------------------------------------------------------------------------
 # hx-sse swaps each unnamed message's data into the target as HTML and dispatches each named
 # event as a DOM event carrying its data: text goes out HTML-escaped, facts as named JSON events.

@@ -13,11 +13,18 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import suppress
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync
+
+from quotes.conf import (
+    CloudflareGatewayRetries,
+    CloudflareGatewaySettings,
+    UpstreamHTTPSettings,
+    WorkersAISettings,
+)
 
 from .workers_ai import FakeWorkersAI
 
@@ -27,35 +34,48 @@ TEST_API_TOKEN = "cfut_TEST-9f8e7d6c5b4a39281706f5e4d3c2b1a0ZZ"
 TEST_GATEWAY_TOKEN = "cfgw_TEST-0a1b2c3d4e5f60718293a4b5c6d7e8f9YY"
 
 
-def workers_ai_config(fake: FakeWorkersAI, **overrides: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "account_id": TEST_ACCOUNT_ID,
-        "api_token": TEST_API_TOKEN,
-        "base_url": fake.api_base_url,
-        "connect_timeout_s": 2.0,
-        "read_timeout_s": 2.0,
-        "total_timeout_s": 10.0,
-    }
-    config.update(overrides)
-    return config
+def workers_ai_config(fake: FakeWorkersAI, **overrides: Any) -> WorkersAISettings:
+    return replace(
+        WorkersAISettings(account_id=TEST_ACCOUNT_ID, api_token=TEST_API_TOKEN, base_url=fake.api_base_url),
+        **overrides,
+    )
 
 
-def gateway_config(fake: FakeWorkersAI, **overrides: Any) -> dict[str, Any]:
-    """The AI_GATEWAY dict as config/settings.py builds it; `id` empty means no gateway."""
-    config: dict[str, Any] = {
-        "id": "",
-        "base_url": fake.gateway_base_url,
-        "token": "",
-        "skip_cache": False,
-        "cache_ttl": None,
-        "cache_key": "",
-        "metadata": {},
-        "collect_log": None,
-        "request_timeout_ms": None,
-        "retries": {"max_attempts": None, "retry_delay_ms": None, "backoff": None},
-    }
-    config.update(overrides)
-    return config
+def http_config(**overrides: Any) -> UpstreamHTTPSettings:
+    """Upstream HTTP timeouts short enough for tests (settings.AI_HTTP)."""
+    return replace(
+        UpstreamHTTPSettings(
+            connect_timeout_s=2.0, read_timeout_s=2.0, total_timeout_s=10.0, max_connections=100
+        ),
+        **overrides,
+    )
+
+
+def upstream_configs(fake: FakeWorkersAI, **overrides: Any) -> tuple[WorkersAISettings, UpstreamHTTPSettings]:
+    """(settings.WORKERS_AI, settings.AI_HTTP) for the fake, each override going to whichever of
+    the two has the field (`base_url=...`, `read_timeout_s=...`)."""
+    http_fields = {f.name for f in fields(UpstreamHTTPSettings)}
+    http = {name: value for name, value in overrides.items() if name in http_fields}
+    rest = {name: value for name, value in overrides.items() if name not in http_fields}
+    return workers_ai_config(fake, **rest), http_config(**http)
+
+
+def gateway_config(fake: FakeWorkersAI, **overrides: Any) -> CloudflareGatewaySettings:
+    """settings.AI_GATEWAY as config/settings.py builds it by default; `id` empty means no
+    gateway."""
+    config = CloudflareGatewaySettings(
+        id="",
+        base_url=fake.gateway_base_url,
+        token="",
+        skip_cache=False,
+        cache_ttl=None,
+        cache_key="",
+        metadata={},
+        collect_log=None,
+        request_timeout_ms=None,
+        retries=CloudflareGatewayRetries(),
+    )
+    return replace(config, **overrides)
 
 
 def _reset_backends() -> None:
@@ -80,11 +100,12 @@ def fake_workers_ai(fake_workers_ai_server: FakeWorkersAI) -> Iterator[FakeWorke
 @pytest.fixture
 def workers_ai_settings(settings: Any, fake_workers_ai: FakeWorkersAI) -> Iterator[Any]:
     """Settings for the workers-ai backend against the fake. Change `settings.AI_GATEWAY` (or
-    WORKERS_AI) further in a test, then call `quotes.ai.backends.reset_backends()` again."""
+    WORKERS_AI, AI_HTTP) further in a test, then call `quotes.ai.backends.reset_backends()` again."""
     _reset_backends()
     settings.AI_BACKEND = "workers-ai"
     settings.CLOUDFLARE_API_TOKEN = TEST_API_TOKEN
     settings.WORKERS_AI = workers_ai_config(fake_workers_ai)
+    settings.AI_HTTP = http_config()
     settings.AI_GATEWAY = gateway_config(fake_workers_ai)
     # One attempt, no fallbacks: each scripted upstream answer maps straight to what the client
     # sees. The gateway tests turn retries and fallbacks on where they test them.
@@ -98,7 +119,9 @@ async def workers_ai_backend(workers_ai_settings: Any) -> AsyncIterator[Any]:
     from quotes.ai.backends.workers_ai import WorkersAIBackend
 
     backend = WorkersAIBackend(
-        workers_ai=workers_ai_settings.WORKERS_AI, gateway=workers_ai_settings.AI_GATEWAY
+        workers_ai=workers_ai_settings.WORKERS_AI,
+        gateway=workers_ai_settings.AI_GATEWAY,
+        http=workers_ai_settings.AI_HTTP,
     )
     yield backend
     await backend.aclose()

@@ -7,7 +7,7 @@ loop) and a daphne subprocess can all talk to it.
 
     fake = FakeWorkersAI().start()
     fake.script(Scenario(tokens=["café", " 日本"], split="random"), Scenario.out_of_capacity())
-    ... point WORKERS_AI["base_url"] at fake.api_base_url ...
+    ... point WORKERS_AI.base_url at fake.api_base_url ...
     fake.requests[0].json["messages"]
     fake.stop()
 

@@ -130,7 +130,7 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
     command = [
         sys.executable,
         "-m",
-        "daphne",
+        "quotes.server",
         "-b",
         "127.0.0.1",
         "-p",
@@ -163,7 +163,9 @@ def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
 
 
 def nginx_site(port: int, upstreams: list[Daphne], metrics_ports: list[int]) -> str:
-    servers = "\n".join(f"        server {d.url.removeprefix('http://')};" for d in upstreams)
+    servers = "\n".join(
+        f"        server {d.url.removeprefix('http://')} max_fails=3 fail_timeout=10s;" for d in upstreams
+    )
     # One port per process for Prometheus, as deploy/nginx/persona-quotes.conf sets them up.
     metrics = "".join(
         f"""

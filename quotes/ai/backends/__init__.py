@@ -69,15 +69,21 @@ def _make_backend(name: str) -> Backend:
     if name == "local":
         from .local import LocalBackend
 
-        return LocalBackend(**settings.LOCAL_MODEL)
+        return LocalBackend.from_settings(settings.LOCAL_MODEL)
     if name == "workers-ai":
         from .workers_ai import WorkersAIBackend
 
-        return WorkersAIBackend(workers_ai=settings.WORKERS_AI, gateway=settings.AI_GATEWAY)
+        return WorkersAIBackend(
+            workers_ai=settings.WORKERS_AI, gateway=settings.AI_GATEWAY, http=settings.AI_HTTP
+        )
     if name == "openai":
         from .openai_compat import OpenAICompatBackend
 
-        return OpenAICompatBackend(**settings.OPENAI_COMPAT, timeouts=settings.WORKERS_AI)
+        return OpenAICompatBackend(
+            base_url=settings.OPENAI_COMPAT.base_url,
+            api_key=settings.OPENAI_COMPAT.api_key,
+            http=settings.AI_HTTP,
+        )
     raise ValueError(f"unknown backend {name!r}")
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from ...conf import LocalModelSettings
 from ..errors import ErrorCode, busy
 from ..events import Done, Error, Event, GenerationRequest, Token, Usage
 
@@ -171,6 +172,19 @@ class LocalBackend:
         self.jobs: list[JobStats] = []  # the most recent jobs, newest last (bounded)
         if preload:
             self._executor.submit(self._load)
+
+    @classmethod
+    def from_settings(cls, conf: LocalModelSettings) -> LocalBackend:
+        """The backend settings.LOCAL_MODEL describes (tests: `replace(settings.LOCAL_MODEL, ...)`)."""
+        return cls(
+            path=conf.path,
+            name=conf.name,
+            n_ctx=conf.n_ctx,
+            n_threads=conf.n_threads,
+            slots=conf.slots,
+            queue_timeout_s=conf.queue_timeout_s,
+            preload=conf.preload,
+        )
 
     def model_name(self, requested: str) -> str:
         return self.model

@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource, SSEError
 
+from ...conf import UpstreamHTTPSettings
 from ..errors import (
     upstream_auth,
     upstream_dropped,
@@ -59,14 +60,18 @@ class _Failure(Exception):
 class OpenAICompatBackend:
     name = "openai"
 
-    def __init__(self, *, base_url: str, api_key: str, timeouts: Mapping[str, Any]) -> None:
+    def __init__(self, *, base_url: str, api_key: str, http: UpstreamHTTPSettings) -> None:
         self._url = base_url.rstrip("/") + "/chat/completions"
         self._api_key = api_key
-        self._total_s = float(timeouts["total_timeout_s"])
-        connect = float(timeouts["connect_timeout_s"])
-        read = float(timeouts["read_timeout_s"])
+        self._total_s = http.total_timeout_s
+        connect, read = http.connect_timeout_s, http.read_timeout_s
         # write: the body is small, but a stalled peer must not hang the send either.
         self._timeout = httpx.Timeout(connect=connect, read=read, write=read, pool=connect)
+        # Each open stream holds a connection: the pool is as large as AI_MAX_CONNECTIONS says,
+        # like the workers-ai backend's (httpx's own default would cap it at 100).
+        self._limits = httpx.Limits(
+            max_connections=http.max_connections, max_keepalive_connections=min(20, http.max_connections)
+        )
         self._headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -82,7 +87,7 @@ class OpenAICompatBackend:
 
     def _get_client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout)
+            self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
         return self._client
 
     def _body(self, request: GenerationRequest) -> bytes:

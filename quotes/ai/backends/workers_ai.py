@@ -18,12 +18,13 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from dataclasses import replace
 from typing import Any, cast
 
 import httpx
 
+from ...conf import CloudflareGatewaySettings, UpstreamHTTPSettings, WorkersAISettings
 from ..errors import (
     ErrorCode,
     upstream_auth,
@@ -281,49 +282,30 @@ def _openai_delta(payload: dict[str, Any]) -> str | None:
 # -- the backend -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Settings:
-    account_id: str
-    api_token: str
-    base_url: str
-    connect_timeout_s: float
-    read_timeout_s: float
-    total_timeout_s: float
-    max_connections: int
-    gateway_id: str
-    gateway_base_url: str
-    gateway_token: str
-    headers: Mapping[str, str]
-
-
-def _gateway_headers(gateway: Mapping[str, Any]) -> dict[str, str]:
+def _gateway_headers(gateway: CloudflareGatewaySettings) -> dict[str, str]:
     """Every AI Gateway option that is set, as its cf-aig-* request header."""
     headers: dict[str, str] = {}
-
-    def flag(value: Any) -> str:
-        return "true" if value else "false"
-
-    if gateway.get("skip_cache"):
+    if gateway.skip_cache:
         headers["cf-aig-skip-cache"] = "true"
-    if gateway.get("cache_ttl") is not None:
-        headers["cf-aig-cache-ttl"] = str(int(gateway["cache_ttl"]))
-    if gateway.get("cache_key"):
-        headers["cf-aig-cache-key"] = str(gateway["cache_key"])
-    if gateway.get("metadata"):
-        headers["cf-aig-metadata"] = json.dumps(gateway["metadata"], separators=(",", ":"))
-    if gateway.get("collect_log") is not None:
-        headers["cf-aig-collect-log"] = flag(gateway["collect_log"])
-    if gateway.get("request_timeout_ms") is not None:
-        headers["cf-aig-request-timeout"] = str(int(gateway["request_timeout_ms"]))
-    retries = gateway.get("retries") or {}
-    if retries.get("max_attempts") is not None:
-        headers["cf-aig-max-attempts"] = str(int(retries["max_attempts"]))
-    if retries.get("retry_delay_ms") is not None:
-        headers["cf-aig-retry-delay"] = str(int(retries["retry_delay_ms"]))
-    if retries.get("backoff"):
-        headers["cf-aig-backoff"] = str(retries["backoff"])
-    if gateway.get("token"):
-        headers["cf-aig-authorization"] = f"Bearer {gateway['token']}"
+    if gateway.cache_ttl is not None:
+        headers["cf-aig-cache-ttl"] = str(gateway.cache_ttl)
+    if gateway.cache_key:
+        headers["cf-aig-cache-key"] = gateway.cache_key
+    if gateway.metadata:
+        headers["cf-aig-metadata"] = json.dumps(dict(gateway.metadata), separators=(",", ":"))
+    if gateway.collect_log is not None:
+        headers["cf-aig-collect-log"] = "true" if gateway.collect_log else "false"
+    if gateway.request_timeout_ms is not None:
+        headers["cf-aig-request-timeout"] = str(gateway.request_timeout_ms)
+    retries = gateway.retries
+    if retries.max_attempts is not None:
+        headers["cf-aig-max-attempts"] = str(retries.max_attempts)
+    if retries.retry_delay_ms is not None:
+        headers["cf-aig-retry-delay"] = str(retries.retry_delay_ms)
+    if retries.backoff:
+        headers["cf-aig-backoff"] = retries.backoff
+    if gateway.token:
+        headers["cf-aig-authorization"] = f"Bearer {gateway.token}"
     return headers
 
 
@@ -336,31 +318,23 @@ class WorkersAIBackend:
 
     name = "workers-ai"
 
-    def __init__(self, *, workers_ai: Mapping[str, Any], gateway: Mapping[str, Any]) -> None:
-        gateway_id = str(gateway.get("id") or "")
+    def __init__(
+        self, *, workers_ai: WorkersAISettings, gateway: CloudflareGatewaySettings, http: UpstreamHTTPSettings
+    ) -> None:
         headers = {
-            "Authorization": f"Bearer {workers_ai['api_token']}",
+            "Authorization": f"Bearer {workers_ai.api_token}",
             "Content-Type": "application/json",
             "Accept": "text/event-stream",
             # A compressed event stream can be buffered whole by the compressor: ask for none.
             "Accept-Encoding": "identity",
         }
-        if gateway_id:
+        if gateway.id:
             headers.update(_gateway_headers(gateway))
-        self._settings = _Settings(
-            account_id=str(workers_ai["account_id"]),
-            api_token=str(workers_ai["api_token"]),
-            base_url=str(workers_ai["base_url"]).rstrip("/"),
-            connect_timeout_s=float(workers_ai["connect_timeout_s"]),
-            read_timeout_s=float(workers_ai["read_timeout_s"]),
-            total_timeout_s=float(workers_ai["total_timeout_s"]),
-            max_connections=int(workers_ai.get("max_connections", 100)),
-            gateway_id=gateway_id,
-            gateway_base_url=str(gateway.get("base_url") or "").rstrip("/"),
-            gateway_token=str(gateway.get("token") or ""),
-            headers=headers,
-        )
-        self._secrets = tuple(s for s in (self._settings.api_token, self._settings.gateway_token) if s)
+        self._workers_ai = replace(workers_ai, base_url=workers_ai.base_url.rstrip("/"))
+        self._gateway = replace(gateway, base_url=gateway.base_url.rstrip("/"))
+        self._http_settings = http
+        self._headers = headers
+        self._secrets = tuple(s for s in (workers_ai.api_token, gateway.token) if s)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
@@ -368,10 +342,10 @@ class WorkersAIBackend:
         return requested
 
     def url(self, model: str) -> str:
-        s = self._settings
-        if s.gateway_id:
-            return f"{s.gateway_base_url}/{s.account_id}/{s.gateway_id}/workers-ai/{model}"
-        return f"{s.base_url}/accounts/{s.account_id}/ai/run/{model}"
+        account, gateway = self._workers_ai.account_id, self._gateway
+        if gateway.id:
+            return f"{gateway.base_url}/{account}/{gateway.id}/workers-ai/{model}"
+        return f"{self._workers_ai.base_url}/accounts/{account}/ai/run/{model}"
 
     async def aclose(self) -> None:
         client, self._client, self._client_loop = self._client, None, None
@@ -383,7 +357,7 @@ class WorkersAIBackend:
         # management command) gets a new client instead of a pool it cannot use.
         loop = asyncio.get_running_loop()
         if self._client is None or self._client_loop is not loop:
-            s = self._settings
+            s = self._http_settings
             self._client = httpx.AsyncClient(
                 # read=None: the stream's Watchdog enforces read_timeout_s (see the module doc).
                 timeout=httpx.Timeout(
@@ -397,7 +371,7 @@ class WorkersAIBackend:
                     max_keepalive_connections=min(20, s.max_connections),
                     keepalive_expiry=30.0,
                 ),
-                headers=s.headers,
+                headers=self._headers,
                 follow_redirects=False,
                 trust_env=False,
             )
@@ -422,10 +396,10 @@ class WorkersAIBackend:
             return
         client = self._http()
         loop = asyncio.get_running_loop()
-        read_s = self._settings.read_timeout_s
+        read_s = self._http_settings.read_timeout_s
         # The whole-request deadline. Each wait below runs under it, but never a `yield`: a
         # timeout spanning a yield would cancel the consumer's task wherever it happens to be.
-        deadline = loop.time() + self._settings.total_timeout_s
+        deadline = loop.time() + self._http_settings.total_timeout_s
         async with contextlib.AsyncExitStack() as stack:
             try:
                 # Once per request, so a plain asyncio timeout: the read timeout covers the headers.

@@ -51,15 +51,20 @@ class Client:
 
 ANONYMOUS = Client(key="local", ip_hash="")
 
+#: Refusals for this process's own state (its cap, its drain), not the client's: busy rows,
+#: counted in this process.
+_PROCESS_REFUSALS = frozenset({ErrorCode.OVER_CAPACITY, ErrorCode.SERVER_DRAINING})
+
 
 async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Error | None:
-    """The process is at its open-stream cap: the over-capacity Error, counted (process-local,
-    no round trip) against the persona if this process knows it; None otherwise. Meant to run
-    before anything else a stream request costs, so a refusal stays quick when it matters."""
+    """The process is at its open-stream cap, or draining: the over-capacity (or
+    server-draining) Error, counted (process-local, no round trip) against the persona if this
+    process knows it; None otherwise. Meant to run before anything else a stream request costs,
+    so a refusal stays quick when it matters."""
     options = settings.QUOTES_GATEWAY
-    if not admission.at_capacity(options):
+    error = admission.refusal(options)
+    if error is None:
         return None
-    error = admission.over_capacity()
     active = personas.peek(slug) if isinstance(slug, str) else None
     if active is None:
         return None  # unknown here: the full path looks it up (and refuses it all the same)
@@ -159,8 +164,8 @@ async def stream_generation(
                 code=admitted.code,
                 message=admitted.message,
                 window=options.rate_limit[1],
-                status=Generation.Status.BUSY if admitted.code is ErrorCode.OVER_CAPACITY else None,
-                local=admitted.code is ErrorCode.OVER_CAPACITY,  # this process's cap: counted here
+                status=Generation.Status.BUSY if admitted.code in _PROCESS_REFUSALS else None,
+                local=admitted.code in _PROCESS_REFUSALS,  # this process's state: counted here
             )
             yield admitted
             return
@@ -245,6 +250,7 @@ async def stream_generation(
     except (asyncio.CancelledError, GeneratorExit):
         if not record.status:
             record.status = Generation.Status.CANCELLED
+            record.error = admission.drain.cut_error()  # server_draining when the drain cut it
         raise
     except Exception:
         logger.exception("generation failed for persona %s", persona.slug)

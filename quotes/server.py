@@ -1,0 +1,119 @@
+"""`python -m quotes.server`: daphne, taking exactly daphne's arguments, that drains on SIGTERM.
+
+    python -m quotes.server -b 127.0.0.1 -p 8000 config.asgi:application
+
+On SIGTERM (or Ctrl-C) the process stops taking new streams (a 503 `server_draining` with
+Retry-After; /healthz answers 503 "draining", so nginx and the rolling restart look elsewhere),
+lets the open ones finish for up to QUOTES_DRAIN_TIMEOUT_S, then ends those still open with an
+event that tells their clients to resume elsewhere (quotes.transports), closes the backends
+(the embedded model's threads, the HTTP pools), writes the last log rows and exits. A second
+signal stops at once.
+
+Why not plain `daphne`: daphne runs Twisted's reactor, whose own SIGTERM handler stops the
+reactor at once, and daphne's "before shutdown" trigger (`Server.kill_all_applications`) then
+cancels every application instance, open streams included. Twisted calls all of an event's
+"before" triggers one after the other without waiting for any (only the "during" phase waits
+for the Deferreds they return), so a trigger of ours, even one returning a Deferred, cannot hold
+daphne's back. So this runs daphne's own `Server` with Twisted's signal handlers off and
+handles the signals itself: the reactor is stopped (and daphne's shutdown runs) only once the
+drain is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+# daphne.cli imports daphne.server first, which installs Twisted's asyncio reactor.
+from daphne.cli import CommandLineInterface
+from daphne.server import Server
+from daphne.ws_protocol import WebSocketProtocol
+from twisted.internet import reactor
+
+logger = logging.getLogger("quotes.server")  # run as __main__ (python -m)
+
+#: After the drain, for Twisted to write out the last bytes of the streams that just ended
+#: before the reactor's shutdown drops every connection.
+FLUSH_S = 0.5
+
+
+class DrainingServer(Server):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["signal_handlers"] = False  # ours: see the module's docstring
+        super().__init__(*args, **kwargs)
+        self.draining: asyncio.Task[None] | None = None
+
+    def run(self) -> None:
+        reactor.callWhenRunning(self._started)
+        super().run()
+
+    def _started(self) -> None:
+        self.ws_factory.protocol = QuotesWebSocketProtocol  # made by run(), before the reactor runs
+        self._handle_signals()
+
+    def _handle_signals(self) -> None:
+        loop = asyncio.get_event_loop()  # daphne's loop, which the reactor runs
+        for number in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(number, self._on_signal, number)
+
+    def _on_signal(self, number: int) -> None:
+        if self.draining is None:
+            logger.info("%s: draining before exit", signal.Signals(number).name)
+            self.draining = asyncio.ensure_future(self._drain_then_stop())
+        else:
+            logger.warning("%s again: stopping now", signal.Signals(number).name)
+            self.stop()
+
+    async def _drain_then_stop(self) -> None:
+        try:
+            await drain_and_close()
+        except Exception:
+            logger.exception("draining failed; stopping anyway")
+        finally:
+            self.stop()  # daphne's shutdown: whatever is left (idle sockets) is cancelled
+
+
+#: Close codes a server sends of its own accord (IANA's registry): going away, policy violation,
+#: message too big, internal error, service restart, try again later.
+SERVER_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011, 1012, 1013})
+
+
+class QuotesWebSocketProtocol(WebSocketProtocol):
+    """daphne's WebSocket protocol, closing with the codes a server sends. daphne passes an ASGI
+    `websocket.close` code to autobahn's `sendClose()`, which takes only 1000 and 3000-4999 (the
+    codes an application picks) and raises on any other, so the socket was never closed: 1012
+    (service restart, for a drain) and 1009 (a frame too large, quotes.consumers) go out as the
+    close frames they are."""
+
+    def serverClose(self, code: int | None = None) -> None:
+        if code in SERVER_CLOSE_CODES:
+            self.sendCloseFrame(code=code, isReply=False)
+        else:
+            super().serverClose(code)
+
+
+async def drain_and_close() -> None:
+    # Imported here: the app (and Django's settings) is loaded by daphne's CLI, after this module.
+    from django.conf import settings
+
+    from quotes.ai.backends import reset_backends
+    from quotes.ai.gateway.admission import drain
+    from quotes.ai.gateway.log import writer
+
+    await drain.run(settings.QUOTES_GATEWAY.drain_timeout_s)
+    await reset_backends()  # the embedded model's threads stop, the upstream pools close
+    if not await asyncio.to_thread(writer.flush, 10.0):
+        logger.warning("draining: some log rows were still unwritten after 10 s")
+    await asyncio.sleep(FLUSH_S)
+    logger.info("drained")
+
+
+class DrainingCommandLineInterface(CommandLineInterface):
+    description = "Persona Quotes: daphne, draining open streams on SIGTERM"
+    server_class = DrainingServer
+
+
+if __name__ == "__main__":
+    DrainingCommandLineInterface.entrypoint()

@@ -1,0 +1,401 @@
+"""Drain on deploy: a real daphne process, started with the systemd unit's own command
+(`python -m quotes.server`, tests/deployed.py), streaming from the fake Workers AI, gets SIGTERM
+mid-stream.
+
+- It takes no new stream (503 server_draining with Retry-After) and /healthz says "draining".
+- A stream that ends before the drain's deadline (QUOTES_DRAIN_TIMEOUT_S) ends whole.
+- A stream still open at the deadline ends with `event: reconnect` (no [DONE]), its upstream
+  is closed and its log row says cancelled / server_draining; the process then exits.
+- The WebSocket's stream ends the same way: a `reconnect` frame, then close code 1012.
+- Behind nginx with the project's proxy rules, a draining process's refusals are retried on
+  the other process: no visitor sees them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import sqlite3
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.deployed import ROOT, environment, running_daphne
+from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
+from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.scaleout.services import free_port, nginx, tail
+
+UNIT = "systemd/persona-quotes@.service"
+STREAM = "/api/quotes/stream"
+QUOTE = {"persona": "alan-watts", "topic": "moving house"}
+
+
+class Server:
+    def __init__(self, url: str, process: subprocess.Popen[bytes], database: Path, log: Path) -> None:
+        self.url = url
+        self.process = process
+        self.database = database
+        self.log = log
+
+    def rows(self) -> list[tuple[str, str]]:
+        with sqlite3.connect(self.database) as db:
+            return list(db.execute("SELECT status, error_code FROM quotes_generation ORDER BY id"))
+
+
+@pytest.fixture
+def serve(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterator[Callable[[float], Server]]:
+    """Start the unit's daphne with a drain deadline of `drain_s` seconds (on a fresh SQLite
+    file, answering from the fake Workers AI)."""
+    started: list[Iterator[subprocess.Popen[bytes]]] = []
+    database = tmp_path / "db.sqlite3"
+
+    def start(drain_s: float) -> Server:
+        env = environment(
+            DATABASE_URL=f"sqlite:///{database}",
+            DJANGO_ALLOWED_HOSTS="127.0.0.1",
+            AI_BACKEND="workers-ai",
+            CLOUDFLARE_ACCOUNT_ID=TEST_ACCOUNT_ID,
+            CLOUDFLARE_API_TOKEN=TEST_API_TOKEN,
+            CLOUDFLARE_API_BASE_URL=fake_workers_ai.api_base_url,
+            QUOTES_CACHE_TTL="0",
+            QUOTES_DRAIN_TIMEOUT_S=str(drain_s),
+        )
+        if not database.exists():
+            subprocess.run(
+                [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+            )
+        port = free_port()
+        log = tmp_path / f"daphne-{len(started)}.log"
+        context = running_daphne(UNIT, port, env, log)
+        process = context.__enter__()
+        started.append(context)
+        return Server(f"http://127.0.0.1:{port}", process, database, log)
+
+    yield start
+    for context in started:
+        context.__exit__(None, None, None)
+
+
+@pytest.fixture
+def serve_local(tmp_path: Path) -> Iterator[Server]:
+    """The unit's daphne on the embedded model (loaded at start-up), with no drain grace at all."""
+    database = tmp_path / "db.sqlite3"
+    env = environment(
+        DATABASE_URL=f"sqlite:///{database}",
+        DJANGO_ALLOWED_HOSTS="127.0.0.1",
+        AI_BACKEND="local",
+        LOCAL_MODEL_PRELOAD="true",
+        QUOTES_CACHE_TTL="0",
+        QUOTES_DRAIN_TIMEOUT_S="0",
+    )
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+    )
+    port, log = free_port(), tmp_path / "daphne.log"
+    with running_daphne(UNIT, port, env, log) as process:
+        yield Server(f"http://127.0.0.1:{port}", process, database, log)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def events_of(lines: list[str]) -> list[dict[str, str]]:
+    """SSE events (enough of the format for these streams: one data line each)."""
+    events, current = [], {}
+    for line in lines:
+        if not line:
+            if "data" in current:
+                events.append({"event": "message", **current})
+            current = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(":")
+            current[field] = value.removeprefix(" ")
+    return events
+
+
+def text_of(events: list[dict[str, str]], *, html: bool = False) -> str:
+    """The quote's text: from Workers AI's JSON events, or htmx's text fragments."""
+    messages = [e["data"] for e in events if e["event"] == "message" and e["data"] != "[DONE]"]
+    return "".join(messages if html else [json.loads(data)["response"] for data in messages])
+
+
+def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(12)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.25))  # 3 s, inside the 20 s
+    server = serve(20)
+
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + STREAM, json=QUOTE) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        head = [next(lines)]  # the first token's event
+        server.process.send_signal(signal.SIGTERM)
+
+        def draining() -> bool:
+            return httpx.get(server.url + "/healthz", timeout=5).status_code == 503
+
+        wait_for(draining, "/healthz answers 503")
+        health = httpx.get(server.url + "/healthz", timeout=5)
+        refused = httpx.post(server.url + STREAM, json=QUOTE, timeout=5)
+        rest = list(lines)
+
+    assert health.json() == {"status": "draining"}
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "server_draining"
+    assert int(refused.headers["Retry-After"]) > 0
+    events = events_of(head + rest)
+    assert events[-1] == {"event": "message", "data": "[DONE]"}
+    assert text_of(events) == "".join(tokens)
+    assert len(fake_workers_ai.requests) == 1  # the refused stream never went upstream
+
+    server.process.wait(timeout=30)  # with no stream left, the process exits by itself
+    assert server.process.returncode == 0, tail(server.log)
+    # The refusal is counted like an over-capacity one (a "busy" refusal row), the stream logged.
+    assert sorted(server.rows()) == [("busy", "server_draining"), ("ok", "")]
+
+
+#: How each SSE client asks: the JSON API, EventSource (GET), the page's htmx.
+SSE_CLIENTS: dict[str, dict[str, Any]] = {
+    "api": {"method": "POST", "json": QUOTE},
+    "eventsource": {"method": "GET", "params": QUOTE, "headers": {"Accept": "text/event-stream"}},
+    "htmx": {"method": "POST", "json": QUOTE, "headers": {"HX-Request": "true"}},
+}
+
+
+@pytest.mark.parametrize("client_kind", list(SSE_CLIENTS))
+def test_a_stream_open_at_the_drain_deadline_is_told_to_reconnect(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI, client_kind: str
+) -> None:
+    tokens = [f" word{n}" for n in range(200)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.1))  # 20 s, past the 1 s deadline
+    server = serve(1)
+    ask = dict(SSE_CLIENTS[client_kind])
+
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(ask.pop("method"), server.url + STREAM, **ask) as stream,
+    ):
+        assert stream.status_code == 200
+        quote_id = stream.headers["X-Quote-Id"]
+        lines = stream.iter_lines()
+        head = [next(lines)]
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)  # the body ends: the process cut the stream
+
+    events = events_of(head + rest)
+    last = events[-1]
+    assert last["event"] == "reconnect", events[-3:]
+    assert last["retry"].isdigit()
+    reconnect = json.loads(last["data"])
+    assert reconnect["retry_ms"] == int(last["retry"])
+    assert reconnect["last_event_id"].startswith(f"{quote_id}:")
+    assert all(e["data"] != "[DONE]" and e["event"] != "done" for e in events)
+    text = text_of(events[:-1], html=client_kind == "htmx")
+    assert text and "".join(tokens).startswith(text) and text != "".join(tokens)
+    # The upstream was closed, not left to run on.
+    assert fake_workers_ai.requests[0].client_disconnected.wait(5)
+
+    server.process.wait(timeout=1 + 20)
+    assert server.process.returncode == 0, tail(server.log)
+    assert server.rows() == [("cancelled", "server_draining")]
+
+
+# -- the WebSocket, with a client small enough to read here (RFC 6455: text frames, close) -------
+
+
+class WebSocket:
+    def __init__(self, port: int, path: str) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.reader = self.sock.makefile("rb")
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Origin: http://127.0.0.1:{port}\r\n\r\n".encode()
+        )
+        status = self.reader.readline()
+        assert b" 101 " in status, status
+        while self.reader.readline() not in (b"\r\n", b""):
+            pass
+
+    def send_json(self, payload: object) -> None:
+        data, mask = json.dumps(payload).encode(), os.urandom(4)
+        assert len(data) < 126
+        masked = bytes(byte ^ mask[i % 4] for i, byte in enumerate(data))
+        self.sock.sendall(bytes([0x81, 0x80 | len(data)]) + mask + masked)
+
+    def receive(self) -> tuple[int, bytes]:
+        """(opcode, payload) of the next frame from the server (unmasked, unfragmented)."""
+        head = self.reader.read(2)
+        assert len(head) == 2, "the connection closed without a close frame"
+        length = head[1] & 0x7F
+        if length == 126:
+            (length,) = struct.unpack("!H", self.reader.read(2))
+        elif length == 127:
+            (length,) = struct.unpack("!Q", self.reader.read(8))
+        return head[0] & 0x0F, self.reader.read(length)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
+def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close_1012(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(200)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.1))
+    server = serve(1)
+    port = int(server.url.rsplit(":", 1)[1])
+    socket_ = WebSocket(port, "/ws/quotes/")
+    try:
+        socket_.send_json({"type": "start", **QUOTE})
+        frames: list[dict[str, object]] = []
+        while not any(frame["type"] == "token" for frame in frames):
+            opcode, payload = socket_.receive()
+            assert opcode == 0x1, (opcode, payload)
+            frames.append(json.loads(payload))
+        server.process.send_signal(signal.SIGTERM)
+        # Meanwhile, a start on another socket is refused, and that socket closed with 1012.
+        wait_for(lambda: httpx.get(server.url + "/healthz", timeout=5).status_code == 503, "draining")
+        late = WebSocket(port, "/ws/quotes/")
+        try:
+            late.send_json({"type": "start", **QUOTE})
+            refusal = late.receive()
+            refusal_close = late.receive()
+        finally:
+            late.close()
+        while True:
+            opcode, payload = socket_.receive()
+            if opcode == 0x8:  # close
+                close_code = struct.unpack("!H", payload[:2])[0]
+                break
+            frames.append(json.loads(payload))
+    finally:
+        socket_.close()
+
+    assert close_code == 1012  # service restart
+    assert refusal[0] == 0x1 and json.loads(refusal[1])["code"] == "server_draining"
+    assert refusal_close[0] == 0x8 and struct.unpack("!H", refusal_close[1][:2])[0] == 1012
+    meta = next(frame for frame in frames if frame["type"] == "meta")
+    last = frames[-1]
+    assert last["type"] == "reconnect", frames[-3:]
+    assert isinstance(last["retry_ms"], int)
+    assert str(last["last_event_id"]).startswith(f"{meta['id']}:")
+    assert not any(frame["type"] == "done" for frame in frames)
+    assert fake_workers_ai.requests[0].client_disconnected.wait(5)
+
+    server.process.wait(timeout=1 + 20)
+    assert server.process.returncode == 0, tail(server.log)
+    assert sorted(server.rows()) == [("busy", "server_draining"), ("cancelled", "server_draining")]
+
+
+def test_behind_nginx_new_streams_go_to_the_other_process_while_one_drains(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI, tmp_path: Path
+) -> None:
+    """The rolling restart's middle: process A drains (a stream still open on it), B serves.
+    nginx (deploy/nginx/persona-quotes-locations.conf) sends every new stream to B, even those
+    it first tried on A."""
+    tokens = [f" word{n}" for n in range(12)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.25))  # A's stream: 3 s
+    a, b = serve(20), serve(20)
+    proxy_port = free_port()
+    upstreams = " ".join(
+        f"server {s.url.removeprefix('http://')} max_fails=3 fail_timeout=10s;" for s in (a, b)
+    )
+    site = f"""
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    upstream persona_quotes {{ least_conn; {upstreams} keepalive 16; }}
+    server {{
+        listen 127.0.0.1:{proxy_port};
+        server_name 127.0.0.1;
+        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
+    }}
+"""
+    with (
+        nginx(tmp_path, site=site, port=proxy_port) as proxy,
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", a.url + STREAM, json=QUOTE) as stream,
+    ):
+        lines = stream.iter_lines()
+        head = [next(lines)]
+        a.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(a.url + "/healthz", timeout=5).status_code == 503, "A drains")
+        # nginx has no idea which process drains: with the two tied, it tries A about every
+        # other time.
+        answers = [client.post(proxy.url + STREAM, json={**QUOTE, "topic": f"n{n}"}) for n in range(4)]
+        rest = list(lines)
+
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert all(text_of(events_of(r.text.splitlines())) for r in answers)
+    assert text_of(events_of(head + rest)) == "".join(tokens)  # A's own stream ended whole
+    a.process.wait(timeout=30)
+    assert a.process.returncode == 0, tail(a.log)
+    assert b.process.poll() is None
+
+
+def test_a_stream_cut_before_its_first_token_is_refused_like_a_new_one(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """Nothing sent yet at the deadline (the model still thinking): a 503 server_draining with
+    Retry-After, as a refused stream gets, rather than a stream that says nothing."""
+    fake_workers_ai.script(Scenario(stall_before_s=20))
+    server = serve(1)
+
+    def terminate_once_upstream_asked() -> None:
+        fake_workers_ai.wait_for_requests(1, timeout_s=30)
+        server.process.send_signal(signal.SIGTERM)
+
+    signaller = threading.Thread(target=terminate_once_upstream_asked)
+    signaller.start()
+    try:
+        response = httpx.post(server.url + STREAM, json=QUOTE, timeout=30)
+    finally:
+        signaller.join()
+
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "server_draining"
+    assert int(response.headers["Retry-After"]) > 0
+    assert fake_workers_ai.requests[0].client_disconnected.wait(5)
+    server.process.wait(timeout=1 + 20)
+    assert server.process.returncode == 0, tail(server.log)
+    assert server.rows() == [("cancelled", "server_draining")]
+
+
+def test_the_embedded_model_stops_cleanly_when_its_stream_is_cut(serve_local: Server) -> None:
+    """The local backend (llama.cpp in process): cut mid-quote by a drain with no grace at all,
+    the model's threads stop and the process exits cleanly, with its log row written."""
+    server = serve_local
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", server.url + STREAM, json=QUOTE) as stream,
+    ):
+        assert stream.status_code == 200, stream.read()
+        lines = stream.iter_lines()
+        head = [next(lines)]
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+
+    events = events_of(head + rest)
+    assert events[-1]["event"] == "reconnect", events[-3:]
+    server.process.wait(timeout=30)
+    output = server.log.read_text()
+    assert server.process.returncode == 0, tail(server.log)
+    assert "Traceback" not in output and '"level": "ERROR"' not in output, tail(server.log)
+    assert server.rows() == [("cancelled", "server_draining")]
