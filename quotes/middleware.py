@@ -67,10 +67,10 @@ def _let_go_of_asgirefs_thread() -> None:
 
 
 class StreamAdmissionMiddleware:
-    """At the process's open-stream cap, `POST/GET /api/quotes/stream` is refused here (by
-    quotes.views.refuse_stream_when_full), early in the chain: Django's handler and the
-    middleware before this one have run, the session, CSRF, auth, message and clickjacking
-    middleware have not. Under an overload most requests are refusals (800 of 1,000 in
+    """At the process's open-stream cap (or while it drains), `POST/GET /api/quotes/stream` is
+    refused here (by quotes.views.refuse_stream_when_full), early in the chain: Django's handler
+    and the middleware before this one have run, the session, CSRF, auth, message, clickjacking
+    and CSP middleware have not. Under an overload most requests are refusals (800 of 1,000 in
     bench/scaleout_load.py), and what each costs is taken from the streams the process holds.
     Anything this cannot answer (not at the cap, a request with a session, a bad request) goes
     on through the whole chain to the view, which refuses it there if it must."""

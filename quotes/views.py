@@ -191,10 +191,11 @@ async def stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
 
 
 async def refuse_stream_when_full(request: HttpRequest) -> HttpResponseBase | None:
-    """`stream_quote`'s over-capacity 503 (Retry-After, the JSON envelope or the htmx error
-    event, the refusal counted), or None when the view must answer: the process is not at its
-    cap, the request carries a session (a user's refusal is counted under their key, which only
-    the session knows), or it is not a well-formed request for a persona this process knows.
+    """`stream_quote`'s over-capacity (or server-draining) 503 (Retry-After, the JSON envelope or
+    the htmx error event, the refusal counted), or None when the view must answer: the process is
+    not at its cap, the request carries a session (a user's refusal is counted under their key,
+    which only the session knows), or it is not a well-formed request for a persona this process
+    knows.
 
     Called by quotes.middleware.StreamAdmissionMiddleware before the session, CSRF, auth and
     message middleware run: at the cap, refusals come by the hundred, and each one's cost is
