@@ -67,10 +67,11 @@ def _let_go_of_asgirefs_thread() -> None:
 
 
 class StreamAdmissionMiddleware:
-    """At the process's open-stream cap (or while it drains), `POST/GET /api/quotes/stream` is
-    refused here (by quotes.views.refuse_stream_when_full), early in the chain: Django's handler
-    and the middleware before this one have run, the session, CSRF, auth, message, clickjacking
-    and CSP middleware have not. Under an overload most requests are refusals (800 of 1,000 in
+    """At the process's open-stream cap (or while it drains), a new stream (`/api/quotes/stream`,
+    and the persona page's form, `/quotes/stream`) is refused here (by
+    quotes.views.refuse_stream_when_full), early in the chain: Django's handler and the
+    middleware before this one have run, the session, CSRF, auth, message, clickjacking and CSP
+    middleware have not. Under an overload most requests are refusals (800 of 1,000 in
     bench/scaleout_load.py), and what each costs is taken from the streams the process holds.
     Anything this cannot answer (not at the cap, a request with a session, a bad request) goes
     on through the whole chain to the view, which refuses it there if it must."""
@@ -80,16 +81,17 @@ class StreamAdmissionMiddleware:
 
     def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
         self.get_response = get_response
-        self._path: str | None = None
+        self._paths: dict[str, bool] | None = None
         markcoroutinefunction(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        if self._path is None:
-            self._path = reverse("quotes:stream")  # not in __init__: the URLconf may not load yet
-        if request.path_info == self._path:
+        if self._paths is None:  # not in __init__: the URLconf may not load yet
+            self._paths = {reverse("quotes:stream"): False, reverse("quotes:stream-form"): True}
+        form = self._paths.get(request.path_info)
+        if form is not None:
             from .views import refuse_stream_when_full  # the views import this module's neighbours
 
-            response = await refuse_stream_when_full(request)
+            response = await refuse_stream_when_full(request, form=form)
             if response is not None:
                 return response
         return await self.get_response(request)

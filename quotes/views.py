@@ -190,24 +190,28 @@ async def stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
     return response
 
 
-async def refuse_stream_when_full(request: HttpRequest) -> HttpResponseBase | None:
-    """`stream_quote`'s over-capacity (or server-draining) 503 (Retry-After, the JSON envelope or
-    the htmx error event, the refusal counted), or None when the view must answer: the process is
-    not at its cap, the request carries a session (a user's refusal is counted under their key,
-    which only the session knows), or it is not a well-formed request for a persona this process
-    knows.
+async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
+    """The over-capacity (or server-draining) 503 of `stream_quote` (`form`: of
+    `stream_quote_form`), as the view gives it (Retry-After, the JSON envelope or the htmx error
+    event, the refusal counted), or None when the view must answer: the process is not at its
+    cap, the request carries a session (a user's refusal is counted under their key, which only
+    the session knows), or it is not a well-formed request for a persona this process knows.
 
     Called by quotes.middleware.StreamAdmissionMiddleware before the session, CSRF, auth and
     message middleware run: at the cap, refusals come by the hundred, and each one's cost is
-    taken from the streams the process holds."""
+    taken from the streams the process holds. A refusal starts nothing, so answering the form's
+    before its CSRF check spends nothing on anyone's behalf; still, only a same-site post that
+    carries a CSRF cookie and token is answered here, and anything else meets Django's check."""
     if not admission.at_capacity(settings.QUOTES_GATEWAY) or settings.SESSION_COOKIE_NAME in request.COOKIES:
         return None
-    htmx = request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
+    htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
     try:
         refuse_cross_site(request)
-        params = _read_params(request)
+        params = _read_form(request) if form else _read_params(request)
     except QuoteError:
         return None  # the view answers it, as it answers any bad request
+    if params is None:
+        return None
     client = Client.from_request(request.META.get("REMOTE_ADDR") or "")
     full = await refuse_if_full(
         slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
@@ -215,8 +219,21 @@ async def refuse_stream_when_full(request: HttpRequest) -> HttpResponseBase | No
     if full is None:
         return None
     response = not_a_document(_htmx_error_response(full, Meta()) if htmx else error_response(full))
-    patch_vary_headers(response, ("HX-Request",))
+    if not form:
+        patch_vary_headers(response, ("HX-Request",))  # as stream_quote's answers
     return response
+
+
+def _read_form(request: HttpRequest) -> dict[str, Any] | None:
+    """The form's fields, if it is a post that can pass Django's CSRF check (a CSRF cookie and a
+    token in the form or the header), else None."""
+    if request.method != "POST" or settings.CSRF_COOKIE_NAME not in request.COOKIES:
+        return None
+    _check_body_size(request)
+    params = _form_params(request)
+    if not (request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)):
+        return None
+    return params
 
 
 async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:

@@ -190,6 +190,53 @@ async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_
     assert refusal.request_count == 3
 
 
+async def test_open_stream_cap_refuses_the_page_form_early_but_csrf_still_meets_cross_site_posts(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The persona page's form (htmx, Django's CSRF) is refused early too when it is a same-site
+    post with its CSRF cookie and token: the htmx error event with Retry-After, counted, without
+    the marks of the later middleware. A post from another site's page, or without a token,
+    still meets Django's CSRF check (403 csrf_failed), at the cap as anywhere."""
+    from urllib.parse import urlencode
+
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
+    held = stream("held")
+    await first_token(held)
+    token = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
+
+    async def form_post(fields: dict[str, str], **headers: str) -> StreamedResponse:
+        s = AsgiStream(
+            "POST",
+            "/quotes/stream",
+            body=urlencode({"persona": persona.slug, **fields}).encode(),
+            headers={
+                "content-type": "application/x-www-form-urlencoded",
+                "hx-request": "true",
+                "cookie": f"csrftoken={token}",
+                **headers,
+            },
+        )
+        await s.start()
+        return await s.read_all()
+
+    refused = await form_post({"csrfmiddlewaretoken": token}, origin="http://testserver")
+    cross_site = await form_post({"csrfmiddlewaretoken": token}, origin="https://elsewhere.example")
+    tokenless = await form_post({})
+
+    assert refused.status == 503 and int(refused.headers["retry-after"]) > 0
+    assert refused.headers["content-type"].startswith("text/event-stream")
+    assert b"event: error\n" in refused.body and b'"over_capacity"' in refused.body
+    assert "x-frame-options" not in refused.headers and "content-security-policy" not in refused.headers
+    for answer in (cross_site, tokenless):
+        assert answer.status == 403 and b'"csrf_failed"' in answer.body
+    assert len(fake.requests) == 1
+    await held.disconnect()
+    rows = await wait_for_rows(2)
+    [refusal] = [row for row in rows if row.error_code == "over_capacity"]
+    assert (refusal.status, refusal.request_count) == (Generation.Status.BUSY, 1)
+
+
 async def test_open_stream_cap_refuses_a_request_with_a_session_in_the_view(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
