@@ -2,7 +2,7 @@
 
 - `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread
   (quotes.request_threads).
-- `StreamAdmissionMiddleware`: at the process's open-stream cap, the stream API's 503 answered
+- `StreamAdmissionMiddleware`: at the process's open-stream cap, the stream URLs' 503 answered
   before the session, CSRF, auth and message middleware run.
 - `StaticFilesMiddleware`: WhiteNoise, given an async entry point.
 - Django's own middleware with their methods run inline instead of in a thread each.

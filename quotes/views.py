@@ -242,8 +242,8 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
         refuse_cross_site(request)  # another site's page must not start a (paid) generation
         params = _read_params(request)
         client = await client_of(request)
-        # At the process's cap, refused before anything else is spent (see refuse_if_full; a
-        # request without a session was refused by StreamAdmissionMiddleware already).
+        # At the process's cap, refused before anything else is spent (see refuse_if_full; most
+        # requests without a session were refused by StreamAdmissionMiddleware already).
         full = await refuse_if_full(
             slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
         )
