@@ -64,14 +64,15 @@ from bench.common import (
 # -- the stamping upstream (its own process) ----------------------------------------------------------
 
 
-def _upstream_main(conn: Connection, tokens: int, tps: float) -> None:
-    asyncio.run(_StampingUpstream(conn, tokens, tps).run())
+def _upstream_main(conn: Connection, tokens: int, tps: float, numbered: bool) -> None:
+    asyncio.run(_StampingUpstream(conn, tokens, tps, numbered).run())
 
 
 class _StampingUpstream:
-    def __init__(self, conn: Connection, tokens: int, tps: float) -> None:
+    def __init__(self, conn: Connection, tokens: int, tps: float, numbered: bool = False) -> None:
         self.conn = conn
         self.tokens = tokens
+        self.numbered = numbered
         self.period_ns = int(1e9 / tps)
         self.phases = max(1, int(1000 / tps))  # one phase per ms of the period
         self.buckets: list[set[_UpStream]] = [set() for _ in range(self.phases)]
@@ -152,7 +153,7 @@ class _StampingUpstream:
                 stream.sent += 1
                 # Decimal: the app holds back a token's tail that could begin its API token (the
                 # stream scrubber), and hex digits would collide with the bench token's "b".
-                text = str(time.monotonic_ns())
+                text = f"{stream.sent}," if self.numbered else str(time.monotonic_ns())
                 event = b'data: {"response":"' + text.encode() + b'"}\n\n'
                 if stream.sent >= self.tokens:
                     usage = json.dumps({"prompt_tokens": 24, "completion_tokens": self.tokens})
@@ -175,10 +176,15 @@ class _UpStream:
 
 
 class StampingUpstream:
-    def __init__(self, tokens: int, tps: float) -> None:
+    """`numbered`: token n's text is `n,` instead of a time stamp, so every answer is the same
+    known text (`numbered_text`) and a client can check it arrived whole, in order, once."""
+
+    def __init__(self, tokens: int, tps: float, *, numbered: bool = False) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=_upstream_main, args=(child, tokens, tps), daemon=True)
+        self.process = context.Process(
+            target=_upstream_main, args=(child, tokens, tps, numbered), daemon=True
+        )
         self.process.start()
         self.port: int = self._conn.recv()
 
@@ -198,6 +204,11 @@ class StampingUpstream:
         self.process.join(5)
         if self.process.is_alive():
             self.process.terminate()
+
+
+def numbered_text(tokens: int) -> str:
+    """The whole answer of a `numbered` StampingUpstream."""
+    return "".join(f"{n}," for n in range(1, tokens + 1))
 
 
 # -- daphne (bench.common.serve_app, plus a settings module of our own) ------------------------------

@@ -32,11 +32,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.common import ACCOUNT_ID, API_TOKEN, ARTIFACTS, PYTHON, ROOT, machine, table
 from bench.load import StampingUpstream, build_report, capacity_lines, drive, raise_fd_limit
-from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process, tail
+from tests.deployed import start_daphne, wait_until_healthy
+from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process
 
 LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
 
@@ -77,29 +76,19 @@ def production_env(
 def daphnes(
     count: int, env: dict[str, str], workdir: Path
 ) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
-    started: list[tuple[subprocess.Popen[bytes], str]] = []
+    """`count` daphne processes started as deploy/systemd/persona-quotes@.service starts them
+    (`python -m quotes.server`, tests/deployed.py), each on its own 127.0.0.1 port."""
+    started: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     try:
         for index in range(count):
             port = free_port()
             log = workdir / f"daphne-{index}.log"
-            command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
-            command += ["--proxy-headers", "--proxy-headers-host", "X-Real-IP"]
-            command += ["--application-close-timeout", "5", "config.asgi:application"]
-            with log.open("wb") as out:
-                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-            started.append((process, f"127.0.0.1:{port}"))
-        for process, address in started:
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://{address}/healthz", timeout=2).status_code == 200:
-                        break
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daphne {address} did not start:\n{tail(workdir / 'daphne-0.log')}")
-                time.sleep(0.2)
-        yield started
+            started.append((start_daphne(port, env, log), f"127.0.0.1:{port}", log))
+        for process, address, log in started:
+            wait_until_healthy(f"http://{address}", process, log)
+        yield [(process, address) for process, address, _ in started]
     finally:
-        for process, _ in started:
+        for process, _, _ in started:
             stop_process(process)
 
 

@@ -98,6 +98,7 @@ async def drain_and_close() -> None:
     # Imported here: the app (and Django's settings) is loaded by daphne's CLI, after this module.
     from django.conf import settings
 
+    from quotes.ai import refusals
     from quotes.ai.backends import reset_backends
     from quotes.ai.gateway.admission import drain
     from quotes.ai.gateway.log import writer
@@ -107,6 +108,9 @@ async def drain_and_close() -> None:
     if not await asyncio.to_thread(writer.flush, 10.0):
         logger.warning("draining: some log rows were still unwritten after 10 s")
     await asyncio.sleep(FLUSH_S)
+    # Last: the process refuses new streams until it stops, and each refusal's count reaches its
+    # row a second later. Nothing may be awaited between this and the stop (see flush_now).
+    await refusals.flush_now()
     logger.info("drained")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -78,15 +79,43 @@ def environment(**overrides: str) -> dict[str, str]:
     return env
 
 
+#: The unit the production layout runs N of behind nginx (docs/deployment.md).
+INSTANCE_UNIT = "systemd/persona-quotes@.service"
+
+
+def start_daphne(
+    port: int, env: dict[str, str], log: Path, *, source: str = INSTANCE_UNIT
+) -> subprocess.Popen[bytes]:
+    """daphne as deploy/`source` starts it (`python -m quotes.server ...`, draining on SIGTERM),
+    on 127.0.0.1:`port`, its output appended to `log`. The scale-out check and the benchmarks
+    start their processes here, so they run what the deploy files run."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            daphne_command(source, port), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def wait_until_healthy(
+    url: str, process: subprocess.Popen[bytes], log: Path, *, timeout_s: float = 60.0
+) -> None:
+    """Until `url`/healthz answers 200 (what deploy/rolling-restart waits for); RuntimeError
+    with the log's tail if the process exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"daphne {url} did not become healthy:\n{tail(log)}")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def running_daphne(
     source: str, port: int, env: dict[str, str], log: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
     """daphne started from deploy/`source`, once it answers HTTP (any status)."""
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            daphne_command(source, port), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+    process = start_daphne(port, env, log, source=source)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -99,3 +128,20 @@ def running_daphne(
         yield process
     finally:
         stop_process(process)
+
+
+def deploy_upstream(addresses: list[str]) -> str:
+    """deploy/nginx/persona-quotes.conf's `upstream persona_quotes` block (balancing, keep-alive),
+    its servers pointed at `addresses` (host:port) with the parameters the deploy file gives its
+    own (max_fails): what nginx does with a draining or restarting process is what the deploy
+    file makes it do."""
+    text = (ROOT / "deploy" / "nginx" / "persona-quotes.conf").read_text()
+    block = re.search(r"upstream persona_quotes \{(.*?)\n\}", text, re.S)
+    assert block is not None, "no upstream block in deploy/nginx/persona-quotes.conf"
+    lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    directives = [line for line in lines if line]
+    servers = [line for line in directives if line.startswith("server ")]
+    params = servers[0].removesuffix(";").split()[2:] if servers else []
+    others = [line for line in directives if not line.startswith("server ")]
+    body = [f"server {address} {' '.join(params)};".replace(" ;", ";") for address in addresses]
+    return "upstream persona_quotes {\n" + "\n".join(f"        {x}" for x in [*others, *body]) + "\n    }"

@@ -13,8 +13,9 @@ request body, topic or text) whose `request_count` says how many there were:
 
 The analytics sum `request_count`, so every refusal is still counted there. The row's id is
 derived from the window's cache key (keyed with the SECRET_KEY), so processes sharing a Redis
-cache update the same row (without Redis each process keeps its own); a process that stops
-within a second of a refusal may leave that last second uncounted.
+cache update the same row (without Redis each process keeps its own). A process that drains
+before it exits (quotes.server) copies every pending count at the last moment (`flush_now`), so
+a draining process's refusals, which go on until it stops, are counted too.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 FLUSH_AFTER_S = 1.0
 
 #: Flushes waiting to run in this process, by cache key: at most one per window.
-_pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
+_pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle, uuid.UUID]] = {}
 _running: set[asyncio.Task[None]] = set()
 
 
@@ -174,7 +175,7 @@ def _schedule_flush(key: str, public_id: uuid.UUID) -> None:
     pending = _pending.get(key)
     if pending is not None and pending[0] is loop and not pending[1].cancelled():
         return  # that flush reads the count after this refusal was added
-    _pending[key] = (loop, loop.call_later(FLUSH_AFTER_S, _start_flush, key, public_id))
+    _pending[key] = (loop, loop.call_later(FLUSH_AFTER_S, _start_flush, key, public_id), public_id)
 
 
 def _start_flush(key: str, public_id: uuid.UUID) -> None:
@@ -182,6 +183,18 @@ def _start_flush(key: str, public_id: uuid.UUID) -> None:
     task = asyncio.ensure_future(_flush(key, public_id))
     _running.add(task)
     task.add_done_callback(_running.discard)
+
+
+async def flush_now() -> None:
+    """Copy every pending count to its row now, and wait for the copies under way: the last
+    thing a process does before it stops (no await may come between this and the stop, or a
+    refusal answered in between would go uncounted)."""
+    while _pending or _running:
+        for key, (_loop, handle, public_id) in list(_pending.items()):
+            handle.cancel()
+            _start_flush(key, public_id)
+        if _running:
+            await asyncio.gather(*_running, return_exceptions=True)
 
 
 async def _flush(key: str, public_id: uuid.UUID) -> None:

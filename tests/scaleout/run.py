@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from tests.deployed import deploy_upstream, start_daphne, wait_until_healthy
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 from .services import Nginx, ServiceError, free_port, nginx, postgres, redis, stop_process, tail
@@ -123,49 +124,24 @@ def manage(env: dict[str, str], *args: str) -> None:
 
 @contextlib.contextmanager
 def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
-    """One daphne process as docs/deployment.md runs it (timeouts; the app believes nginx's
-    X-Forwarded-For because nginx connects from loopback, a trusted proxy by default)."""
+    """One daphne process as deploy/systemd/persona-quotes@.service starts it (tests/deployed.py;
+    the app believes nginx's X-Forwarded-For because nginx connects from loopback, a trusted
+    proxy by default)."""
     port = free_port()
     log = workdir / f"daphne-{name}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "quotes.server",
-        "-b",
-        "127.0.0.1",
-        "-p",
-        str(port),
-        "--application-close-timeout",
-        "5",
-        "--websocket_timeout",
-        "3600",
-        "--ping-interval",
-        "20",
-        "--access-log",
-        "/dev/null",
-        "config.asgi:application",
-    ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    process = start_daphne(port, env, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise ServiceError(f"daphne {name} did not become healthy:\n{tail(log)}")
-            time.sleep(0.2)
+        try:
+            wait_until_healthy(url, process, log)
+        except RuntimeError as exc:
+            raise ServiceError(f"daphne {name}: {exc}") from None
         yield Daphne(name=name, url=url, log=log, process=process)
     finally:
         stop_process(process)
 
 
 def nginx_site(port: int, upstreams: list[Daphne], metrics_ports: list[int]) -> str:
-    servers = "\n".join(
-        f"        server {d.url.removeprefix('http://')} max_fails=3 fail_timeout=10s;" for d in upstreams
-    )
     # One port per process for Prometheus, as deploy/nginx/persona-quotes.conf sets them up.
     metrics = "".join(
         f"""
@@ -182,11 +158,7 @@ def nginx_site(port: int, upstreams: list[Daphne], metrics_ports: list[int]) -> 
         default upgrade;
         ''      close;
     }}
-    upstream persona_quotes {{
-        least_conn;
-{servers}
-        keepalive 16;
-    }}
+    {deploy_upstream([d.url.removeprefix("http://") for d in upstreams])}
     server {{
         listen 127.0.0.1:{port};
         server_name 127.0.0.1;
