@@ -213,6 +213,24 @@ async def test_resume_after_the_end_from_redis(
     assert len(fake.requests) == 1
 
 
+async def test_resume_is_not_refused_at_the_open_stream_cap(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The generation being resumed holds its slot: a resume opens no new stream, so the cap
+    (one stream here, held by that very generation in its grace) does not refuse it."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    _, received, _ = await cut(fake)
+    refused = await request("POST", STREAM_URL, json_body={"persona": persona.slug})
+
+    resumed = await request(
+        "GET", STREAM_URL, query=f"persona={persona.slug}&last_event_id={last_id(received)}"
+    )
+
+    assert refused.status == 503  # a new stream is refused: the process is full
+    assert resumed.status == 200
+    assert text_of(received) + text_of(resumed.body) == TEXT
+
+
 async def test_resume_unknown_or_malformed_ids_are_refused(persona: Persona, fake: FakeWorkersAI) -> None:
     unknown = await request(
         "POST",
