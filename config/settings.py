@@ -394,6 +394,10 @@ QUOTES_GATEWAY = GatewaySettings(
     # resume elsewhere. 20 s covers nearly every quote and stays under the stop timeouts of
     # systemd (TimeoutStopSec=45 in deploy/systemd) and Kubernetes (30 s); docs/deployment.md.
     drain_timeout_s=_env_or_error("QUOTES_DRAIN_TIMEOUT_S", float, 20.0),
+    # A dropped connection keeps its generation running this long so the client can resume it
+    # (Last-Event-ID); a finished one's events stay in the cache this long for a late resume.
+    resume_grace_s=_env_or_error("QUOTES_RESUME_GRACE_S", float, 10.0),
+    resume_ttl_s=_env_or_error("QUOTES_RESUME_TTL_S", int, 300),
 )
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
@@ -410,6 +414,8 @@ for _name, _key in (
 _positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY.cache_ttl, low=0)
 _positive("QUOTES_RETRY_DELAY_MS", QUOTES_GATEWAY.retry_delay_ms, low=0)
 _positive("QUOTES_DRAIN_TIMEOUT_S", QUOTES_GATEWAY.drain_timeout_s, low=0)
+_positive("QUOTES_RESUME_GRACE_S", QUOTES_GATEWAY.resume_grace_s, low=0, high=300)
+_positive("QUOTES_RESUME_TTL_S", QUOTES_GATEWAY.resume_ttl_s, low=0)
 
 # --- Who the client is ----------------------------------------------------------------------
 

@@ -46,6 +46,10 @@ class GatewaySettings:
     keepalive_s: float
     #: on SIGTERM, how long open streams may run on before they are told to resume elsewhere
     drain_timeout_s: float
+    #: a dropped connection's generation keeps running this long for a resume (0: stop at once)
+    resume_grace_s: float = 10.0
+    #: a finished generation's events are kept this long (the cache) for a late resume
+    resume_ttl_s: int = 300
 
 
 @dataclass(frozen=True, slots=True)

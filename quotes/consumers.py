@@ -2,8 +2,9 @@
 
 Client -> server:
     {"type": "start", "persona": slug, "topic": "...", "messages": [...], "fresh": false}
+    {"type": "resume", "last_event_id": "<generation id>:<n>"}   (after a dropped socket)
     {"type": "cancel"}
-Server -> client:
+Server -> client (each frame of a generation with its `event_id`, "<generation id>:<n>"):
     {"type": "meta", "model", "model_url", "cache_status", "id", "permalink"}  (may repeat)
     {"type": "token", "text": "..."}
     {"type": "done", "usage": {...} | null, "id", "permalink"}
@@ -12,14 +13,18 @@ Server -> client:
     {"type": "reconnect", "last_event_id", "retry_ms"}   the process is restarting: the socket
         is then closed with code 1012 (service restart); resume on another connection
 
+A socket that drops leaves its generation running for QUOTES_RESUME_GRACE_S: a new socket's
+`resume` frame gets the frames after `last_event_id`, then the live rest (an unknown or
+expired id gets an error frame, `resume_unavailable`). A `cancel` stops it at once.
+
 A `start` on a process that is restarting gets an error frame (`server_draining`), then the
 socket is closed with code 1012, so the client reconnects (through nginx, to another process).
 One generation at a time per socket: a `start` while one runs gets an error frame with code
 `busy_socket` (cancel first). Every `start` counts against the client's rate limit, refused ones
 included. A frame over QUOTES_MAX_FRAME_BYTES gets an error frame (`frame_too_large`), and the
-socket is closed with code 1009. The generation runs in a task of its own, so a `cancel` or a
-disconnect stops it at once (Channels handles one message at a time); the gateway then logs
-the row as cancelled and closes the upstream or stops the model.
+socket is closed with code 1009. The socket reads its generation in a task of its own
+(Channels handles one message at a time); a `cancel` stops the generation at once, and the
+gateway logs the row as cancelled (`stopped`) and closes the upstream or stops the model.
 """
 
 from __future__ import annotations
@@ -27,17 +32,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 from django.urls import path
 
 from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error
 from .ai.gateway import Client, refuse_if_full, stream_generation
+from .ai.gateway.runs import Cursor, parse_event_id, resume
 from .security import count_refused_start, frame_too_large
-from .transports import WebSocketEncoder, relay
+from .transports import Opening, WebSocketEncoder, relay
 from .views import QuoteInput, parse_quote_request
 
 
@@ -46,13 +54,16 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     # hold a Redis connection (and a receive loop) open for every visitor.
     channel_layer_alias = "quotes-none"
     task: asyncio.Task[None] | None = None
+    cursor: Cursor | None = None
 
     async def connect(self) -> None:
         self.task = None
+        self.cursor = None
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
-        await self._cancel()
+        # Gone, not stopped: the generation runs on for the resume grace.
+        await self._cancel(stop=False)
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
@@ -75,17 +86,57 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         kind = content.get("type") if isinstance(content, dict) else None
         if kind == "start":
             await self._start(content)
+        elif kind == "resume":
+            await self._resume(content.get("last_event_id"))
         elif kind == "cancel":
-            if await self._cancel():
+            if await self._cancel(stop=True):
                 await self.send_json({"type": "cancelled"})
         else:
             await self._send_error(
                 QuoteError(
                     ErrorCode.INVALID_FRAME,
-                    'A frame must be {"type": "start", ...} or {"type": "cancel"}.',
+                    'A frame must be {"type": "start", ...}, {"type": "resume", ...} or {"type": "cancel"}.',
                     400,
                 )
             )
+
+    async def _resume(self, last_event_id: object) -> None:
+        if self.task is not None and not self.task.done():
+            await self._send_error(
+                QuoteError(
+                    ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409
+                )
+            )
+            return
+        parsed = parse_event_id(last_event_id)
+        if parsed is None:
+            await self._send_error(
+                QuoteError(
+                    ErrorCode.INVALID_LAST_EVENT_ID,
+                    "`last_event_id` must be an event id this site sent: <generation id>:<number>.",
+                    400,
+                )
+            )
+            return
+        options = settings.QUOTES_GATEWAY
+        resumed = await resume(
+            parsed[0], parsed[1], keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
+        )
+        if resumed is None:
+            await self._send_error(
+                QuoteError(
+                    ErrorCode.RESUME_UNAVAILABLE,
+                    "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one.",
+                    404,
+                )
+            )
+            return
+        self.cursor = resumed.cursor
+        self.task = asyncio.create_task(
+            self._relay(
+                relay(resumed.events, WebSocketEncoder(), Opening(resumed.meta, None), resumed.cursor)
+            )
+        )
 
     async def _start(self, content: dict[str, Any]) -> None:
         # Every start counts against the rate limit: the gateway counts those it runs, and
@@ -117,6 +168,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         return Client.from_request(ip, user_id)
 
     async def _run(self, quote: QuoteInput, client: Client) -> None:
+        self.cursor = cursor = Cursor()
         events = stream_generation(
             persona=quote.persona,
             version=quote.version,
@@ -125,24 +177,32 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             client=client,
             bypass_cache=quote.fresh,
             transport="websocket",
+            cursor=cursor,
         )
-        # aclosing: a cancel closes the generation here, in this task, so its log row is
-        # written before _cancel() returns.
-        async with aclosing(relay(events, WebSocketEncoder())) as frames:
+        await self._relay(relay(events, WebSocketEncoder(), None, cursor))
+
+    async def _relay(self, frames: AsyncGenerator[dict[str, Any], None]) -> None:
+        # aclosing: a cancelled task closes the generation's reader here, in this task.
+        async with aclosing(frames):
             async for frame in frames:
                 await self.send_json(frame)
                 if frame["type"] == "reconnect" or frame.get("code") == ErrorCode.SERVER_DRAINING:
                     # The process is draining: this socket ends so the client resumes on another.
                     await self.close(code=1012)  # "service restart"
 
-    async def _cancel(self) -> bool:
-        """Stop the running generation, if any, and wait until its log row is written."""
+    async def _cancel(self, *, stop: bool) -> bool:
+        """Stop reading the running generation, if any; with `stop`, stop the generation too
+        and wait until its log row is written."""
         task, self.task = self.task, None
+        cursor, self.cursor = self.cursor, None
         if task is None or task.done():
             return False
+        finishing = cursor.run.stop() if stop and cursor is not None and cursor.run is not None else None
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if finishing is not None:
+            await asyncio.shield(finishing)
         return True
 
     async def _send_error(self, error: QuoteError | Error) -> None:

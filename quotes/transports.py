@@ -12,7 +12,9 @@ on its wire, and nothing else:
   messages, and named `meta`, `done` and `error` events;
 - `WebSocketEncoder`: JSON frames (`meta`, `token`, `done`, `error`) for the consumer.
 
-Each also says how "resume elsewhere" looks (`reconnect`) when a draining process cuts a stream.
+Each also says how "resume elsewhere" looks (`reconnect`) when a draining process cuts a stream,
+and how an event carries its id (`identify`): every event of a generation is numbered
+(`<generation id>:<n>`, quotes.ai.gateway.runs), which a client sends back to resume.
 
 An HTTP response must choose its status before its first byte, so the views first `open_stream()`:
 everything up to the first token (or the error that came instead) is read, the status and the
@@ -32,7 +34,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from django.urls import reverse
 
@@ -41,6 +43,9 @@ from .ai.catalog import doc_url
 from .ai.errors import internal
 from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
 from .ai.gateway.admission import StreamWatch, drain, reconnect_retry_ms, server_draining
+
+if TYPE_CHECKING:
+    from .ai.gateway.runs import Cursor
 
 Out = TypeVar("Out")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -70,6 +75,11 @@ class Encoder(Protocol[Out_co]):
         `last_event_id`. The stream ends after it."""
         ...
 
+    # `out` is what this encoder made (Any: a covariant protocol takes no Out_co argument).
+    def identify(self, out: Any, cursor: Cursor, n: int) -> Out_co:
+        """`out` numbered as the generation's n-th event (its resume id, `<public_id>:<n>`)."""
+        ...
+
 
 #: The error when the events end without Done or Error (made once: never per token).
 _ENDED = internal()
@@ -78,10 +88,11 @@ _ENDED = internal()
 @dataclass(frozen=True, slots=True)
 class Opening:
     """A stream's beginning: its facts (Meta, merged) and its first real event (a Token, Usage,
-    Done or Error), read before an HTTP status is chosen."""
+    Done or Error), read before an HTTP status is chosen. A resumed stream's opening has the
+    facts its client already had and no first event (it is read as the stream flows)."""
 
     meta: Meta
-    first: Event
+    first: Event | None
 
 
 async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
@@ -118,27 +129,43 @@ def _was_cut(watch: StreamWatch) -> bool:
 
 
 async def relay(
-    events: AsyncGenerator[Event, None], encoder: Encoder[Out], opening: Opening | None = None
+    events: AsyncGenerator[Event, None],
+    encoder: Encoder[Out],
+    opening: Opening | None = None,
+    cursor: Cursor | None = None,
 ) -> AsyncGenerator[Out, None]:
     """Drive `events` into `encoder` until Done or Error (always one of them, last), or until the
-    draining process cuts the stream (then the encoder's `reconnect` is last)."""
+    draining process cuts the stream (then the encoder's `reconnect` is last).
+
+    With a `cursor`, what each event makes carries the event's id (`<public_id>:<n>`); pings
+    carry none. A resumed stream (`cursor.resumed`) sends no opening of its own, and may end
+    without a terminal event (the client had seen it)."""
     watch = drain.watch()
-    sent = 0  # events sent, pings aside: the reconnect's last event id
+    #: the number of the last event sent with its id: where a cut stream resumes
+    sent = 0
     meta = opening.meta if opening is not None else Meta()
     try:
         async with aclosing(events):
-            out = encoder.start(meta)
-            if out is not None:
-                sent += 1
-                yield out
-            event: Event | None = opening.first if opening is not None else await _next(events, watch)
+            if cursor is None or not cursor.resumed:
+                out = encoder.start(meta)
+                if out is not None:
+                    if cursor is not None and cursor.position is not None:
+                        # It stands for the events read before the first one (its Meta).
+                        sent = cursor.position.index - 1
+                        out = encoder.identify(out, cursor, sent)
+                    yield out
+            elif cursor.position is not None:
+                sent = cursor.position.index
+            event: Event | None = opening.first if opening is not None else None
+            if event is None:
+                event = await _next(events, watch)
             while event is not None:
                 if type(event) is Token:
                     out = encoder.token(event.text)
                 elif type(event) is Ping:
                     out = encoder.ping()
                     if out is not None:
-                        yield out  # a comment, no event: not counted
+                        yield out  # a comment, no event: no id
                         out = None
                 elif type(event) is Usage:
                     out = encoder.usage(event)
@@ -149,16 +176,24 @@ async def relay(
                 elif type(event) is Done:
                     out = encoder.done(meta)
                     if out is not None:
+                        if cursor is not None and cursor.position is not None:
+                            out = encoder.identify(out, cursor, cursor.position.index)
                         yield out
                     return
                 else:  # Error: after the first byte the status is sent, so the error is an event
                     assert type(event) is Error
+                    if event is _ENDED and cursor is not None and cursor.resumed:
+                        return  # resumed after the last event: nothing more to send
                     out = encoder.error(event)
                     if out is not None:
+                        if cursor is not None and cursor.position is not None and event is not _ENDED:
+                            out = encoder.identify(out, cursor, cursor.position.index)
                         yield out
                     return
                 if out is not None:
-                    sent += 1
+                    if cursor is not None and cursor.position is not None:
+                        sent = cursor.position.index
+                        out = encoder.identify(out, cursor, sent)
                     yield out
                 # _next(), inlined: this is once per token.
                 if watch.cut:
@@ -175,7 +210,8 @@ async def relay(
             # Cut by the drain: the generation is closed first (its upstream, its log row), then
             # the client hears where to go.
             await events.aclose()
-        last_event_id = f"{meta.generation_id}:{sent}" if meta.generation_id else None
+        generation_id = cursor.public_id if cursor is not None and cursor.public_id else meta.generation_id
+        last_event_id = f"{generation_id}:{sent}" if generation_id else None
         out = encoder.reconnect(last_event_id, reconnect_retry_ms())
         if out is not None:
             yield out
@@ -233,10 +269,21 @@ def error_payload(error: Error) -> dict[str, Any]:
 # -- the encoders ---------------------------------------------------------------------------------
 
 
+def _sse_id(out: bytes, cursor: Cursor, n: int) -> bytes:
+    # `id:` first: an SSE event's fields may come in any order, and a line costs one concat.
+    return cursor.sse_prefix + b"%d\n" % n + out
+
+
+#: How long EventSource waits before it reconnects (and resumes with Last-Event-ID), in ms.
+RETRY_MS = 1000
+
+
 class WorkersAIEncoder:
     """The JSON stream: Workers AI's own wire format, whichever backend answers."""
 
     __slots__ = ()
+
+    identify = staticmethod(_sse_id)
 
     def start(self, meta: Meta) -> bytes | None:
         return None  # the facts went out as headers
@@ -265,9 +312,13 @@ class WorkersAIEncoder:
 
 class EventSourceEncoder(WorkersAIEncoder):
     """EventSource reconnects when a body ends, which would write a second quote: a named `done`
-    after `[DONE]` tells the client to close() first."""
+    after `[DONE]` tells the client to close() first. A body cut short is another matter: the
+    browser reconnects after `retry` ms with Last-Event-ID, which resumes the same generation."""
 
     __slots__ = ()
+
+    def start(self, meta: Meta) -> bytes:
+        return b"retry: %d\n\n" % RETRY_MS
 
     def done(self, meta: Meta) -> bytes:
         return sse.DONE + sse.named(
@@ -281,6 +332,8 @@ class HtmxEncoder:
     HTML-escaped, facts as named JSON events (`meta` first, then `done` or `error`)."""
 
     __slots__ = ("_space", "_usage")
+
+    identify = staticmethod(_sse_id)
 
     def __init__(self) -> None:
         self._usage: Usage | None = None
@@ -356,3 +409,8 @@ class WebSocketEncoder:
     def reconnect(self, last_event_id: str | None, retry_ms: int) -> dict[str, Any]:
         """Followed by closing the socket with 1012 (service restart): see quotes.consumers."""
         return {"type": "reconnect", "last_event_id": last_event_id, "retry_ms": retry_ms}
+
+    @staticmethod
+    def identify(out: dict[str, Any], cursor: Cursor, n: int) -> dict[str, Any]:
+        out["event_id"] = f"{cursor.public_id}:{n}"  # "id" is the generation's, in meta and done
+        return out

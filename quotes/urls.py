@@ -14,4 +14,5 @@ urlpatterns = [
     # The persona page's form (htmx): same stream, Django's normal CSRF check.
     path("quotes/stream", views.stream_quote_form, name="stream-form"),
     path("api/quotes/<uuid:public_id>/feedback", views.quote_feedback, name="feedback"),
+    path("api/quotes/<uuid:public_id>/stop", views.stop_quote, name="stop"),
 ]

@@ -11,6 +11,7 @@ Three ways in to one stream:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -45,6 +46,7 @@ from .ai.conversation import check_context_window, clean_topic, parse_messages
 from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, admission, refuse_if_full, stream_generation
+from .ai.gateway.runs import Cursor, parse_event_id, resume, runs
 from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
@@ -53,6 +55,7 @@ from .transports import (
     Encoder,
     EventSourceEncoder,
     HtmxEncoder,
+    Opening,
     WorkersAIEncoder,
     error_payload,
     meta_payload,
@@ -94,6 +97,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             # The page script builds a quote's URLs from these patterns ("{id}" is its id).
             "permalink_url": _url_pattern("quotes:permalink"),
             "feedback_url": _url_pattern("quotes:feedback"),
+            "stop_url": _url_pattern("quotes:stop"),
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
             # (static/js/quote-stream.js), which the browser tests use to prove that path too.
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
@@ -167,7 +171,9 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     )
 
 
-def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
+def _events_for(
+    quote: QuoteInput, client: Client, transport: str, cursor: Cursor
+) -> AsyncGenerator[Event, None]:
     return stream_generation(
         persona=quote.persona,
         version=quote.version,
@@ -176,6 +182,50 @@ def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGener
         client=client,
         bypass_cache=quote.fresh,
         transport=transport,
+        cursor=cursor,
+    )
+
+
+def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> str | None:
+    """The event a reconnecting client saw last: EventSource's own header, else the
+    `last_event_id` parameter (the fetch and htmx clients)."""
+    value = request.headers.get("Last-Event-ID") or params.get("last_event_id")
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise _bad_event_id()
+    return value
+
+
+def _bad_event_id() -> QuoteError:
+    return QuoteError(
+        ErrorCode.INVALID_LAST_EVENT_ID,
+        "`last_event_id` must be an event id this site sent: <generation id>:<number>.",
+        400,
+    )
+
+
+async def _resume(last_event_id: str, encoder: Encoder[bytes]) -> HttpResponseBase:
+    """The events of a generation after `last_event_id`, then its live rest (quotes.ai.gateway.runs):
+    200 and a stream, whatever those events are (the client has had the stream's beginning)."""
+    parsed = parse_event_id(last_event_id)
+    if parsed is None:
+        raise _bad_event_id()
+    options = settings.QUOTES_GATEWAY
+    resumed = await resume(
+        parsed[0], parsed[1], keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
+    )
+    if resumed is None:
+        raise QuoteError(
+            ErrorCode.RESUME_UNAVAILABLE,
+            "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one.",
+            404,
+        )
+    release_request_thread()
+    return StreamingHttpResponse(
+        relay(resumed.events, encoder, Opening(resumed.meta, None), resumed.cursor),
+        content_type="text/event-stream",
+        headers={**SSE_HEADERS, **_meta_headers(resumed.meta), "X-Generation-Id": parsed[0]},
     )
 
 
@@ -208,6 +258,8 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
     try:
         refuse_cross_site(request)
         params = _read_form(request) if form else _read_params(request)
+        if params is not None and _last_event_id(request, params) is not None:
+            return None  # a resume starts no stream: the generation holds its slot already
     except QuoteError:
         return None  # the view answers it, as it answers any bad request
     if params is None:
@@ -238,9 +290,15 @@ def _read_form(request: HttpRequest) -> dict[str, Any] | None:
 
 async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
     htmx = bool(request.htmx)
+    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
+    # Workers AI wire format.
+    eventsource = request.method == "GET" and "text/event-stream" in request.headers.get("Accept", "")
     try:
         refuse_cross_site(request)  # another site's page must not start a (paid) generation
         params = _read_params(request)
+        if (last_event_id := _last_event_id(request, params)) is not None:
+            encoder = HtmxEncoder() if htmx else EventSourceEncoder() if eventsource else WorkersAIEncoder()
+            return await _resume(last_event_id, encoder)
         client = await client_of(request)
         # At the process's cap, refused before anything else is spent (see refuse_if_full; most
         # requests without a session were refused by StreamAdmissionMiddleware already).
@@ -255,14 +313,12 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
         if htmx:
             return _htmx_error_response(exc.as_event(), Meta(), headers)
         return error_response(exc, headers)
-    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
-    # Workers AI wire format.
-    eventsource = request.method == "GET" and "text/event-stream" in request.headers.get("Accept", "")
     transport = "htmx" if htmx else "eventsource" if eventsource else "api"
-    events = _events_for(quote, client, transport)
+    cursor = Cursor()
+    events = _events_for(quote, client, transport, cursor)
     if htmx:
-        return await _htmx_stream(events)
-    return await stream_response(events, EventSourceEncoder() if eventsource else None)
+        return await _htmx_stream(events, cursor)
+    return await stream_response(events, EventSourceEncoder() if eventsource else None, cursor)
 
 
 async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
@@ -278,6 +334,8 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
         _check_body_size(request)
         params = _form_params(request)
+        if (last_event_id := _last_event_id(request, params)) is not None:
+            return await _resume(last_event_id, HtmxEncoder())
         client = await client_of(request)
         full = await refuse_if_full(slug=params.get("persona"), client=client, transport="htmx")
         if full is not None:
@@ -285,7 +343,8 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
         quote = await parse_quote_request(params)
     except QuoteError as exc:
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
-    return await _htmx_stream(_events_for(quote, client, "htmx"))
+    cursor = Cursor()
+    return await _htmx_stream(_events_for(quote, client, "htmx", cursor), cursor)
 
 
 def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
@@ -393,7 +452,7 @@ def _meta_headers(meta: Meta) -> dict[str, str]:
 
 
 async def stream_response(
-    events: AsyncGenerator[Event, None], encoder: Encoder[bytes] | None = None
+    events: AsyncGenerator[Event, None], encoder: Encoder[bytes] | None = None, cursor: Cursor | None = None
 ) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error that happens before
     any text gets its real HTTP status (a refusal its 429 or 503 and Retry-After); then stream."""
@@ -406,8 +465,10 @@ async def stream_response(
         await events.aclose()
         # The gateway headers (cf-aig-log-id above all) matter most when something failed.
         return error_response(opening.first, headers)
+    if opening.meta.generation_id:
+        headers["X-Generation-Id"] = opening.meta.generation_id
     return StreamingHttpResponse(
-        relay(events, encoder or WorkersAIEncoder(), opening),
+        relay(events, encoder or WorkersAIEncoder(), opening, cursor),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )
@@ -428,18 +489,46 @@ def _htmx_error_response(error: Error, meta: Meta, headers: dict[str, str] | Non
     return HttpResponse(body, status=error.status, content_type="text/event-stream", headers=headers)
 
 
-async def _htmx_stream(events: AsyncGenerator[Event, None]) -> HttpResponseBase:
+async def _htmx_stream(events: AsyncGenerator[Event, None], cursor: Cursor) -> HttpResponseBase:
     release_request_thread()  # as in stream_response
     opening = await open_stream(events)
     headers = _meta_headers(opening.meta)
     if type(opening.first) is Error:
         await events.aclose()
         return _htmx_error_response(opening.first, opening.meta, headers)
+    if opening.meta.generation_id:
+        headers["X-Generation-Id"] = opening.meta.generation_id
     return StreamingHttpResponse(
-        relay(events, HtmxEncoder(), opening),
+        relay(events, HtmxEncoder(), opening, cursor),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )
+
+
+# --- stop --------------------------------------------------------------------------------
+
+
+@csrf_exempt  # refuse_cross_site instead: a page of another site cannot stop a visitor's quote
+async def stop_quote(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
+    """POST: stop a generation of this process at once (the upstream is closed now, its row
+    says `stopped`), for the client that started it. Anyone else, and an id this process does
+    not know, gets the same 404: an id says nothing about someone else's quote."""
+    try:
+        if request.method != "POST":
+            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
+        refuse_cross_site(request)
+        client = await client_of(request)
+        run = runs.get(str(public_id))
+        if run is None or run.client_key != client.key:
+            raise QuoteError(
+                ErrorCode.UNKNOWN_STREAM, "No quote of yours is being written with this id.", 404
+            )
+    except QuoteError as exc:
+        return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
+    finishing = run.stop()
+    if finishing is not None:
+        await asyncio.shield(finishing)  # the row is written when the answer says "stopped"
+    return JsonResponse({"id": str(public_id), "stopped": finishing is not None})
 
 
 # --- permalinks and feedback --------------------------------------------------------------

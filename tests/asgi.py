@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from asgiref.testing import ApplicationCommunicator
+
+#: `<generation id>:<n>`, the `id:` of every event of a generation stream
+EVENT_ID = re.compile(r"[0-9a-f-]{36}:\d+")
 
 
 @dataclass
@@ -122,6 +126,11 @@ async def request(method: str, path: str, *, json_body: Any = None, **kwargs: An
     return await stream.read_all()
 
 
+def without_ids(body: bytes) -> bytes:
+    """`body` without its `id:` lines: two generations of the same answer differ only there."""
+    return re.sub(rb"(?m)^id: [0-9a-f-]{36}:\d+\n", b"", body)
+
+
 def parse_sse(body: bytes) -> list[dict[str, str]]:
     """Split a body into events (each {'event': name, 'data': data}); strict about LF framing,
     which is what this server sends."""
@@ -129,6 +138,8 @@ def parse_sse(body: bytes) -> list[dict[str, str]]:
     assert text.endswith("\n\n"), f"the body must end on an event boundary: {text[-40:]!r}"
     events = []
     for block in text[:-2].split("\n\n"):
+        if block.startswith("retry: ") and "\ndata" not in block and not block.startswith("data"):
+            continue  # a retry alone (EventSource's opening) is no event
         event = {"event": "message", "data": ""}
         lines = []
         for line in block.split("\n"):
@@ -137,6 +148,10 @@ def parse_sse(body: bytes) -> list[dict[str, str]]:
                 lines.append(value)
             elif name == "event":
                 event["event"] = value
+            elif name == "id":  # the resume id every event of a generation carries
+                assert EVENT_ID.fullmatch(value), f"not an event id: {value!r}"
+            elif name == "retry":
+                assert value.isdigit(), f"not a retry: {value!r}"
             else:
                 raise AssertionError(f"unexpected line {line!r}")
         event["data"] = "\n".join(lines)

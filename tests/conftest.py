@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -26,6 +27,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _local_backend_by_default(settings: pytest.FixtureRequest) -> None:
     """Tests run on the embedded model unless they ask for another backend."""
     settings.AI_BACKEND = "local"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _no_resume_grace(settings: pytest.FixtureRequest) -> None:
+    """A client that drops stops its generation at once (QUOTES_RESUME_GRACE_S=0), as the tests
+    of a disconnect expect; tests/test_resume.py sets a grace of its own."""
+    settings.QUOTES_GATEWAY = dataclasses.replace(settings.QUOTES_GATEWAY, resume_grace_s=0)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")

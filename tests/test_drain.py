@@ -139,6 +139,8 @@ def events_of(lines: list[str]) -> list[dict[str, str]]:
             current = {}
         elif not line.startswith(":"):
             field, _, value = line.partition(":")
+            if field == "id":  # every event's resume id (issue 14)
+                continue
             current[field] = value.removeprefix(" ")
     return events
 
@@ -255,6 +257,9 @@ def test_a_stream_open_at_the_drain_deadline_is_told_to_reconnect(
     reconnect = json.loads(last["data"])
     assert reconnect["retry_ms"] == int(last["retry"])
     assert reconnect["last_event_id"].startswith(f"{quote_id}:")
+    # Resume from the last event the client got (its id: line), never a later or another one.
+    ids = [line.removeprefix("id: ") for line in head + rest if line.startswith("id: ")]
+    assert reconnect["last_event_id"] == ids[-1]
     assert all(e["data"] != "[DONE]" and e["event"] != "done" for e in events)
     text = text_of(events[:-1], html=client_kind == "htmx")
     assert text and "".join(tokens).startswith(text) and text != "".join(tokens)

@@ -238,9 +238,10 @@ async def test_htmx_client_disconnect_logs_cancelled_and_closes_the_upstream(
     )
     await stream.start()
     meta, _ = await stream.next_chunk()
-    assert meta.startswith(b"event: meta\n")
+    generation_id = stream.response.headers["x-generation-id"]
+    assert meta.startswith(f"id: {generation_id}:2\nevent: meta\n".encode())  # our Meta, the upstream's
     token, _ = await stream.next_chunk()
-    assert token == b"data: tick\n\n"
+    assert token == f"id: {generation_id}:3\ndata: tick\n\n".encode()
 
     await stream.disconnect()
 

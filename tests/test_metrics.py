@@ -263,7 +263,12 @@ async def test_metrics_cancelled_stream_and_open_streams(persona: Persona, fake:
     assert row.status == "cancelled"
     assert moved(before, during, "quotes_open_streams", transport="api") == 1
     assert moved(before, after, "quotes_open_streams", transport="api") == 0
-    cancelled = {"transport": "api", "backend": "workers-ai", "outcome": "cancelled", "code": ""}
+    cancelled = {
+        "transport": "api",
+        "backend": "workers-ai",
+        "outcome": "cancelled",
+        "code": "abandoned",
+    }  # dropped, no grace in tests
     assert moved(before, after, "quotes_requests_total", **cancelled) == 1
     assert moved(before, after, "quotes_stream_duration_seconds_count", outcome="cancelled") == 1
 

@@ -149,7 +149,7 @@ def record(trials: Trials) -> None:
 async def assert_cancelled_row(response: StreamedResponse, received: bytes) -> None:
     row = await wait_for_row(response.headers["x-quote-id"])
     assert row.status == Generation.Status.CANCELLED, (row.status, row.error_code)
-    assert row.error_code == ""
+    assert row.error_code == "abandoned"  # dropped, nobody resumed (no grace in the tests)
     client_text = text_of(received)
     assert client_text
     assert row.text.startswith(client_text), (client_text, row.text)

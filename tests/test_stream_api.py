@@ -52,7 +52,10 @@ async def test_stream_post_sends_the_workers_ai_wire_format(persona: Persona) ->
     counts = usage_payload["usage"]
     assert counts["prompt_tokens"] > 0 < counts["completion_tokens"]
     assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
-    assert body_text.endswith("}}\n\ndata: [DONE]\n\n")
+    # Every event carries its resume id, `<generation id>:<n>` (n counts the generation's events).
+    generation_id = response.headers["x-generation-id"]
+    assert re.search(rf"}}}}\n\nid: {generation_id}:\d+\ndata: \[DONE\]\n\n$", body_text)
+    assert body_text.count("\nid: ") + body_text.startswith("id: ") == len(events)
 
     text = "".join(json.loads(t["data"])["response"] for t in tokens)
     row = await Generation.objects.aget()
@@ -85,7 +88,7 @@ async def test_stream_sends_the_first_event_before_generation_finishes(
     await stream.start()
     first, more = await stream.next_chunk()
     job = local_backend.jobs[-1]
-    assert first.startswith(b'data: {"response":')
+    assert re.match(rb'id: [0-9a-f-]{36}:\d+\ndata: \{"response":', first)
     assert more
     response = await stream.read_all()
     # The first token left the server while the model thread was still writing.
@@ -113,7 +116,7 @@ async def test_stream_client_disconnect_stops_the_model_and_logs_cancelled(
     assert job.generated_tokens < 200
     row = await Generation.objects.aget()
     assert row.status == Generation.Status.CANCELLED
-    assert row.text.startswith(json.loads(first[len(b"data: ") :])["response"])
+    assert row.text.startswith(json.loads(first.split(b"data: ", 1)[1])["response"])
     assert row.duration_ms is not None
 
     # The model is fine afterwards: the next request streams a whole quote.
@@ -262,7 +265,7 @@ async def test_stream_is_never_compressed(persona: Persona) -> None:
     )
     assert response.status == 200
     assert "content-encoding" not in response.headers
-    assert response.body.startswith(b"data: ")
+    assert re.match(rb"id: [0-9a-f-]{36}:\d+\ndata: ", response.body)
 
 
 async def test_stream_treats_the_topic_as_text_not_a_template(persona: Persona) -> None:

@@ -38,6 +38,9 @@ class ErrorCode(StrEnum):
     UNKNOWN_QUOTE = "unknown_quote"
     NOT_RATEABLE = "not_rateable"
     FEEDBACK_CLOSED = "feedback_closed"
+    INVALID_LAST_EVENT_ID = "invalid_last_event_id"
+    RESUME_UNAVAILABLE = "resume_unavailable"
+    UNKNOWN_STREAM = "unknown_stream"
     # Who may ask, and how often.
     FORBIDDEN = "forbidden"
     CROSS_SITE = "cross_site"
@@ -47,6 +50,9 @@ class ErrorCode(StrEnum):
     OVER_CAPACITY = "over_capacity"
     SERVER_DRAINING = "server_draining"
     BUSY_SOCKET = "busy_socket"
+    # How a generation ended early (on its log row, and to a client still reading it).
+    STOPPED = "stopped"
+    ABANDONED = "abandoned"
     # Our own model and gateway.
     BUSY = "busy"
     INTERNAL_ERROR = "internal_error"

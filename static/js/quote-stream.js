@@ -17,6 +17,10 @@
  *   });
  *   // result: { text, usage, model, modelUrl, response }
  *
+ * A connection that drops mid-stream is resumed: the same URL is asked again with the last
+ * event id seen (`last_event_id`), after 0.5, 1, 2 and 4 s (`retryDelays`), and the text goes
+ * on exactly where it stopped. Every event of a stream carries `id: <generation id>:<n>`.
+ *
  * It rejects with a `QuoteStreamError` (`code`, `message`, `status`, `retryAfter`, `phase`)
  * for any server or network failure, and with the signal's AbortError when aborted.
  *
@@ -27,6 +31,9 @@
  */
 
 const SSE_CONTENT_TYPE = "text/event-stream";
+/** Pauses before each try to resume a dropped stream: 7.5 s in all, inside the server's grace
+ * (QUOTES_RESUME_GRACE_S, 10 s by default). */
+export const RESUME_DELAYS_MS = [500, 1000, 2000, 4000];
 
 /** A failure a visitor can act on. `phase` is "request" (before streaming) or "stream". */
 export class QuoteStreamError extends Error {
@@ -208,6 +215,8 @@ async function errorFromResponse(response) {
  * @param {(text: string) => void} [options.onToken]
  * @param {(event: {type: string, data: string, id: string, json: any}) => void} [options.onEvent]
  * @param {(info: {model: string|null, modelUrl: string|null, response: Response}) => void} [options.onOpen]
+ * @param {number[]} [options.retryDelays]  pauses (ms) before each try to resume a dropped
+ *   stream (by its last event id); [] never resumes
  * @param {typeof fetch} [options.fetch]
  * @returns {Promise<{text: string, usage: object|null, model: string|null, modelUrl: string|null, response: Response}>}
  */
@@ -218,6 +227,7 @@ export async function streamQuote({
   onToken = () => {},
   onEvent = () => {},
   onOpen = () => {},
+  retryDelays = RESUME_DELAYS_MS,
   fetch: fetchImpl = globalThis.fetch.bind(globalThis),
 }) {
   let response;
@@ -249,15 +259,18 @@ export async function streamQuote({
 
   const model = response.headers.get("X-Quote-Model");
   const modelUrl = response.headers.get("X-Quote-Model-Url");
+  const generationId = response.headers.get("X-Generation-Id") || "";
   onOpen({ model, modelUrl, response });
 
   let text = "";
   let usage = null;
   let finished = false;
   let failure = null;
+  let lastEventId = "";
 
-  const parser = createSSEParser((event) => {
+  function onSSE(event) {
     if (finished || failure) return;
+    if (event.id) lastEventId = event.id;
     let json = null;
     if (event.data !== "[DONE]") {
       try {
@@ -294,27 +307,66 @@ export async function streamQuote({
       text += token;
       onToken(token);
     }
-  });
+  }
 
-  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  const lost = () =>
+    new QuoteStreamError("connection_lost", "The connection was lost before the quote was finished.", {
+      status: response.status,
+      phase: "stream",
+    });
+
+  let attempt = 0;
+  /** The connection dropped: ask for the events after the last one seen, after a pause that
+   * doubles each time (the server keeps the generation running for a grace period, about
+   * 10 s). A new reader, or null when the tries are used up. */
+  async function resume() {
+    const id = lastEventId || (generationId ? `${generationId}:0` : "");
+    while (id && attempt < retryDelays.length) {
+      await pause(retryDelays[attempt++], signal);
+      let next;
+      try {
+        next = await fetchImpl(url, {
+          method: "POST",
+          headers: { "Content-Type": "application/json", Accept: SSE_CONTENT_TYPE },
+          body: JSON.stringify({ ...body, last_event_id: id }),
+          signal,
+          credentials: "same-origin",
+          cache: "no-store",
+        });
+      } catch {
+        if (signal?.aborted) throw abortReason(signal);
+        continue; // still offline: the next try waits longer
+      }
+      if (!next.ok) throw await errorFromResponse(next); // e.g. resume_unavailable: say so
+      if (!next.body) continue;
+      attempt = 0; // a working connection earns a fresh budget of tries
+      return next.body.pipeThrough(new TextDecoderStream()).getReader();
+    }
+    return null;
+  }
+
+  let parser = createSSEParser(onSSE);
+  let reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   try {
     while (!finished && !failure) {
-      let chunk;
+      let chunk = null;
       try {
         chunk = await reader.read();
-      } catch (error) {
+      } catch {
         if (signal?.aborted) throw abortReason(signal);
-        throw new QuoteStreamError(
-          "connection_lost",
-          "The connection was lost before the quote was finished.",
-          { status: response.status, phase: "stream" },
-        );
       }
-      if (chunk.done) {
-        parser.end();
-        break;
+      if (chunk && !chunk.done) {
+        parser.push(chunk.value);
+        continue;
       }
-      parser.push(chunk.value);
+      // Cut short (a network error, or a body that ended before [DONE]): resume where we were.
+      parser.end();
+      if (finished || failure) break;
+      reader.cancel().catch(() => {});
+      const next = await resume();
+      if (!next) throw lost();
+      reader = next;
+      parser = createSSEParser(onSSE); // an event cut in half is sent again whole
     }
   } finally {
     // Closes the connection when we leave early ([DONE] or an error event); harmless at the end.
@@ -323,14 +375,26 @@ export async function streamQuote({
 
   if (failure) throw failure;
   if (signal?.aborted) throw abortReason(signal);
-  if (!finished) {
-    throw new QuoteStreamError(
-      "connection_lost",
-      "The connection was lost before the quote was finished.",
-      { status: response.status, phase: "stream" },
-    );
-  }
+  if (!finished) throw lost();
   return { text, usage, model, modelUrl, response };
+}
+
+function pause(ms, signal) {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) {
+      reject(abortReason(signal));
+      return;
+    }
+    const timer = setTimeout(resolve, ms);
+    signal?.addEventListener(
+      "abort",
+      () => {
+        clearTimeout(timer);
+        reject(abortReason(signal));
+      },
+      { once: true },
+    );
+  });
 }
 
 /**
@@ -338,7 +402,8 @@ export async function streamQuote({
  *
  * The server ends a finished stream with `data: [DONE]` and then a named `done` event, and an
  * interrupted one with a named `error` event; this closes the EventSource on either, because an
- * EventSource left open reconnects when the body ends, and that would write a second quote.
+ * EventSource left open reconnects when the body ends. A connection that drops is left to the
+ * browser's own reconnect (a few times): it sends Last-Event-ID, and the server resumes.
  *
  *   const { text, id, permalink } = await streamQuoteEventSource({
  *     url: "/api/quotes/stream", params: { persona: "alan-watts" }, onToken: (t) => {},
@@ -382,7 +447,16 @@ export function streamQuoteEventSource({ url, params = {}, onToken = () => {}, s
       }
       resolve({ text, usage, id: json?.id ?? null, permalink: json?.permalink ?? null });
     });
+    let drops = 0;
+    source.addEventListener("open", () => {
+      drops = 0;
+    });
     source.addEventListener("error", (event) => {
+      if (!event.data && source.readyState === EventSource.CONNECTING && ++drops <= RESUME_DELAYS_MS.length) {
+        // The connection dropped and the browser is reconnecting by itself (after the
+        // server's `retry`), with Last-Event-ID: the server resumes the same generation.
+        return;
+      }
       close();
       if (event.data) {
         let json = null;

@@ -281,7 +281,7 @@ def test_workers_ai_site_stop_cancels_the_upstream_and_logs_cancelled(
     while last_row(direct_site)[2] != "cancelled" and time.monotonic() < deadline:
         time.sleep(0.05)
     row = last_row(direct_site)
-    assert row[2] == "cancelled"
+    assert (row[2], row[3]) == ("cancelled", "stopped")  # the stop endpoint, not a drop
     assert str(row[4]).startswith("tick tick") and len(str(row[4])) < 5 * 400
     # Escape works as well as the button, and a new quote can be written after a stop.
     fake.script(Scenario(tokens=QUOTE_TOKENS, token_delay_s=0.02))

@@ -1,7 +1,8 @@
-"""`stream_generation`: one request's stream, from admission to its log row.
+"""`stream_generation`: one request's stream, from admission to its run.
 
-admission -> Meta (the row's id) -> answer cache? replay : join or start a flight -> events
-          -> the log row (written before the terminal event goes out) -> Done or Error
+admission -> a Run (the row's id, its Meta first) -> answer cache? replay : join or start a
+flight -> the request reads the run from its start (a Listener); the run writes the log row
+before its terminal event goes out (runs.py), and outlives the request if the client drops.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from ...security import client_address
 from ..backends import backend_for
 from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
-from ..events import Done, Error, Event, Message, Meta, Token, Usage
+from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
 from . import admission, answers
 from .flights import Flight, flights
 from .log import Record, writer
 from .policy import Plan, first_token_budget
+from .runs import Cursor, Run
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ async def stream_generation(
     bypass_cache: bool = False,
     version: Any = ...,  # PersonaVersion | None, or ... for "look it up"
     transport: str = "other",
+    cursor: Cursor | None = None,
 ) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
 
@@ -106,7 +109,11 @@ async def stream_generation(
     `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
     persona's current version when the caller knows it (quotes.personas keeps it); looked up
     otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
-    "htmx", "websocket", ...).
+    "htmx", "websocket", ...). `cursor`, when given, is bound to the generation once it exists,
+    so the transport can number the events it sends (the resume ids).
+
+    A client that stops reading does not stop the generation: its run keeps going for the
+    resume grace (runs.py). `Run.stop()` stops it at once.
     """
     options = settings.QUOTES_GATEWAY
     backend = backend_for(persona)
@@ -145,6 +152,7 @@ async def stream_generation(
             logger.exception("could not write the log row of a generation")
 
     metrics.stream_opened(transport)  # from here on, log() runs whatever happens
+    run: Run | None = None
     try:
         admitted = await admission.admit(client.key, options)
         if type(admitted) is Error:
@@ -180,20 +188,33 @@ async def stream_generation(
             else ""
         )
         record.cache_status = Generation.CacheStatus.MISS if use_cache else Generation.CacheStatus.BYPASS
-        yield Meta(
-            model=record.model,
-            cache_status="MISS" if use_cache else "BYPASS",
-            generation_id=record.public_id,
+        cached = await get_answer(key) if use_cache else None
+        # From here the run owns the ticket and the row: it outlives this request if the client drops.
+        run = Run(
+            record=record,
+            ticket=ticket,
+            log=log,
+            client_key=client.key,
+            grace_s=options.resume_grace_s,
+            ttl=options.resume_ttl_s,
         )
-
-        events: AsyncGenerator[Event, None]
-        if use_cache and (cached := await get_answer(key)) is not None:
+        ticket = None
+        run.feed(
+            Meta(
+                model=record.model,
+                cache_status="MISS" if use_cache else "BYPASS",
+                generation_id=record.public_id,
+            )
+        )
+        if cached is not None:
             record.cache_status = Generation.CacheStatus.HIT
-            events = answers.replay(cached, pacing=options.replay_pacing_ms / 1000)
+            run.hit = True
+            run.drive(answers.replay(cached, pacing=options.replay_pacing_ms / 1000))
         else:
             flight = flights.get(key) if use_cache else None
             if flight is not None:
                 record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
+                run.hit = True
                 metrics.coalesced_listener()
             else:
                 models = [primary.model, *persona.fallback_models, *options.fallback_models]
@@ -211,56 +232,40 @@ async def stream_generation(
                     key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
                 )
                 flight.start(plan, _storer(key, ttl) if use_cache else None)
-            listener = flight.subscribe(keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
-            events = listener.events()
-
-        hit = record.cache_status == Generation.CacheStatus.HIT
-        async with aclosing(events):
-            async for event in events:
-                if type(event) is Token:
-                    if record.ttft is None:
-                        record.ttft = time.perf_counter()
-                    record.add_text(event.text)
+            run.attach(flight)
+        listener = run.subscribe(0, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
+        if cursor is not None:
+            cursor.bind(run.public_id, listener, run)
+        async with aclosing(listener.events()) as events:
+            try:
+                async for event in events:
                     yield event
-                    continue
-                if type(event) is Usage:
-                    record.usage = event
-                elif type(event) is Meta:
-                    record.model = event.model or record.model
-                    record.headers.update(event.headers)
-                    if event.step is not None:
-                        record.step = event.step
-                    if hit:
-                        event = Meta(
-                            model=event.model, headers=event.headers, step=event.step, cache_status="HIT"
-                        )
-                elif type(event) is Done:
-                    record.status = Generation.Status.OK
-                elif type(event) is Error:
-                    record.status = (
-                        Generation.Status.BUSY if event.code is ErrorCode.BUSY else Generation.Status.ERROR
-                    )
-                    record.error = event
-                if record.status:
-                    await ticket.release_client_slot()  # before the client hears "done" and asks again
-                    await log()
-                    yield event
-                    return
-                yield event
+            except (asyncio.CancelledError, GeneratorExit):
+                if (cut := admission.drain.cut_error()) is not None:
+                    # The process is going away: no grace here (a resume goes to another
+                    # process), the generation ends now and its row is written before exit.
+                    run.fail(cut, status=Generation.Status.CANCELLED)
+                    if run.finishing is not None:
+                        await asyncio.shield(run.finishing)
+                raise
     except (asyncio.CancelledError, GeneratorExit):
-        if not record.status:
+        if run is None and not record.status:
             record.status = Generation.Status.CANCELLED
             record.error = admission.drain.cut_error()  # server_draining when the drain cut it
         raise
     except Exception:
         logger.exception("generation failed for persona %s", persona.slug)
-        record.status, record.error = Generation.Status.ERROR, internal()
-        await log()
-        yield record.error
+        if run is not None:
+            run.fail(internal())  # the run writes the row
+        else:
+            record.status, record.error = Generation.Status.ERROR, internal()
+            await log()
+            yield record.error
     finally:
         if ticket is not None:
             await ticket.release()
-        await log()
+        if run is None:
+            await log()
 
 
 def _storer(key: str, ttl: int) -> Any:

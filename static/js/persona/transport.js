@@ -6,9 +6,17 @@
  *     fragment to the target; the named events `meta`, `done` and `error` arrive as DOM events
  *     on the form. `htmx:config:request` fills in the fields the view decides.
  *   - fetch (`?transport=fetch`): `streamQuote` from quote-stream.js reads the JSON stream.
+ *
+ * A connection that drops mid-quote is resumed on both: the server keeps the generation running
+ * for a grace period (QUOTES_RESUME_GRACE_S, 10 s by default) and answers the same request,
+ * asked again with the last event id seen, with exactly the events after it. The tries come
+ * after 0.5, 1, 2 and 4 s (RESUME_DELAYS_MS), then the quote is given up as lost. hx-sse does it
+ * for htmx (its `reconnect`, which sends `Last-Event-ID`); streamQuote does it for fetch.
+ * Stop is not a drop: it asks the server to stop the generation at once (the stop endpoint),
+ * then closes the connection.
  */
 
-import { QuoteStreamError, streamQuote } from "../quote-stream.js";
+import { QuoteStreamError, RESUME_DELAYS_MS, streamQuote } from "../quote-stream.js";
 import { parseJSON, splitLead, urlFor } from "./dom.js";
 
 const LOST = "The connection was lost before the quote was finished.";
@@ -21,10 +29,25 @@ function errorOf(payload, fallback) {
   };
 }
 
+/** hx-sse's reconnect, bounded to fit in the server's grace: the same pauses as the fetch client. */
+function resumeWithHtmx() {
+  const htmx = window.htmx;
+  if (!htmx) return;
+  htmx.config.sse = {
+    ...(htmx.config.sse || {}),
+    reconnect: true,
+    reconnectDelay: RESUME_DELAYS_MS[0],
+    reconnectMaxDelay: RESUME_DELAYS_MS[RESUME_DELAYS_MS.length - 1],
+    reconnectMaxAttempts: RESUME_DELAYS_MS.length,
+    reconnectJitter: 0,
+  };
+}
+
 export function createRequests(page) {
   const { doc, el, config, form } = page;
-  /** The request in flight: {view, form, controller?, ctx?, terminal, stopped}. */
+  /** The request in flight: {view, form, controller?, ctx?, connection?, terminal, stopped}. */
   let active = null;
+  if (config.transport === "htmx") resumeWithHtmx();
 
   function setBusy(busy) {
     const hadFocus = doc.activeElement === (busy ? el.generate : el.stop);
@@ -67,11 +90,23 @@ export function createRequests(page) {
     finish(run);
   }
 
+  /** Tell the server to stop now (a dropped connection alone would keep it running a while). */
+  function stopOnServer(id) {
+    if (!id || !config.stopUrl) return;
+    fetch(urlFor(config.stopUrl, id), {
+      method: "POST",
+      credentials: "same-origin",
+      cache: "no-store",
+      keepalive: true,
+    }).catch(() => {}); // offline: the server's grace ends it
+  }
+
   function stop() {
     const run = active;
     if (!run) return;
     run.stopped = true;
     run.terminal = true;
+    stopOnServer(run.view.meta?.id);
     if (config.transport === "htmx") {
       window.htmx.trigger(run.form, "htmx:abort");
     } else {
@@ -99,6 +134,19 @@ export function createRequests(page) {
       if (view !== page.card) ctx.target = view.textEl;
       run = begin(view, sourceForm);
       run.ctx = ctx;
+    });
+    sourceForm.addEventListener("htmx:sse:before:connection", (event) => {
+      // hx-sse reconnects whenever a body ends: only a live quote whose connection dropped is
+      // resumed, never one that ended (done, error, stopped) or was replaced by a newer one.
+      const { connection } = event.detail;
+      if (connection.attempt === 0) {
+        if (run && !run.connection) run.connection = connection;
+        return;
+      }
+      if (!run || run.connection !== connection || run.terminal) {
+        connection.cancelled = true;
+        event.preventDefault();
+      }
     });
     sourceForm.addEventListener("htmx:sse:before:message", (event) => {
       const message = event.detail.message;

@@ -1,0 +1,517 @@
+"""Runs: one generation (one public id, one log row), which outlives the connections reading it.
+
+    listener (one per connection, at an offset)  <-  run (one per generation)  <-  flight or replay
+
+A run keeps the generation's events as clients see them (`log`, an EventLog: its Meta first,
+then what its flight or its cache replay publishes, the terminal Done or Error last) and
+gathers its row as they come. The event numbered n (1-based) in the log is the one a client
+names with `Last-Event-ID: <public_id>:<n>`, whatever its transport: a connection is a Listener
+reading the log by index, so a resume is only a Listener that starts at n.
+
+How a run ends decides its row:
+- its flight or replay reaches Done or Error: the row (ok, error), then the terminal event;
+- `stop()` (the Stop button, the stop endpoint, a WebSocket `cancel`): the upstream is closed
+  at once, the row says cancelled/`stopped`;
+- its last connection drops (`unsubscribe`): it keeps running for QUOTES_RESUME_GRACE_S, so the
+  client can resume; if nobody does, the upstream is closed and the row says
+  cancelled/`abandoned`.
+
+Exactly one row per run, written before its terminal event is published, however many
+connections come and go. A finished run's events stay in Django's cache for
+QUOTES_RESUME_TTL_S (`resume` reads them from there once the run has left this process's
+registry): with Redis as the cache that already works across processes. A resume of a run still
+live in another process is the cross-process part: `resume()` is where a Redis-backed event log
+would be read.
+
+Feeding a run is synchronous (the flight's task calls `feed`): a token costs a few field
+updates, one list append and one future wake-up per waiting connection, and no task hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from array import array
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+
+from django.core.cache import cache
+
+from ...models import Generation
+from ..errors import ErrorCode
+from ..events import Done, Error, Event, Meta, Ping, Token, Usage
+from ..limits import run_on_cache
+from .admission import Ticket
+from .flights import Flight, detached_task
+from .log import Record
+from .policy import timeout_error
+
+logger = logging.getLogger(__name__)
+
+#: How much longer than its flight a listener waits, so a live flight's own error comes first.
+LISTENER_GRACE_S = 1.0
+
+#: `<public_id>:<n>`: the generation's public id (a UUID) and an event's 1-based number.
+EVENT_ID = re.compile(r"([0-9a-fA-F-]{36}):(\d{1,9})")
+
+STOPPED = Error(ErrorCode.STOPPED, "The quote was stopped.", 409)
+ABANDONED = Error(ErrorCode.ABANDONED, "Nobody came back for this quote: it was stopped.", 410)
+
+
+def finished_key(public_id: str) -> str:
+    return f"quotes:run:{public_id}"
+
+
+#: Tokens kept one by one before they are joined into one string.
+JOIN_EVERY = 64
+
+
+class EventLog:
+    """A generation's events in order, numbered from 1, kept compactly: a stream may run for
+    minutes, and a Token (or even a str) per token would cost about 50 bytes each besides its
+    characters. Token texts are joined every JOIN_EVERY tokens, each token remembered by its
+    end offset (4 bytes); other events are kept as they are. Reading one back makes a Token
+    again. Picklable: a finished log goes to the cache as it is.
+
+    This is the interface a log kept elsewhere (Redis, for a resume on another process) would
+    offer: `append`, `len`, `at(i)`, `meta_until(n)`, `text`.
+    """
+
+    __slots__ = ("_chunks", "_ends", "_others", "_slots", "_tail")
+
+    def __init__(self) -> None:
+        #: per event: a token's ordinal (>= 0), or -1 - its index in `_others`
+        self._slots = array("i")
+        #: per token: the offset its text ends at, within its chunk
+        self._ends = array("I")
+        self._chunks: list[str] = []  # JOIN_EVERY tokens' texts each
+        self._tail: list[str] = []  # the latest tokens' texts, not yet joined
+        self._others: list[Event] = []
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def append(self, event: Event) -> None:
+        if type(event) is Token:
+            tail = self._tail
+            ordinal = len(self._ends)
+            self._slots.append(ordinal)
+            start = self._ends[-1] if tail else 0
+            self._ends.append(start + len(event.text))
+            tail.append(event.text)
+            if len(tail) == JOIN_EVERY:
+                self._chunks.append("".join(tail))
+                tail.clear()
+        else:
+            self._slots.append(-1 - len(self._others))
+            self._others.append(event)
+
+    def at(self, index: int) -> Event:
+        """The event at 0-based `index` (the event numbered index + 1)."""
+        slot = self._slots[index]
+        if slot < 0:
+            return self._others[-1 - slot]
+        chunk, position = divmod(slot, JOIN_EVERY)
+        if chunk == len(self._chunks):
+            return Token(self._tail[position])
+        start = self._ends[slot - 1] if position else 0
+        return Token(self._chunks[chunk][start : self._ends[slot]])
+
+    def meta_until(self, count: int) -> Meta:
+        """What the first `count` events said about the generation (merged)."""
+        meta = Meta()
+        for index in range(count):
+            slot = self._slots[index]
+            if slot < 0 and type(event := self._others[-1 - slot]) is Meta:
+                meta = meta.merged(event)
+        return meta
+
+    @property
+    def text(self) -> str:
+        return "".join(self._chunks) + "".join(self._tail)
+
+
+class Run:
+    __slots__ = (
+        "_grace",
+        "_log",
+        "client_key",
+        "closing",
+        "ended",
+        "finishing",
+        "first_token_s",
+        "flight",
+        "grace_s",
+        "hit",
+        "listeners",
+        "log",
+        "public_id",
+        "record",
+        "task",
+        "ticket",
+        "ttl",
+    )
+
+    def __init__(
+        self,
+        *,
+        record: Record,
+        ticket: Ticket,
+        log: Callable[[], Awaitable[None]],
+        client_key: str,
+        grace_s: float,
+        ttl: int,
+    ) -> None:
+        self.record = record
+        self.public_id = record.public_id
+        self.ticket = ticket
+        self._log = log
+        self.client_key = client_key
+        self.grace_s = grace_s
+        self.ttl = ttl
+        self.log = EventLog()
+        self.listeners: set[Listener] = set()
+        self.flight: Flight | None = None
+        self.task: asyncio.Task[None] | None = None  # a cache replay's driver
+        self.first_token_s = math.inf
+        #: a shared or cached answer: its Meta events say HIT
+        self.hit = False
+        #: the terminal event is known (the row and its publication may be on their way)
+        self.closing = False
+        #: the terminal event is in the log
+        self.ended = False
+        self.finishing: asyncio.Task[None] | None = None
+        self._grace: asyncio.TimerHandle | None = None
+        runs[self.public_id] = self
+
+    # -- the source -----------------------------------------------------------------------------
+
+    def attach(self, flight: Flight) -> None:
+        self.flight = flight
+        self.first_token_s = flight.first_token_s
+        flight.join(self)
+
+    def drive(self, events: AsyncGenerator[Event, None]) -> None:
+        """Feed `events` (a cache replay) from a task of the run's own."""
+
+        async def replay() -> None:
+            try:
+                async for event in events:
+                    self.feed(event)
+                    if self.closing:
+                        return
+            finally:
+                await events.aclose()
+
+        self.task = detached_task(replay())
+
+    def _detach(self) -> None:
+        flight, self.flight = self.flight, None
+        if flight is not None:
+            flight.leave(self)  # the last run to leave cancels the flight: the upstream closes now
+        task = self.task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+    # -- events in ------------------------------------------------------------------------------
+
+    def feed(self, event: Event) -> None:
+        """One event from the source (hot path: no await, nothing computed twice)."""
+        if self.closing:
+            return
+        if type(event) is Token:
+            if self.record.ttft is None:
+                self.record.ttft = time.perf_counter()
+        elif type(event) is Usage:
+            self.record.usage = event
+        elif type(event) is Meta:
+            record = self.record
+            record.model = event.model or record.model
+            record.headers.update(event.headers)
+            if event.step is not None:
+                record.step = event.step
+            if self.hit:
+                event = Meta(model=event.model, headers=event.headers, step=event.step, cache_status="HIT")
+        elif type(event) is Done:
+            self._close(Generation.Status.OK, None, event)
+            return
+        elif type(event) is Error:
+            busy = event.code is ErrorCode.BUSY
+            self._close(Generation.Status.BUSY if busy else Generation.Status.ERROR, event, event)
+            return
+        self._publish(event)
+
+    def _publish(self, event: Event) -> None:
+        self.log.append(event)
+        for listener in self.listeners:
+            waiter = listener.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def stop(self) -> asyncio.Task[None] | None:
+        """Stop at once, because the client asked: the upstream closes now, the row says
+        `stopped`. The task that writes the row and ends the run, or None if it was ending."""
+        if self.closing:
+            return None
+        self.fail(STOPPED, status=Generation.Status.CANCELLED)
+        return self.finishing
+
+    def abandon(self) -> None:
+        """Nobody came back within the grace: stop, and say so on the row."""
+        self._grace = None
+        if not self.closing and not self.listeners:
+            self.fail(ABANDONED, status=Generation.Status.CANCELLED)
+
+    def fail(self, error: Error, *, status: str = Generation.Status.ERROR) -> None:
+        """End early with `error` (not from the source): the upstream is closed now."""
+        if self.closing:
+            return
+        self._close(status, error, error)
+        self._detach()
+
+    def _close(self, status: str, error: Error | None, terminal: Event) -> None:
+        # The source is left in _finish, not here: feed() may be running inside the flight's
+        # loop over its runs, which must not change under it.
+        self.closing = True
+        self.record.status = status
+        self.record.error = error
+        self._cancel_grace()
+        self.finishing = detached_task(self._finish(terminal))
+
+    async def _finish(self, terminal: Event) -> None:
+        try:
+            self._detach()
+            await self.ticket.release_client_slot()  # before the client hears "done" and asks again
+            self.record.parts = [self.log.text]
+            await self._log()  # the row, before anyone hears the end
+            self._publish(terminal)
+            self.ended = True
+            if self.ttl > 0:
+                try:
+                    await run_on_cache(
+                        cache.set,
+                        finished_key(self.public_id),
+                        (self.client_key, self.log),
+                        timeout=self.ttl,
+                    )
+                except Exception:  # a cache that is down costs a late resume, never this answer
+                    logger.exception("could not keep a finished generation for resuming")
+        finally:
+            if runs.get(self.public_id) is self:
+                del runs[self.public_id]
+            await self.ticket.release()
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def subscribe(self, index: int, *, keepalive_s: float, idle_s: float) -> Listener:
+        self._cancel_grace()
+        listener = Listener(self, index, keepalive_s=keepalive_s, idle_s=idle_s)
+        self.listeners.add(listener)
+        return listener
+
+    def unsubscribe(self, listener: Listener) -> None:
+        self.listeners.discard(listener)
+        if self.listeners or self.closing:
+            return
+        if self.grace_s <= 0:
+            self.abandon()
+        else:
+            self._grace = asyncio.get_running_loop().call_later(self.grace_s, self.abandon)
+
+    def _cancel_grace(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+
+
+#: The runs of this process not yet ended, by public id.
+runs: dict[str, Run] = {}
+
+
+class Listener:
+    """One connection's view of a run: its events from `index` on, keep-alive pings while it is
+    quiet, and deadlines of its own (to the first token, then between events) so that whatever
+    becomes of the flight, the run ends with the timeout error the flight would give."""
+
+    __slots__ = (
+        "_handle",
+        "_ping_due",
+        "_quiet_since",
+        "_timed_out",
+        "deadline",
+        "idle_s",
+        "index",
+        "keepalive_s",
+        "run",
+        "started",
+        "waiter",
+    )
+
+    def __init__(self, run: Run, index: int, *, keepalive_s: float, idle_s: float) -> None:
+        self.run = run
+        self.keepalive_s = keepalive_s
+        self.idle_s = idle_s
+        #: the next event of the run's history to hand on; after a yield, the event's number n
+        self.index = index
+        self.waiter: asyncio.Future[None] | None = None
+        self.started = run.record.ttft is not None
+        self.deadline = math.inf
+        self._quiet_since = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self._ping_due = False
+        self._timed_out = False
+
+    async def events(self) -> AsyncGenerator[Event, None]:
+        loop = asyncio.get_running_loop()
+        run = self.run
+        log = run.log
+        now = loop.time()
+        self._quiet_since = now
+        self.deadline = now + (self.idle_s if self.started else run.first_token_s) + LISTENER_GRACE_S
+        try:
+            while True:
+                if self.index < len(log):
+                    event = log.at(self.index)
+                    self.index += 1
+                    kind = type(event)
+                    if kind is Token:
+                        self.started = True
+                    now = loop.time()
+                    self._quiet_since = now
+                    if self.started:
+                        self.deadline = now + self.idle_s + LISTENER_GRACE_S
+                    yield event
+                    if kind is Done or kind is Error:
+                        return
+                    continue
+                if run.ended:
+                    return  # resumed at the last event: nothing more to say
+                self.waiter = loop.create_future()
+                if self._handle is None:
+                    self._arm(loop)
+                try:
+                    await self.waiter
+                finally:
+                    self.waiter = None
+                if self._timed_out:
+                    self._timed_out = False
+                    self.deadline = math.inf
+                    # The run ends with the error this connection waited too long for.
+                    run.fail(timeout_error(started=self.started, total=False))
+                    continue
+                if self._ping_due:
+                    self._ping_due = False
+                    yield Ping()
+        finally:
+            if self._handle is not None:
+                self._handle.cancel()
+                self._handle = None
+            run.unsubscribe(self)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        due = min(self._quiet_since + self.keepalive_s, self.deadline)
+        self._handle = loop.call_at(due, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The one timer: re-armed at the next due time while the listener is waiting; left
+        off while it is busy (the next wait arms it again)."""
+        self._handle = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return
+        now = loop.time()
+        if now >= self.deadline:
+            self._timed_out = True
+            waiter.set_result(None)
+        elif now >= self._quiet_since + self.keepalive_s:
+            self._quiet_since = now  # the next ping, another interval on
+            self._ping_due = True
+            waiter.set_result(None)
+        else:
+            self._arm(loop)
+
+
+# -- resuming -------------------------------------------------------------------------------------
+
+
+class Cursor:
+    """Where a connection is in its generation, for the transports to number what they send:
+    after each event, `position.index` is that event's n. Set once the run exists."""
+
+    __slots__ = ("position", "public_id", "resumed", "run", "sse_prefix")
+
+    def __init__(self) -> None:
+        self.public_id = ""
+        self.sse_prefix = b""
+        self.position: Listener | Replayer | None = None
+        self.run: Run | None = None
+        #: a resume: the transport sends no opening of its own (the client had it)
+        self.resumed = False
+
+    def bind(self, public_id: str, position: Listener | Replayer, run: Run | None) -> None:
+        self.public_id = public_id
+        self.sse_prefix = b"id: " + public_id.encode() + b":"
+        self.position = position
+        self.run = run
+
+
+class Replayer:
+    """A finished generation's events from the cache, from `index` on (a late resume)."""
+
+    __slots__ = ("index", "log")
+
+    def __init__(self, log: EventLog, index: int) -> None:
+        self.log = log
+        self.index = index
+
+    async def events(self) -> AsyncGenerator[Event, None]:
+        log = self.log
+        while self.index < len(log):
+            event = log.at(self.index)
+            self.index += 1
+            yield event
+
+
+def parse_event_id(value: object) -> tuple[str, int] | None:
+    if not isinstance(value, str):
+        return None
+    match = EVENT_ID.fullmatch(value.strip())
+    if match is None:
+        return None
+    return match[1].lower(), int(match[2])
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    meta: Meta
+    events: AsyncGenerator[Event, None]
+    cursor: Cursor
+
+
+async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: float) -> Resumed | None:
+    """The events of generation `public_id` after the `after`-th, then the live rest: from the
+    run in this process, else from its finished events in the cache; None when neither has it
+    (unknown, expired, or `after` beyond what it sent)."""
+    cursor = Cursor()
+    cursor.resumed = True
+    run = runs.get(public_id)
+    if run is not None and after <= len(run.log):
+        listener = run.subscribe(after, keepalive_s=keepalive_s, idle_s=idle_s)
+        cursor.bind(public_id, listener, run)
+        return Resumed(run.log.meta_until(after), listener.events(), cursor)
+    try:
+        stored = await run_on_cache(cache.get, finished_key(public_id))
+    except Exception:
+        logger.exception("could not read a finished generation for resuming")
+        return None
+    if not isinstance(stored, tuple) or len(stored) != 2 or not isinstance(stored[1], EventLog):
+        return None
+    log: EventLog = stored[1]
+    if after > len(log):
+        return None
+    replayer = Replayer(log, after)
+    cursor.bind(public_id, replayer, None)
+    return Resumed(log.meta_until(after), replayer.events(), cursor)
