@@ -74,6 +74,9 @@ MIDDLEWARE = [
     # Then, so every log line of the request (and its response) carries the request id.
     "quotes.logging.RequestIdMiddleware",
     "quotes.middleware.SecurityMiddleware",
+    # At the open-stream cap, the stream URLs' 503 from here: before the session, CSRF, auth and
+    # message middleware (an overload is mostly refusals, each taken from the open streams).
+    "quotes.middleware.StreamAdmissionMiddleware",
     "quotes.middleware.CSPMiddleware",
     "quotes.middleware.StaticFilesMiddleware",
     "quotes.middleware.SessionMiddleware",

@@ -2,6 +2,8 @@
 
 - `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread
   (quotes.request_threads).
+- `StreamAdmissionMiddleware`: at the process's open-stream cap, the stream URLs' 503 answered
+  before the session, CSRF, auth and message middleware run.
 - `StaticFilesMiddleware`: WhiteNoise, given an async entry point.
 - Django's own middleware with their methods run inline instead of in a thread each.
 """
@@ -17,10 +19,13 @@ from csp import middleware as csp_middleware
 from django.conf import settings
 from django.contrib.auth import middleware as auth
 from django.contrib.messages import middleware as messages
+from django.contrib.messages.storage import default_storage
 from django.contrib.sessions import middleware as sessions
 from django.db import connections
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
+from django.urls import reverse
+from django.utils.functional import SimpleLazyObject, empty
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 from .request_threads import release_request_thread
@@ -59,6 +64,37 @@ def _let_go_of_asgirefs_thread() -> None:
     # Its database connections would never be used again (they belong to that thread).
     executor.submit(connections.close_all)
     executor.shutdown(wait=False)
+
+
+class StreamAdmissionMiddleware:
+    """At the process's open-stream cap (or while it drains), a new stream (`/api/quotes/stream`,
+    and the persona page's form, `/quotes/stream`) is refused here (by
+    quotes.views.refuse_stream_when_full), early in the chain: Django's handler and the
+    middleware before this one have run, the session, CSRF, auth, message, clickjacking and CSP
+    middleware have not. Under an overload most requests are refusals (800 of 1,000 in
+    bench/scaleout_load.py), and what each costs is taken from the streams the process holds.
+    Anything this cannot answer (not at the cap, a request with a session, a bad request) goes
+    on through the whole chain to the view, which refuses it there if it must."""
+
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
+        self.get_response = get_response
+        self._paths: dict[str, bool] | None = None
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        if self._paths is None:  # not in __init__: the URLconf may not load yet
+            self._paths = {reverse("quotes:stream"): False, reverse("quotes:stream-form"): True}
+        form = self._paths.get(request.path_info)
+        if form is not None:
+            from .views import refuse_stream_when_full  # the views import this module's neighbours
+
+            response = await refuse_stream_when_full(request, form=form)
+            if response is not None:
+                return response
+        return await self.get_response(request)
 
 
 class StaticFilesMiddleware(WhiteNoiseMiddleware):
@@ -163,7 +199,18 @@ class AuthenticationMiddleware(InlineMiddlewareMixin, auth.AuthenticationMiddlew
 
 
 class MessageMiddleware(InlineMiddlewareMixin, messages.MessageMiddleware):
-    pass
+    """The message storage made when something first uses it: the stream API, the feedback API
+    and most pages never do, and making it (a cookie and a session storage) and storing it
+    again on the way out was a measurable part of every request."""
+
+    def process_request(self, request: HttpRequest) -> None:
+        request._messages = SimpleLazyObject(lambda: default_storage(request))  # type: ignore[attr-defined]
+
+    def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        stored = getattr(request, "_messages", None)
+        if isinstance(stored, SimpleLazyObject) and stored._wrapped is empty:  # type: ignore[attr-defined]
+            return response  # never used: nothing to store
+        return super().process_response(request, response)
 
 
 class XFrameOptionsMiddleware(InlineMiddlewareMixin, clickjacking.XFrameOptionsMiddleware):
@@ -171,4 +218,13 @@ class XFrameOptionsMiddleware(InlineMiddlewareMixin, clickjacking.XFrameOptionsM
 
 
 class CSPMiddleware(InlineMiddlewareMixin, csp_middleware.CSPMiddleware):
-    """django-csp's middleware (a MiddlewareMixin) without its thread hops: it only sets headers."""
+    """django-csp's middleware (a MiddlewareMixin) without its thread hops: it only sets headers.
+
+    A response marked exempt from both policies (quotes.views.not_a_document: the streams, which
+    no browser renders as a page) is passed through: django-csp 4.0 builds both policies before
+    it looks at the marks, and that was the costliest step of a stream's middleware."""
+
+    def process_response(self, request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
+        if getattr(response, "_csp_exempt", False) and getattr(response, "_csp_exempt_ro", False):
+            return response
+        return super().process_response(request, response)

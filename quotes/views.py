@@ -45,7 +45,7 @@ from .ai.catalog import doc_url
 from .ai.conversation import check_context_window, clean_topic, parse_messages
 from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
-from .ai.gateway import Client, refuse_if_full, stream_generation
+from .ai.gateway import Client, admission, refuse_if_full, stream_generation
 from .ai.gateway.runs import Cursor, parse_event_id, resume, runs
 from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
@@ -122,10 +122,22 @@ def error_response(error: QuoteError | Error, headers: dict[str, str] | None = N
 
 
 async def client_of(request: HttpRequest) -> Client:
+    if settings.SESSION_COOKIE_NAME not in request.COOKIES:
+        # No session, so no user: what request.auser() would find, without loading a session.
+        return Client.from_request(request.META.get("REMOTE_ADDR") or "")
     user = await request.auser()
     return Client.from_request(
         request.META.get("REMOTE_ADDR") or "", user.pk if user.is_authenticated else None
     )
+
+
+def not_a_document(response: HttpResponseBase) -> HttpResponseBase:
+    """Mark a response that no browser renders as a page (an SSE stream, a JSON error, an htmx
+    event): django-csp leaves it without a Content-Security-Policy, and quotes.middleware's
+    CSPMiddleware then skips building the policy, the costliest step of a stream's middleware."""
+    response._csp_exempt = True  # type: ignore[attr-defined]  # django-csp's own marks
+    response._csp_exempt_ro = True  # type: ignore[attr-defined]
+    return response
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,9 +248,57 @@ async def stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
 
     A request from htmx (`HX-Request: true`) gets the htmx dialect (see HtmxEncoder), so every
     answer varies on that header."""
-    response = await _stream_quote(request)
+    response = not_a_document(await _stream_quote(request))
     patch_vary_headers(response, ("HX-Request",))
     return response
+
+
+async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
+    """The over-capacity (or server-draining) 503 of `stream_quote` (`form`: of
+    `stream_quote_form`), as the view gives it (Retry-After, the JSON envelope or the htmx error
+    event, the refusal counted), or None when the view must answer: the process is not at its
+    cap, the request carries a session (a user's refusal is counted under their key, which only
+    the session knows), or it is not a well-formed request for a persona this process knows.
+
+    Called by quotes.middleware.StreamAdmissionMiddleware before the session, CSRF, auth and
+    message middleware run: at the cap, refusals come by the hundred, and each one's cost is
+    taken from the streams the process holds. A refusal starts nothing, so answering the form's
+    before its CSRF check spends nothing on anyone's behalf; still, only a same-site post that
+    carries a CSRF cookie and token is answered here, and anything else meets Django's check."""
+    if not admission.at_capacity(settings.QUOTES_GATEWAY) or settings.SESSION_COOKIE_NAME in request.COOKIES:
+        return None
+    htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
+    try:
+        refuse_cross_site(request)
+        params = _read_form(request) if form else _read_params(request)
+        if params is not None and _last_event_id(request, params) is not None:
+            return None  # a resume starts no stream: the generation holds its slot already
+    except QuoteError:
+        return None  # the view answers it, as it answers any bad request
+    if params is None:
+        return None
+    client = Client.from_request(request.META.get("REMOTE_ADDR") or "")
+    full = await refuse_if_full(
+        slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
+    )
+    if full is None:
+        return None
+    response = not_a_document(_htmx_error_response(full, Meta()) if htmx else error_response(full))
+    if not form:
+        patch_vary_headers(response, ("HX-Request",))  # as stream_quote's answers
+    return response
+
+
+def _read_form(request: HttpRequest) -> dict[str, Any] | None:
+    """The form's fields, if it is a post that can pass Django's CSRF check (a CSRF cookie and a
+    token in the form or the header), else None."""
+    if request.method != "POST" or settings.CSRF_COOKIE_NAME not in request.COOKIES:
+        return None
+    _check_body_size(request)
+    params = _form_params(request)
+    if not (request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)):
+        return None
+    return params
 
 
 async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
@@ -252,9 +312,11 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
         if (last_event_id := _last_event_id(request, params)) is not None:
             encoder = HtmxEncoder() if htmx else EventSourceEncoder() if eventsource else WorkersAIEncoder()
             return await _resume(last_event_id, encoder, request, params, "htmx" if htmx else "api")
-        # At the process's cap, refused before anything else is spent (see refuse_if_full).
+        client = await client_of(request)
+        # At the process's cap, refused before anything else is spent (see refuse_if_full; most
+        # requests without a session were refused by StreamAdmissionMiddleware already).
         full = await refuse_if_full(
-            slug=params.get("persona"), client=await client_of(request), transport="htmx" if htmx else "api"
+            slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
         )
         if full is not None:
             return _htmx_error_response(full, Meta()) if htmx else error_response(full)
@@ -266,7 +328,7 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
         return error_response(exc, headers)
     transport = "htmx" if htmx else "eventsource" if eventsource else "api"
     cursor = Cursor()
-    events = _events_for(quote, await client_of(request), transport, cursor)
+    events = _events_for(quote, client, transport, cursor)
     if htmx:
         return await _htmx_stream(events, cursor)
     return await stream_response(events, EventSourceEncoder() if eventsource else None, cursor)
@@ -276,6 +338,10 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     """The persona page's form (form-encoded, with its CSRF token, which Django's middleware has
     checked by now: a form from another site never gets here), posted by htmx: answered in the
     htmx dialect."""
+    return not_a_document(await _stream_quote_form(request))
+
+
+async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     try:
         if request.method != "POST":
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
@@ -283,16 +349,15 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
         params = _form_params(request)
         if (last_event_id := _last_event_id(request, params)) is not None:
             return await _resume(last_event_id, HtmxEncoder(), request, params, "htmx")
-        full = await refuse_if_full(
-            slug=params.get("persona"), client=await client_of(request), transport="htmx"
-        )
+        client = await client_of(request)
+        full = await refuse_if_full(slug=params.get("persona"), client=client, transport="htmx")
         if full is not None:
             return _htmx_error_response(full, Meta())
         quote = await parse_quote_request(params)
     except QuoteError as exc:
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
     cursor = Cursor()
-    return await _htmx_stream(_events_for(quote, await client_of(request), "htmx", cursor), cursor)
+    return await _htmx_stream(_events_for(quote, client, "htmx", cursor), cursor)
 
 
 def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:

@@ -171,6 +171,21 @@ def test_admin_prompt_change_makes_a_version_by_the_editor(admin_client: Client,
 
 
 @pytest.mark.django_db
+def test_admin_change_shows_its_success_message_on_the_next_page(admin_client: Client) -> None:
+    """The message storage is made on first use (quotes.middleware.MessageMiddleware): a view
+    that adds a message still gets it stored, and the next page shows it once."""
+    persona = watts()
+    response = admin_client.post(
+        CHANGE.format(pk=persona.pk), form_data(persona, display_order=3), follow=True
+    )
+
+    page = response.content.decode()
+    assert "was changed successfully" in page
+    again = admin_client.get(response.redirect_chain[-1][0]).content.decode()
+    assert "was changed successfully" not in again
+
+
+@pytest.mark.django_db
 def test_admin_display_order_or_active_change_makes_no_version(admin_client: Client) -> None:
     persona = watts()
     before = persona.versions.count()

@@ -100,6 +100,8 @@ async def test_socket_sends_the_conversation(
 async def test_socket_cancel_stops_the_upstream_and_logs_cancelled(
     socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
+    # A cancel is a stop, not a drop: no resume grace however long it is.
+    workers_ai_settings.QUOTES_GATEWAY = replace(workers_ai_settings.QUOTES_GATEWAY, resume_grace_s=30.0)
     fake_workers_ai.script(Scenario(tokens=["tick"] * 500, token_delay_s=0.02))
     await socket.send_json_to({"type": "start", "persona": persona.slug})
     await frames_until(socket, "token")
@@ -111,6 +113,7 @@ async def test_socket_cancel_stops_the_upstream_and_logs_cancelled(
     [upstream] = fake_workers_ai.requests
     assert await asyncio.to_thread(upstream.client_disconnected.wait, 5)
     row = await wait_for_row(Generation.Status.CANCELLED)
+    assert row.error_code == "stopped"
     assert row.text.startswith("tick") and len(row.text) < 4 * 500
     # The socket is free again: a new start works.
     fake_workers_ai.script(Scenario())

@@ -630,15 +630,16 @@ async def test_coalescing_requests_arriving_as_their_flight_is_cancelled_get_an_
     """The last listener leaving cancels a flight, whose task then takes a moment (under a
     millisecond) to close its upstream. A request arriving in that moment used to join the dead
     flight and wait on it for ever, holding a stream slot. Each round here, a leader waits on a
-    slow upstream, a burst of identical requests is sent, and the leader hangs up `gap` seconds
-    later; `gap` walks to where the burst stops keeping the leader's flight alive and starts a
-    flight of its own, so the rounds land requests around the moment of the cancel. Every
-    request must get its quote."""
+    slow upstream, a burst of identical requests is sent, and the leader hangs up `offset`
+    seconds after the burst (before it, when `offset` is negative); `offset` walks to where the
+    burst stops keeping the leader's flight alive and starts a flight of its own, so the rounds
+    land requests around the moment of the cancel. Every request must get its quote."""
     configure(settings, max_concurrent_streams=100, rate_limit=(10_000, 60), ttft_timeout_s=1.0)
-    # The moment depends on how fast this machine handles the burst, so the walk searches for it:
-    # it doubles `gap` until a round comes out the other way, then bisects between the latest
-    # early and late gaps, so every later round lands near the moment whatever the machine.
-    gap = 0.004
+    # The moment depends on how fast this machine handles the burst (on a fast one the burst has
+    # joined the flight before a hang-up sent right after it lands), so the walk searches for it:
+    # it steps `offset` away from the outcome it got, doubling the step, until a round comes out
+    # the other way, then bisects between the latest early and late offsets.
+    offset, step = 0.004, 0.002
     latest: dict[str, float] = {}
     outcomes: list[str] = []
     for round_number in range(20):
@@ -649,10 +650,14 @@ async def test_coalescing_requests_arriving_as_their_flight_is_cancelled_get_an_
         await leader.send()
         await asyncio.to_thread(fake.wait_for_requests, asked + 1)
         joiners = [post_stream(body, client=(f"198.51.100.{10 + index}", 1000)) for index in range(8)]
+        if offset < 0:
+            await leader.disconnect()
+            await asyncio.sleep(-offset)
         for joiner in joiners:
             await joiner.send()
-        await asyncio.sleep(gap)
-        await leader.disconnect()
+        if offset >= 0:
+            await asyncio.sleep(offset)
+            await leader.disconnect()
         for joiner in joiners:
             try:
                 await joiner.start(timeout=10)
@@ -663,11 +668,12 @@ async def test_coalescing_requests_arriving_as_their_flight_is_cancelled_get_an_
         # One upstream call: a request came before the cancel and kept the flight alive.
         outcome = "early" if len(fake.requests) == asked + 1 else "late"
         outcomes.append(outcome)
-        latest[outcome] = gap
+        latest[outcome] = offset
         if {"early", "late"} <= latest.keys():
-            gap = (latest["early"] + latest["late"]) / 2
+            offset = (latest["early"] + latest["late"]) / 2
         else:
-            gap = gap / 2 if outcome == "early" else min(gap * 2, 1.0)
+            offset = offset - step if outcome == "early" else min(offset + step, 1.0)
+            step *= 2
     assert {"early", "late"} <= set(outcomes), outcomes  # the rounds did reach the moment of the cancel
 
 

@@ -24,6 +24,7 @@ from quotes.ai.gateway.runs import EventLog
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, parse_sse, request
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.test_htmx import htmx_form_post
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -192,6 +193,44 @@ async def test_resume_after_the_end_from_the_finished_events(persona: Persona, f
     assert len(fake.requests) == 1
 
 
+async def test_resume_after_the_end_from_redis(
+    persona: Persona, fake: FakeWorkersAI, redis_cache: Any
+) -> None:
+    """With Redis as the cache, a finished generation's log is kept there (so any process could
+    serve a late resume), with its TTL."""
+    _, received, generation_id = await cut(fake)
+    await row_of(generation_id)
+    for _ in range(100):
+        if generation_id not in runs_module.runs:
+            break
+        await asyncio.sleep(0.02)
+    [key] = [k for k in redis_cache.scan_iter(match=f"*quotes:run:{generation_id}")]
+    assert 0 < redis_cache.ttl(key) <= 300
+
+    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}")
+
+    assert text_of(received) + text_of(resumed.body) == TEXT
+    assert len(fake.requests) == 1
+
+
+async def test_resume_is_not_refused_at_the_open_stream_cap(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The generation being resumed holds its slot: a resume opens no new stream, so the cap
+    (one stream here, held by that very generation in its grace) does not refuse it."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    _, received, _ = await cut(fake)
+    refused = await request("POST", STREAM_URL, json_body={"persona": persona.slug})
+
+    resumed = await request(
+        "GET", STREAM_URL, query=f"persona={persona.slug}&last_event_id={last_id(received)}"
+    )
+
+    assert refused.status == 503  # a new stream is refused: the process is full
+    assert resumed.status == 200
+    assert text_of(received) + text_of(resumed.body) == TEXT
+
+
 async def test_resume_unknown_or_malformed_ids_are_refused(persona: Persona, fake: FakeWorkersAI) -> None:
     unknown = await request(
         "POST",
@@ -212,6 +251,26 @@ async def test_resume_unknown_or_malformed_ids_are_refused(persona: Persona, fak
     [error] = parse_sse(htmx.body)
     assert error["event"] == "error" and json.loads(error["data"])["code"] == "resume_unavailable"
     assert fake.requests == []  # none of them started a generation
+
+
+async def test_resume_the_page_form_by_its_last_event_id_field(persona: Persona, fake: FakeWorkersAI) -> None:
+    fake.script(Scenario(tokens=TOKENS))
+    whole = await htmx_form_post({"persona": persona.slug})
+    blocks = whole.body.decode().split("\n\n")[:-1]
+    fragments = [b for b in blocks if "\nevent: " not in b]  # unnamed messages: the text
+    cut = LAST_ID.findall(fragments[9].encode())[0].decode()  # as if the page had seen 10
+
+    resumed = await htmx_form_post({"persona": persona.slug, "last_event_id": cut})
+
+    def text(body: str) -> str:
+        return "".join(e["data"] for e in parse_sse(body.encode()) if e["event"] == "message")
+
+    assert resumed.status == 200
+    assert text("\n\n".join(fragments[:10]) + "\n\n") + text(resumed.body.decode()) == text(
+        whole.body.decode()
+    )
+    assert parse_sse(resumed.body)[-1]["event"] == "done"
+    assert len(fake.requests) == 1
 
 
 # -- gone, and stopped ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.core.cache import cache
-from django.db import connection, connections
+from django.db import close_old_connections, connection, connections
 
 from quotes.ai import gateway
 from quotes.ai.backends import reset_backends
@@ -149,6 +149,142 @@ async def test_open_stream_cap_for_htmx_is_a_503_error_event(
     await held.disconnect()
 
 
+async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_middleware(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """At the cap most requests are refusals: StreamAdmissionMiddleware answers them early in
+    the chain. The answer is the view's (503, Retry-After, the JSON envelope, the refusal counted
+    in its row), but none of the later middleware left a mark on it: no session touched (no
+    `Vary: Cookie`, no cookie set), no Content-Security-Policy, no X-Frame-Options. The
+    middleware before it still did their part (the request id, nosniff)."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
+    held = stream("held")
+    await first_token(held)
+
+    refusals = [stream(f"refused {i}") for i in range(3)]
+    responses = [await s.start() for s in refusals]
+    bodies = [json.loads((await s.read_all()).body) for s in refusals]
+
+    for response, body in zip(responses, bodies, strict=True):
+        assert response.status == 503 and int(response.headers["retry-after"]) > 0
+        assert response.headers["content-type"] == "application/json"
+        assert body["error"]["code"] == "over_capacity" and body["error"]["message"]
+        assert "cookie" not in response.headers.get("vary", "").lower().split(", ")
+        assert "hx-request" in response.headers["vary"].lower()
+        assert "set-cookie" not in response.headers
+        assert "content-security-policy" not in response.headers
+        assert "x-frame-options" not in response.headers
+        assert response.headers["x-request-id"] and response.headers["x-content-type-options"] == "nosniff"
+    assert len(fake.requests) == 1
+    await held.disconnect()
+    rows = await wait_for_rows(2)
+    # Counted like any refusal: one row for the client's window, its count copied within a second.
+    [refusal] = [row for row in rows if row.error_code == "over_capacity"]
+    assert refusal.status == Generation.Status.BUSY
+    for _ in range(100):
+        await refusal.arefresh_from_db()
+        if refusal.request_count == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert refusal.request_count == 3
+
+
+async def test_open_stream_cap_refuses_the_page_form_early_but_csrf_still_meets_cross_site_posts(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The persona page's form (htmx, Django's CSRF) is refused early too when it is a same-site
+    post with its CSRF cookie and token: the htmx error event with Retry-After, counted, without
+    the marks of the later middleware. A post from another site's page, or without a token,
+    still meets Django's CSRF check (403 csrf_failed), at the cap as anywhere."""
+    from urllib.parse import urlencode
+
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
+    held = stream("held")
+    await first_token(held)
+    token = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
+
+    async def form_post(fields: dict[str, str], **headers: str) -> StreamedResponse:
+        s = AsgiStream(
+            "POST",
+            "/quotes/stream",
+            body=urlencode({"persona": persona.slug, **fields}).encode(),
+            headers={
+                "content-type": "application/x-www-form-urlencoded",
+                "hx-request": "true",
+                "cookie": f"csrftoken={token}",
+                **headers,
+            },
+        )
+        await s.start()
+        return await s.read_all()
+
+    refused = await form_post({"csrfmiddlewaretoken": token}, origin="http://testserver")
+    cross_site = await form_post({"csrfmiddlewaretoken": token}, origin="https://elsewhere.example")
+    tokenless = await form_post({})
+
+    assert refused.status == 503 and int(refused.headers["retry-after"]) > 0
+    assert refused.headers["content-type"].startswith("text/event-stream")
+    assert b"event: error\n" in refused.body and b'"over_capacity"' in refused.body
+    assert "x-frame-options" not in refused.headers and "content-security-policy" not in refused.headers
+    for answer in (cross_site, tokenless):
+        assert answer.status == 403 and b'"csrf_failed"' in answer.body
+    assert len(fake.requests) == 1
+    await held.disconnect()
+    rows = await wait_for_rows(2)
+    [refusal] = [row for row in rows if row.error_code == "over_capacity"]
+    assert (refusal.status, refusal.request_count) == (Generation.Status.BUSY, 1)
+
+
+async def test_open_stream_cap_refuses_a_request_with_a_session_in_the_view(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """A request with a session cookie may be a user's, whose refusal is counted under their
+    key: it goes through the whole chain and the view refuses it, with every header."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
+    held = stream("held")
+    await first_token(held)
+
+    refused = stream("with a session", headers={"cookie": f"{settings.SESSION_COOKIE_NAME}=not-a-session"})
+    response = await refused.start()
+    body = json.loads((await refused.read_all()).body)
+
+    assert response.status == 503 and int(response.headers["retry-after"]) > 0
+    assert body["error"]["code"] == "over_capacity"
+    assert response.headers["x-frame-options"] == "DENY"  # the whole chain ran
+    await held.disconnect()
+
+
+async def test_stream_responses_carry_no_csp_but_pages_do(persona: Persona, fake: FakeWorkersAI) -> None:
+    """No browser renders a stream (or its JSON error) as a page, so it gets no policy (and the
+    policy is not built for it); the pages keep theirs."""
+    fake.default = Scenario(tokens=["tick"] * 3)
+    ok = stream("a stream")
+    response = await first_token(ok)
+    await ok.read_all()
+    unknown = AsgiStream(
+        "POST",
+        URL,
+        body=b'{"persona": "nobody"}',
+        headers={"content-type": "application/json"},
+    )
+    error = await unknown.start()
+    await unknown.read_all()
+    page = AsgiStream("GET", f"/personas/{persona.slug}/")
+    page_response = await page.start()
+    await page.read_all()
+
+    assert "content-security-policy" not in response.headers
+    assert error.status == 404 and "content-security-policy" not in error.headers
+    assert page_response.status == 200
+    assert "frame-ancestors 'none'" in page_response.headers["content-security-policy"]
+    # The stream keeps the other security headers.
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert response.headers["x-frame-options"] == "DENY"
+
+
 # -- threads --------------------------------------------------------------------------------------
 
 
@@ -169,6 +305,23 @@ async def test_open_streams_hold_no_thread(persona: Persona, fake: FakeWorkersAI
         await s.disconnect()
 
     assert during - before < 4, (before, during, [t.name for t in threading.enumerate()])
+
+
+async def test_requests_send_request_started_without_a_thread_hop(persona: Persona) -> None:
+    """Django's own request_started receivers are sync: sending the signal was a hop to the
+    request's thread and back before any middleware, for every stream and every refusal. The
+    request thread pool does their work (reset_queries, close_old_connections) on the thread
+    itself, so an ASGI request leaves the signal without them; the pages still work and still
+    read the database on the request's thread."""
+    from django.core import signals
+
+    from tests.asgi import request
+
+    signals.request_started.connect(close_old_connections)  # as Django's test clients leave it
+    page = await request("GET", f"/personas/{persona.slug}/")
+
+    assert page.status == 200 and persona.name.encode() in page.body
+    assert not signals.request_started.has_listeners()
 
 
 # -- the group-commit log writer ------------------------------------------------------------------
