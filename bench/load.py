@@ -5,6 +5,7 @@ and daphne's RSS per open stream.
     .venv/bin/python -m bench.load --streams 300 --duration 60
     .venv/bin/python -m bench.load --ladder 100,300,1000 --duration 60   # the ceiling, one run each
     .venv/bin/python -m bench.load --streams 100 --duration 20 --metrics both   # metrics' cost
+    .venv/bin/python -m bench.load --streams 100 --duration 20 --paths app --relay both   # Redis relay's cost
 
 The upstream (in its own process, like every bench upstream) speaks the Workers AI wire format
 the fake in tests/fakes/workers_ai.py speaks (chunked SSE, `{"response": ...}` events, usage,
@@ -485,7 +486,22 @@ NAIVE = "bench.naive.asgi:application"
 
 
 def one_run(
-    streams: int, args: argparse.Namespace, path: str = "app", *, metrics: bool = True
+    streams: int, args: argparse.Namespace, path: str = "app", *, metrics: bool = True, relay: bool = False
+) -> dict[str, Any]:
+    """One run; `relay`: with a real redis-server and REDIS_URL set (the cache, the limits and
+    the relay of live runs for other processes, quotes.ai.gateway.relay, all in Redis)."""
+    if relay:
+        from tests.scaleout.services import redis
+
+        with tempfile.TemporaryDirectory() as workdir, redis(Path(workdir)) as redis_url:
+            report = _app_run(streams, args, path, metrics=metrics, redis_url=redis_url)
+        report["relay"] = "on"
+        return report
+    return _app_run(streams, args, path, metrics=metrics, redis_url="")
+
+
+def _app_run(
+    streams: int, args: argparse.Namespace, path: str, *, metrics: bool, redis_url: str
 ) -> dict[str, Any]:
     tokens = int(args.duration * args.tokens_per_second)
     upstream = StampingUpstream(tokens, args.tokens_per_second)
@@ -510,6 +526,8 @@ def one_run(
         "QUOTES_MAX_CONCURRENT_STREAMS": "1000000",
         "QUOTES_IDLE_TIMEOUT": "30",
     }
+    if redis_url:
+        env["REDIS_URL"] = redis_url
     if args.pool:
         env["DJANGO_SETTINGS_MODULE"] = "bench.load_settings"
         env["BENCH_MAX_CONNECTIONS"] = str(args.pool)
@@ -735,7 +753,13 @@ def main(argv: list[str] | None = None) -> None:
         default="on",
         help="QUOTES_METRICS_ENABLED for the app; both: alternate off/on runs (--rounds each)",
     )
-    parser.add_argument("--rounds", type=int, default=2, help="with --metrics both: runs per setting")
+    parser.add_argument(
+        "--relay",
+        choices=("on", "off", "both"),
+        default="off",
+        help="REDIS_URL set (a fresh redis-server) for the app; both: alternate off/on runs (--rounds each)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --metrics/--relay both: runs per setting")
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -744,12 +768,15 @@ def main(argv: list[str] | None = None) -> None:
     reports = []
     # With both: off and on interleaved, so a load that drifts over the runs hits both alike.
     settings_order = [False, True] * args.rounds if args.metrics == "both" else [args.metrics == "on"]
+    relay_order = [False, True] * args.rounds if args.relay == "both" else [args.relay == "on"]
     for streams in counts:
         for path in paths:
             for metrics in settings_order if path == "app" else [False]:
-                report = one_run(streams, args, path, metrics=metrics)
-                reports.append(report)
-                print(json.dumps(report, indent=1), flush=True)
+                for relay in relay_order if path == "app" else [False]:
+                    report = one_run(streams, args, path, metrics=metrics, relay=relay)
+                    report.setdefault("relay", "off")
+                    reports.append(report)
+                    print(json.dumps(report, indent=1), flush=True)
     print(summary_table(reports))
     print("\n".join(capacity_lines(reports, args.bound_ms)))
     out = ARTIFACTS / "load.json"
@@ -768,6 +795,21 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{streams} streams: daphne CPU per token, metrics off {by['off']} (mean {off:.1f} µs), "
                 f"on {by['on']} (mean {on:.1f} µs): on - off = {on - off:+.1f} µs ({(on - off) / off:+.1%})"
+            )
+    if args.relay == "both":
+        for streams in counts:
+            cpu = {
+                setting: [
+                    r["cpu_per_token_us"]
+                    for r in reports
+                    if r["streams"] == streams and r["relay"] == setting
+                ]
+                for setting in ("off", "on")
+            }
+            off, on = sum(cpu["off"]) / len(cpu["off"]), sum(cpu["on"]) / len(cpu["on"])
+            print(
+                f"{streams} streams: daphne CPU per token, REDIS_URL unset {cpu['off']} (mean {off:.1f} µs), "
+                f"set {cpu['on']} (mean {on:.1f} µs): set - unset = {on - off:+.1f} µs ({(on - off) / off:+.1%})"
             )
     print(f"raw: {out}", file=sys.stderr)
 

@@ -23,7 +23,8 @@ Per quote, one outcome:
 - resumed: the stream ended with `event: reconnect` (a drain's deadline), the client asked again
   through nginx with `Last-Event-ID: <last id>` (after the event's `retry_ms`) and got exactly
   the rest;
-- resume failed: after `event: reconnect`, the resume was refused (e.g. 404 resume_unavailable)
+- resume failed: after `event: reconnect`, the resume was refused (e.g. 404 resume_unavailable,
+  or an `error` event `generation_lost`: the generation ended with its drained process)
   or started a second generation (its text began again at `1,`);
 - lost: anything else: an error event, a body cut without `event: reconnect`, a truncated,
   duplicated or wrong text, a 5xx other than a 503 before any header, a stream that hung.
@@ -275,7 +276,12 @@ class Client:
                 text += token
             if b"event: error" in complete:
                 at = complete.find(b"event: error")
-                raise Lost(complete[at : at + 200].decode(errors="replace"))
+                detail = complete[at : at + 200].decode(errors="replace")
+                if resume and b'"generation_lost"' in complete[at:]:
+                    # The resume was answered, and refused cleanly: the process that had the
+                    # generation drained it (quotes.ai.gateway.relay), the client may ask again.
+                    raise ResumeFailed(detail)
+                raise Lost(detail)
             if b"event: reconnect" in complete:
                 at = complete.find(b"event: reconnect")
                 data = complete[at:].split(b"data: ", 1)[1].split(b"\n", 1)[0]

@@ -122,6 +122,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         resumed = await resume(
             parsed[0], parsed[1], keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
         )
+        if isinstance(resumed, Error):
+            await self._send_error(resumed)  # a draining process: resume on another
+            return
         if resumed is None:
             await self._send_error(
                 QuoteError(

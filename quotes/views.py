@@ -15,7 +15,7 @@ import asyncio
 import json
 import re
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -205,7 +205,13 @@ def _bad_event_id() -> QuoteError:
     )
 
 
-async def _resume(last_event_id: str, encoder: Encoder[bytes]) -> HttpResponseBase:
+async def _resume(
+    last_event_id: str,
+    encoder: Encoder[bytes],
+    request: HttpRequest,
+    params: Mapping[str, Any],
+    transport: str,
+) -> HttpResponseBase:
     """The events of a generation after `last_event_id`, then its live rest (quotes.ai.gateway.runs):
     200 and a stream, whatever those events are (the client has had the stream's beginning)."""
     parsed = parse_event_id(last_event_id)
@@ -215,6 +221,13 @@ async def _resume(last_event_id: str, encoder: Encoder[bytes]) -> HttpResponseBa
     resumed = await resume(
         parsed[0], parsed[1], keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
     )
+    if isinstance(resumed, Error):
+        # A draining process: 503, nginx asks another one. Counted like a refused new stream
+        # (when the request names its persona, as the page's and the API's resumes do).
+        await refuse_if_full(slug=params.get("persona"), client=await client_of(request), transport=transport)
+        if isinstance(encoder, HtmxEncoder):
+            return _htmx_error_response(resumed, Meta())
+        return error_response(resumed)
     if resumed is None:
         raise QuoteError(
             ErrorCode.RESUME_UNAVAILABLE,
@@ -298,7 +311,7 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
         params = _read_params(request)
         if (last_event_id := _last_event_id(request, params)) is not None:
             encoder = HtmxEncoder() if htmx else EventSourceEncoder() if eventsource else WorkersAIEncoder()
-            return await _resume(last_event_id, encoder)
+            return await _resume(last_event_id, encoder, request, params, "htmx" if htmx else "api")
         client = await client_of(request)
         # At the process's cap, refused before anything else is spent (see refuse_if_full; most
         # requests without a session were refused by StreamAdmissionMiddleware already).
@@ -335,7 +348,7 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
         _check_body_size(request)
         params = _form_params(request)
         if (last_event_id := _last_event_id(request, params)) is not None:
-            return await _resume(last_event_id, HtmxEncoder())
+            return await _resume(last_event_id, HtmxEncoder(), request, params, "htmx")
         client = await client_of(request)
         full = await refuse_if_full(slug=params.get("persona"), client=client, transport="htmx")
         if full is not None:

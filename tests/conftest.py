@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -21,6 +22,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the browser tests last. Playwright's sync API keeps an event loop running in the main
     thread for the rest of the session, and async tests cannot start while it does."""
     items.sort(key=lambda item: "browser" in item.path.parts)
+    for item in items:
+        # An async test's Redis pool (quotes.ai.gateway.relay) is closed in the test's own loop.
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.function):
+            item.fixturenames.append("_close_relay")
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +65,24 @@ def _fresh_cache() -> Iterator[None]:
     cache.clear()
     for store in _caches.values():
         store.clear()
+
+
+@pytest.fixture
+async def _close_relay() -> AsyncIterator[None]:
+    yield
+    from quotes.ai.gateway import relay
+
+    await relay.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_relay_left() -> Iterator[None]:
+    """With REDIS_URL, runs publish to Redis (quotes.ai.gateway.relay) from a pool bound to the
+    test's loop: it goes with the test."""
+    yield
+    from quotes.ai.gateway import relay
+
+    relay.reset()
 
 
 @pytest.fixture

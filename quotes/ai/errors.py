@@ -53,6 +53,8 @@ class ErrorCode(StrEnum):
     # How a generation ended early (on its log row, and to a client still reading it).
     STOPPED = "stopped"
     ABANDONED = "abandoned"
+    #: the process writing it died or restarted (seen from another process, through Redis)
+    GENERATION_LOST = "generation_lost"
     # Our own model and gateway.
     BUSY = "busy"
     INTERNAL_ERROR = "internal_error"

@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asgiref.sync import SyncToAsync
 
 from ..errors import internal
-from ..events import Done, Event
+from ..events import Done, Event, Token
+from . import relay
 from .policy import Plan, generate
 
 if TYPE_CHECKING:
@@ -57,12 +58,51 @@ class Flight:
         self.runs: list[Run] = []
         self.task: asyncio.Task[None] | None = None
 
+    def register(self) -> None:
+        """Under `key` (when it has one), so that identical requests join it."""
+        if self.key is not None:
+            flights[self.key] = self
+
     def start(self, plan: Plan, store: Callable[[list[Event]], Awaitable[None]] | None = None) -> None:
         """Run `plan` in a task of its own; registered under `key` (when it has one) so that
         identical requests join it. `store` keeps a complete answer before Done goes out."""
-        if self.key is not None:
-            flights[self.key] = self
+        self.register()
         self.task = detached_task(self._fly(plan, store))
+
+    def follow(
+        self,
+        events: AsyncIterator[Event],
+        plan: Plan,
+        store: Callable[[list[Event]], Awaitable[None]] | None = None,
+    ) -> None:
+        """Publish `events` (another process's upstream call, read from Redis: relay.follow)
+        instead of calling the upstream; registered like a flight of this process's own. If that
+        call's owner gives up on it (its client left, it drained) or dies before a token came,
+        call the upstream with `plan` after all; after a token, the generation is lost."""
+        self.register()
+        self.task = detached_task(self._relay(events, plan, store))
+
+    async def _relay(
+        self,
+        events: AsyncIterator[Event],
+        plan: Plan,
+        store: Callable[[list[Event]], Awaitable[None]] | None,
+    ) -> None:
+        try:
+            async for event in events:
+                self.publish(event)
+        except asyncio.CancelledError:
+            raise
+        except relay.OwnerGone:
+            if any(type(event) is Token for event in self.history):
+                self.publish(relay.generation_lost())
+            else:
+                await self._fly(plan, store)
+        except Exception:
+            logger.exception("following another process's generation failed")
+            self.publish(internal())
+        finally:
+            self.unregister()
 
     def join(self, run: Run) -> None:
         """Attach `run`: it gets what the flight has published so far, then each event as it comes."""

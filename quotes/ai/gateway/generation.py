@@ -27,11 +27,11 @@ from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
 from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
-from . import admission, answers
+from . import admission, answers, relay
 from .flights import Flight, flights
 from .log import Record, writer
 from .policy import Plan, first_token_budget
-from .runs import Cursor, Run
+from .runs import ABANDONED, Cursor, Run
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +199,16 @@ async def stream_generation(
             ttl=options.resume_ttl_s,
         )
         ticket = None
+        if run.relay is not None:
+            run.facts = {
+                "persona_id": persona.pk,
+                "persona_version_id": version.pk if version else None,
+                "backend": backend.name,
+                "model": record.model,
+                "topic": topic,
+                "client_hash": client.ip_hash,
+                "is_preview": preview,
+            }
         run.feed(
             Meta(
                 model=record.model,
@@ -231,7 +241,31 @@ async def stream_generation(
                 flight = Flight(
                     key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
                 )
-                flight.start(plan, _storer(key, ttl) if use_cache else None)
+                owner = None
+                if use_cache and run.relay is not None:
+                    # Across processes: one of them claims the upstream call, the others follow
+                    # its owner's run. Registered first, so that identical requests of this
+                    # process join this flight while Redis is asked, whatever it answers.
+                    flight.register()
+                    try:
+                        owner = await relay.claim(key, run.public_id)
+                    except BaseException:
+                        if flight.runs:  # requests joined meanwhile: they get their answer
+                            flight.start(plan, _storer(key, ttl))
+                        else:
+                            flight.unregister()
+                        run.fail(ABANDONED, status=Generation.Status.CANCELLED)
+                        raise
+                    if owner is None:
+                        run.relay.claim = key
+                if owner is None:
+                    flight.start(plan, _storer(key, ttl) if use_cache else None)
+                else:
+                    record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
+                    run.hit = True
+                    metrics.coalesced_listener()
+                    # The owner's events after its own opening Meta (this run has its own).
+                    flight.follow(relay.follow(owner, for_run=True, skip=1), plan, _storer(key, ttl))
             run.attach(flight)
         listener = run.subscribe(0, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
         if cursor is not None:

@@ -19,9 +19,9 @@ How a run ends decides its row:
 Exactly one row per run, written before its terminal event is published, however many
 connections come and go. A finished run's events stay in Django's cache for
 QUOTES_RESUME_TTL_S (`resume` reads them from there once the run has left this process's
-registry): with Redis as the cache that already works across processes. A resume of a run still
-live in another process is the cross-process part: `resume()` is where a Redis-backed event log
-would be read.
+registry): with Redis as the cache that already works across processes. With REDIS_URL set, a
+live run's events also go to Redis as they come (relay.py), so `resume()` on a process that does
+not hold the run reads them there and follows the live rest.
 
 Feeding a run is synchronous (the flight's task calls `feed`): a token costs a few field
 updates, one list append and one future wake-up per waiting connection, and no task hop.
@@ -44,9 +44,10 @@ from ...models import Generation
 from ..errors import ErrorCode
 from ..events import Done, Error, Event, Meta, Ping, Token, Usage
 from ..limits import run_on_cache
-from .admission import Ticket
+from . import relay
+from .admission import Ticket, drain, server_draining
 from .flights import Flight, detached_task
-from .log import Record
+from .log import Record, writer
 from .policy import timeout_error
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class Run:
         "client_key",
         "closing",
         "ended",
+        "facts",
         "finishing",
         "first_token_s",
         "flight",
@@ -150,6 +152,7 @@ class Run:
         "log",
         "public_id",
         "record",
+        "relay",
         "task",
         "ticket",
         "ttl",
@@ -184,7 +187,12 @@ class Run:
         #: the terminal event is in the log
         self.ended = False
         self.finishing: asyncio.Task[None] | None = None
+        #: what another process needs to log a resume of this run of its own (relay.py): the
+        #: persona, backend, topic..., as Generation fields
+        self.facts: dict[str, object] = {}
         self._grace: asyncio.TimerHandle | None = None
+        #: sends the events to Redis for the other processes (only with REDIS_URL)
+        self.relay = relay.Publisher(self) if relay.enabled() else None
         runs[self.public_id] = self
 
     # -- the source -----------------------------------------------------------------------------
@@ -246,6 +254,8 @@ class Run:
 
     def _publish(self, event: Event) -> None:
         self.log.append(event)
+        if self.relay is not None:
+            self.relay.poke()
         for listener in self.listeners:
             waiter = listener.waiter
             if waiter is not None and not waiter.done():
@@ -446,16 +456,25 @@ class Cursor:
     def __init__(self) -> None:
         self.public_id = ""
         self.sse_prefix = b""
-        self.position: Listener | Replayer | None = None
+        self.position: Listener | Replayer | RemoteReader | None = None
         self.run: Run | None = None
         #: a resume: the transport sends no opening of its own (the client had it)
         self.resumed = False
 
-    def bind(self, public_id: str, position: Listener | Replayer, run: Run | None) -> None:
+    def bind(self, public_id: str, position: Listener | Replayer | RemoteReader, run: Run | None) -> None:
         self.public_id = public_id
         self.sse_prefix = b"id: " + public_id.encode() + b":"
         self.position = position
         self.run = run
+
+
+def _elsewhere(event: Event) -> Event:
+    """An event of a run read back from outside the process that held it: a drain's cut, which
+    told the client to resume elsewhere, is a lost generation there (the drained process has
+    closed its upstream; resuming again would only hear the same)."""
+    if type(event) is Error and event.code is ErrorCode.SERVER_DRAINING:
+        return relay.generation_lost()
+    return event
 
 
 class Replayer:
@@ -472,7 +491,70 @@ class Replayer:
         while self.index < len(log):
             event = log.at(self.index)
             self.index += 1
+            yield _elsewhere(event)
+
+
+class RemoteReader:
+    """A generation live (or just ended) in another process: what Redis holds of it from
+    `index` on, then the live rest (relay.follow) until its terminal event. A resume that ends
+    with `generation_lost` (the owner died, or drained it) writes a row of its own first: the
+    attempt is logged, and the owner may never write the generation's."""
+
+    __slots__ = ("facts", "index", "keepalive_s", "last", "log", "public_id")
+
+    def __init__(
+        self,
+        public_id: str,
+        log: EventLog,
+        last: str,
+        index: int,
+        *,
+        keepalive_s: float,
+        facts: dict[str, object],
+    ) -> None:
+        self.public_id = public_id
+        self.log = log
+        self.last = last
+        self.index = index
+        self.keepalive_s = keepalive_s
+        self.facts = facts
+
+    async def events(self) -> AsyncGenerator[Event, None]:
+        log = self.log
+        while self.index < len(log):
+            event = _elsewhere(log.at(self.index))
+            self.index += 1
+            await self._log_if_lost(event)
             yield event
+            if type(event) is Done or type(event) is Error:
+                return
+        if len(log) and type(log.at(len(log) - 1)) in (Done, Error):
+            return  # resumed at the last event: nothing more to say
+        async for event in relay.follow(
+            self.public_id, last=self.last, keepalive_s=self.keepalive_s, seen=len(log)
+        ):
+            if type(event) is not Ping:
+                self.index += 1
+            event = _elsewhere(event)
+            await self._log_if_lost(event)
+            yield event
+
+    async def _log_if_lost(self, event: Event) -> None:
+        if type(event) is not Error or event.code is not ErrorCode.GENERATION_LOST or not self.facts:
+            return
+        row = Generation(
+            **self.facts,
+            status=Generation.Status.ERROR,
+            error_code=event.code,
+            error_message=f"{event.message} (a resume of {self.public_id})",
+            text=self.log.text,
+        )
+        try:
+            await writer.write(row)
+        except asyncio.CancelledError:
+            raise  # the row is queued: it is written all the same
+        except Exception:
+            logger.exception("could not write the log row of a resume")
 
 
 def parse_event_id(value: object) -> tuple[str, int] | None:
@@ -491,10 +573,13 @@ class Resumed:
     cursor: Cursor
 
 
-async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: float) -> Resumed | None:
+async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: float) -> Resumed | Error | None:
     """The events of generation `public_id` after the `after`-th, then the live rest: from the
-    run in this process, else from its finished events in the cache; None when neither has it
-    (unknown, expired, or `after` beyond what it sent)."""
+    run in this process, else from its finished events in the cache, else (with REDIS_URL) from
+    its events in Redis, live in another process; None when none has it (unknown, expired, or
+    `after` beyond what it sent). A draining process serves only the runs it holds: any other
+    resume is refused like a new stream (the server_draining Error; nginx asks another process),
+    for it could outlive the drain's cut and be closed at exit without a word."""
     cursor = Cursor()
     cursor.resumed = True
     run = runs.get(public_id)
@@ -502,6 +587,14 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
         listener = run.subscribe(after, keepalive_s=keepalive_s, idle_s=idle_s)
         cursor.bind(public_id, listener, run)
         return Resumed(run.log.meta_until(after), listener.events(), cursor)
+    if drain.draining:
+        return server_draining()
+    if relay.enabled():
+        # Redis first: it has the run live in another process, or just ended (with what a
+        # resume needs to log itself if the run was lost).
+        elsewhere = await _resume_elsewhere(public_id, after, keepalive_s=keepalive_s)
+        if elsewhere is not None:
+            return elsewhere
     try:
         stored = await run_on_cache(cache.get, finished_key(public_id))
     except Exception:
@@ -515,3 +608,20 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
     replayer = Replayer(log, after)
     cursor.bind(public_id, replayer, None)
     return Resumed(log.meta_until(after), replayer.events(), cursor)
+
+
+async def _resume_elsewhere(public_id: str, after: int, *, keepalive_s: float) -> Resumed | None:
+    found = await relay.read(public_id)
+    if found is None:
+        return None
+    events, last, facts = found
+    if after > len(events):
+        return None
+    log = EventLog()
+    for event in events:
+        log.append(event)
+    reader = RemoteReader(public_id, log, last, after, keepalive_s=keepalive_s, facts=facts)
+    cursor = Cursor()
+    cursor.resumed = True
+    cursor.bind(public_id, reader, None)
+    return Resumed(log.meta_until(after), reader.events(), cursor)

@@ -1,0 +1,262 @@
+"""Streams across processes (issue 14, quotes.ai.gateway.relay): two real daphne processes (A and
+B, started with the systemd unit's own command, tests/deployed.py) sharing a real Redis and one
+database, answering from the fake Workers AI on 127.0.0.1.
+
+- A client cut mid-stream on A resumes on B with `Last-Event-ID`: exactly the text of one
+  uninterrupted stream, one upstream call, one log row (A's).
+- Two identical requests, one on A and one on B, make one upstream call.
+- A drained (SIGTERM) with a stream still open at its deadline: the client, told to reconnect,
+  resumes on B and gets a clean, retryable `generation_lost` (A closed the upstream: the
+  generation is not carried on elsewhere), and B logs that resume.
+- A killed (SIGKILL) mid-stream: B's follower and a resume on B end with `generation_lost`,
+  never hang, and each has its row.
+
+Each needs Redis (the `redis_server` fixture, a real redis-server: never skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deployed import ROOT, environment, running_daphne
+from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
+from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.scaleout.services import free_port
+from tests.test_drain import events_of, text_of, wait_for
+
+UNIT = "systemd/persona-quotes@.service"
+STREAM = "/api/quotes/stream"
+QUOTE = {"persona": "alan-watts", "topic": "moving house"}
+TOKENS = [f" word{n}" for n in range(40)]
+
+
+class Daphne:
+    def __init__(self, url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.url = url
+        self.process = process
+        self.log = log
+
+
+class Pair:
+    def __init__(self, a: Daphne, b: Daphne, database: Path) -> None:
+        self.a, self.b, self.database = a, b, database
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        with sqlite3.connect(self.database) as db:
+            return list(
+                db.execute(
+                    "SELECT public_id, status, error_code, cache_status FROM quotes_generation ORDER BY id"
+                )
+            )
+
+
+@pytest.fixture
+def pair(
+    tmp_path: Path, fake_workers_ai: FakeWorkersAI, redis_server: str
+) -> Iterator[Callable[[int], Pair]]:
+    """Start A and B (answer cache TTL `cache_ttl`) on one SQLite file and one Redis."""
+    contexts: list[Iterator[subprocess.Popen[bytes]]] = []
+    database = tmp_path / "db.sqlite3"
+
+    def start(cache_ttl: int) -> Pair:
+        env = environment(
+            DATABASE_URL=f"sqlite:///{database}",
+            REDIS_URL=redis_server.rsplit("/", 1)[0] + "/5",  # a database of its own, emptied first
+            DJANGO_ALLOWED_HOSTS="127.0.0.1",
+            AI_BACKEND="workers-ai",
+            CLOUDFLARE_ACCOUNT_ID=TEST_ACCOUNT_ID,
+            CLOUDFLARE_API_TOKEN=TEST_API_TOKEN,
+            CLOUDFLARE_API_BASE_URL=fake_workers_ai.api_base_url,
+            QUOTES_CACHE_TTL=str(cache_ttl),
+            QUOTES_RESUME_GRACE_S="10",
+            QUOTES_MAX_ATTEMPTS="1",
+            QUOTES_DRAIN_TIMEOUT_S="1",
+        )
+        import redis
+
+        redis.Redis.from_url(env["REDIS_URL"]).flushdb()
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+        )
+        started = []
+        for name in "ab":
+            port, log = free_port(), tmp_path / f"daphne-{name}.log"
+            context = running_daphne(UNIT, port, env, log)
+            started.append(Daphne(f"http://127.0.0.1:{port}", context.__enter__(), log))
+            contexts.append(context)
+        return Pair(started[0], started[1], database)
+
+    yield start
+    for context in contexts:
+        context.__exit__(None, None, None)
+
+
+def lines_until_tokens(lines: Iterator[str], count: int) -> list[str]:
+    """Read SSE lines until `count` token events have been read (and their blank line)."""
+    head: list[str] = []
+    tokens = 0
+    for line in lines:
+        head.append(line)
+        if line.startswith("data: {") and '"response"' in line:
+            tokens += 1
+        if not line and tokens >= count:
+            return head
+    raise AssertionError(f"the stream ended early: {head}")
+
+
+def test_relay_a_stream_cut_on_one_process_resumes_on_the_other(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    fake_workers_ai.script(Scenario(tokens=TOKENS, token_delay_s=0.05))
+    servers = pair(0)
+
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", servers.a.url + STREAM, json=QUOTE) as stream:
+            quote_id = stream.headers["X-Quote-Id"]
+            head = lines_until_tokens(stream.iter_lines(), 5)
+        # The socket is closed: A keeps the run for its grace. The client comes back through B.
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+        resumed = client.post(servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id})
+
+    assert resumed.status_code == 200, resumed.text
+    events = events_of(head) + events_of(resumed.text.splitlines())
+    assert text_of(events) == "".join(TOKENS)
+    assert events[-1]["data"] == "[DONE]"
+    ids = [line.removeprefix("id: ") for line in resumed.text.splitlines() if line.startswith("id: ")]
+    assert int(ids[0].split(":")[1]) == int(last_id.split(":")[1]) + 1  # nothing twice, nothing left out
+    assert len(fake_workers_ai.requests) == 1
+    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
+    assert [(row[0].replace("-", ""), *row[1:]) for row in servers.rows()] == [
+        (quote_id.replace("-", ""), "ok", "", "bypass")
+    ]
+
+
+def test_relay_identical_requests_on_two_processes_make_one_upstream_call(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    fake_workers_ai.script(Scenario(tokens=TOKENS, token_delay_s=0.05))
+    servers = pair(3600)
+    bodies: dict[str, str] = {}
+
+    def ask(name: str, url: str) -> None:
+        bodies[name] = httpx.post(url + STREAM, json=QUOTE, timeout=30).text
+
+    first = threading.Thread(target=ask, args=("a", servers.a.url))
+    first.start()
+    fake_workers_ai.wait_for_requests(1)  # A is calling the upstream: B's request is identical
+    ask("b", servers.b.url)
+    first.join(30)
+
+    assert text_of(events_of(bodies["a"].splitlines())) == "".join(TOKENS)
+    assert text_of(events_of(bodies["b"].splitlines())) == "".join(TOKENS)
+    assert len(fake_workers_ai.requests) == 1
+    wait_for(lambda: len(servers.rows()) == 2, "both rows")
+    assert sorted((status, cache) for _, status, _, cache in servers.rows()) == [
+        ("ok", "hit"),
+        ("ok", "miss"),
+    ]
+
+
+def test_relay_a_killed_owner_ends_its_followers_with_generation_lost(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05))  # 20 s: A dies long before
+    servers = pair(3600)
+
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", servers.a.url + STREAM, json=QUOTE) as on_a,
+        client.stream("POST", servers.b.url + STREAM, json=QUOTE) as follower,
+    ):
+        head = lines_until_tokens(on_a.iter_lines(), 3)
+        follower_lines = follower.iter_lines()
+        follower_head = lines_until_tokens(follower_lines, 3)
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+        servers.a.process.send_signal(signal.SIGKILL)
+        servers.a.process.wait(10)
+        resumed = client.post(servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id})
+        follower_rest = list(follower_lines)  # ends: no hang (the client's timeout would say)
+
+    assert len(fake_workers_ai.requests) == 1
+    for lines in (follower_head + follower_rest, resumed.text.splitlines()):
+        last = events_of(lines)[-1]
+        assert last["event"] == "error", lines[-6:]
+        assert json.loads(last["data"])["error"]["code"] == "generation_lost", last
+    assert text_of(events_of(follower_head + follower_rest)[:-1])  # what came before, kept
+    # B's follower and B's resume have their rows (A's own was never written: A was killed).
+    wait_for(lambda: len(servers.rows()) == 2, "the follower's and the resume's rows")
+    assert [(status, code) for _, status, code, _ in servers.rows()] == [("error", "generation_lost")] * 2
+
+
+def test_relay_a_stream_cut_by_a_drain_resumes_on_the_other_process_to_a_clean_end(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05))  # 20 s: past A's 1 s drain
+    servers = pair(0)
+
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", servers.a.url + STREAM, json=QUOTE) as stream:
+            lines = stream.iter_lines()
+            head = lines_until_tokens(lines, 3)
+            servers.a.process.send_signal(signal.SIGTERM)
+            head += list(lines)  # A cuts it at its deadline
+        reconnect = events_of(head)[-1]
+        assert reconnect["event"] == "reconnect", head[-6:]
+        last_id = json.loads(reconnect["data"])["last_event_id"]
+        servers.a.process.wait(20)
+        resumed = client.post(servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id})
+
+    assert resumed.status_code == 200, resumed.text
+    events = events_of(resumed.text.splitlines())
+    assert not text_of(events[:-1])  # A had sent everything it had: nothing twice
+    assert events[-1]["event"] == "error"
+    error = json.loads(events[-1]["data"])["error"]
+    assert error["code"] == "generation_lost", error
+    assert len(fake_workers_ai.requests) == 1
+    # A's row for the generation, B's for the resume it could not carry on.
+    wait_for(lambda: len(servers.rows()) == 2, "the resume's row")
+    assert [(status, code) for _, status, code, _ in servers.rows()] == [
+        ("cancelled", "server_draining"),
+        ("error", "generation_lost"),
+    ]
+
+
+def test_relay_a_draining_process_refuses_to_resume_a_run_it_does_not_hold(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A resume that lands on a draining process (nginx picks either) is refused like a new
+    stream when the run is elsewhere: served, it could outlive the drain's cut."""
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(*[Scenario(tokens=tokens, token_delay_s=0.05)] * 2)  # 20 s each
+    servers = pair(0)
+
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", servers.b.url + STREAM, json=QUOTE) as on_b,
+        client.stream("POST", servers.a.url + STREAM, json={**QUOTE, "topic": "a"}) as on_a,
+    ):
+        head = lines_until_tokens(on_b.iter_lines(), 3)
+        lines_until_tokens(on_a.iter_lines(), 1)  # A has a stream open: it drains for 1 s
+        servers.a.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(servers.a.url + "/healthz", timeout=5).status_code == 503, "A drains")
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+        refused = client.post(servers.a.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id})
+
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "server_draining"
+    assert refused.headers["Retry-After"] == "1"
+    servers.a.process.wait(20)
+    # Counted like a refused new stream.
+    assert ("busy", "server_draining") in [(status, code) for _, status, code, _ in servers.rows()]
