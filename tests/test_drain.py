@@ -222,6 +222,29 @@ def test_every_refusal_of_a_draining_process_is_counted_up_to_its_exit(
     assert counted == refused
 
 
+def test_a_generation_waiting_out_its_resume_grace_ends_as_drained(
+    serve: Callable[[float], Server], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A client that dropped leaves its generation running for the resume grace (10 s by
+    default), with no connection to cut. A drain must end it like a cut stream, not let the
+    process's exit break its upstream (an error row) or lose its row."""
+    fake_workers_ai.script(Scenario(tokens=[f" w{n}" for n in range(200)], token_delay_s=0.1))
+    server = serve(1)
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + STREAM, json=QUOTE) as stream:
+        assert stream.status_code == 200
+        next(stream.iter_lines())
+    # The client is gone; the generation goes on in its grace.
+    [upstream] = fake_workers_ai.requests
+    time.sleep(0.3)
+    assert not upstream.client_disconnected.is_set()
+    server.process.send_signal(signal.SIGTERM)
+
+    server.process.wait(timeout=30)
+    assert server.process.returncode == 0, tail(server.log)
+    assert upstream.client_disconnected.wait(5)
+    assert server.rows() == [("cancelled", "server_draining")]
+
+
 #: How each SSE client asks: the JSON API, EventSource (GET), the page's htmx.
 SSE_CLIENTS: dict[str, dict[str, Any]] = {
     "api": {"method": "POST", "json": QUOTE},

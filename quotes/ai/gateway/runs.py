@@ -341,6 +341,18 @@ class Run:
 runs: dict[str, Run] = {}
 
 
+async def end_for_drain() -> None:
+    """The drain's last word on runs: those still going with nobody reading (in their resume
+    grace; the open connections were cut already) end as drained, upstream closed and row
+    written, before the process closes its backends under them."""
+    for run in list(runs.values()):
+        if not run.closing:
+            run.fail(server_draining(), status=Generation.Status.CANCELLED)
+    ending = [run.finishing for run in list(runs.values()) if run.finishing is not None]
+    if ending:
+        await asyncio.wait(ending, timeout=5)
+
+
 class Listener:
     """One connection's view of a run: its events from `index` on, keep-alive pings while it is
     quiet, and deadlines of its own (to the first token, then between events) so that whatever
