@@ -6,7 +6,9 @@ import inspect
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.cache import cache
+from django.db import connections
 
 from quotes.ai.backends import get_backend
 from quotes.ai.backends.local import LocalBackend
@@ -23,9 +25,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     thread for the rest of the session, and async tests cannot start while it does."""
     items.sort(key=lambda item: "browser" in item.path.parts)
     for item in items:
-        # An async test's Redis pool (quotes.ai.gateway.relay) is closed in the test's own loop.
+        # An async test's Redis pool (quotes.ai.gateway.relay) is closed in the test's own loop,
+        # and its ORM thread's database connection closed.
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.function):
-            item.fixturenames.append("_close_relay")
+            item.fixturenames.append("_end_of_async_test")
 
 
 @pytest.fixture(autouse=True)
@@ -68,11 +71,14 @@ def _fresh_cache() -> Iterator[None]:
 
 
 @pytest.fixture
-async def _close_relay() -> AsyncIterator[None]:
+async def _end_of_async_test() -> AsyncIterator[None]:
     yield
     from quotes.ai.gateway import relay
 
     await relay.close()
+    # An async test's ORM calls run on asgiref's thread, whose connection outlives the test (and,
+    # on PostgreSQL, kept the test database from being dropped at the end of the session).
+    await sync_to_async(connections.close_all)()
 
 
 @pytest.fixture(autouse=True)

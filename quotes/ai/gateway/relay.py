@@ -171,11 +171,22 @@ def forget() -> None:
             writer = connection._writer
             connection._writer = connection._reader = None
             if writer is not None:
-                # Its loop is closed (so StreamWriter.close() cannot run): close the socket itself.
-                sock = writer.transport.get_extra_info("socket")
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock._sock.close()
+                _close_without_loop(writer.transport)
+
+
+def _close_without_loop(transport: asyncio.BaseTransport) -> None:
+    """Close a socket transport whose loop is closed (so StreamWriter.close() cannot run), and
+    leave it as a closed transport would be: marked closing (StreamWriter.__del__ is then quiet)
+    and with no socket (so _SelectorTransport.__del__ is too)."""
+    # close() marks the transport closing, then fails where it schedules connection_lost on the
+    # closed loop: that callback would only tell a protocol nobody reads any more.
+    with contextlib.suppress(RuntimeError):
+        transport.close()
+    sock = getattr(transport, "_sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.close()
+        transport._sock = None  # type: ignore[attr-defined]
 
 
 def reset() -> None:
