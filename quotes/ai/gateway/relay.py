@@ -165,6 +165,10 @@ def forget() -> None:
         return
     _, *redis_clients = _clients
     _clients = None
+    _close_dead(redis_clients)
+
+
+def _close_dead(redis_clients: list[aioredis.Redis]) -> None:
     for redis in redis_clients:
         pool = redis.connection_pool
         for connection in [*pool._available_connections, *pool._in_use_connections]:
@@ -214,6 +218,8 @@ async def close() -> None:
         if loop is asyncio.get_running_loop():
             for redis in redis_clients:
                 await redis.aclose()
+        elif loop.is_closed():
+            _close_dead(redis_clients)
 
 
 # -- the owner's side -------------------------------------------------------------------------------
