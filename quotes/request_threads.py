@@ -21,12 +21,6 @@ shared thread. Everything else about the request (middleware, URLs, views, signa
 Database connections stay per thread, as Django expects: a pooled thread closes its obsolete ones
 (per CONN_MAX_AGE) when it is given back, as `request_finished` would have on a thread of its own.
 
-Django's own `request_started` receivers (`reset_queries`, `close_old_connections`) are sync, so
-sending the signal was a hop to the request's thread and back before any middleware ran (about
-0.15 ms in-process, more on a loaded machine, for every stream and every refusal). Their work is
-per-thread connection hygiene, and the pool already does it on each thread when it is given back,
-queued ahead of whatever the thread's next request runs there: so `ASGIHandler` takes those two
-receivers off the signal (any other receiver stays, and is sent as Django sends it).
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ from typing import Any
 
 from asgiref.sync import SyncToAsync, ThreadSensitiveContext
 from django.conf import settings
-from django.core import signals
 from django.core.handlers.asgi import ASGIHandler as DjangoASGIHandler
 from django.db import close_old_connections, reset_queries
 
@@ -92,18 +85,6 @@ def _connection_hygiene() -> None:
     close_old_connections()
 
 
-#: Django's request_started receivers whose work the pool does instead (see the module's docstring).
-_DONE_BY_THE_POOL = (reset_queries, close_old_connections)
-
-
-def _take_over_request_started() -> None:
-    """Take Django's own receivers off request_started. Checked on every request, as cheaply as
-    it gets, because Django's test clients connect `close_old_connections` back after each of
-    their requests."""
-    for receiver in _DONE_BY_THE_POOL:
-        signals.request_started.disconnect(receiver)
-
-
 pool = RequestThreadPool()
 #: Where a request's thread-sensitive calls go once its thread is given back (a stream's tail:
 #: Django's `response.close()` and request_finished, microseconds each).
@@ -144,8 +125,6 @@ class ASGIHandler(DjangoASGIHandler):
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)  # Django's own refusal
-        if signals.request_started.receivers:
-            _take_over_request_started()
         executor = await pool.lease()
         lease = Lease(executor)
         token = _lease.set(lease)

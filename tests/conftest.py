@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -73,8 +74,14 @@ def _fresh_cache() -> Iterator[None]:
 @pytest.fixture
 async def _end_of_async_test() -> AsyncIterator[None]:
     yield
-    from quotes.ai.gateway import relay
+    from quotes.ai.gateway import relay, runs
+    from quotes.ai.gateway.log import writer
 
+    # Generations the test left going (a run in its resume grace, a follower waiting on Redis)
+    # end now, in the test's loop and while its database is there: their rows are written before
+    # the next test (or the end of the session) flushes or drops the database under the writer.
+    await runs.end_for_drain()
+    await asyncio.to_thread(writer.flush, 10.0)
     await relay.close()
     # An async test's ORM calls run on asgiref's thread, whose connection outlives the test (and,
     # on PostgreSQL, kept the test database from being dropped at the end of the session).

@@ -17,7 +17,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.core.cache import cache
-from django.db import close_old_connections, connection, connections
+from django.db import connection, connections
 
 from quotes.ai import gateway
 from quotes.ai.backends import reset_backends
@@ -305,23 +305,6 @@ async def test_open_streams_hold_no_thread(persona: Persona, fake: FakeWorkersAI
         await s.disconnect()
 
     assert during - before < 4, (before, during, [t.name for t in threading.enumerate()])
-
-
-async def test_requests_send_request_started_without_a_thread_hop(persona: Persona) -> None:
-    """Django's own request_started receivers are sync: sending the signal was a hop to the
-    request's thread and back before any middleware, for every stream and every refusal. The
-    request thread pool does their work (reset_queries, close_old_connections) on the thread
-    itself, so an ASGI request leaves the signal without them; the pages still work and still
-    read the database on the request's thread."""
-    from django.core import signals
-
-    from tests.asgi import request
-
-    signals.request_started.connect(close_old_connections)  # as Django's test clients leave it
-    page = await request("GET", f"/personas/{persona.slug}/")
-
-    assert page.status == 200 and persona.name.encode() in page.body
-    assert not signals.request_started.has_listeners()
 
 
 # -- the group-commit log writer ------------------------------------------------------------------
