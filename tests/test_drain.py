@@ -122,6 +122,19 @@ def serve_local(tmp_path: Path) -> Iterator[Server]:
         yield Server(f"http://127.0.0.1:{port}", process, database, log)
 
 
+def deployed_site(port: int, *servers: Server) -> str:
+    """nginx in front of `servers` as deploy/ has it: its upstream block and its locations."""
+    return f"""
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    {deploy_upstream([s.url.removeprefix("http://") for s in servers])}
+    server {{
+        listen 127.0.0.1:{port};
+        server_name 127.0.0.1;
+        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
+    }}
+"""
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -394,15 +407,7 @@ def test_behind_nginx_new_streams_go_to_the_other_process_while_one_drains(
     fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.25))  # A's stream: 3 s
     a, b = serve(20), serve(20)
     proxy_port = free_port()
-    site = f"""
-    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
-    {deploy_upstream([s.url.removeprefix("http://") for s in (a, b)])}
-    server {{
-        listen 127.0.0.1:{proxy_port};
-        server_name 127.0.0.1;
-        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
-    }}
-"""
+    site = deployed_site(proxy_port, a, b)
     with (
         nginx(tmp_path, site=site, port=proxy_port) as proxy,
         httpx.Client(timeout=30) as client,
@@ -436,15 +441,7 @@ def test_a_rolling_restart_behind_nginx_always_leaves_nginx_a_process(
     502 ("no live upstreams"); bench/rolling_restart.py lost 2,390 of 3,942 quotes that way."""
     a, b = serve(20), serve(20)
     proxy_port = free_port()
-    site = f"""
-    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
-    {deploy_upstream([s.url.removeprefix("http://") for s in (a, b)])}
-    server {{
-        listen 127.0.0.1:{proxy_port};
-        server_name 127.0.0.1;
-        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
-    }}
-"""
+    site = deployed_site(proxy_port, a, b)
     restarted: subprocess.Popen[bytes] | None = None
     tokens = [f" word{n}" for n in range(16)]
     try:
