@@ -690,7 +690,7 @@ def assert_rate_limited(response: StreamedResponse, code: str = "rate_limited") 
 async def test_rate_limit_fourth_request_from_a_client_is_429(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    configure(settings, rate_limit=(3, 60))
+    configure(settings, rate_limit=(3, 3600))
     await at_start_of_window(60)
     for _ in range(3):
         assert_complete(await post(client=("198.51.100.1", 1000)))
@@ -698,7 +698,7 @@ async def test_rate_limit_fourth_request_from_a_client_is_429(
     limited = await post(client=("198.51.100.1", 1001))
     other_ip = await post(client=("198.51.100.2", 1000))
 
-    assert 1 <= assert_rate_limited(limited) <= 60
+    assert 1 <= assert_rate_limited(limited) <= 3600
     assert_complete(other_ip)
     logged = await rows()
     assert [row.status for row in logged] == ["ok", "ok", "ok", "rate_limited", "ok"]
@@ -715,7 +715,7 @@ async def test_rate_limit_a_logged_in_user_is_limited_across_ips(
     from django.contrib.auth.models import User
     from django.test import AsyncClient
 
-    configure(settings, rate_limit=(3, 60))
+    configure(settings, rate_limit=(3, 3600))
     await User.objects.acreate_user(username="reader", password="a-long-test-password-42")
     browser = AsyncClient()
     assert await browser.alogin(username="reader", password="a-long-test-password-42")
@@ -786,7 +786,7 @@ async def test_rate_limit_refusals_share_one_small_row_and_the_analytics_count_e
     from quotes.admin import CSV_COLUMNS
     from quotes.selectors import gateway_stats
 
-    configure(settings, rate_limit=(2, 60))
+    configure(settings, rate_limit=(2, 3600))
     await at_start_of_window(60, margin_s=20)
     client = ("198.51.100.30", 1000)
     for _ in range(2):

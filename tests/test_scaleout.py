@@ -20,7 +20,8 @@ def test_scaleout_script_passes_every_check() -> None:
         for line in result.stdout.splitlines()
         if line.startswith(("PASS", "FAIL", "SKIPPED", "setup", "ALL"))
     )
-    assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    # The check lines go last: a report that is cut keeps its end.
+    assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}\n--- the checks\n{report}"
     checks = [line.split()[0] for line in report.splitlines() if line.startswith(("PASS", "FAIL", "SKIPPED"))]
     # Six checks, all passed: the WebSocket check may only be SKIPPED when no consumer exists,
     # and it does now.

@@ -279,7 +279,7 @@ def dockerfile_daphne(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterato
         CLOUDFLARE_ACCOUNT_ID=TEST_ACCOUNT_ID,
         CLOUDFLARE_API_TOKEN=TEST_API_TOKEN,
         CLOUDFLARE_API_BASE_URL=fake_workers_ai.api_base_url,
-        QUOTES_RATE_LIMIT="1/m",
+        QUOTES_RATE_LIMIT="1/h",  # an hour: a minute could turn over between the two requests
         QUOTES_CACHE_TTL="0",
         QUOTES_TRUSTED_PROXIES="127.0.0.2",
     )
