@@ -58,6 +58,38 @@ ANONYMOUS = Client(key="local", ip_hash="")
 _PROCESS_REFUSALS = frozenset({ErrorCode.OVER_CAPACITY, ErrorCode.SERVER_DRAINING})
 
 
+async def _refuse(
+    error: Error,
+    *,
+    persona: Persona,
+    version: Any,
+    backend: str,
+    model: str,
+    client: Client,
+    preview: bool,
+    transport: str,
+) -> None:
+    """Count a refused stream in the metrics and in its refusal row (one per client and window,
+    see refusals.py). A refusal for this process's own state (its cap, its drain) is a busy row
+    counted in this process; a client's limit is counted where the limit is (the shared cache)."""
+    metrics.stream_refused(transport=transport, backend=backend, model=model, code=error.code)
+    mine = error.code in _PROCESS_REFUSALS
+    await record_refusal(
+        persona=persona,
+        version=version,
+        backend=backend,
+        model=model,
+        client_key=client.key,
+        client_hash=client.ip_hash,
+        preview=preview,
+        code=error.code,
+        message=error.message,
+        window=settings.QUOTES_GATEWAY.rate_limit[1],
+        status=Generation.Status.BUSY if mine else None,
+        local=mine,
+    )
+
+
 async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Error | None:
     """The process is at its open-stream cap, or draining: the over-capacity (or
     server-draining) Error, counted (process-local, no round trip) against the persona if this
@@ -73,20 +105,15 @@ async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Err
     backend = backend_for(active.persona)
     model = backend.model_name(active.persona.model)
     metrics.stream_opened(transport)
-    metrics.stream_refused(transport=transport, backend=backend.name, model=model, code=error.code)
-    await record_refusal(
+    await _refuse(
+        error,
         persona=active.persona,
         version=active.version,
         backend=backend.name,
         model=model,
-        client_key=client.key,
-        client_hash=client.ip_hash,
+        client=client,
         preview=False,
-        code=error.code,
-        message=error.message,
-        window=options.rate_limit[1],
-        status=Generation.Status.BUSY,
-        local=True,
+        transport=transport,
     )
     return error
 
@@ -158,22 +185,15 @@ async def stream_generation(
         if type(admitted) is Error:
             # Counted per client and window, not logged one full row each (see refusals.py).
             logged = True
-            metrics.stream_refused(
-                transport=transport, backend=backend.name, model=record.model, code=admitted.code
-            )
-            await record_refusal(
+            await _refuse(
+                admitted,
                 persona=persona,
                 version=version,
                 backend=backend.name,
                 model=record.model,
-                client_key=client.key,
-                client_hash=client.ip_hash,
+                client=client,
                 preview=preview,
-                code=admitted.code,
-                message=admitted.message,
-                window=options.rate_limit[1],
-                status=Generation.Status.BUSY if admitted.code in _PROCESS_REFUSALS else None,
-                local=admitted.code in _PROCESS_REFUSALS,  # this process's state: counted here
+                transport=transport,
             )
             yield admitted
             return
