@@ -21,7 +21,9 @@ def test_scaleout_script_passes_every_check() -> None:
         if line.startswith(("PASS", "FAIL", "SKIPPED", "setup", "ALL"))
     )
     # The check lines go last: a report that is cut keeps its end.
-    assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}\n--- the checks\n{report}"
+    assert result.returncode == 0, (
+        f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}\n--- the checks\n{report}"
+    )
     checks = [line.split()[0] for line in report.splitlines() if line.startswith(("PASS", "FAIL", "SKIPPED"))]
     # Six checks, all passed: the WebSocket check may only be SKIPPED when no consumer exists,
     # and it does now.

@@ -369,7 +369,9 @@ def check_rate_limit(a: Daphne, b: Daphne, reset_rate_limits: Callable[[], None]
     check(codes == [200, 200, 200, 429], f"statuses {statuses}")
     check(statuses[-1][2], "the 429 has no Retry-After")
     return (
-        f"limit {RATE_LIMIT}/h: " + ", ".join(f"{n}->{s}" for n, s, _ in statuses) + f" (Retry-After {statuses[-1][2]})"
+        f"limit {RATE_LIMIT}/h: "
+        + ", ".join(f"{n}->{s}" for n, s, _ in statuses)
+        + f" (Retry-After {statuses[-1][2]})"
     )
 
 
