@@ -11,7 +11,6 @@ Three ways in to one stream:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid
@@ -46,7 +45,8 @@ from .ai.conversation import check_context_window, clean_topic, parse_messages
 from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, admission, refuse_if_full, stream_generation
-from .ai.gateway.runs import Cursor, parse_event_id, resume, runs
+from .ai.gateway.runs import Cursor, parse_event_id, resume
+from .ai.gateway.runs import stop as stop_run
 from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
@@ -523,25 +523,21 @@ async def _htmx_stream(events: AsyncGenerator[Event, None], cursor: Cursor) -> H
 
 @csrf_exempt  # refuse_cross_site instead: a page of another site cannot stop a visitor's quote
 async def stop_quote(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
-    """POST: stop a generation of this process at once (the upstream is closed now, its row
-    says `stopped`), for the client that started it. Anyone else, and an id this process does
-    not know, gets the same 404: an id says nothing about someone else's quote."""
+    """POST: stop a generation at once (the upstream is closed now, its row says `stopped`),
+    for the client that started it, whichever process holds it. `stopped` is false when it had
+    ended already. Anyone else, and an unknown id, gets the same 404: an id says nothing about
+    someone else's quote."""
     try:
         if request.method != "POST":
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
         refuse_cross_site(request)
         client = await client_of(request)
-        run = runs.get(str(public_id))
-        if run is None or run.client_key != client.key:
-            raise QuoteError(
-                ErrorCode.UNKNOWN_STREAM, "No quote of yours is being written with this id.", 404
-            )
+        stopped = await stop_run(str(public_id), client.key)
+        if stopped is None:
+            raise QuoteError(ErrorCode.UNKNOWN_STREAM, "You have no quote with this id.", 404)
     except QuoteError as exc:
         return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
-    finishing = run.stop()
-    if finishing is not None:
-        await asyncio.shield(finishing)  # the row is written when the answer says "stopped"
-    return JsonResponse({"id": str(public_id), "stopped": finishing is not None})
+    return JsonResponse({"id": str(public_id), "stopped": stopped})
 
 
 # --- permalinks and feedback --------------------------------------------------------------

@@ -8,6 +8,8 @@ database, answering from the fake Workers AI on 127.0.0.1.
 - A drained (SIGTERM) with a stream still open at its deadline: the client, told to reconnect,
   resumes on B and gets a clean, retryable `generation_lost` (A closed the upstream: the
   generation is not carried on elsewhere), and B logs that resume.
+- Stop asked of B for a stream on A (nginx sends each request where it likes): A stops it at
+  once, its row says `stopped`; another client asking is told nothing.
 - A killed (SIGKILL) mid-stream: B's follower and a resume on B end with `generation_lost`,
   never hang, and each has its row.
 
@@ -81,6 +83,7 @@ def pair(
             QUOTES_RESUME_GRACE_S="10",
             QUOTES_MAX_ATTEMPTS="1",
             QUOTES_DRAIN_TIMEOUT_S="1",
+            QUOTES_TRUSTED_PROXIES="127.0.0.1",  # so a test can speak for another client
         )
         import redis
 
@@ -165,6 +168,34 @@ def test_relay_identical_requests_on_two_processes_make_one_upstream_call(
         ("ok", "hit"),
         ("ok", "miss"),
     ]
+
+
+def test_relay_a_stop_sent_to_the_other_process_stops_the_stream_at_once(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    fake_workers_ai.script(Scenario(tokens=[" tick"] * 400, token_delay_s=0.05))  # 20 s unstopped
+    servers = pair(0)
+
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", servers.a.url + STREAM, json=QUOTE) as stream:
+            quote_id = stream.headers["X-Quote-Id"]
+            lines = stream.iter_lines()
+            lines_until_tokens(lines, 3)
+            stop_url = f"{servers.b.url}/api/quotes/{quote_id}/stop"
+            someone_else = client.post(stop_url, headers={"X-Forwarded-For": "198.51.100.7"})
+            stopped = client.post(stop_url)
+            rest = list(lines)  # A's stream ends: the stop reached it
+        again = client.post(stop_url)
+
+    assert (someone_else.status_code, someone_else.json()["error"]["code"]) == (404, "unknown_stream")
+    assert (stopped.status_code, stopped.json()) == (200, {"id": quote_id, "stopped": True})
+    assert any('"code": "stopped"' in line or '"code":"stopped"' in line for line in rest), rest[-4:]
+    [upstream] = fake_workers_ai.requests
+    assert upstream.client_disconnected.wait(5)  # A closed the upstream
+    assert (again.status_code, again.json()) == (200, {"id": quote_id, "stopped": False})
+    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
+    [(_, status, code, _)] = servers.rows()
+    assert (status, code) == ("cancelled", "stopped")
 
 
 def test_relay_a_killed_owner_ends_its_followers_with_generation_lost(

@@ -316,7 +316,10 @@ async def test_resume_stop_endpoint_stops_at_once_for_its_own_client_only(
     row = await Generation.objects.aget(public_id=generation_id)  # written before the answer
     assert (row.status, row.error_code) == (Generation.Status.CANCELLED, "stopped")
     assert parse_sse(rest.body)[-1]["event"] == "error"  # the open stream hears it too
-    assert (await request("POST", stop_url)).status == 404  # ended: nothing left to stop
+    # Ended: nothing left to stop, said plainly to its client; still nothing to anyone else.
+    again = await request("POST", stop_url)
+    assert (again.status, again.json()) == (200, {"id": generation_id, "stopped": False})
+    assert (await request("POST", stop_url, client=("10.9.8.7", 50000))).json() == other.json()
 
 
 # -- the WebSocket ----------------------------------------------------------------------------------

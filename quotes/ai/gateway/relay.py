@@ -19,6 +19,12 @@ Coalescing across processes: the first process to start an upstream call for an 
 claims it (`SET quotes:flight:<key> <run id> NX`); an identical request elsewhere follows that
 run's events (`claim()` returns the owner's run id) instead of calling the upstream itself.
 
+Stopping across processes: the heartbeat key holds the owner process's id (`PROCESS`). A stop
+asked of another process (`stop_elsewhere`, the stop endpoint behind nginx) pushes the run's id
+onto the owner's list `quotes:stops:<process>`, where the owner waits on it (BLPOP) while it
+holds runs, and stops the run at once; the asking process answers once the run's end is in its
+stream. Only the client that started a run may stop it: the run's first entry names it.
+
 Two connection pools per process: a small one that short calls wait on (publishing, claims),
 one for blocking reads (a follower holds a connection while it waits). Every call is bounded by
 REDIS_OPTIONS' timeouts; a Redis that fails costs the cross-process
@@ -32,6 +38,7 @@ import contextlib
 import logging
 import pickle
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +97,16 @@ def owner_key(public_id: str) -> str:
 
 def claim_key(answer_key: str) -> str:
     return f"quotes:flight:{answer_key}"
+
+
+def stops_key(process: str) -> str:
+    return f"quotes:stops:{process}"
+
+
+#: This process, as the heartbeat keys of its runs name it (where other processes send stops).
+PROCESS = uuid.uuid4().hex
+#: How long a process asking another to stop a run waits to see it end.
+STOP_WAIT_S = 5.0
 
 
 def enabled() -> bool:
@@ -196,8 +213,8 @@ def _close_without_loop(transport: asyncio.BaseTransport) -> None:
 def reset() -> None:
     """Forget everything of a loop that is gone (a finished test's): its runs, its sender, its
     clients."""
-    global _sender
-    _sender = None
+    global _sender, _stop_watcher
+    _sender = _stop_watcher = None
     _dirty.clear()
     publishers.clear()
     forget()
@@ -206,10 +223,11 @@ def reset() -> None:
 async def close() -> None:
     """Stop publishing and close the pools (the end of a test's loop)."""
     global _clients
-    global _sender
-    if _sender is not None:
-        _sender.cancel()
-        _sender = None
+    global _sender, _stop_watcher
+    for task in (_sender, _stop_watcher):
+        if task is not None:
+            task.cancel()
+    _sender = _stop_watcher = None
     publishers.clear()
     _dirty.clear()
     if _clients is not None:
@@ -239,6 +257,7 @@ class Publisher:
         self.claim = ""
         publishers.add(self)
         self.poke()
+        _watch_stops()
 
     def poke(self) -> None:
         _dirty.add(self)
@@ -260,6 +279,7 @@ class Publisher:
             }
             if not self.sent:
                 fields["r"] = pickle.dumps(run.facts, protocol=5)
+                fields["c"] = run.client_key  # who may stop it from another process
             pipe.xadd(stream, fields)
             if not self.sent or ended:
                 # Set once live (a bound for a run whose process dies), once ended: not per
@@ -270,7 +290,7 @@ class Publisher:
             if self.claim:
                 pipe.eval(_RELEASE, 1, claim_key(self.claim), run.public_id)
         elif now >= self.beat_due:
-            pipe.set(owner_key(run.public_id), b"1", px=int(HEARTBEAT_TTL_S * 1000))
+            pipe.set(owner_key(run.public_id), PROCESS, px=int(HEARTBEAT_TTL_S * 1000))
             self.beat_due = now + HEARTBEAT_EVERY_S
         return end, ended
 
@@ -279,6 +299,7 @@ class Publisher:
 _dirty: set[Publisher] = set()
 _wake: asyncio.Event | None = None
 _sender: asyncio.Task[None] | None = None
+_stop_watcher: asyncio.Task[None] | None = None
 
 
 def _wake_sender() -> None:
@@ -343,6 +364,36 @@ async def _send() -> None:
                 publishers.discard(publisher)
 
 
+def _watch_stops() -> None:
+    global _stop_watcher
+    if _stop_watcher is None or _stop_watcher.done():
+        from .flights import detached_task
+
+        _stop_watcher = detached_task(_take_stops())
+
+
+async def _take_stops() -> None:
+    """While this process holds runs: stop those that other processes were asked to stop
+    (`stop_elsewhere`), as soon as each is asked."""
+    from .runs import runs
+
+    key = stops_key(PROCESS)
+    wait_s = block_ms() / 1000
+    while publishers:
+        try:
+            popped: Any = await reader().blpop([key], timeout=wait_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("could not read the stops asked of this process from Redis")
+            await asyncio.sleep(HEARTBEAT_EVERY_S)
+            continue
+        if popped:
+            run = runs.get(popped[1].decode())
+            if run is not None:
+                run.stop()
+
+
 # -- the other processes' side --------------------------------------------------------------------
 
 
@@ -386,6 +437,38 @@ async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None
         events.extend(_new(fields, len(events)))
     facts = entries[0][1].get(b"r")
     return events, entries[-1][0].decode(), pickle.loads(facts) if facts else {}
+
+
+async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
+    """Stop run `public_id`, live in another process, for the client that started it: True
+    once it has ended stopped (or the owner was asked and did not answer within STOP_WAIT_S),
+    False when it ended otherwise first; None when no process holds it for this client."""
+    redis = client()
+    try:
+        owner = await redis.get(owner_key(public_id))
+        if owner is None:
+            return None
+        first: Any = await redis.xrange(stream_key(public_id), count=1)
+        if not first or first[0][1].get(b"c") != client_key.encode():
+            return None
+        key = stops_key(owner.decode() if isinstance(owner, bytes) else str(owner))
+        pipe = redis.pipeline(transaction=False)
+        pipe.rpush(key, public_id)
+        pipe.expire(key, int(HEARTBEAT_TTL_S) + 1)  # a dead owner's list goes with it
+        await pipe.execute()
+    except Exception:
+        logger.exception("could not ask another process to stop a run")
+        return None
+    try:
+        async with asyncio.timeout(STOP_WAIT_S), contextlib.aclosing(follow(public_id)) as events:
+            async for event in events:
+                if isinstance(event, Error):
+                    return event.code is ErrorCode.STOPPED
+                if isinstance(event, Done):
+                    return False
+    except TimeoutError:
+        pass
+    return True
 
 
 async def follow(

@@ -637,3 +637,31 @@ async def _resume_elsewhere(public_id: str, after: int, *, keepalive_s: float) -
     cursor.resumed = True
     cursor.bind(public_id, reader, None)
     return Resumed(log.meta_until(after), reader.events(), cursor)
+
+
+async def stop(public_id: str, client_key: str) -> bool | None:
+    """Stop generation `public_id` at once for the client that started it, wherever it runs:
+    in this process, or (with REDIS_URL) in another one. True when it was stopped now, False
+    when it had ended already (nothing left to stop), None when this client has no such
+    generation (unknown, someone else's, or forgotten)."""
+    run = runs.get(public_id)
+    if run is not None:
+        if run.client_key != client_key:
+            return None
+        finishing = run.stop()
+        if finishing is None:
+            return False  # it was ending
+        await asyncio.shield(finishing)  # the row is written when the answer says "stopped"
+        return True
+    if relay.enabled():
+        stopped = await relay.stop_elsewhere(public_id, client_key)
+        if stopped is not None:
+            return stopped
+    try:
+        stored = await run_on_cache(cache.get, finished_key(public_id))
+    except Exception:
+        logger.exception("could not read a finished generation")
+        return None
+    if isinstance(stored, tuple) and len(stored) == 2 and stored[0] == client_key:
+        return False
+    return None
