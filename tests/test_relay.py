@@ -10,6 +10,8 @@ database, answering from the fake Workers AI on 127.0.0.1.
   generation is not carried on elsewhere), and B logs that resume.
 - Stop asked of B for a stream on A (nginx sends each request where it likes): A stops it at
   once, its row says `stopped`; another client asking is told nothing.
+- B follows A's call, and A's client stops before a token came: B calls the upstream itself
+  (its row a miss).
 - A killed (SIGKILL) mid-stream: B's follower and a resume on B end with `generation_lost`,
   never hang, and each has its row.
 
@@ -24,11 +26,13 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from tests.deployed import ROOT, environment, running_daphne
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
@@ -50,8 +54,8 @@ class Daphne:
 
 
 class Pair:
-    def __init__(self, a: Daphne, b: Daphne, database: Path) -> None:
-        self.a, self.b, self.database = a, b, database
+    def __init__(self, a: Daphne, b: Daphne, database: Path, redis_url: str) -> None:
+        self.a, self.b, self.database, self.redis_url = a, b, database, redis_url
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         with sqlite3.connect(self.database) as db:
@@ -85,8 +89,6 @@ def pair(
             QUOTES_DRAIN_TIMEOUT_S="1",
             QUOTES_TRUSTED_PROXIES="127.0.0.1",  # so a test can speak for another client
         )
-        import redis
-
         redis.Redis.from_url(env["REDIS_URL"]).flushdb()
         subprocess.run(
             [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
@@ -97,7 +99,7 @@ def pair(
             context = running_daphne(UNIT, port, env, log)
             started.append(Daphne(f"http://127.0.0.1:{port}", context.__enter__(), log))
             contexts.append(context)
-        return Pair(started[0], started[1], database)
+        return Pair(started[0], started[1], database, env["REDIS_URL"])
 
     yield start
     for context in contexts:
@@ -196,6 +198,47 @@ def test_relay_a_stop_sent_to_the_other_process_stops_the_stream_at_once(
     wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
     [(_, status, code, _)] = servers.rows()
     assert (status, code) == ("cancelled", "stopped")
+
+
+def test_relay_a_follower_whose_owner_gives_up_before_a_token_calls_the_upstream_itself(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    # A's upstream call is slow to start; B's identical request follows it; A's client stops
+    # before a token came: B calls the upstream itself, and its row says so (a miss, not a hit).
+    fake_workers_ai.script(Scenario(tokens=TOKENS, stall_before_s=10), Scenario(tokens=TOKENS))
+    servers = pair(3600)
+
+    bodies: dict[str, str] = {}
+
+    def ask(name: str, url: str) -> None:
+        bodies[name] = httpx.post(url + STREAM, json=QUOTE, timeout=30).text
+
+    owner = threading.Thread(target=ask, args=("a", servers.a.url))
+    owner.start()
+    fake_workers_ai.wait_for_requests(1)
+    follower = threading.Thread(target=ask, args=("b", servers.b.url))
+    follower.start()
+    # B follows A's run: its reader waits in XREAD BLOCK on A's stream. A's run is the one that
+    # claimed the upstream call (its headers wait for the first token: the id comes from Redis).
+    store = redis.Redis.from_url(servers.redis_url)
+    wait_for(lambda: any(c.get("cmd") == "xread" for c in store.client_list()), "B follows A's call")
+    [claim] = store.keys("quotes:flight:*")
+    quote_id = str(uuid.UUID(store.get(claim).decode()))
+    store.close()
+    stopped = httpx.post(f"{servers.a.url}/api/quotes/{quote_id}/stop")
+    owner.join(30)
+    follower.join(30)
+    body = bodies["b"].splitlines()
+
+    assert stopped.json() == {"id": quote_id, "stopped": True}
+    assert len(fake_workers_ai.requests) == 2
+    assert json.loads(bodies["a"])["error"]["code"] == "stopped"  # before a token: a JSON error
+    assert text_of(events_of(body)) == "".join(TOKENS)
+    wait_for(lambda: len(servers.rows()) == 2, "both rows")
+    assert sorted((status, code, cache) for _, status, code, cache in servers.rows()) == [
+        ("cancelled", "stopped", "miss"),
+        ("ok", "", "miss"),
+    ]
 
 
 def test_relay_a_killed_owner_ends_its_followers_with_generation_lost(

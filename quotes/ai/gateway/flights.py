@@ -97,6 +97,8 @@ class Flight:
             if any(type(event) is Token for event in self.history):
                 self.publish(relay.generation_lost())
             else:
+                if self.runs:  # this process's own call now: one of its rows counts it
+                    self.runs[0].calls_upstream()
                 await self._fly(plan, store)
         except Exception:
             logger.exception("following another process's generation failed")

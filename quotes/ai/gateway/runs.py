@@ -202,6 +202,13 @@ class Run:
         self.first_token_s = flight.first_token_s
         flight.join(self)
 
+    def calls_upstream(self) -> None:
+        """The other process's call this run's flight followed was given up before a token
+        came, and the flight calls the upstream itself after all: not a shared answer any more
+        (the row says miss, the Meta events say what the upstream's say)."""
+        self.hit = False
+        self.record.cache_status = Generation.CacheStatus.MISS
+
     def drive(self, events: AsyncGenerator[Event, None]) -> None:
         """Feed `events` (a cache replay) from a task of the run's own."""
 
