@@ -27,6 +27,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -69,44 +70,38 @@ async def record_refusal(
     own open-stream cap: quick, with no round trip, when the process is at its busiest)."""
     try:
         await _record(
-            persona=persona,
-            version=version,
-            backend=backend,
-            model=model,
-            client_key=client_key,
-            client_hash=client_hash,
-            preview=preview,
-            code=code,
-            message=message,
+            key_parts=(client_key, persona.pk, code, int(preview)),
             window=window,
-            status=status or Generation.Status.RATE_LIMITED,
             local=local,
+            row=lambda public_id: Generation(
+                public_id=public_id,
+                persona_id=persona.pk,
+                persona_version=version,
+                backend=backend,
+                model=model,
+                status=status or Generation.Status.RATE_LIMITED,
+                error_code=code,
+                error_message=message,
+                client_hash=client_hash,
+                is_preview=preview,
+                request_count=1,
+            ),
         )
     except Exception:
         logger.exception("could not record a refused request")
 
 
 async def _record(
-    *,
-    persona: Persona,
-    version: PersonaVersion | None,
-    backend: str,
-    model: str,
-    client_key: str,
-    client_hash: str,
-    preview: bool,
-    code: str,
-    message: str,
-    window: int,
-    status: str,
-    local: bool,
+    *, key_parts: tuple[object, ...], window: int, local: bool, row: Callable[[uuid.UUID], Generation]
 ) -> None:
+    """Count the refusal under its window's key (`key_parts`: client, persona, code, preview);
+    the first of the window writes `row(its id)`, later ones schedule the count's flush."""
     index = int(time.time() // window)
     # A cache of this process's own (no Redis) counts this process's refusals only: each
     # process then keeps its own row, so the analytics' sum is still every refusal.
     local_cache = isinstance(caches["default"], LocMemCache)
     scope = f":pid{os.getpid()}" if local or local_cache else ""
-    key = f"quotes:refusals:{client_key}:{persona.pk}:{code}:{int(preview)}:{window}:{index}{scope}"
+    key = f"quotes:refusals:{':'.join(map(str, key_parts))}:{window}:{index}{scope}"
     # Kept past the window's end, so a flush that runs after it still reads the count.
     keep_s = window + int(FLUSH_AFTER_S) + 60
     if local:
@@ -115,21 +110,8 @@ async def _record(
         count = await limits.run_on_cache(limits.count_in_window, key, keep_s)
     public_id = _row_id(key)
     if count == 1:
-        row = Generation(
-            public_id=public_id,
-            persona_id=persona.pk,
-            persona_version=version,
-            backend=backend,
-            model=model,
-            status=status,
-            error_code=code,
-            error_message=message,
-            client_hash=client_hash,
-            is_preview=preview,
-            request_count=1,
-        )
         try:
-            await _save_new(row)
+            await _save_new(row(public_id))
             return
         except IntegrityError:  # the count was lost (cache restarted), not the row
             pass
