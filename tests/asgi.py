@@ -8,11 +8,17 @@ import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlencode
 
 from asgiref.testing import ApplicationCommunicator
 
 #: `<generation id>:<n>`, the `id:` of every event of a generation stream
 EVENT_ID = re.compile(r"[0-9a-f-]{36}:\d+")
+STREAM_URL = "/api/quotes/stream"
+CSRF = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
+FORM_URL = "/quotes/stream"  # the persona page's form (Django's CSRF); the JSON API takes no forms
+#: The address tests' requests come from unless they say otherwise.
+TEST_CLIENT = ("127.0.0.1", 50000)
 
 
 @dataclass
@@ -36,7 +42,7 @@ def http_scope(
     *,
     query: str = "",
     headers: dict[str, str] | None = None,
-    client: tuple[str, int] = ("127.0.0.1", 50000),
+    client: tuple[str, int] | None = TEST_CLIENT,
 ) -> dict[str, Any]:
     raw_headers = [(b"host", b"testserver")]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -66,7 +72,7 @@ class AsgiStream:
         body: bytes = b"",
         query: str = "",
         headers: dict[str, str] | None = None,
-        client: tuple[str, int] = ("127.0.0.1", 50000),
+        client: tuple[str, int] | None = TEST_CLIENT,
     ):
         from config.asgi import application
 
@@ -124,6 +130,69 @@ async def request(method: str, path: str, *, json_body: Any = None, **kwargs: An
     stream = AsgiStream(method, path, body=body, headers=headers, **kwargs)
     await stream.start()
     return await stream.read_all()
+
+
+def post_stream(
+    body: dict[str, Any] | bytes | None = None,
+    *,
+    headers: dict[str, str] | None = None,
+    client: tuple[str, int] | None = TEST_CLIENT,
+) -> AsgiStream:
+    """A POST to the stream endpoint, not sent yet: `body` as JSON (the test persona's quote by
+    default, tests/conftest.py's `persona`), or as given if it is bytes."""
+    raw = body if isinstance(body, bytes) else json.dumps(body or {"persona": "test-watts"}).encode()
+    return AsgiStream(
+        "POST",
+        STREAM_URL,
+        body=raw,
+        headers={"content-type": "application/json", **(headers or {})},
+        client=client,
+    )
+
+
+async def post_quote(
+    body: dict[str, Any] | bytes | None = None,
+    *,
+    headers: dict[str, str] | None = None,
+    client: tuple[str, int] | None = TEST_CLIENT,
+) -> StreamedResponse:
+    """`post_stream`, sent and read to its end."""
+    stream = post_stream(body, headers=headers, client=client)
+    await stream.start()
+    return await stream.read_all()
+
+
+async def read_events(stream: AsgiStream, count: int) -> bytes:
+    """Start the response (a 200) unless it has started, then read `count` body chunks (one SSE
+    event each), the stream still open after each."""
+    if stream.response is None:
+        response = await stream.start()
+        assert response.status == 200, response
+    received = b""
+    for _ in range(count):
+        chunk, more = await stream.next_chunk()
+        assert more
+        received += chunk
+    return received
+
+
+async def htmx_form_post(
+    fields: dict[str, str], *, csrf: str | None = CSRF, **headers: str
+) -> StreamedResponse:
+    """The page's htmx form posted with `fields` (and the CSRF token unless `csrf` is None)."""
+    if csrf is not None:
+        fields = {"csrfmiddlewaretoken": csrf, **fields}
+    return await request(
+        "POST",
+        FORM_URL,
+        body=urlencode(fields).encode(),
+        headers={
+            "content-type": "application/x-www-form-urlencoded",
+            "hx-request": "true",
+            "cookie": f"csrftoken={CSRF}",
+            **headers,
+        },
+    )
 
 
 def without_ids(body: bytes) -> bytes:

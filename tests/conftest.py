@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import inspect
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -16,6 +17,7 @@ from quotes.ai.backends.local import LocalBackend
 from quotes.ai.events import Token
 from quotes.models import Persona
 from quotes.services import persona_save
+from tests.limits import configure
 
 pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server", "tests.redis_server"]
 
@@ -43,6 +45,13 @@ def _no_resume_grace(settings: pytest.FixtureRequest) -> None:
     """A client that drops stops its generation at once (QUOTES_RESUME_GRACE_S=0), as the tests
     of a disconnect expect; tests/test_resume.py sets a grace of its own."""
     settings.QUOTES_GATEWAY = dataclasses.replace(settings.QUOTES_GATEWAY, resume_grace_s=0)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def unlimited(settings: Any) -> Any:
+    """Many requests from one client in a row: raise the per-client limits out of the way."""
+    configure(settings, rate_limit=(1_000_000, 60), max_concurrent_streams=1_000)
+    return settings
 
 
 @pytest.fixture(scope="session")

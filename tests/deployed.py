@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -110,6 +110,22 @@ def wait_until_healthy(
         time.sleep(0.2)
 
 
+def wait_until_answering(
+    url: str, process: subprocess.Popen[bytes], log: Path, *, timeout_s: float = 60.0
+) -> None:
+    """Until `url` answers HTTP (any status: the server is up); RuntimeError with the log's tail
+    if the process exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(url, timeout=2)
+            return
+        except httpx.TransportError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer:\n{tail(log)}") from None
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def running_daphne(
     source: str, port: int, env: dict[str, str], log: Path
@@ -117,14 +133,7 @@ def running_daphne(
     """daphne started from deploy/`source`, once it answers HTTP (any status)."""
     process = start_daphne(port, env, log, source=source)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/api/quotes/stream", timeout=2)
-                break
-            except httpx.TransportError:
-                assert process.poll() is None and time.monotonic() < deadline, tail(log)
-                time.sleep(0.2)
+        wait_until_answering(f"http://127.0.0.1:{port}/api/quotes/stream", process, log)
         yield process
     finally:
         stop_process(process)
@@ -145,3 +154,36 @@ def deploy_upstream(addresses: list[str]) -> str:
     others = [line for line in directives if not line.startswith("server ")]
     body = [f"server {address} {' '.join(params)};".replace(" ;", ";") for address in addresses]
     return "upstream persona_quotes {\n" + "\n".join(f"        {x}" for x in [*others, *body]) + "\n    }"
+
+
+# -- reading a deployed server's streams (httpx's lines) ---------------------------------------
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    """Poll `condition` until it holds; fail saying `what` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def events_of(lines: list[str]) -> list[dict[str, str]]:
+    """SSE events (enough of the format for these streams: one data line each)."""
+    events, current = [], {}
+    for line in lines:
+        if not line:
+            if "data" in current:
+                events.append({"event": "message", **current})
+            current = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(":")
+            if field == "id":  # every event's resume id (issue 14)
+                continue
+            current[field] = value.removeprefix(" ")
+    return events
+
+
+def text_of(events: list[dict[str, str]], *, html: bool = False) -> str:
+    """The quote's text: from Workers AI's JSON events, or htmx's text fragments."""
+    messages = [e["data"] for e in events if e["event"] == "message" and e["data"] != "[DONE]"]
+    return "".join(messages if html else [json.loads(data)["response"] for data in messages])

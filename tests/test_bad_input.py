@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -42,16 +42,6 @@ async def _close_workers_ai_on_this_loop() -> AsyncIterator[None]:
     backend = _backends.pop("workers-ai", None)
     if backend is not None:
         await backend.aclose()
-
-
-@pytest.fixture
-def unlimited(settings: Any) -> Any:
-    settings.QUOTES_GATEWAY = replace(
-        settings.QUOTES_GATEWAY,
-        rate_limit=(1_000_000, 60),
-        max_concurrent_streams=1_000,
-    )
-    return settings
 
 
 async def send(

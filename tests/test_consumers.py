@@ -15,6 +15,7 @@ from channels.testing import WebsocketCommunicator
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.limits import at_start_of_window
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -45,13 +46,6 @@ async def frames_until(socket: WebsocketCommunicator, *types: str) -> list[dict[
         frames.append(frame)
         if frame["type"] in types:
             return frames
-
-
-async def at_start_of_window(window: int = 60, margin_s: float = 5.0) -> None:
-    """Fixed-window limits reset on the window's edge: don't start a count right before it."""
-    remaining = window - time.time() % window
-    if remaining < margin_s:
-        await asyncio.sleep(remaining + 0.05)
 
 
 async def wait_for_row(status: str) -> Generation:

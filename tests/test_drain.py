@@ -35,8 +35,11 @@ from tests.deployed import (
     ROOT,
     deploy_upstream,
     environment,
+    events_of,
     running_daphne,
     start_daphne,
+    text_of,
+    wait_for,
     wait_until_healthy,
 )
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
@@ -133,35 +136,6 @@ def deployed_site(port: int, *servers: Server) -> str:
         include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
     }}
 """
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
-
-
-def events_of(lines: list[str]) -> list[dict[str, str]]:
-    """SSE events (enough of the format for these streams: one data line each)."""
-    events, current = [], {}
-    for line in lines:
-        if not line:
-            if "data" in current:
-                events.append({"event": "message", **current})
-            current = {}
-        elif not line.startswith(":"):
-            field, _, value = line.partition(":")
-            if field == "id":  # every event's resume id (issue 14)
-                continue
-            current[field] = value.removeprefix(" ")
-    return events
-
-
-def text_of(events: list[dict[str, str]], *, html: bool = False) -> str:
-    """The quote's text: from Workers AI's JSON events, or htmx's text fragments."""
-    messages = [e["data"] for e in events if e["event"] == "message" and e["data"] != "[DONE]"]
-    return "".join(messages if html else [json.loads(data)["response"] for data in messages])
 
 
 def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(

@@ -17,7 +17,7 @@ import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -34,14 +34,22 @@ from quotes.ai.backends.local import LocalBackend
 from quotes.ai.catalog import estimate_cost
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
-from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request, without_ids
+from tests.asgi import (
+    StreamedResponse,
+    parse_sse,
+    post_quote,
+    post_stream,
+    read_events,
+    request,
+    without_ids,
+)
 from tests.conftest import slots_held
 from tests.fakes.fixtures import upstream_configs
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.limits import at_start_of_window, configure
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-STREAM_URL = "/api/quotes/stream"
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 FALLBACK = "@cf/meta/llama-3.2-3b-instruct"
 LOCAL_MODEL = "gemma-3-270m"
@@ -123,34 +131,9 @@ def closed_port() -> int:
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def configure(settings: Any, **options: Any) -> None:
-    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, **options)
-
-
 async def use_workers_ai(settings: Any, fake_server: FakeWorkersAI, **overrides: Any) -> None:
     settings.WORKERS_AI, settings.AI_HTTP = upstream_configs(fake_server, **overrides)
     await reset_backends()
-
-
-def post_stream(
-    body: dict[str, Any] | None = None,
-    *,
-    client: tuple[str, int] = ("127.0.0.1", 50000),
-    headers: dict[str, str] | None = None,
-) -> AsgiStream:
-    return AsgiStream(
-        "POST",
-        STREAM_URL,
-        body=json.dumps(body or {"persona": "test-watts"}).encode(),
-        headers={"content-type": "application/json", **(headers or {})},
-        client=client,
-    )
-
-
-async def post(body: dict[str, Any] | None = None, **kwargs: Any) -> StreamedResponse:
-    stream = post_stream(body, **kwargs)
-    await stream.start()
-    return await stream.read_all()
 
 
 def without_pings(body: bytes) -> bytes:
@@ -238,24 +221,19 @@ def answer_keys_in_locmem() -> list[str]:
     return [key for store in _caches.values() for key in store if "quotes:answer:" in key]
 
 
-async def at_start_of_window(window: int, margin_s: float = 5.0) -> None:
-    """Fixed-window limits reset on the window's edge: don't start a count right before it."""
-    remaining = window - time.time() % window
-    if remaining < margin_s:
-        await asyncio.sleep(remaining + 0.05)
+async def five_identical_at_once(settings: Any, fake: FakeWorkersAI) -> list[StreamedResponse]:
+    """Five identical requests at once on a slow upstream: one upstream call, and five complete
+    answers that differ only in their event ids."""
+    configure(settings, max_concurrent_streams=10)
+    fake.default = Scenario(token_delay_s=0.1)
 
+    responses = await asyncio.gather(*(post_quote() for _ in range(5)))
 
-async def read_tokens(stream: AsgiStream, count: int) -> bytes:
-    """Start the response and read `count` body chunks (one SSE event each)."""
-    if stream.response is None:
-        response = await stream.start()
-        assert response.status == 200, response
-    received = b""
-    for _ in range(count):
-        chunk, more = await stream.next_chunk()
-        assert more
-        received += chunk
-    return received
+    assert len(fake.requests) == 1
+    for response in responses:
+        assert_complete(response)
+        assert without_ids(response.body) == without_ids(responses[0].body)
+    return responses
 
 
 # -- 1. the request log --------------------------------------------------------------------------
@@ -268,7 +246,7 @@ async def test_log_ok_row_has_every_field_by_the_time_done_is_read(
     await save(persona)  # a second version: the row must point at the latest
     started = timezone.now()
 
-    response = await post(client=("203.0.113.7", 4242))
+    response = await post_quote(client=("203.0.113.7", 4242))
 
     assert_complete(response)
     [row] = await rows()  # no sleep: the row is written before [DONE] goes out
@@ -303,7 +281,7 @@ async def test_log_ok_row_has_every_field_by_the_time_done_is_read(
 async def test_log_error_row_has_the_code_and_message(persona: Persona, fake: FakeWorkersAI) -> None:
     fake.script(Scenario.server_error(503))
 
-    response = await post()
+    response = await post_quote()
 
     message = assert_json_error(response, 502, "upstream_unavailable")
     [row] = await rows()
@@ -321,7 +299,7 @@ async def test_log_cancelled_row_keeps_the_partial_text_and_closes_the_upstream(
 ) -> None:
     fake.script(Scenario(tokens=["tick"] * 300, token_delay_s=0.02))
     stream = post_stream()
-    received = await read_tokens(stream, 3)
+    received = await read_events(stream, 3)
 
     disconnected_at = time.monotonic()
     await stream.disconnect()
@@ -346,10 +324,10 @@ async def test_log_busy_row_on_the_embedded_model(
     local_backend.queue_timeout_s = 0.05
     async with slots_held(local_backend, local_backend.slots - 1):
         first = post_stream()
-        await read_tokens(first, 1)  # the last free slot is taken now
+        await read_events(first, 1)  # the last free slot is taken now
 
         # Another topic: an identical request would share the first one's generation.
-        second = await post({"persona": persona.slug, "topic": "rest"})
+        second = await post_quote({"persona": persona.slug, "topic": "rest"})
 
     assert_json_error(second, 503, "busy")
     finished = await first.read_all()
@@ -367,9 +345,9 @@ async def test_log_busy_row_on_the_embedded_model(
 async def test_cache_second_identical_request_is_a_hit_replayed_as_the_same_stream(
     persona: Persona, upstream: Upstream
 ) -> None:
-    first = await post()
+    first = await post_quote()
     calls_after_first = upstream.calls()
-    second = await post()
+    second = await post_quote()
 
     assert_complete(first)
     assert_complete(second)
@@ -390,8 +368,8 @@ async def test_cache_second_identical_request_is_a_hit_replayed_as_the_same_stre
 
 
 async def test_cache_fresh_true_bypasses_the_cache(persona: Persona, upstream: Upstream) -> None:
-    first = await post()
-    fresh = await post({"persona": persona.slug, "fresh": True})
+    first = await post_quote()
+    fresh = await post_quote({"persona": persona.slug, "fresh": True})
 
     assert_complete(fresh)
     assert first.headers["cf-aig-cache-status"] == "MISS"
@@ -410,8 +388,8 @@ async def test_cache_can_be_turned_off(
     else:
         configure(settings, skip_cache=True)
 
-    first = await post()
-    second = await post()
+    first = await post_quote()
+    second = await post_quote()
 
     assert_complete(first)
     assert_complete(second)
@@ -431,31 +409,31 @@ async def test_cache_uses_the_persona_ttl_override(
     persona.cache_ttl = 120
     await save(persona)
 
-    await post()
+    await post_quote()
 
     [key] = answer_keys_in_locmem()
     expires_in = cache._expire_info[key] - time.time()  # type: ignore[attr-defined]
     assert 100 < expires_in <= 121
-    assert (await post()).headers["cf-aig-cache-status"] == "HIT"
+    assert (await post_quote()).headers["cf-aig-cache-status"] == "HIT"
 
 
 @pytest.mark.parametrize("fault", ["upstream-drop", "client-disconnect", "upstream-error"])
 async def test_cache_stores_only_complete_answers(persona: Persona, fake: FakeWorkersAI, fault: str) -> None:
     if fault == "upstream-drop":
         fake.script(Scenario(drop_after_tokens=2))
-        assert_error_event(await post(), "upstream_dropped")
+        assert_error_event(await post_quote(), "upstream_dropped")
     elif fault == "client-disconnect":
         fake.script(Scenario(tokens=["tick"] * 100, token_delay_s=0.02))
         stream = post_stream()
-        await read_tokens(stream, 2)
+        await read_events(stream, 2)
         await stream.disconnect()
         await asyncio.to_thread(fake.requests[0].client_disconnected.wait, 5)
         await wait_for_rows(1)
     else:
         fake.script(Scenario.server_error(503))
-        assert_json_error(await post(), 502, "upstream_unavailable")
+        assert_json_error(await post_quote(), 502, "upstream_unavailable")
 
-    after = await post()
+    after = await post_quote()
 
     assert_complete(after)
     assert after.headers["cf-aig-cache-status"] == "MISS"
@@ -468,12 +446,12 @@ async def test_cache_local_disconnect_is_not_stored(persona: Persona, local_back
     await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=200)
     calls = local_calls(local_backend)
     stream = post_stream()
-    await read_tokens(stream, 1)
+    await read_events(stream, 1)
     await stream.disconnect()
     [cancelled] = await wait_for_rows(1)
     assert cancelled.status == Generation.Status.CANCELLED
 
-    after = await post()
+    after = await post_quote()
 
     assert_complete(after)
     assert after.headers["cf-aig-cache-status"] == "MISS"
@@ -484,29 +462,29 @@ async def test_cache_local_disconnect_is_not_stored(persona: Persona, local_back
 async def test_cache_a_new_persona_version_is_a_miss(
     persona: Persona, fake: FakeWorkersAI, change: str
 ) -> None:
-    first = await post()
+    first = await post_quote()
     if change == "system-prompt":
         persona.system_prompt = "You are Alan Watts, speaking softly"
     else:
         persona.fallback_models = [FALLBACK]  # same request to the primary model, new version
     await save(persona)
 
-    second = await post()
+    second = await post_quote()
 
     assert first.headers["cf-aig-cache-status"] == second.headers["cf-aig-cache-status"] == "MISS"
     assert len(fake.requests) == 2
     one, two = await rows()
     assert one.persona_version_id != two.persona_version_id == await latest_version_id(persona)
-    assert (await post()).headers["cf-aig-cache-status"] == "HIT"  # the new version is cached in turn
+    assert (await post_quote()).headers["cf-aig-cache-status"] == "HIT"  # the new version is cached in turn
 
 
 async def test_cache_hit_is_replayed_with_pacing(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     configure(settings, replay_pacing_ms=50)
-    await post()
+    await post_quote()
 
-    hit = await post()
+    hit = await post_quote()
 
     assert hit.headers["cf-aig-cache-status"] == "HIT"
     assert_complete(hit)
@@ -522,15 +500,8 @@ async def test_cache_hit_is_replayed_with_pacing(
 async def test_coalescing_identical_concurrent_requests_share_one_upstream_call(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    configure(settings, max_concurrent_streams=10)
-    fake.default = Scenario(token_delay_s=0.1)
+    responses = await five_identical_at_once(settings, fake)
 
-    responses = await asyncio.gather(*(post() for _ in range(5)))
-
-    assert len(fake.requests) == 1
-    for response in responses:
-        assert_complete(response)
-        assert without_ids(response.body) == without_ids(responses[0].body)
     assert text_of(responses[0].body) == DEFAULT_TEXT
     statuses = sorted(response.headers["cf-aig-cache-status"] for response in responses)
     assert statuses == ["HIT", "HIT", "HIT", "HIT", "MISS"]
@@ -551,7 +522,7 @@ async def test_log_every_coalesced_listener_leaves_its_row(
     configure(settings, max_concurrent_streams=20)
     fake.default = Scenario(token_delay_s=0.05)
 
-    responses = await asyncio.gather(*(post() for _ in range(10)))
+    responses = await asyncio.gather(*(post_quote() for _ in range(10)))
 
     assert all(response.body.endswith(b"data: [DONE]\n\n") for response in responses)
     assert len(await rows()) == 10
@@ -562,9 +533,9 @@ async def test_coalescing_a_late_joiner_gets_the_whole_text_from_the_start(
 ) -> None:
     fake.script(Scenario(token_delay_s=0.1))
     leader = post_stream()
-    await read_tokens(leader, 2)
+    await read_events(leader, 2)
 
-    joiner = await post()
+    joiner = await post_quote()
     led = await leader.read_all()
 
     assert len(fake.requests) == 1
@@ -580,9 +551,9 @@ async def test_coalescing_all_listeners_gone_closes_the_upstream(
 ) -> None:
     fake.script(Scenario(tokens=["tick"] * 300, token_delay_s=0.02))
     first = post_stream()
-    await read_tokens(first, 2)
+    await read_events(first, 2)
     second = post_stream()
-    await read_tokens(second, 2)
+    await read_events(second, 2)
     [upstream_request] = fake.requests
 
     await first.disconnect()
@@ -604,9 +575,9 @@ async def test_coalescing_one_listener_leaving_does_not_stop_the_other(
 ) -> None:
     fake.script(Scenario(token_delay_s=0.1))
     leaving = post_stream()
-    await read_tokens(leaving, 1)
+    await read_events(leaving, 1)
     staying = post_stream()
-    await read_tokens(staying, 1)
+    await read_events(staying, 1)
 
     await leaving.disconnect()
     stayed = await staying.read_all()
@@ -619,7 +590,7 @@ async def test_coalescing_one_listener_leaving_does_not_stop_the_other(
     logged = await wait_for_rows(2)
     assert sorted(row.status for row in logged) == ["cancelled", "ok"]
     # The answer was complete, so it was cached although its first listener left.
-    again = await post()
+    again = await post_quote()
     assert again.headers["cf-aig-cache-status"] == "HIT"
     assert len(fake.requests) == 1
 
@@ -693,10 +664,10 @@ async def test_rate_limit_fourth_request_from_a_client_is_429(
     configure(settings, rate_limit=(3, 3600))
     await at_start_of_window(60)
     for _ in range(3):
-        assert_complete(await post(client=("198.51.100.1", 1000)))
+        assert_complete(await post_quote(client=("198.51.100.1", 1000)))
 
-    limited = await post(client=("198.51.100.1", 1001))
-    other_ip = await post(client=("198.51.100.2", 1000))
+    limited = await post_quote(client=("198.51.100.1", 1001))
+    other_ip = await post_quote(client=("198.51.100.2", 1000))
 
     assert 1 <= assert_rate_limited(limited) <= 3600
     assert_complete(other_ip)
@@ -725,9 +696,9 @@ async def test_rate_limit_a_logged_in_user_is_limited_across_ips(
     await at_start_of_window(60)
 
     for index in range(3):
-        assert_complete(await post(client=(f"192.0.2.{index + 1}", 1000), headers=cookie))
-    limited = await post(client=("192.0.2.9", 1000), headers=cookie)
-    anonymous_same_ip = await post(client=("192.0.2.9", 1000))
+        assert_complete(await post_quote(client=(f"192.0.2.{index + 1}", 1000), headers=cookie))
+    limited = await post_quote(client=("192.0.2.9", 1000), headers=cookie)
+    anonymous_same_ip = await post_quote(client=("192.0.2.9", 1000))
 
     assert_rate_limited(limited)
     assert_complete(anonymous_same_ip)  # that IP itself had asked nothing yet
@@ -743,15 +714,15 @@ async def test_rate_limit_concurrent_streams_are_capped(
     fake.default = Scenario(token_delay_s=0.1)
     first = post_stream({"persona": persona.slug, "topic": "one"})
     second = post_stream({"persona": persona.slug, "topic": "two"})
-    await read_tokens(first, 1)
-    await read_tokens(second, 1)
+    await read_events(first, 1)
+    await read_events(second, 1)
 
-    third = await post({"persona": persona.slug, "topic": "three"})
+    third = await post_quote({"persona": persona.slug, "topic": "three"})
 
     retry_after = assert_rate_limited(third, "too_many_streams")
     assert 1 <= retry_after <= 60
     assert_complete(await first.read_all())
-    fourth = await post({"persona": persona.slug, "topic": "four"})
+    fourth = await post_quote({"persona": persona.slug, "topic": "four"})
     assert_complete(fourth)
     assert_complete(await second.read_all())
     logged = await rows()
@@ -790,7 +761,7 @@ async def test_rate_limit_refusals_share_one_small_row_and_the_analytics_count_e
     await at_start_of_window(60, margin_s=20)
     client = ("198.51.100.30", 1000)
     for _ in range(2):
-        assert_complete(await post(client=client))
+        assert_complete(await post_quote(client=client))
     # A large request: refused rows used to keep all of it.
     big = {
         "persona": persona.slug,
@@ -800,7 +771,7 @@ async def test_rate_limit_refusals_share_one_small_row_and_the_analytics_count_e
     refused = 40
 
     for _ in range(refused):
-        assert_rate_limited(await post(big, client=client))
+        assert_rate_limited(await post_quote(big, client=client))
 
     logged = await rows()
     assert [row.status for row in logged] == ["ok", "ok", "rate_limited"]
@@ -842,7 +813,7 @@ async def test_retry_503_then_3040_then_success(persona: Persona, fake: FakeWork
     configure(settings, max_attempts=3, retry_delay_ms=10)
     fake.script(Scenario.server_error(503), Scenario.out_of_capacity())
 
-    response = await post()
+    response = await post_quote()
 
     assert_complete(response)
     assert text_of(response.body) == DEFAULT_TEXT
@@ -859,7 +830,7 @@ async def test_retry_a_connection_dropped_before_the_first_token(
     # An empty-text event, then the TCP connection is aborted: no token was seen.
     fake.script(Scenario(tokens=("",), usage=None, drop_after_tokens=1))
 
-    response = await post()
+    response = await post_quote()
 
     assert_complete(response)
     assert text_of(response.body) == DEFAULT_TEXT
@@ -872,7 +843,7 @@ async def test_retry_model_not_found_is_not_retried(
     configure(settings, max_attempts=3, retry_delay_ms=10)
     fake.script(Scenario.model_not_found())
 
-    response = await post()
+    response = await post_quote()
 
     assert_json_error(response, 400, "model_not_found")
     await asyncio.sleep(0.1)
@@ -895,7 +866,7 @@ async def test_retry_backoff(
     configure(settings, max_attempts=4, retry_delay_ms=150, backoff=backoff)
     fake.script(*[Scenario.server_error(503)] * 3)
 
-    response = await post()
+    response = await post_quote()
 
     assert_complete(response)
     times = [r.received_at for r in fake.requests]
@@ -922,7 +893,7 @@ async def test_fallback_model_answers_when_the_primary_is_out_of_capacity(
         configure(settings, fallback_models=[FALLBACK])
     fake.script(Scenario.out_of_capacity(), Scenario.out_of_capacity())
 
-    response = await post()
+    response = await post_quote()
 
     assert_complete(response)
     assert text_of(response.body) == DEFAULT_TEXT
@@ -942,7 +913,7 @@ async def test_fallback_never_after_the_first_token(
     configure(settings, max_attempts=3, retry_delay_ms=10, fallback_models=[FALLBACK])
     fake.script(Scenario(drop_after_tokens=2))
 
-    response = await post()
+    response = await post_quote()
 
     assert_error_event(response, "upstream_dropped")
     assert text_of(response.body) == "Stay hungry"  # no text repeated
@@ -956,7 +927,7 @@ async def test_fallback_not_for_an_auth_error(persona: Persona, fake: FakeWorker
     configure(settings, max_attempts=3, retry_delay_ms=10, fallback_models=[FALLBACK])
     fake.script(Scenario.unauthorized())
 
-    response = await post()
+    response = await post_quote()
 
     assert_json_error(response, 502, "upstream_auth")
     await asyncio.sleep(0.1)
@@ -979,7 +950,7 @@ async def test_timeout_connect_is_retried_then_504(
     )
     started = time.monotonic()
 
-    response = await post()
+    response = await post_quote()
 
     elapsed = time.monotonic() - started
     assert_json_error(response, 504, "upstream_timeout")
@@ -995,7 +966,7 @@ async def test_timeout_unreachable_is_retried_then_502(
     await use_workers_ai(settings, fake, base_url=f"http://127.0.0.1:{closed_port}/client/v4")
     started = time.monotonic()
 
-    response = await post()
+    response = await post_quote()
 
     assert_json_error(response, 502, "upstream_unreachable")
     assert time.monotonic() - started >= 0.27  # the retry's delay was waited
@@ -1010,7 +981,7 @@ async def test_timeout_first_token_is_retried_then_504(
     fake.script(Scenario(stall_before_s=5), Scenario(stall_before_s=5))
     started = time.monotonic()
 
-    response = await post()
+    response = await post_quote()
 
     assert_json_error(response, 504, "upstream_timeout")
     assert time.monotonic() - started < 3
@@ -1028,7 +999,7 @@ async def test_timeout_idle_mid_stream_ends_with_an_error_event(
     fake.script(Scenario(stall_after_tokens=2, stall_s=5))
     started = time.monotonic()
 
-    response = await post()
+    response = await post_quote()
 
     assert_error_event(response, "idle_timeout")
     assert text_of(response.body) == "Stay hungry"
@@ -1047,7 +1018,7 @@ async def test_timeout_total_deadline_mid_stream(
     fake.script(Scenario(tokens=DEFAULT_TOKENS * 50, token_delay_s=0.05))
     started = time.monotonic()
 
-    response = await post()
+    response = await post_quote()
 
     assert_error_event(response, "deadline_exceeded")
     assert time.monotonic() - started < 3
@@ -1067,7 +1038,7 @@ async def test_keepalive_pings_during_a_stall_and_the_stream_completes(
     await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario(stall_after_tokens=2, stall_s=0.7))
 
-    response = await post()
+    response = await post_quote()
 
     assert_complete(response)
     body = response.body
@@ -1089,7 +1060,7 @@ async def test_keepalive_before_the_first_token_keeps_the_error_status(
     await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario(stall_before_s=5))
 
-    response = await post()
+    response = await post_quote()
 
     assert_json_error(response, 504, "upstream_timeout")
 
@@ -1101,7 +1072,7 @@ async def test_keepalive_before_the_first_token_keeps_the_fallback_headers(
     await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario.error(3040, stall_before_headers_s=0.4))
 
-    response = await post()
+    response = await post_quote()
 
     assert_complete(response)
     assert response.headers["x-quote-model"] == FALLBACK
@@ -1121,8 +1092,8 @@ async def test_redis_cache_hit_lives_in_redis(
     persona.cache_ttl = 120
     await save(persona)
 
-    first = await post()
-    second = await post()
+    first = await post_quote()
+    second = await post_quote()
 
     assert first.headers["cf-aig-cache-status"] == "MISS"
     assert second.headers["cf-aig-cache-status"] == "HIT"
@@ -1135,26 +1106,19 @@ async def test_redis_cache_hit_lives_in_redis(
     assert [row.cache_status for row in await rows()] == ["miss", "hit"]
     # Gone from Redis means gone: the next request is a miss again.
     redis_cache.delete(answer_key)
-    assert (await post()).headers["cf-aig-cache-status"] == "MISS"
+    assert (await post_quote()).headers["cf-aig-cache-status"] == "MISS"
     assert len(fake.requests) == 2
 
 
 async def test_redis_coalescing_then_cached(
     persona: Persona, fake: FakeWorkersAI, settings: Any, redis_cache: Any
 ) -> None:
-    configure(settings, max_concurrent_streams=10)
-    fake.default = Scenario(token_delay_s=0.1)
+    await five_identical_at_once(settings, fake)
 
-    responses = await asyncio.gather(*(post() for _ in range(5)))
-
-    assert len(fake.requests) == 1
-    for response in responses:
-        assert_complete(response)
-        assert without_ids(response.body) == without_ids(responses[0].body)
     assert sorted(row.cache_status for row in await rows()) == ["hit", "hit", "hit", "hit", "miss"]
     assert len(redis_keys(redis_cache, "*quotes:answer:*")) == 1
     assert answer_keys_in_locmem() == []
-    assert (await post()).headers["cf-aig-cache-status"] == "HIT"
+    assert (await post_quote()).headers["cf-aig-cache-status"] == "HIT"
     assert len(fake.requests) == 1
 
 
@@ -1164,15 +1128,15 @@ async def test_redis_rate_limit_counts_in_redis(
     configure(settings, rate_limit=(3, 60))
     await at_start_of_window(60)
     for _ in range(3):
-        assert_complete(await post())
+        assert_complete(await post_quote())
 
     [rate_key] = redis_keys(redis_cache, "*quotes:rate:*")
     assert int(redis_cache.get(rate_key)) == 3
-    limited = await post()
+    limited = await post_quote()
     assert 1 <= assert_rate_limited(limited) <= 60
     assert int(redis_cache.get(rate_key)) == 4
     assert 0 < redis_cache.ttl(rate_key) <= 61
     # The count is Redis's: remove it there and the client may ask again.
     redis_cache.delete(rate_key)
-    assert_complete(await post())
+    assert_complete(await post_quote())
     assert [row.status for row in await rows()] == ["ok", "ok", "ok", "rate_limited", "ok"]

@@ -14,38 +14,17 @@ import pytest
 
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request
+from tests.asgi import CSRF, AsgiStream, htmx_form_post, parse_sse, request
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.test_gateway import at_start_of_window
+from tests.limits import at_start_of_window
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-CSRF = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
-FORM_URL = "/quotes/stream"  # the persona page's form (Django's CSRF); the JSON API takes no forms
 
 
 @pytest.fixture(autouse=True)
 async def _close_backends_on_this_loop() -> AsyncIterator[None]:
     yield
     await reset_backends()
-
-
-async def htmx_form_post(
-    fields: dict[str, str], *, csrf: str | None = CSRF, **headers: str
-) -> StreamedResponse:
-    if csrf is not None:
-        fields = {"csrfmiddlewaretoken": csrf, **fields}
-    return await request(
-        "POST",
-        FORM_URL,
-        body=urlencode(fields).encode(),
-        headers={
-            "content-type": "application/x-www-form-urlencoded",
-            "hx-request": "true",
-            "cookie": f"csrftoken={CSRF}",
-            **headers,
-        },
-    )
 
 
 def data_of(events: list[dict[str, str]], name: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse, request
+from tests.asgi import post_quote, post_stream, request
 from tests.conftest import slots_held
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
@@ -79,24 +79,6 @@ async def scrape() -> Scrape:
 
 def moved(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
     return after.value(name, **labels) - before.value(name, **labels)
-
-
-def post_stream(
-    body: dict[str, Any] | None = None, client: tuple[str, int] = ("127.0.0.1", 50000)
-) -> AsgiStream:
-    return AsgiStream(
-        "POST",
-        "/api/quotes/stream",
-        body=json.dumps(body or {"persona": "test-watts"}).encode(),
-        headers={"content-type": "application/json"},
-        client=client,
-    )
-
-
-async def post(body: dict[str, Any] | None = None) -> StreamedResponse:
-    stream = post_stream(body)
-    await stream.start()
-    return await stream.read_all()
 
 
 async def wait_for_rows(count: int) -> list[Generation]:
@@ -159,7 +141,7 @@ async def test_metrics_off_answers_404_and_records_nothing(
     labels = {"transport": "api", "backend": "workers-ai", "model": MODEL, "outcome": "ok", "code": ""}
     before = REGISTRY.get_sample_value("quotes_requests_total", labels) or 0.0
 
-    response = await post()
+    response = await post_quote()
     scraped = await request("GET", "/metrics", headers=AUTH)
 
     assert response.status == 200 and response.body.endswith(b"data: [DONE]\n\n")
@@ -175,10 +157,10 @@ async def test_metrics_ok_stream_on_the_embedded_model_then_a_cache_hit(
 ) -> None:
     before = await scrape()
 
-    first = await post()
+    first = await post_quote()
     [row] = await wait_for_rows(1)
     middle = await scrape()
-    second = await post()  # the same request: replayed from the answer cache
+    second = await post_quote()  # the same request: replayed from the answer cache
     await wait_for_rows(2)
     after = await scrape()
 
@@ -221,9 +203,9 @@ async def test_metrics_error_ok_with_cost_and_rate_limited_on_workers_ai(
     fake.script(Scenario.model_not_found())
     before = await scrape()
 
-    failed = await post({"persona": persona.slug, "topic": "one"})
-    ok = await post({"persona": persona.slug, "topic": "two"})
-    limited = await post({"persona": persona.slug, "topic": "three"})
+    failed = await post_quote({"persona": persona.slug, "topic": "one"})
+    ok = await post_quote({"persona": persona.slug, "topic": "two"})
+    limited = await post_quote({"persona": persona.slug, "topic": "three"})
     rows = {row.topic: row for row in await wait_for_rows(3)}
     after = await scrape()
 
@@ -310,7 +292,7 @@ async def test_metrics_retries_and_fallback_steps(
     fake.script(Scenario.out_of_capacity(), Scenario.out_of_capacity())
     before = await scrape()
 
-    response = await post()
+    response = await post_quote()
     await wait_for_rows(1)
     after = await scrape()
 
@@ -327,7 +309,7 @@ async def test_metrics_coalesced_listeners(persona: Persona, fake: FakeWorkersAI
     fake.default = Scenario(token_delay_s=0.1)
     before = await scrape()
 
-    responses = await asyncio.gather(*(post() for _ in range(3)))
+    responses = await asyncio.gather(*(post_quote() for _ in range(3)))
     rows = await wait_for_rows(3)
     after = await scrape()
 
@@ -346,7 +328,7 @@ async def test_metrics_embedded_model_slots_queue_and_busy(
     before = await scrape()
     async with slots_held(local_backend, local_backend.slots):
         held = await scrape()
-        waiting = asyncio.create_task(post())
+        waiting = asyncio.create_task(post_quote())
         for _ in range(200):
             if local_backend.waiting:
                 break

@@ -26,7 +26,7 @@ from django.core.cache import cache
 from quotes.ai.backends import reset_backends
 from quotes.ai.gateway import Client
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse
+from tests.asgi import post_quote, post_stream
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 from tests.redis_server import REDIS_CACHE_BACKEND
 
@@ -52,19 +52,8 @@ def hung_redis() -> Iterator[str]:
     server.close()
 
 
-def stream(topic: str = "rain") -> AsgiStream:
-    return AsgiStream(
-        "POST",
-        STREAM_URL,
-        body=json.dumps({"persona": "test-watts", "topic": topic}).encode(),
-        headers={"content-type": "application/json"},
-    )
-
-
-async def post(topic: str = "rain") -> StreamedResponse:
-    request = stream(topic)
-    await request.start()
-    return await request.read_all()
+def quote_body(topic: str = "rain") -> dict[str, str]:
+    return {"persona": "test-watts", "topic": topic}
 
 
 def slot_key() -> str:
@@ -80,7 +69,7 @@ async def test_redis_a_slot_key_without_a_ttl_gets_one_on_the_next_admit(
     redis_cache.set(slot_key(), 1)
     assert redis_cache.ttl(slot_key()) == -1
 
-    response = await post()
+    response = await post_quote(quote_body())
 
     assert response.status == 200 and response.body.endswith(b"data: [DONE]\n\n")
     assert int(redis_cache.get(slot_key())) == 1  # the leaked slot, no longer everlasting
@@ -91,12 +80,12 @@ async def test_redis_each_admit_refreshes_the_slot_ttl(
     persona: Persona, fake: FakeWorkersAI, redis_cache: Any
 ) -> None:
     fake.script(Scenario(tokens=["tick"] * 100, token_delay_s=0.02), Scenario())
-    first = stream("one")
+    first = post_stream(quote_body("one"))
     assert (await first.start()).status == 200
     assert int(redis_cache.get(slot_key())) == 1
     redis_cache.expire(slot_key(), 5)  # as if the first stream had been open for ten minutes
 
-    second = await post("two")
+    second = await post_quote(quote_body("two"))
 
     assert second.status == 200
     assert int(redis_cache.get(slot_key())) == 1  # the second stream's slot is released
@@ -111,7 +100,7 @@ async def test_redis_a_request_cancelled_during_admit_gives_its_slot_back(
     # Writes wait while Redis is paused: the admission (INCR + EXPIRE) is stuck in flight.
     redis_cache.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
     try:
-        request = stream()
+        request = post_stream(quote_body())
         await request.communicator.send_input({"type": "http.request", "body": request.body})
         for _ in range(500):
             if any("b" in client["flags"] for client in redis_cache.client_list()):
@@ -182,7 +171,7 @@ async def test_redis_that_hangs_fails_the_request_instead_of_holding_it(
         }
     }
 
-    response = await post()  # would wait forever without a socket timeout (the test: 30 s)
+    response = await post_quote(quote_body())  # would wait forever without a socket timeout (the test: 30 s)
 
     assert response.status == 500, response.body
     assert response.json()["error"]["code"] == "internal_error"

@@ -34,11 +34,10 @@ import httpx
 import pytest
 import redis
 
-from tests.deployed import ROOT, environment, running_daphne
+from tests.deployed import ROOT, environment, events_of, running_daphne, text_of, wait_for
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 from tests.scaleout.services import free_port
-from tests.test_drain import events_of, text_of, wait_for
 
 UNIT = "systemd/persona-quotes@.service"
 STREAM = "/api/quotes/stream"

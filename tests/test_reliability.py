@@ -31,14 +31,12 @@ from quotes.ai import gateway
 from quotes.ai.backends import _backends, reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse, parse_sse
+from tests.asgi import StreamedResponse, parse_sse, post_stream, read_events
 from tests.fakes.fixtures import upstream_configs
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.test_workers_ai_endpoint import EXPECTED_ERRORS
+from tests.fakes.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, Scenario
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-STREAM_URL = "/api/quotes/stream"
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 FALLBACK = "@cf/meta/llama-3.2-3b-instruct"
 ARTIFACT = Path(__file__).resolve().parents[1] / "artifacts" / "reliability.json"
@@ -63,23 +61,6 @@ async def _close_backends_on_this_loop() -> AsyncIterator[None]:
     gateway._flights.clear()
 
 
-@pytest.fixture
-def unlimited(settings: Any) -> Any:
-    """Many requests from one client in a row: raise the per-client limits out of the way."""
-    settings.QUOTES_GATEWAY = replace(
-        settings.QUOTES_GATEWAY,
-        rate_limit=(1_000_000, 60),
-        max_concurrent_streams=1_000,
-    )
-    return settings
-
-
-def post_stream(body: dict[str, Any]) -> AsgiStream:
-    return AsgiStream(
-        "POST", STREAM_URL, body=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-
-
 def text_of(body: bytes) -> str:
     """The quote in a (possibly cut off) SSE body: complete token events only."""
     text = ""
@@ -88,17 +69,6 @@ def text_of(body: bytes) -> str:
         if event["event"] == "message" and event["data"] != "[DONE]":
             text += json.loads(event["data"]).get("response", "")
     return text
-
-
-async def read_tokens(stream: AsgiStream, count: int) -> bytes:
-    response = await stream.start()
-    assert response.status == 200, response
-    received = b""
-    for _ in range(count):
-        chunk, more = await stream.next_chunk()
-        assert more
-        received += chunk
-    return received
 
 
 async def wait_for_row(public_id: str, timeout_s: float = 5.0) -> Generation:
@@ -167,7 +137,7 @@ async def test_disconnect_trials_workers_ai_close_the_upstream_and_log_cancelled
     for trial in range(TRIALS):
         tokens = rng.randint(1, 30)
         stream = post_stream({"persona": persona.slug, "topic": f"trial {trial}"})
-        received = await read_tokens(stream, tokens)
+        received = await read_events(stream, tokens)
 
         sent_at = time.monotonic()  # the fake stamps with time.monotonic() too
         await stream.disconnect()
@@ -202,7 +172,7 @@ async def test_disconnect_trials_local_model_stop_the_model_thread_and_log_cance
         tokens = rng.randint(1, max(1, min(10, length // 2)))
         # fresh: no cache hit, so every trial runs the model
         stream = post_stream({"persona": persona.slug, "topic": topic, "fresh": True})
-        received = await read_tokens(stream, tokens)
+        received = await read_events(stream, tokens)
         job = local_backend.jobs[-1]
 
         sent_at = time.perf_counter()  # JobStats stamps with time.perf_counter()

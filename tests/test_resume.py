@@ -22,9 +22,8 @@ from quotes.ai.events import Done, Event, Meta, Token, Usage
 from quotes.ai.gateway import runs as runs_module
 from quotes.ai.gateway.runs import EventLog
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, parse_sse, request
+from tests.asgi import AsgiStream, htmx_form_post, parse_sse, post_stream, read_events, request
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.test_htmx import htmx_form_post
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -48,27 +47,6 @@ async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> Asyn
             await asyncio.wait_for(asyncio.shield(finishing), 10)
     await reset_backends()
     assert not left, f"runs left running after the test: {[run.public_id for run in left]}"
-
-
-def post_stream(*, client: tuple[str, int] = ("127.0.0.1", 50000), **headers: str) -> AsgiStream:
-    return AsgiStream(
-        "POST",
-        STREAM_URL,
-        body=json.dumps({"persona": "test-watts"}).encode(),
-        headers={"content-type": "application/json", **headers},
-        client=client,
-    )
-
-
-async def read_events(stream: AsgiStream, count: int) -> bytes:
-    response = await stream.start()
-    assert response.status == 200, response
-    received = b""
-    for _ in range(count):
-        chunk, more = await stream.next_chunk()
-        assert more
-        received += chunk
-    return received
 
 
 def text_of(body: bytes) -> str:

@@ -14,11 +14,8 @@ import hashlib
 import hmac
 import json
 import os
-import re
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -31,9 +28,12 @@ from django.conf import settings as django_settings
 
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse, parse_sse
+from tests.asgi import AsgiStream, StreamedResponse, parse_sse, post_quote
+from tests.deployed import start_daphne, wait_until_answering
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 from tests.fakes.workers_ai import FakeWorkersAI
+from tests.limits import at_start_of_window
+from tests.scaleout.services import free_port, stop_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -49,32 +49,6 @@ async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> Asyn
 
 def limit_to(settings: Any, count: int) -> None:
     settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, rate_limit=(count, 60))
-
-
-async def at_start_of_window(window: int = 60, margin_s: float = 5.0) -> None:
-    import asyncio
-
-    remaining = window - time.time() % window
-    if remaining < margin_s:
-        await asyncio.sleep(remaining + 0.05)
-
-
-async def post(
-    body: dict[str, Any] | bytes | None = None,
-    *,
-    client: tuple[str, int] | None = ("127.0.0.1", 50000),
-    headers: dict[str, str] | None = None,
-) -> StreamedResponse:
-    raw = body if isinstance(body, bytes) else json.dumps(body or {"persona": "test-watts"}).encode()
-    stream = AsgiStream(
-        "POST",
-        STREAM_URL,
-        body=raw,
-        headers={"content-type": "application/json", **(headers or {})},
-        client=client,  # type: ignore[arg-type]
-    )
-    await stream.start()
-    return await stream.read_all()
 
 
 async def get(query: str, headers: dict[str, str] | None = None) -> StreamedResponse:
@@ -115,10 +89,10 @@ async def test_ipv6_rotating_addresses_in_one_64_are_refused_like_one_address(
     limit_to(settings, 3)
     await at_start_of_window()
     for n in range(1, 4):
-        assert_streamed(await post(client=(f"2001:db8:1:2::{n}", 1000)))
+        assert_streamed(await post_quote(client=(f"2001:db8:1:2::{n}", 1000)))
 
-    rotated = await post(client=("2001:db8:1:2:ffff:ffff:ffff:fffe", 1000))
-    next_network = await post(client=("2001:db8:1:3::1", 1000))
+    rotated = await post_quote(client=("2001:db8:1:2:ffff:ffff:ffff:fffe", 1000))
+    next_network = await post_quote(client=("2001:db8:1:3::1", 1000))
 
     assert_json_error(rotated, 429, "rate_limited")
     assert rotated.headers["retry-after"].isdigit()
@@ -133,7 +107,7 @@ async def test_ipv6_prefix_is_a_setting(persona: Persona, fake: FakeWorkersAI, s
     limit_to(settings, 1)
     await at_start_of_window()
 
-    responses = [await post(client=(f"2001:db8:1:2::{n}", 1000)) for n in range(1, 4)]
+    responses = [await post_quote(client=(f"2001:db8:1:2::{n}", 1000)) for n in range(1, 4)]
 
     for response in responses:
         assert_streamed(response)
@@ -144,9 +118,9 @@ async def test_ipv4_mapped_ipv6_counts_as_the_ipv4_address(
 ) -> None:
     limit_to(settings, 1)
     await at_start_of_window()
-    assert_streamed(await post(client=("198.51.100.7", 1000)))
+    assert_streamed(await post_quote(client=("198.51.100.7", 1000)))
 
-    mapped = await post(client=("::ffff:198.51.100.7", 1000))
+    mapped = await post_quote(client=("::ffff:198.51.100.7", 1000))
 
     assert_json_error(mapped, 429, "rate_limited")
     assert await hashes() == [ip_hash("198.51.100.7")] * 2
@@ -196,7 +170,9 @@ async def test_forwarded_for_is_believed_only_from_a_trusted_proxy_over_http(
     if trusted is not None:
         settings.QUOTES_TRUSTED_PROXIES = trusted
 
-    response = await post(client=peer, headers={"x-forwarded-for": forwarded, "x-real-ip": "192.0.2.66"})
+    response = await post_quote(
+        client=peer, headers={"x-forwarded-for": forwarded, "x-real-ip": "192.0.2.66"}
+    )
 
     assert_streamed(response)
     assert await hashes() == [ip_hash(counted_as)]
@@ -235,29 +211,15 @@ async def test_forwarded_proto_from_a_trusted_proxy_sets_the_scheme(
     """An https page behind nginx: its same-origin Origin header must match (point 3 relies on it)."""
     https_origin = {"origin": "https://testserver", "sec-fetch-site": "same-origin"}
 
-    behind_proxy = await post(
+    behind_proxy = await post_quote(
         client=("127.0.0.1", 4000), headers={"x-forwarded-proto": "https", **https_origin}
     )
-    forged = await post(client=("203.0.113.9", 4000), headers={"x-forwarded-proto": "https", **https_origin})
+    forged = await post_quote(
+        client=("203.0.113.9", 4000), headers={"x-forwarded-proto": "https", **https_origin}
+    )
 
     assert_streamed(behind_proxy)
     assert_json_error(forged, 403, "cross_site")  # http://testserver, as far as an untrusted peer goes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def dockerfile_daphne_command() -> list[str]:
-    """The daphne command of deploy/Dockerfile's CMD (exec form, with line continuations)."""
-    text = (ROOT / "deploy" / "Dockerfile").read_text().replace("\\\n", " ")
-    match = re.search(r"^CMD\s+(\[.*\])\s*$", text, re.MULTILINE)
-    assert match, "no exec-form CMD in deploy/Dockerfile"
-    command: list[str] = json.loads(match.group(1))
-    assert command[:3] == ["python", "-m", "quotes.server"]  # daphne, draining on SIGTERM
-    return command[2:]
 
 
 @pytest.fixture
@@ -265,11 +227,7 @@ def dockerfile_daphne(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterato
     """deploy/Dockerfile's own daphne command on 127.0.0.1 (instead of 0.0.0.0:8000), on a fresh
     SQLite file, answering from the fake Workers AI. 127.0.0.2 is its only trusted proxy, so
     connecting from 127.0.0.1 is a visitor reaching the port directly."""
-    command = dockerfile_daphne_command()
-    port = _free_port()
-    args = command[1:]
-    args[args.index("-b") + 1] = "127.0.0.1"
-    args[args.index("-p") + 1] = str(port)
+    port = free_port()
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "AI_", "CLOUDFLARE_", "QUOTES_"))
     }
@@ -287,29 +245,13 @@ def dockerfile_daphne(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterato
         [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
     )
     log_path = tmp_path / "daphne.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "quotes.server", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    httpx.get(url + "/", timeout=2)
-                    break
-                except httpx.TransportError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"daphne did not start:\n{log_path.read_text()}") from None
-                    time.sleep(0.2)
-            yield url
-        finally:
-            process.terminate()
-            process.wait(timeout=15)
+    process = start_daphne(port, env, log_path, source="Dockerfile")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_answering(url + "/", process, log_path)
+        yield url
+    finally:
+        stop_process(process, timeout=15)
 
 
 def test_dockerfile_daphne_ignores_a_forged_client_address_and_honours_the_trusted_proxy(
@@ -373,7 +315,7 @@ async def test_cross_site_get_is_403_and_never_reaches_the_upstream(
 
 
 async def test_cross_site_json_post_is_403(persona: Persona, fake: FakeWorkersAI) -> None:
-    response = await post(headers={"origin": "https://evil.example", "sec-fetch-site": "cross-site"})
+    response = await post_quote(headers={"origin": "https://evil.example", "sec-fetch-site": "cross-site"})
 
     assert_json_error(response, 403, "cross_site")
     assert fake.requests == []
@@ -421,12 +363,12 @@ async def test_csrf_trusted_origins_may_start_a_generation(
 ) -> None:
     settings.CSRF_TRUSTED_ORIGINS = ["https://quotes.example.com", "https://*.example.org"]
 
-    listed = await post(headers={"origin": "https://quotes.example.com", "sec-fetch-site": "same-site"})
-    wildcard = await post(
+    listed = await post_quote(headers={"origin": "https://quotes.example.com", "sec-fetch-site": "same-site"})
+    wildcard = await post_quote(
         {"persona": persona.slug, "topic": "snow"},
         headers={"origin": "https://www.example.org", "sec-fetch-site": "same-site"},
     )
-    other = await post(headers={"origin": "https://example.net"})
+    other = await post_quote(headers={"origin": "https://example.net"})
 
     assert_streamed(listed)
     assert_streamed(wildcard)
@@ -476,7 +418,7 @@ SURROGATE_BODIES = [
 
 @pytest.mark.parametrize("body", SURROGATE_BODIES)
 async def test_lone_surrogate_over_http_is_a_400(persona: Persona, fake: FakeWorkersAI, body: bytes) -> None:
-    response = await post(body)
+    response = await post_quote(body)
 
     error = assert_json_error(response, 400, "invalid_unicode")
     assert "surrogate" in error["message"]
@@ -485,7 +427,7 @@ async def test_lone_surrogate_over_http_is_a_400(persona: Persona, fake: FakeWor
 
 
 async def test_a_surrogate_pair_is_a_character_and_passes(persona: Persona, fake: FakeWorkersAI) -> None:
-    response = await post(b'{"persona": "test-watts", "topic": "rain \\ud83c\\udf27"}')
+    response = await post_quote(b'{"persona": "test-watts", "topic": "rain \\ud83c\\udf27"}')
 
     assert_streamed(response)
     row = await Generation.objects.aget()

@@ -22,7 +22,7 @@ from django.db import connection, connections
 from quotes.ai import gateway
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse
+from tests.asgi import AsgiStream, StreamedResponse, post_stream
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -48,12 +48,7 @@ def _roomy_limits(settings: Any) -> None:
 
 
 def stream(topic: str, *, headers: dict[str, str] | None = None) -> AsgiStream:
-    return AsgiStream(
-        "POST",
-        URL,
-        body=json.dumps({"persona": "test-watts", "topic": topic}).encode(),
-        headers={"content-type": "application/json", **(headers or {})},
-    )
+    return post_stream({"persona": "test-watts", "topic": topic}, headers=headers)
 
 
 async def first_token(s: AsgiStream) -> StreamedResponse:
@@ -62,6 +57,15 @@ async def first_token(s: AsgiStream) -> StreamedResponse:
     chunk, more = await s.next_chunk()
     assert more and b'"response":"' in chunk
     return response
+
+
+async def cap_of_one_held(settings: Any, fake: FakeWorkersAI) -> AsgiStream:
+    """The open-stream cap set to 1, and a slow stream (40 tokens, 50 ms apart) holding it."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
+    held = stream("held")
+    await first_token(held)
+    return held
 
 
 async def wait_for_rows(count: int, timeout_s: float = 10.0) -> list[Generation]:
@@ -115,10 +119,7 @@ async def test_open_stream_cap_counts_websockets_and_refuses_with_an_error_frame
 ) -> None:
     from config.asgi import application
 
-    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
-    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
-    held = stream("held")
-    await first_token(held)
+    held = await cap_of_one_held(settings, fake)
     socket = WebsocketCommunicator(application, "/ws/quotes/", headers=[(b"origin", b"http://testserver")])
     connected, _ = await socket.connect()
     assert connected
@@ -134,10 +135,7 @@ async def test_open_stream_cap_counts_websockets_and_refuses_with_an_error_frame
 async def test_open_stream_cap_for_htmx_is_a_503_error_event(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
-    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
-    held = stream("held")
-    await first_token(held)
+    held = await cap_of_one_held(settings, fake)
 
     refused = stream("htmx", headers={"hx-request": "true"})
     response = await refused.start()
@@ -157,10 +155,7 @@ async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_
     in its row), but none of the later middleware left a mark on it: no session touched (no
     `Vary: Cookie`, no cookie set), no Content-Security-Policy, no X-Frame-Options. The
     middleware before it still did their part (the request id, nosniff)."""
-    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
-    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
-    held = stream("held")
-    await first_token(held)
+    held = await cap_of_one_held(settings, fake)
 
     refusals = [stream(f"refused {i}") for i in range(3)]
     responses = [await s.start() for s in refusals]
@@ -199,10 +194,7 @@ async def test_open_stream_cap_refuses_the_page_form_early_but_csrf_still_meets_
     still meets Django's CSRF check (403 csrf_failed), at the cap as anywhere."""
     from urllib.parse import urlencode
 
-    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
-    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
-    held = stream("held")
-    await first_token(held)
+    held = await cap_of_one_held(settings, fake)
     token = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
 
     async def form_post(fields: dict[str, str], **headers: str) -> StreamedResponse:
@@ -242,10 +234,7 @@ async def test_open_stream_cap_refuses_a_request_with_a_session_in_the_view(
 ) -> None:
     """A request with a session cookie may be a user's, whose refusal is counted under their
     key: it goes through the whole chain and the view refuses it, with every header."""
-    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
-    fake.default = Scenario(tokens=["tick"] * 40, token_delay_s=0.05)
-    held = stream("held")
-    await first_token(held)
+    held = await cap_of_one_held(settings, fake)
 
     refused = stream("with a session", headers={"cookie": f"{settings.SESSION_COOKIE_NAME}=not-a-session"})
     response = await refused.start()

@@ -28,7 +28,7 @@ from tests.fakes.fixtures import (
     upstream_configs,
 )
 from tests.fakes.workers_ai import ERROR_CODES as FAKE_ERROR_CODES
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario, render_body
+from tests.fakes.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, Scenario, render_body
 from tests.llama_server import LlamaServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -503,24 +503,6 @@ async def test_workers_ai_endpoint_first_token_leaves_before_the_upstream_finish
 
 
 # -- errors before the first token ---------------------------------------------------------------------
-
-#: Every documented Workers AI code -> (our code, our HTTP status). Written out, not read from the
-#: backend, so a wrong mapping there fails here.
-EXPECTED_ERRORS: dict[int, tuple[str, int]] = {
-    5007: ("model_not_found", 400),
-    3042: ("model_not_found", 400),
-    3003: ("upstream_bad_request", 400),
-    5005: ("lora_not_supported", 400),
-    5016: ("upstream_forbidden", 403),
-    5018: ("upstream_forbidden", 403),
-    3041: ("upstream_forbidden", 403),
-    3023: ("upstream_forbidden", 403),
-    3006: ("request_too_large", 413),
-    3007: ("upstream_timeout", 408),
-    3008: ("upstream_timeout", 408),
-    3036: ("upstream_quota_exceeded", 429),
-    3040: ("upstream_capacity", 429),
-}
 
 
 def test_workers_ai_endpoint_error_table_covers_every_documented_code() -> None:

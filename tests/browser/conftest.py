@@ -6,13 +6,11 @@ daphne themselves, on a SQLite file of their own, with the embedded model.
 
 from __future__ import annotations
 
+import itertools
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,8 +19,15 @@ from typing import Any
 
 import pytest
 
+from tests.deployed import wait_until_answering
+from tests.fakes.workers_ai import FakeWorkersAI
+from tests.scaleout.services import free_port, stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
+ACCOUNT_ID = "acct-test"
+#: A secret-looking credential the Workers AI sites are started with: it must never reach a page.
+API_TOKEN = "cfut_BROWSER-4c1d9e8f7a6b5c4d3e2f1a0b9c8d7e6fQQ"
 
 
 @dataclass
@@ -38,12 +43,6 @@ class DaphneServer:
     def execute(self, sql: str, *params: object) -> None:
         with sqlite3.connect(self.db_path) as connection:
             connection.execute(sql, params)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
@@ -67,7 +66,7 @@ def start_daphne(tmp_dir: Path, **extra_env: str) -> Iterator[DaphneServer]:
     subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
     )
-    port = _free_port()
+    port = free_port()
     log_path = tmp_dir / "daphne.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -77,21 +76,25 @@ def start_daphne(tmp_dir: Path, **extra_env: str) -> Iterator[DaphneServer]:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    urllib.request.urlopen(url + "/", timeout=2).close()
-                    break
-                except OSError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"daphne did not start; see {log_path}") from None
-                    time.sleep(0.2)
-            yield DaphneServer(url=url, db_path=db_path, log_path=log_path)
-        finally:
-            process.terminate()
-            process.wait(timeout=15)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_answering(url + "/", process, log_path)
+        yield DaphneServer(url=url, db_path=db_path, log_path=log_path)
+    finally:
+        stop_process(process, timeout=15)
+
+
+def workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:
+    """start_daphne's settings for the site on AI_BACKEND=workers-ai against `fake`."""
+    return {
+        "AI_BACKEND": "workers-ai",
+        "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
+        "CLOUDFLARE_API_TOKEN": API_TOKEN,
+        "CLOUDFLARE_API_BASE_URL": fake.api_base_url,
+        "LOCAL_MODEL_PRELOAD": "false",
+        # One attempt: each scripted upstream answer is what the visitor sees (no retry).
+        "QUOTES_MAX_ATTEMPTS": "1",
+    }
 
 
 @pytest.fixture(scope="session")
@@ -149,3 +152,18 @@ def watch_console(page: Any) -> list[str]:
     page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
     page.on("pageerror", lambda error: problems.append(str(error)))
     return problems
+
+
+def assert_streamed_in_steps(changes: list[dict[str, Any]], steps: int) -> list[str]:
+    """What RECORDER saw shows a quote streamed: the card went loading, streaming, done; the
+    loading animation showed until the first token, then hid; and the text grew in at least
+    `steps` visible steps while the stream was open, each extending the last. Returns those texts."""
+    states = [c["state"] for c in changes]
+    assert states.index("loading") < states.index("streaming") < states.index("done")
+    assert all(c["loadingVisible"] for c in changes if c["state"] == "loading")
+    assert not any(c["loadingVisible"] for c in changes if c["state"] in ("streaming", "done"))
+    growing = [c["text"] for c in changes if c["state"] == "streaming" and c["text"]]
+    assert len(set(growing)) >= steps, growing
+    for before, after in itertools.pairwise(growing):
+        assert after.startswith(before)
+    return growing

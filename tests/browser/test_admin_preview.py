@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
-from .conftest import ROOT, DaphneServer, start_daphne
-from .test_persona_page import _watch_console
+from .conftest import ROOT, DaphneServer, start_daphne, watch_console
 
 PASSWORD = "admin-password-for-tests"
 NEW_PROMPT = "You are Alan Watts, speaking from a small boat at dawn."
@@ -70,7 +69,7 @@ def _log_in(page: Page, server: DaphneServer, next_path: str) -> None:
 def test_browser_admin_previews_unsaved_edits_then_reads_the_history(
     admin_server: DaphneServer, page: Page, screenshot_dir: Path
 ) -> None:
-    problems = _watch_console(page)
+    problems = watch_console(page)
     failed: list[str] = []
     page.on("response", lambda response: failed.append(response.url) if response.status >= 400 else None)
     page.set_viewport_size({"width": 1280, "height": 900})

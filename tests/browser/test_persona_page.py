@@ -3,16 +3,13 @@ over htmx (the page's default) and over the fetch client (`?transport=fetch`).""
 
 from __future__ import annotations
 
-import itertools
 import re
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect
 
-from .conftest import RECORDER, DaphneServer, watch_console
-
-_watch_console = watch_console  # test_admin_preview.py imports it from here
+from .conftest import RECORDER, DaphneServer, assert_streamed_in_steps, watch_console
 
 TRANSPORTS = pytest.mark.parametrize("transport", ["htmx", "fetch"])
 
@@ -47,17 +44,7 @@ def test_browser_quote_starts_at_once_and_streams_in_token_by_token(
     if transport == "htmx":
         page.screenshot(path=screenshot_dir / "persona-done-desktop.png")
 
-    changes = page.evaluate("window.__changes")
-    states = [c["state"] for c in changes]
-    assert states.index("loading") < states.index("streaming") < states.index("done")
-    # The loading animation shows until the first token, then hides.
-    assert all(c["loadingVisible"] for c in changes if c["state"] == "loading")
-    assert not any(c["loadingVisible"] for c in changes if c["state"] in ("streaming", "done"))
-    # The text grew in several visible steps while the stream was open, each extending the last.
-    growing = [c["text"] for c in changes if c["state"] == "streaming" and c["text"]]
-    assert len(set(growing)) >= 3, growing
-    for before, after in itertools.pairwise(growing):
-        assert after.startswith(before)
+    growing = assert_streamed_in_steps(page.evaluate("window.__changes"), 3)
     final = page.get_by_test_id("quote-text").text_content() or ""
     assert final.startswith(growing[-1]) and len(final) > 10
 

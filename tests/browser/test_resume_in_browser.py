@@ -25,8 +25,7 @@ from playwright.sync_api import BrowserContext, Page, expect
 
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
-from .conftest import DaphneServer, start_daphne
-from .test_workers_ai_site import _watch_console, _workers_ai_env
+from .conftest import DaphneServer, start_daphne, watch_console, workers_ai_env
 
 TOKENS = tuple(f"word{i} " for i in range(60))
 QUOTE = "".join(TOKENS).strip()
@@ -48,7 +47,7 @@ def upstream() -> Iterator[FakeWorkersAI]:
 @pytest.fixture(scope="module")
 def site(upstream: FakeWorkersAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneServer]:
     # The defaults that matter here: a 10 s grace after a drop, the finished events kept.
-    with start_daphne(tmp_path_factory.mktemp("daphne-resume"), **_workers_ai_env(upstream)) as server:
+    with start_daphne(tmp_path_factory.mktemp("daphne-resume"), **workers_ai_env(upstream)) as server:
         yield server
 
 
@@ -119,7 +118,7 @@ def test_resume_in_browser_offline_then_online_ends_with_the_whole_quote(
     upstream.reset()
     upstream.default = Scenario(tokens=TOKENS, token_delay_s=0.05)
     site.execute("DELETE FROM quotes_generation")
-    problems = _watch_console(page)
+    problems = watch_console(page)
     page.goto(f"{proxy.url}/personas/alan-watts/" + ("?transport=fetch" if transport == "fetch" else ""))
     text = page.get_by_test_id("quote-text")
     expect(text).to_contain_text("word3 ")

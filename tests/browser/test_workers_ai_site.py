@@ -3,24 +3,31 @@ and through AI Gateway, daphne in a subprocess, the fake in this process."""
 
 from __future__ import annotations
 
-import itertools
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import ConsoleMessage, Page, expect
+from playwright.sync_api import Page, expect
 
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
-from .conftest import RECORDER, DaphneServer, start_daphne
+from .conftest import (
+    ACCOUNT_ID,
+    API_TOKEN,
+    RECORDER,
+    DaphneServer,
+    assert_streamed_in_steps,
+    start_daphne,
+    watch_console,
+    workers_ai_env,
+)
 
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 MODEL_URL = "https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct/"
-ACCOUNT_ID = "acct-test"
-#: Secret-looking credentials the site is started with: they must never reach a page.
-API_TOKEN = "cfut_BROWSER-4c1d9e8f7a6b5c4d3e2f1a0b9c8d7e6fQQ"
+#: Secret-looking credentials the site is started with (API_TOKEN in tests/browser/conftest.py):
+#: they must never reach a page.
 GATEWAY_TOKEN = "cfgw_BROWSER-7e6d5c4b3a2918f7e6d5c4b3a2918f70RR"
 SECRETS = (API_TOKEN, GATEWAY_TOKEN)
 
@@ -42,18 +49,6 @@ QUOTE_TOKENS = (
 )
 QUOTE = "".join(QUOTE_TOKENS)
 SLOW = Scenario(tokens=QUOTE_TOKENS, token_delay_s=0.05, headers={"cf-aig-log-id": "log-browser"})
-
-
-def _watch_console(page: Page) -> list[str]:
-    problems: list[str] = []
-
-    def on_console(message: ConsoleMessage) -> None:
-        if message.type == "error":
-            problems.append(message.text)
-
-    page.on("console", on_console)
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    return problems
 
 
 def _not_http_status_logs(problems: list[str], status: int) -> list[str]:
@@ -82,24 +77,12 @@ def fake(fake_upstream: FakeWorkersAI) -> Iterator[FakeWorkersAI]:
     fake_upstream.reset()
 
 
-def _workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:
-    return {
-        "AI_BACKEND": "workers-ai",
-        "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
-        "CLOUDFLARE_API_TOKEN": API_TOKEN,
-        "CLOUDFLARE_API_BASE_URL": fake.api_base_url,
-        "LOCAL_MODEL_PRELOAD": "false",
-        # One attempt: each scripted upstream answer is what the visitor sees (no retry).
-        "QUOTES_MAX_ATTEMPTS": "1",
-    }
-
-
 @pytest.fixture(scope="module")
 def direct_site(
     fake_upstream: FakeWorkersAI, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DaphneServer]:
     with start_daphne(
-        tmp_path_factory.mktemp("daphne-workers-ai"), **_workers_ai_env(fake_upstream)
+        tmp_path_factory.mktemp("daphne-workers-ai"), **workers_ai_env(fake_upstream)
     ) as server:
         yield server
 
@@ -109,7 +92,7 @@ def gateway_site(
     fake_upstream: FakeWorkersAI, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DaphneServer]:
     env = {
-        **_workers_ai_env(fake_upstream),
+        **workers_ai_env(fake_upstream),
         "AI_GATEWAY_ID": "gw-browser",
         "AI_GATEWAY_BASE_URL": fake_upstream.gateway_base_url,
         "AI_GATEWAY_TOKEN": GATEWAY_TOKEN,
@@ -142,7 +125,7 @@ def last_row(site: DaphneServer) -> tuple[object, ...]:
 def test_workers_ai_site_streams_a_quote_token_by_token(
     site: DaphneServer, fake: FakeWorkersAI, page: Page
 ) -> None:
-    problems = _watch_console(page)
+    problems = watch_console(page)
     page.set_viewport_size({"width": 1280, "height": 800})
     page.add_init_script(RECORDER)
     open_persona(page, site)
@@ -150,16 +133,7 @@ def test_workers_ai_site_streams_a_quote_token_by_token(
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "streaming")
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)
 
-    changes = page.evaluate("window.__changes")
-    states = [c["state"] for c in changes]
-    assert states.index("loading") < states.index("streaming") < states.index("done")
-    assert all(c["loadingVisible"] for c in changes if c["state"] == "loading")
-    assert not any(c["loadingVisible"] for c in changes if c["state"] in ("streaming", "done"))
-    # The text grew in many visible steps while the stream was open, each extending the last.
-    growing = [c["text"] for c in changes if c["state"] == "streaming" and c["text"]]
-    assert len(set(growing)) >= 5, growing
-    for before, after in itertools.pairwise(growing):
-        assert after.startswith(before)
+    assert_streamed_in_steps(page.evaluate("window.__changes"), 5)
     expect(page.get_by_test_id("quote-text")).to_have_text(QUOTE)
 
     credit = page.get_by_test_id("credit")
@@ -212,7 +186,7 @@ def test_workers_ai_site_never_shows_a_token(site: DaphneServer, fake: FakeWorke
 def test_workers_ai_site_shows_a_readable_error_before_the_stream(
     site: DaphneServer, fake: FakeWorkersAI, page: Page
 ) -> None:
-    problems = _watch_console(page)
+    problems = watch_console(page)
     fake.script(Scenario.out_of_capacity())
     open_persona(page, site)
 
@@ -237,7 +211,7 @@ def test_workers_ai_site_shows_a_readable_error_before_the_stream(
 def test_workers_ai_site_shows_connection_lost_when_the_upstream_drops(
     site: DaphneServer, fake: FakeWorkersAI, page: Page
 ) -> None:
-    problems = _watch_console(page)
+    problems = watch_console(page)
     fake.script(Scenario(tokens=QUOTE_TOKENS, token_delay_s=0.05, drop_after_tokens=4))
     open_persona(page, site)
 
@@ -265,7 +239,7 @@ def test_workers_ai_site_shows_connection_lost_when_the_upstream_drops(
 def test_workers_ai_site_stop_cancels_the_upstream_and_logs_cancelled(
     direct_site: DaphneServer, fake: FakeWorkersAI, page: Page, transport: str
 ) -> None:
-    problems = _watch_console(page)
+    problems = watch_console(page)
     fake.script(Scenario(tokens=["tick "] * 400, token_delay_s=0.05))
     open_persona(page, direct_site, transport)
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "streaming")
@@ -294,7 +268,7 @@ def test_workers_ai_site_stop_cancels_the_upstream_and_logs_cancelled(
 def test_workers_ai_site_fetch_transport_streams_too(
     direct_site: DaphneServer, fake: FakeWorkersAI, page: Page
 ) -> None:
-    problems = _watch_console(page)
+    problems = watch_console(page)
     page.add_init_script(RECORDER)
     open_persona(page, direct_site, "fetch")
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "done", timeout=15_000)

@@ -70,6 +70,25 @@ ERROR_CODES: dict[int, tuple[int, str]] = {
     3040: (429, "Capacity temporarily exceeded, please try again."),
 }
 
+#: Every documented Workers AI code -> (our code, our HTTP status). Written out, not read from the
+#: backend, so a wrong mapping there fails (tests/test_workers_ai_endpoint.py,
+#: tests/test_reliability.py).
+EXPECTED_ERRORS: dict[int, tuple[str, int]] = {
+    5007: ("model_not_found", 400),
+    3042: ("model_not_found", 400),
+    3003: ("upstream_bad_request", 400),
+    5005: ("lora_not_supported", 400),
+    5016: ("upstream_forbidden", 403),
+    5018: ("upstream_forbidden", 403),
+    3041: ("upstream_forbidden", 403),
+    3023: ("upstream_forbidden", 403),
+    3006: ("request_too_large", 413),
+    3007: ("upstream_timeout", 408),
+    3008: ("upstream_timeout", 408),
+    3036: ("upstream_quota_exceeded", 429),
+    3040: ("upstream_capacity", 429),
+}
+
 _RUN_ROUTE = re.compile(r"^/client/v4/accounts/(?P<account>[^/]+)/ai/run/(?P<model>.+)$")
 _GATEWAY_ROUTE = re.compile(r"^/gateway/v1/(?P<account>[^/]+)/(?P<gateway>[^/]+)/workers-ai/(?P<model>.+)$")
 _MAX_REQUEST_BYTES = 8 * 1024 * 1024
