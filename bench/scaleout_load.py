@@ -36,6 +36,7 @@ from bench.common import (
     PYTHON,
     ROOT,
     ROWS_BY_STATUS,
+    HasApiBaseUrl,
     machine,
     settled_counts,
     table,
@@ -53,7 +54,7 @@ LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
 
 
 def production_env(
-    database_url: str, redis_url: str, upstream: StampingUpstream, extra: list[str]
+    database_url: str, redis_url: str, upstream: HasApiBaseUrl, extra: list[str]
 ) -> dict[str, str]:
     env = production_base_env(
         database_url=database_url,
