@@ -9,6 +9,7 @@ compared with the driver's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import multiprocessing
@@ -25,11 +26,11 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -189,6 +190,103 @@ def read_stream(client: httpx.Client, url: str, *, content: bytes, headers: dict
             parser.feed(chunk)
     if not parser.finished or not timing.tokens:
         raise RuntimeError(f"{url}: the stream ended without tokens and [DONE]")
+    return timing
+
+
+async def direct_ttft(
+    client: httpx.AsyncClient, url: str, *, content: bytes, headers: dict[str, str]
+) -> float:
+    """Seconds from sending a request straight to the upstream to its first token (the
+    reference the in-process figures are set beside)."""
+    started = time.perf_counter()
+    first = 0.0
+    async with client.stream("POST", url, content=content, headers=headers) as response:
+        async for chunk in response.aiter_raw():
+            if not first and b'"response":"' in chunk:
+                first = time.perf_counter()
+    if not first:
+        raise RuntimeError(f"{url}: no token")
+    return first - started
+
+
+# -- the app in-process (Django's ASGI handler, no server) ---------------------------------------------
+
+
+def stream_scope(body: bytes) -> dict[str, object]:
+    """The ASGI HTTP scope a server would pass the app for `POST /api/quotes/stream` with a JSON
+    `body`."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/api/quotes/stream",
+        "raw_path": b"/api/quotes/stream",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+@dataclass(slots=True)
+class InProcessTiming:
+    """One request through the ASGI app in-process: wall (perf_counter) and CPU (process_time)
+    stamps, 0.0 for a moment that did not come (no token in a refusal)."""
+
+    started: float = 0.0
+    started_cpu: float = 0.0
+    first_token: float = 0.0
+    first_token_cpu: float = 0.0
+    ended: float = 0.0
+    ended_cpu: float = 0.0
+    status: int = 0
+    #: as the app sent them (decoding is left to who needs it: it would fall inside the window)
+    raw_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+async def stream_in_process(application: Callable[..., Awaitable[None]], body: bytes) -> InProcessTiming:
+    """POST `body` to /api/quotes/stream through `application` and read the whole answer, timing
+    its first token."""
+    done = asyncio.Event()
+    timing = InProcessTiming()
+    sent = False
+
+    async def receive() -> dict[str, object]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            timing.status = int(message["status"])
+            timing.raw_headers = message["headers"]
+        chunk = message.get("body", b"")
+        if (
+            not timing.first_token
+            and isinstance(chunk, bytes)
+            and b'"response":"' in chunk
+            and b'"response":""' not in chunk
+        ):
+            timing.first_token, timing.first_token_cpu = time.perf_counter(), time.process_time()
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            timing.ended, timing.ended_cpu = time.perf_counter(), time.process_time()
+            done.set()
+
+    scope = stream_scope(body)
+    # CPU clock first, so the wall-clock window (the TTFT) holds no clock call of its own.
+    timing.started_cpu = time.process_time()
+    timing.started = time.perf_counter()
+    await application(scope, receive, send)
     return timing
 
 
@@ -373,7 +471,13 @@ def app_env(db_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def workers_ai_env(upstream: Upstream) -> dict[str, str]:
+class HasApiBaseUrl(Protocol):
+    @property
+    def api_base_url(self) -> str: ...
+
+
+def workers_ai_env(upstream: HasApiBaseUrl) -> dict[str, str]:
+    """The workers-ai backend against `upstream` (any of the benchmarks' upstreams or the fake)."""
     return {
         "AI_BACKEND": "workers-ai",
         "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
@@ -392,7 +496,7 @@ def serve_app(server: Server, *, migrate_sql: Sequence[str] = (), **extra_env: s
         with sqlite3.connect(db_path) as connection:
             for statement in migrate_sql:
                 connection.execute(statement)
-        with _serve(server, "config.asgi:application", env, server) as (process, url, log_path):
+        with serve_asgi(server, "config.asgi:application", env, server) as (process, url, log_path):
             yield AppServer(server, url, process, db_path, log_path, env)
 
 
@@ -406,14 +510,20 @@ def serve_naive(upstream_url: str, headers: dict[str, str], server: Server = "da
         "BENCH_UPSTREAM_URL": upstream_url,
         "BENCH_UPSTREAM_HEADERS": json.dumps(headers),
     }
-    with _serve(server, "bench.naive.asgi:application", env, f"naive-{server}") as (process, url, log_path):
+    with serve_asgi(server, "bench.naive.asgi:application", env, f"naive-{server}") as (
+        process,
+        url,
+        log_path,
+    ):
         yield AppServer(server, url, process, Path(os.devnull), log_path, env)
 
 
 @contextlib.contextmanager
-def _serve(
+def serve_asgi(
     server: Server, application: str, env: dict[str, str], name: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """`application` under daphne or uvicorn on a free port, logging to artifacts/bench/`name`.log
+    (the latest server of each name): (the process, its URL, the log)."""
     port = free_port()
     if server == "daphne":
         # -v 0: no access log, like uvicorn's --no-access-log below (the app logs at WARNING).
@@ -421,23 +531,43 @@ def _serve(
     else:
         command = [PYTHON, "-m", "uvicorn", application, "--host", "127.0.0.1"]
         command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
-    log_path = ARTIFACTS / f"{name}.log"  # the latest server of each kind
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log_path = ARTIFACTS / f"{name}.log"
+    # /healthz, not /: the home page needs collected static files.
+    with running_server(command, port=port, env=env, log_path=log_path, name=name) as (process, url):
+        yield process, url, log_path
+
+
+@contextlib.contextmanager
+def running_server(
+    command: Sequence[str],
+    *,
+    port: int,
+    env: dict[str, str],
+    log_path: Path,
+    name: str,
+    health_path: str = "/healthz",
+    cwd: Path | str = ROOT,
+    timeout_s: float = 60.0,
+    poll_s: float = 0.1,
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run `command`, a server listening on 127.0.0.1:`port`, its output to `log_path`; yield
+    (the process, its URL) once GET `health_path` answers, and stop it on the way out
+    (SIGTERM, SIGKILL after 15 s)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(list(command), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + timeout_s
             while True:
                 try:
-                    # /healthz, not /: the home page needs collected static files.
-                    urllib.request.urlopen(url + "/healthz", timeout=2).close()
+                    urllib.request.urlopen(url + health_path, timeout=2).close()
                     break
                 except OSError:
                     if process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"{name} did not start; see {log_path}") from None
-                    time.sleep(0.1)
-            yield process, url, log_path
+                    time.sleep(poll_s)
+            yield process, url
         finally:
             process.terminate()
             try:
@@ -445,3 +575,28 @@ def _serve(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+# -- the log ---------------------------------------------------------------------------------------
+
+
+#: log rows by status (a refusal's row counts the requests it stands for)
+ROWS_BY_STATUS = "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
+
+
+def settled_counts(
+    fetch: Callable[[], dict[str, int]], expected: int, timeout_s: float = 120.0
+) -> dict[str, int]:
+    """`fetch()` (rows by status), polled each second until the rows add up to `expected` or the
+    counts have stopped moving for 10 s (a saturated server writes the cancelled streams' rows
+    last), or `timeout_s` is up."""
+    deadline = time.monotonic() + timeout_s
+    previous: dict[str, int] | None = None
+    still = 0
+    while True:
+        counts = fetch()
+        still = still + 1 if counts == previous else 0
+        if sum(counts.values()) >= expected or still >= 10 or time.monotonic() > deadline:
+            return counts
+        previous = counts
+        time.sleep(1.0)

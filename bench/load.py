@@ -54,12 +54,15 @@ from bench.common import (
     PERSONA,
     PYTHON,
     ROOT,
+    ROWS_BY_STATUS,
     app_env,
-    free_port,
     machine,
     percentile,
     rss_kib,
+    serve_asgi,
+    settled_counts,
     table,
+    workers_ai_env,
 )
 
 # -- the stamping upstream (its own process) ----------------------------------------------------------
@@ -233,34 +236,8 @@ def serve_daphne(
             subprocess.run(
                 [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
             )
-        port = free_port()
-        command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
-        command += [application]
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        log_path = ARTIFACTS / "load-daphne.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        urllib.request.urlopen(
-                            url + "/healthz", timeout=2
-                        ).close()  # "/" needs collectstatic when DEBUG is off
-                        break
-                    except OSError:
-                        if process.poll() is not None or time.monotonic() > deadline:
-                            raise RuntimeError(f"daphne did not start; see {log_path}") from None
-                        time.sleep(0.1)
-                yield process, url, db_path
-            finally:
-                process.terminate()
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        with serve_asgi("daphne", application, env, "load-daphne") as (process, url, _log):
+            yield process, url, db_path
 
 
 def cpu_seconds(pid: int) -> float:
@@ -301,6 +278,25 @@ class Run:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
 
+RESPONSE = b'"response":"'
+
+
+def whole_events(buffer: bytes) -> tuple[bytes, bytes]:
+    """(the whole SSE events at the head of `buffer`, the partial one after them)."""
+    cut = buffer.rfind(b"\n\n")
+    return (buffer[: cut + 2], buffer[cut + 2 :]) if cut >= 0 else (b"", buffer)
+
+
+def response_texts(events: bytes) -> Iterator[bytes]:
+    """Each event's `response` string as sent, empty for the usage event. Found by bytes, not
+    parsed: the client's own cost must stay small, and these texts need no JSON unescaping."""
+    start = 0
+    while (at := events.find(RESPONSE, start)) >= 0:
+        stop = events.find(b'"', at + len(RESPONSE))
+        yield events[at + len(RESPONSE) : stop]
+        start = stop
+
+
 async def one_stream(host: str, port: int, index: int, run: Run, end_by: float) -> None:
     result = Result()
     run.results.append(result)
@@ -335,16 +331,10 @@ async def one_stream(host: str, port: int, index: int, run: Run, end_by: float) 
                 result.error = result.error or "closed before [DONE]"
                 return
             now = time.monotonic_ns()
-            buffer += chunk
-            cut = buffer.rfind(b"\n\n")
-            if cut < 0:
+            complete, buffer = whole_events(buffer + chunk)
+            if not complete:
                 continue
-            complete, buffer = buffer[: cut + 2], buffer[cut + 2 :]
-            start = 0
-            while (at := complete.find(b'"response":"', start)) >= 0:
-                stop = complete.find(b'"', at + 12)
-                text = complete[at + 12 : stop]
-                start = stop
+            for text in response_texts(complete):
                 if text:
                     if not result.tokens:
                         result.ttft_s = time.monotonic() - started
@@ -440,23 +430,13 @@ async def drive(
 
 
 def count_rows(db_path: Path, expected: int, timeout_s: float = 120.0) -> dict[str, int]:
-    """Rows by status, once all are there or the count has stopped moving for 10 s (a saturated
-    server writes the cancelled streams' rows last)."""
-    deadline = time.monotonic() + timeout_s
-    previous: dict[str, int] | None = None
-    still = 0
-    while True:
+    """Rows by status in the SQLite log, once they are all there (bench.common.settled_counts)."""
+
+    def fetch() -> dict[str, int]:
         with contextlib.closing(sqlite3.connect(db_path, timeout=20)) as connection:
-            counts = dict(
-                connection.execute(
-                    "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
-                ).fetchall()
-            )
-        still = still + 1 if counts == previous else 0
-        if sum(counts.values()) >= expected or still >= 10 or time.monotonic() > deadline:
-            return counts
-        previous = counts
-        time.sleep(1.0)
+            return dict(connection.execute(ROWS_BY_STATUS).fetchall())
+
+    return settled_counts(fetch, expected, timeout_s)
 
 
 def raise_fd_limit(needed: int) -> str:
@@ -517,10 +497,7 @@ def _app_run(
     env = {
         "QUOTES_METRICS_ENABLED": "true" if metrics else "false",
         "QUOTES_METRICS_TOKEN": METRICS_TOKEN,
-        "AI_BACKEND": "workers-ai",
-        "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
-        "CLOUDFLARE_API_TOKEN": API_TOKEN,
-        "CLOUDFLARE_API_BASE_URL": upstream.api_base_url,
+        **workers_ai_env(upstream),
         "QUOTES_CACHE_TTL": "0",
         "QUOTES_RATE_LIMIT": "1000000/s",
         "QUOTES_MAX_CONCURRENT_STREAMS": "1000000",
@@ -722,6 +699,18 @@ def capacity_lines(reports: list[dict[str, Any]], bound_ms: float) -> list[str]:
     return lines
 
 
+def cpu_off_on(
+    reports: list[dict[str, Any]], streams: int, setting: str
+) -> tuple[dict[str, list[float]], float, float]:
+    """The CPU per token of each run at `streams` with `setting` ("metrics" or "relay") off and on,
+    and the mean of each."""
+    cpu = {
+        value: [r["cpu_per_token_us"] for r in reports if r["streams"] == streams and r.get(setting) == value]
+        for value in ("off", "on")
+    }
+    return cpu, sum(cpu["off"]) / len(cpu["off"]), sum(cpu["on"]) / len(cpu["on"])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=1000, help="concurrent streams (default 1000)")
@@ -783,30 +772,14 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps({"pool": args.pool, "reports": reports}, indent=1) + "\n")
     if args.metrics == "both":
         for streams in counts:
-            by = {
-                setting: [
-                    r["cpu_per_token_us"]
-                    for r in reports
-                    if r["streams"] == streams and r.get("metrics") == setting
-                ]
-                for setting in ("off", "on")
-            }
-            off, on = sum(by["off"]) / len(by["off"]), sum(by["on"]) / len(by["on"])
+            by, off, on = cpu_off_on(reports, streams, "metrics")
             print(
                 f"{streams} streams: daphne CPU per token, metrics off {by['off']} (mean {off:.1f} µs), "
                 f"on {by['on']} (mean {on:.1f} µs): on - off = {on - off:+.1f} µs ({(on - off) / off:+.1%})"
             )
     if args.relay == "both":
         for streams in counts:
-            cpu = {
-                setting: [
-                    r["cpu_per_token_us"]
-                    for r in reports
-                    if r["streams"] == streams and r["relay"] == setting
-                ]
-                for setting in ("off", "on")
-            }
-            off, on = sum(cpu["off"]) / len(cpu["off"]), sum(cpu["on"]) / len(cpu["on"])
+            cpu, off, on = cpu_off_on(reports, streams, "relay")
             print(
                 f"{streams} streams: daphne CPU per token, REDIS_URL unset {cpu['off']} (mean {off:.1f} µs), "
                 f"set {cpu['on']} (mean {on:.1f} µs): set - unset = {on - off:+.1f} µs ({(on - off) / off:+.1%})"

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -43,7 +42,17 @@ from typing import Any
 
 import httpx
 
-from bench.common import ACCOUNT_ID, API_TOKEN, ARTIFACTS, ROOT, free_port, machine, percentile, table
+from bench.common import (
+    ACCOUNT_ID,
+    API_TOKEN,
+    ARTIFACTS,
+    ROOT,
+    free_port,
+    machine,
+    percentile,
+    running_server,
+    table,
+)
 from bench.load import serve_daphne
 
 LITELLM_VENV = ROOT / ".venv-bench-litellm"
@@ -202,30 +211,20 @@ def serve_litellm(upstream_port: int) -> Iterator[str]:
         }
         for name in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE"):
             env.pop(name, None)
-        log_path = ARTIFACTS / "litellm.log"
-        with log_path.open("wb") as log:
-            command = [str(binary), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-            command += ["--num_workers", "1"]
-            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        urllib.request.urlopen(url + "/health/liveliness", timeout=2).close()
-                        break
-                    except OSError:
-                        if process.poll() is not None or time.monotonic() > deadline:
-                            raise RuntimeError(f"litellm did not start; see {log_path}") from None
-                        time.sleep(0.25)
-                yield url
-            finally:
-                process.terminate()
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        command = [str(binary), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--num_workers", "1"]
+        with running_server(
+            command,
+            port=port,
+            env=env,
+            log_path=ARTIFACTS / "litellm.log",
+            name="litellm",
+            health_path="/health/liveliness",
+            cwd=tmp,
+            timeout_s=120,
+            poll_s=0.25,
+        ) as (_, url):
+            yield url
 
 
 # -- reading and timing ------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from .common import (
     Server,
     StreamTiming,
     Upstream,
+    direct_ttft,
     machine,
     median,
     ms,
@@ -54,6 +55,7 @@ from .common import (
     self_signed_cert,
     serve_app,
     serve_naive,
+    stream_in_process,
     table,
     workers_ai_env,
 )
@@ -339,65 +341,14 @@ def attribution_worker() -> None:
     async def through_app() -> tuple[float, float, float]:
         """TTFT through the ASGI app, the time before it spent in sync_to_async hops, and the
         first token's time stamp."""
-        done = asyncio.Event()
-        first = 0.0
-        sent = False
-
-        async def receive() -> dict[str, object]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": APP_BODY, "more_body": False}
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, object]) -> None:
-            nonlocal first
-            body = message.get("body", b"")
-            if (
-                not first
-                and isinstance(body, bytes)
-                and b'"response":"' in body
-                and b'"response":""' not in body
-            ):
-                first = time.perf_counter()
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                done.set()
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/api/quotes/stream",
-            "raw_path": b"/api/quotes/stream",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [
-                (b"host", b"127.0.0.1"),
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(APP_BODY)).encode()),
-            ],
-            "client": ("127.0.0.1", 50000),
-            "server": ("127.0.0.1", 8000),
-        }
         hops.clear()
-        started = time.perf_counter()
-        await application(scope, receive, send)
+        timing = await stream_in_process(application, APP_BODY)
+        first = timing.first_token
         in_hops = sum(d for _, t, d in hops if t < first)
-        return first - started, in_hops, first
+        return first - timing.started, in_hops, first
 
     async def direct(client: httpx.AsyncClient) -> float:
-        started = time.perf_counter()
-        first = 0.0
-        async with client.stream("POST", direct_url, content=direct_body, headers=direct_headers) as r:
-            async for chunk in r.aiter_raw():
-                if not first and b'"response":"' in chunk:
-                    first = time.perf_counter()
-        if not first:
-            raise RuntimeError("no token")
-        return first - started
+        return await direct_ttft(client, direct_url, content=direct_body, headers=direct_headers)
 
     async def run() -> dict[str, object]:
         async with httpx.AsyncClient(trust_env=False) as client:

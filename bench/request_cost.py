@@ -33,8 +33,10 @@ from .common import (
     ROOT,
     Upstream,
     app_env,
+    direct_ttft,
     machine,
     percentile,
+    stream_in_process,
     table,
     workers_ai_env,
 )
@@ -62,69 +64,15 @@ def worker() -> None:
     async def through_app() -> tuple[float, float, int, dict[str, str]]:
         """(wall s, CPU s) to the first token (or to the whole answer when it is not a
         stream), the status and the response headers."""
-        done = asyncio.Event()
-        first = 0.0
-        first_cpu = 0.0
-        status = 0
-        headers: dict[str, str] = {}
-        sent = False
-
-        async def receive() -> dict[str, object]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": APP_BODY, "more_body": False}
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, object]) -> None:
-            nonlocal first, first_cpu, status, headers
-            if message["type"] == "http.response.start":
-                status = int(message["status"])  # type: ignore[call-overload]
-                headers = {k.decode(): v.decode() for k, v in message["headers"]}  # type: ignore[attr-defined]
-            body = message.get("body", b"")
-            if (
-                not first
-                and isinstance(body, bytes)
-                and b'"response":"' in body
-                and b'"response":""' not in body
-            ):
-                first, first_cpu = time.perf_counter(), time.process_time()
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                if not first:
-                    first, first_cpu = time.perf_counter(), time.process_time()
-                done.set()
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/api/quotes/stream",
-            "raw_path": b"/api/quotes/stream",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [
-                (b"host", b"127.0.0.1"),
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(APP_BODY)).encode()),
-            ],
-            "client": ("127.0.0.1", 50000),
-            "server": ("127.0.0.1", 8000),
-        }
-        started, started_cpu = time.perf_counter(), time.process_time()
-        await application(scope, receive, send)
-        return first - started, first_cpu - started_cpu, status, headers
+        timing = await stream_in_process(application, APP_BODY)
+        first, first_cpu = timing.first_token, timing.first_token_cpu
+        if not first:
+            first, first_cpu = timing.ended, timing.ended_cpu
+        headers = {k.decode(): v.decode() for k, v in timing.raw_headers}
+        return first - timing.started, first_cpu - timing.started_cpu, timing.status, headers
 
     async def direct(client: httpx.AsyncClient) -> float:
-        started = time.perf_counter()
-        first = 0.0
-        async with client.stream("POST", direct_url, content=direct_body, headers=direct_headers) as r:
-            async for chunk in r.aiter_raw():
-                if not first and b'"response":"' in chunk:
-                    first = time.perf_counter()
-        return first - started
+        return await direct_ttft(client, direct_url, content=direct_body, headers=direct_headers)
 
     async def streams(client: httpx.AsyncClient) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {"wall": [], "cpu": [], "direct": []}

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ARTIFACTS, PERSONA, PYTHON, ROOT, machine, percentile, table
-from bench.load import StampingUpstream, numbered_text, raise_fd_limit
+from bench.load import StampingUpstream, numbered_text, raise_fd_limit, response_texts, whole_events
 from bench.scaleout_load import StampingUpstreamStub, count_rows, production_env, truncate
 from tests.deployed import deploy_upstream, start_daphne, wait_until_healthy
 from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process, tail
@@ -152,7 +152,6 @@ class ResumeFailed(Exception):
     pass
 
 
-RESPONSE = b'"response":"'
 ID_LINE = re.compile(rb"(?m)^id: ?(.*)$")
 
 
@@ -258,16 +257,10 @@ class Client:
             chunk = await asyncio.wait_for(reader.read(65536), self.idle_timeout_s)
             if not chunk:
                 raise Lost(f"body cut without reconnect after {len(text)} bytes of text")
-            buffer += chunk
-            cut = buffer.rfind(b"\n\n")
-            if cut < 0:
+            complete, buffer = whole_events(buffer + chunk)
+            if not complete:
                 continue
-            complete, buffer = buffer[: cut + 2], buffer[cut + 2 :]
-            start = 0
-            while (at := complete.find(RESPONSE, start)) >= 0:
-                stop = complete.find(b'"', at + len(RESPONSE))
-                token = complete[at + len(RESPONSE) : stop]
-                start = stop
+            for token in response_texts(complete):
                 if not token:
                     continue  # the usage event
                 if first and resume and token == b"1," and text:

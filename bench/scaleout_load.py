@@ -23,48 +23,48 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bench.common import ACCOUNT_ID, API_TOKEN, ARTIFACTS, PYTHON, ROOT, machine, table
+from bench.common import (
+    ARTIFACTS,
+    PYTHON,
+    ROOT,
+    ROWS_BY_STATUS,
+    HasApiBaseUrl,
+    machine,
+    settled_counts,
+    table,
+    workers_ai_env,
+)
 from bench.load import StampingUpstream, build_report, capacity_lines, drive, raise_fd_limit
 from tests.deployed import start_daphne, wait_until_healthy
+from tests.scaleout.run import production_base_env
 from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process
+
+if TYPE_CHECKING:
+    import psycopg
 
 LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
 
 
 def production_env(
-    database_url: str, redis_url: str, upstream: StampingUpstream, extra: list[str]
+    database_url: str, redis_url: str, upstream: HasApiBaseUrl, extra: list[str]
 ) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "QUOTES_", "AI_"))}
-    env.pop("DATABASE_URL", None)
-    env.pop("REDIS_URL", None)
-    env.update(
-        {
-            "DJANGO_DEBUG": "false",
-            "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
-            "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
-            "DJANGO_SECURE_SSL_REDIRECT": "false",
-            "DJANGO_SECURE_PROXY_SSL_HEADER": "true",
-            "DJANGO_LOG_LEVEL": "WARNING",
-            "DATABASE_URL": database_url,
-            "REDIS_URL": redis_url,
-            "AI_BACKEND": "workers-ai",
-            "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
-            "CLOUDFLARE_API_TOKEN": API_TOKEN,
-            "CLOUDFLARE_API_BASE_URL": upstream.api_base_url,
-            "AI_MAX_CONNECTIONS": "2000",
-            "QUOTES_CACHE_TTL": "0",
-            "QUOTES_RATE_LIMIT": "1000000/s",
-            "QUOTES_MAX_CONCURRENT_STREAMS": "1000000",
-        }
+    env = production_base_env(
+        database_url=database_url,
+        redis_url=redis_url,
+        DJANGO_LOG_LEVEL="WARNING",
+        **workers_ai_env(upstream),
+        AI_MAX_CONNECTIONS="2000",
+        QUOTES_CACHE_TTL="0",
+        QUOTES_RATE_LIMIT="1000000/s",
+        QUOTES_MAX_CONCURRENT_STREAMS="1000000",
     )
     for item in extra:
         name, _, value = item.partition("=")
@@ -112,30 +112,24 @@ def nginx_site(port: int, addresses: list[str]) -> str:
 """
 
 
-def count_rows(database_url: str, expected: int, timeout_s: float = 120.0) -> dict[str, int]:
+def _connect(database_url: str) -> psycopg.Connection[Any]:
     import psycopg
 
-    deadline = time.monotonic() + timeout_s
-    previous: dict[str, int] | None = None
-    still = 0
-    while True:
-        with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
-            counts = dict(
-                connection.execute(
-                    "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
-                ).fetchall()
-            )
-        still = still + 1 if counts == previous else 0
-        if sum(counts.values()) >= expected or still >= 10 or time.monotonic() > deadline:
-            return counts
-        previous = counts
-        time.sleep(1.0)
+    return psycopg.connect(database_url.replace("postgres://", "postgresql://", 1))
+
+
+def count_rows(database_url: str, expected: int, timeout_s: float = 120.0) -> dict[str, int]:
+    """Rows by status in the PostgreSQL log, once they are all there (bench.common.settled_counts)."""
+
+    def fetch() -> dict[str, int]:
+        with _connect(database_url) as connection:
+            return dict(connection.execute(ROWS_BY_STATUS).fetchall())
+
+    return settled_counts(fetch, expected, timeout_s)
 
 
 def truncate(database_url: str) -> None:
-    import psycopg
-
-    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
+    with _connect(database_url) as connection:
         connection.execute("TRUNCATE quotes_generation CASCADE")
 
 

@@ -82,9 +82,10 @@ def check(condition: object, message: str) -> None:
 # --- setting up -----------------------------------------------------------------------------------
 
 
-def production_env(
-    *, database_url: str, redis_url: str, fake: FakeWorkersAI, static_root: Path
-) -> dict[str, str]:
+def production_base_env(*, database_url: str, redis_url: str, **settings: str) -> dict[str, str]:
+    """This process's environment without the app's own variables, then production settings on
+    PostgreSQL and Redis with the workers-ai backend, then `settings` (the benchmarks in bench/
+    start the same layout with their own upstream and limits)."""
     env = {
         key: value for key, value in os.environ.items() if not key.startswith(("DJANGO_", "QUOTES_", "AI_"))
     }
@@ -98,20 +99,30 @@ def production_env(
             # Plain HTTP on 127.0.0.1 here; in production TLS ends at nginx and these stay on.
             "DJANGO_SECURE_SSL_REDIRECT": "false",
             "DJANGO_SECURE_PROXY_SSL_HEADER": "true",
-            "DJANGO_STATIC_ROOT": str(static_root),
             "DATABASE_URL": database_url,
             "REDIS_URL": redis_url,
             "AI_BACKEND": "workers-ai",
-            "CLOUDFLARE_ACCOUNT_ID": "acct-scaleout",
-            "CLOUDFLARE_API_TOKEN": "cfut_SCALEOUT-" + secrets.token_hex(16),
-            "CLOUDFLARE_API_BASE_URL": fake.api_base_url,
-            "QUOTES_RATE_LIMIT": f"{RATE_LIMIT}/h",  # an hour: a minute may turn over mid-check
-            "QUOTES_CACHE_TTL": "3600",
-            "QUOTES_MAX_ATTEMPTS": "1",
-            "QUOTES_METRICS_TOKEN": METRICS_TOKEN,
+            **settings,
         }
     )
     return env
+
+
+def production_env(
+    *, database_url: str, redis_url: str, fake: FakeWorkersAI, static_root: Path
+) -> dict[str, str]:
+    return production_base_env(
+        database_url=database_url,
+        redis_url=redis_url,
+        DJANGO_STATIC_ROOT=str(static_root),
+        CLOUDFLARE_ACCOUNT_ID="acct-scaleout",
+        CLOUDFLARE_API_TOKEN="cfut_SCALEOUT-" + secrets.token_hex(16),
+        CLOUDFLARE_API_BASE_URL=fake.api_base_url,
+        QUOTES_RATE_LIMIT=f"{RATE_LIMIT}/h",  # an hour: a minute may turn over mid-check
+        QUOTES_CACHE_TTL="3600",
+        QUOTES_MAX_ATTEMPTS="1",
+        QUOTES_METRICS_TOKEN=METRICS_TOKEN,
+    )
 
 
 def manage(env: dict[str, str], *args: str) -> None:
