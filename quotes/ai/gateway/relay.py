@@ -21,9 +21,11 @@ run's events (`claim()` returns the owner's run id) instead of calling the upstr
 
 Stopping across processes: the heartbeat key holds the owner process's id (`PROCESS`). A stop
 asked of another process (`stop_elsewhere`, the stop endpoint behind nginx) pushes the run's id
-onto the owner's list `quotes:stops:<process>`, where the owner waits on it (BLPOP) while it
-holds runs, and stops the run at once; the asking process answers once the run's end is in its
-stream. Only the client that started a run may stop it: the run's first entry names it.
+onto the owner's list `quotes:stops:<process>`. The owner's sender pops that list in each of its
+round trips (the same pipeline as the events) and stops the run: within milliseconds while
+tokens flow, within HEARTBEAT_EVERY_S before the first one. The asking process answers once the
+run's end is in its stream. (No task of its own waits on the list: a blocking read per process
+outlived asyncio.run's shutdown in `manage.py quote` on CI.) Only the client that started a run may stop it: the run's first entry names it.
 
 Two connection pools per process: a small one that short calls wait on (publishing, claims),
 one for blocking reads (a follower holds a connection while it waits). Every call is bounded by
@@ -105,6 +107,8 @@ def stops_key(process: str) -> str:
 
 #: This process, as the heartbeat keys of its runs name it (where other processes send stops).
 PROCESS = uuid.uuid4().hex
+#: Stops taken from the list per round trip (more wait for the next round).
+STOPS_PER_ROUND = 64
 #: How long a process asking another to stop a run waits to see it end.
 STOP_WAIT_S = 5.0
 
@@ -213,8 +217,8 @@ def _close_without_loop(transport: asyncio.BaseTransport) -> None:
 def reset() -> None:
     """Forget everything of a loop that is gone (a finished test's): its runs, its sender, its
     clients."""
-    global _sender, _stop_watcher
-    _sender = _stop_watcher = None
+    global _sender
+    _sender = None
     _dirty.clear()
     publishers.clear()
     forget()
@@ -223,11 +227,10 @@ def reset() -> None:
 async def close() -> None:
     """Stop publishing and close the pools (the end of a test's loop)."""
     global _clients
-    global _sender, _stop_watcher
-    for task in (_sender, _stop_watcher):
-        if task is not None:
-            task.cancel()
-    _sender = _stop_watcher = None
+    global _sender
+    if _sender is not None:
+        _sender.cancel()
+        _sender = None
     publishers.clear()
     _dirty.clear()
     if _clients is not None:
@@ -257,7 +260,6 @@ class Publisher:
         self.claim = ""
         publishers.add(self)
         self.poke()
-        _watch_stops()
 
     def poke(self) -> None:
         _dirty.add(self)
@@ -299,7 +301,6 @@ class Publisher:
 _dirty: set[Publisher] = set()
 _wake: asyncio.Event | None = None
 _sender: asyncio.Task[None] | None = None
-_stop_watcher: asyncio.Task[None] | None = None
 
 
 def _wake_sender() -> None:
@@ -336,11 +337,15 @@ async def _send() -> None:
             before = len(pipe)
             end, ended = publisher.stage(pipe, now)
             staged.append((publisher, end, ended, before, len(pipe)))
+        # The stops other processes were asked for this process's runs, in the same round trip.
+        pipe.lpop(stops_key(PROCESS), STOPS_PER_ROUND)
         try:
             results = await pipe.execute(raise_on_error=False)
         except asyncio.CancelledError:
             raise
         except Exception:
+            if _cancelled():
+                return
             # Other processes miss these runs for now; their own connections do not.
             logger.exception("could not publish runs' events to Redis")
             for publisher, _, ended, _, _ in staged:
@@ -362,36 +367,25 @@ async def _send() -> None:
             publisher.sent = end
             if ended:
                 publishers.discard(publisher)
+        if isinstance(results[-1], list):
+            _stop_runs(results[-1])
 
 
-def _watch_stops() -> None:
-    global _stop_watcher
-    if _stop_watcher is None or _stop_watcher.done():
-        from .flights import detached_task
-
-        _stop_watcher = detached_task(_take_stops())
-
-
-async def _take_stops() -> None:
-    """While this process holds runs: stop those that other processes were asked to stop
-    (`stop_elsewhere`), as soon as each is asked."""
+def _stop_runs(public_ids: list[bytes]) -> None:
     from .runs import runs
 
-    key = stops_key(PROCESS)
-    wait_s = block_ms() / 1000
-    while publishers:
-        try:
-            popped: Any = await reader().blpop([key], timeout=wait_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("could not read the stops asked of this process from Redis")
-            await asyncio.sleep(HEARTBEAT_EVERY_S)
-            continue
-        if popped:
-            run = runs.get(popped[1].decode())
-            if run is not None:
-                run.stop()
+    for public_id in public_ids:
+        run = runs.get(public_id.decode())
+        if run is not None:
+            run.stop()
+
+
+def _cancelled() -> bool:
+    """This task was asked to stop, even if the call it was in answered with another exception
+    (redis-py's connection may turn a cancel that meets its own read timeout into an error): a
+    loop that retried would outlive its event loop's shutdown (asyncio.run waits for it)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 # -- the other processes' side --------------------------------------------------------------------
