@@ -105,6 +105,22 @@ def pair(
         context.__exit__(None, None, None)
 
 
+def ask_in_background(url: str) -> Callable[[], str]:
+    """POST the quote request to `url` from a thread of its own; call the result for the body."""
+    bodies: list[str] = []
+    thread = threading.Thread(
+        target=lambda: bodies.append(httpx.post(url + STREAM, json=QUOTE, timeout=30).text)
+    )
+    thread.start()
+
+    def body() -> str:
+        thread.join(30)
+        assert bodies, f"no answer from {url}"
+        return bodies[0]
+
+    return body
+
+
 def lines_until_tokens(lines: Iterator[str], count: int) -> list[str]:
     """Read SSE lines until `count` token events have been read (and their blank line)."""
     head: list[str] = []
@@ -150,19 +166,12 @@ def test_relay_identical_requests_on_two_processes_make_one_upstream_call(
 ) -> None:
     fake_workers_ai.script(Scenario(tokens=TOKENS, token_delay_s=0.05))
     servers = pair(3600)
-    bodies: dict[str, str] = {}
-
-    def ask(name: str, url: str) -> None:
-        bodies[name] = httpx.post(url + STREAM, json=QUOTE, timeout=30).text
-
-    first = threading.Thread(target=ask, args=("a", servers.a.url))
-    first.start()
+    on_a = ask_in_background(servers.a.url)
     fake_workers_ai.wait_for_requests(1)  # A is calling the upstream: B's request is identical
-    ask("b", servers.b.url)
-    first.join(30)
+    on_b = ask_in_background(servers.b.url)
 
-    assert text_of(events_of(bodies["a"].splitlines())) == "".join(TOKENS)
-    assert text_of(events_of(bodies["b"].splitlines())) == "".join(TOKENS)
+    assert text_of(events_of(on_a().splitlines())) == "".join(TOKENS)
+    assert text_of(events_of(on_b().splitlines())) == "".join(TOKENS)
     assert len(fake_workers_ai.requests) == 1
     wait_for(lambda: len(servers.rows()) == 2, "both rows")
     assert sorted((status, cache) for _, status, _, cache in servers.rows()) == [
@@ -207,16 +216,9 @@ def test_relay_a_follower_whose_owner_gives_up_before_a_token_calls_the_upstream
     fake_workers_ai.script(Scenario(tokens=TOKENS, stall_before_s=10), Scenario(tokens=TOKENS))
     servers = pair(3600)
 
-    bodies: dict[str, str] = {}
-
-    def ask(name: str, url: str) -> None:
-        bodies[name] = httpx.post(url + STREAM, json=QUOTE, timeout=30).text
-
-    owner = threading.Thread(target=ask, args=("a", servers.a.url))
-    owner.start()
+    on_a = ask_in_background(servers.a.url)
     fake_workers_ai.wait_for_requests(1)
-    follower = threading.Thread(target=ask, args=("b", servers.b.url))
-    follower.start()
+    on_b = ask_in_background(servers.b.url)
     # B follows A's run: its reader waits in XREAD BLOCK on A's stream. A's run is the one that
     # claimed the upstream call (its headers wait for the first token: the id comes from Redis).
     store = redis.Redis.from_url(servers.redis_url)
@@ -225,13 +227,11 @@ def test_relay_a_follower_whose_owner_gives_up_before_a_token_calls_the_upstream
     quote_id = str(uuid.UUID(store.get(claim).decode()))
     store.close()
     stopped = httpx.post(f"{servers.a.url}/api/quotes/{quote_id}/stop")
-    owner.join(30)
-    follower.join(30)
-    body = bodies["b"].splitlines()
+    body = on_b().splitlines()
 
     assert stopped.json() == {"id": quote_id, "stopped": True}
     assert len(fake_workers_ai.requests) == 2
-    assert json.loads(bodies["a"])["error"]["code"] == "stopped"  # before a token: a JSON error
+    assert json.loads(on_a())["error"]["code"] == "stopped"  # before a token: a JSON error
     assert text_of(events_of(body)) == "".join(TOKENS)
     wait_for(lambda: len(servers.rows()) == 2, "both rows")
     assert sorted((status, code, cache) for _, status, code, cache in servers.rows()) == [

@@ -614,14 +614,10 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
         elsewhere = await _resume_elsewhere(public_id, after, keepalive_s=keepalive_s)
         if elsewhere is not None:
             return elsewhere
-    try:
-        stored = await run_on_cache(cache.get, finished_key(public_id))
-    except Exception:
-        logger.exception("could not read a finished generation for resuming")
+    finished = await _finished(public_id)
+    if finished is None:
         return None
-    if not isinstance(stored, tuple) or len(stored) != 2 or not isinstance(stored[1], EventLog):
-        return None
-    log: EventLog = stored[1]
+    log = finished[1]
     if after > len(log):
         return None
     replayer = Replayer(log, after)
@@ -664,11 +660,18 @@ async def stop(public_id: str, client_key: str) -> bool | None:
         stopped = await relay.stop_elsewhere(public_id, client_key)
         if stopped is not None:
             return stopped
+    finished = await _finished(public_id)
+    return False if finished is not None and finished[0] == client_key else None
+
+
+async def _finished(public_id: str) -> tuple[str, EventLog] | None:
+    """A finished generation's (client key, events), kept in the cache for resumes
+    (QUOTES_RESUME_TTL_S); None when gone, or when the cache cannot say."""
     try:
         stored = await run_on_cache(cache.get, finished_key(public_id))
     except Exception:
         logger.exception("could not read a finished generation")
         return None
-    if isinstance(stored, tuple) and len(stored) == 2 and stored[0] == client_key:
-        return False
-    return None
+    if not isinstance(stored, tuple) or len(stored) != 2 or not isinstance(stored[1], EventLog):
+        return None
+    return stored[0], stored[1]
