@@ -118,12 +118,11 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
                 )
             )
             return
-        options = settings.QUOTES_GATEWAY
         resumed = await resume(
-            parsed[0], parsed[1], keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
+            parsed[0], parsed[1], client_key=self._client().key, options=settings.QUOTES_GATEWAY
         )
         if isinstance(resumed, Error):
-            await self._send_error(resumed)  # a draining process: resume on another
+            await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
             return
         if resumed is None:
             await self._send_error(

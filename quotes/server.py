@@ -100,14 +100,14 @@ async def drain_and_close() -> None:
 
     from quotes.ai import refusals
     from quotes.ai.backends import reset_backends
-    from quotes.ai.gateway import relay
+    from quotes.ai.gateway import shared_runs
     from quotes.ai.gateway.admission import drain
     from quotes.ai.gateway.log import writer
     from quotes.ai.gateway.runs import end_for_drain
 
     await drain.run(settings.QUOTES_GATEWAY.drain_timeout_s)
     await end_for_drain()  # generations in their resume grace, with no connection to cut
-    await relay.flush(2.0)  # the cut runs' last events, for a resume on another process
+    await shared_runs.flush(2.0)  # the cut runs' last events, for a resume on another process
     await reset_backends()  # the embedded model's threads stop, the upstream pools close
     if not await asyncio.to_thread(writer.flush, 10.0):
         logger.warning("draining: some log rows were still unwritten after 10 s")

@@ -217,14 +217,13 @@ async def _resume(
     parsed = parse_event_id(last_event_id)
     if parsed is None:
         raise _bad_event_id()
-    options = settings.QUOTES_GATEWAY
-    resumed = await resume(
-        parsed[0], parsed[1], keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
-    )
+    client = await client_of(request)
+    resumed = await resume(parsed[0], parsed[1], client_key=client.key, options=settings.QUOTES_GATEWAY)
     if isinstance(resumed, Error):
-        # A draining process: 503, nginx asks another one. Counted like a refused new stream
-        # (when the request names its persona, as the page's and the API's resumes do).
-        await refuse_if_full(slug=params.get("persona"), client=await client_of(request), transport=transport)
+        # Refused like a new stream (the client's slots, the process's cap, a draining process:
+        # 503, nginx asks another one), and counted like one when the process refuses it (when
+        # the request names its persona, as the page's and the API's resumes do).
+        await refuse_if_full(slug=params.get("persona"), client=client, transport=transport)
         if isinstance(encoder, HtmxEncoder):
             return _htmx_error_response(resumed, Meta())
         return error_response(resumed)
@@ -272,7 +271,7 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
         refuse_cross_site(request)
         params = _read_form(request) if form else _read_params(request)
         if params is not None and _last_event_id(request, params) is not None:
-            return None  # a resume starts no stream: the generation holds its slot already
+            return None  # a resume: the view admits it (a draining process serves the runs it holds)
     except QuoteError:
         return None  # the view answers it, as it answers any bad request
     if params is None:

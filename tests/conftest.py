@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     thread for the rest of the session, and async tests cannot start while it does."""
     items.sort(key=lambda item: "browser" in item.path.parts)
     for item in items:
-        # An async test's Redis pool (quotes.ai.gateway.relay) is closed in the test's own loop,
+        # An async test's Redis pool (quotes.ai.gateway.shared_runs) is closed in the test's own loop,
         # and its ORM thread's database connection closed.
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.function):
             item.fixturenames.append("_end_of_async_test")
@@ -83,7 +83,7 @@ def _fresh_cache() -> Iterator[None]:
 @pytest.fixture
 async def _end_of_async_test() -> AsyncIterator[None]:
     yield
-    from quotes.ai.gateway import relay, runs
+    from quotes.ai.gateway import admission, runs, shared_runs
     from quotes.ai.gateway.log import writer
 
     # Generations the test left going (a run in its resume grace, a follower waiting on Redis)
@@ -91,7 +91,8 @@ async def _end_of_async_test() -> AsyncIterator[None]:
     # the next test (or the end of the session) flushes or drops the database under the writer.
     await runs.end_for_drain()
     await asyncio.to_thread(writer.flush, 10.0)
-    await relay.close()
+    await shared_runs.close()
+    await admission.leases.close()
     # An async test's ORM calls run on asgiref's thread, whose connection outlives the test (and,
     # on PostgreSQL, kept the test database from being dropped at the end of the session).
     await sync_to_async(connections.close_all)()
@@ -99,12 +100,13 @@ async def _end_of_async_test() -> AsyncIterator[None]:
 
 @pytest.fixture(autouse=True)
 def _no_relay_left() -> Iterator[None]:
-    """With REDIS_URL, runs publish to Redis (quotes.ai.gateway.relay) from a pool bound to the
+    """With REDIS_URL, runs publish to Redis (quotes.ai.gateway.shared_runs) from a pool bound to the
     test's loop: it goes with the test."""
     yield
-    from quotes.ai.gateway import relay
+    from quotes.ai.gateway import admission, shared_runs
 
-    relay.reset()
+    shared_runs.reset()
+    admission.leases.reset()
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """Rate-limit counters and stream slots on a real Redis (issue 13, point 10), through the stream
 endpoint of the real ASGI app; the upstream is the fake Workers AI server.
 
-- a count is one atomic INCR + EXPIRE, so a key never lives without a TTL, and each admit
-  refreshes the stream slot's TTL;
-- a request cancelled while its admission is in flight gives its slot back;
+- a client's stream slot is a lease that expires within seconds unless its process renews it,
+  so a killed process's slots come back, and a refusal extends none;
+- a request cancelled while its admission is in flight leaves at most a lease nobody renews;
 - Redis calls have socket timeouts (REDIS_CONNECT_TIMEOUT / REDIS_SOCKET_TIMEOUT), so a Redis
   that accepts connections and never answers fails requests instead of hanging them.
 """
@@ -16,18 +16,20 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.core.cache import cache
+import redis
 
 from quotes.ai.backends import reset_backends
-from quotes.ai.gateway import Client
+from quotes.ai.gateway import Client, admission
 from quotes.models import Generation, Persona
 from tests.asgi import post_quote, post_stream
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.limits import configure
 from tests.redis_server import REDIS_CACHE_BACKEND
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -56,54 +58,69 @@ def quote_body(topic: str = "rain") -> dict[str, str]:
     return {"persona": "test-watts", "topic": topic}
 
 
-def slot_key() -> str:
-    """The stream-slot key of the tests' client (127.0.0.1), as Django names it in Redis."""
-    return cache.make_and_validate_key(f"quotes:streams:{Client.from_request('127.0.0.1').key}")
+@pytest.fixture
+def shared(settings: Any, redis_server: str) -> Iterator[redis.Redis]:
+    """REDIS_URL set (a database of its own, emptied): the client's stream slots are leases in
+    Redis (quotes.ai.gateway.admission). Yields a client on that database."""
+    settings.REDIS_URL = redis_server.rsplit("/", 1)[0] + "/6"
+    store = redis.Redis.from_url(settings.REDIS_URL)
+    store.flushdb()
+    yield store
+    store.flushdb()
+    store.close()
 
 
-async def test_redis_a_slot_key_without_a_ttl_gets_one_on_the_next_admit(
-    persona: Persona, fake: FakeWorkersAI, redis_cache: Any
+def lease_key() -> str:
+    """The lease set of the tests' client (127.0.0.1)."""
+    return admission.lease_key(Client.from_request("127.0.0.1").key)
+
+
+def leases(store: redis.Redis) -> dict[bytes, float]:
+    return dict(store.zrange(lease_key(), 0, -1, withscores=True))
+
+
+async def test_redis_a_stream_slot_is_a_lease_that_expires_within_seconds(
+    persona: Persona, fake: FakeWorkersAI, shared: redis.Redis
 ) -> None:
-    """What Django's EXISTS-then-INCRBY left behind when the key expired between the two: a
-    count with no TTL, a slot held forever. The next count must give it a TTL again."""
-    redis_cache.set(slot_key(), 1)
-    assert redis_cache.ttl(slot_key()) == -1
+    fake.script(Scenario(tokens=["tick"] * 50, token_delay_s=0.02))
+    stream = post_stream(quote_body())
+    assert (await stream.start()).status == 200
 
+    [(lease, expiry)] = leases(shared).items()
+    now_ms = time.time() * 1000
+    assert now_ms < expiry <= now_ms + admission.LEASE_TTL_S * 1000  # gone soon after a kill -9
+    assert 0 < shared.pttl(lease_key()) <= admission.LEASE_TTL_S * 1000
+    await stream.read_all()
+    assert not shared.exists(lease_key())  # given back at the end
+
+
+async def test_redis_a_dead_process_lease_does_not_count_and_a_refusal_extends_none(
+    persona: Persona, fake: FakeWorkersAI, shared: redis.Redis, settings: Any
+) -> None:
+    configure(settings, max_concurrent_streams=1)
+    # A lease of a process killed long ago (expired), and one that still runs for 2 s.
+    now_ms = time.time() * 1000
+    shared.zadd(lease_key(), {"dead:1": now_ms - 1000})
     response = await post_quote(quote_body())
+    assert response.status == 200  # the dead lease held nothing
+    shared.zadd(lease_key(), {"dying:1": now_ms + 2000})
 
-    assert response.status == 200 and response.body.endswith(b"data: [DONE]\n\n")
-    assert int(redis_cache.get(slot_key())) == 1  # the leaked slot, no longer everlasting
-    assert 0 < redis_cache.ttl(slot_key()) <= 600
+    refused = await post_quote(quote_body("again"))
+
+    assert refused.status == 429 and refused.json()["error"]["code"] == "too_many_streams"
+    assert leases(shared) == {b"dying:1": now_ms + 2000}  # not extended by the refusal
 
 
-async def test_redis_each_admit_refreshes_the_slot_ttl(
-    persona: Persona, fake: FakeWorkersAI, redis_cache: Any
+async def test_redis_a_request_cancelled_during_admit_leaves_no_lease_renewed(
+    persona: Persona, fake: FakeWorkersAI, shared: redis.Redis
 ) -> None:
-    fake.script(Scenario(tokens=["tick"] * 100, token_delay_s=0.02), Scenario())
-    first = post_stream(quote_body("one"))
-    assert (await first.start()).status == 200
-    assert int(redis_cache.get(slot_key())) == 1
-    redis_cache.expire(slot_key(), 5)  # as if the first stream had been open for ten minutes
-
-    second = await post_quote(quote_body("two"))
-
-    assert second.status == 200
-    assert int(redis_cache.get(slot_key())) == 1  # the second stream's slot is released
-    assert redis_cache.ttl(slot_key()) > 500  # and the first one's is no longer about to vanish
-    await first.read_all()
-    assert redis_cache.get(slot_key()) is None  # all released: the key is gone, not left at 0
-
-
-async def test_redis_a_request_cancelled_during_admit_gives_its_slot_back(
-    persona: Persona, fake: FakeWorkersAI, redis_cache: Any
-) -> None:
-    # Writes wait while Redis is paused: the admission (INCR + EXPIRE) is stuck in flight.
-    redis_cache.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    # Scripts wait while Redis is paused: the admission is stuck in flight.
+    shared.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
     try:
         request = post_stream(quote_body())
         await request.communicator.send_input({"type": "http.request", "body": request.body})
         for _ in range(500):
-            if any("b" in client["flags"] for client in redis_cache.client_list()):
+            if any("b" in client["flags"] for client in shared.client_list()):
                 break  # a client blocked by the pause: the admission is waiting
             await asyncio.sleep(0.01)
         else:
@@ -112,13 +129,13 @@ async def test_redis_a_request_cancelled_during_admit_gives_its_slot_back(
         await request.communicator.send_input({"type": "http.disconnect"})  # the visitor leaves
         await request.communicator.wait(10)
     finally:
-        redis_cache.execute_command("CLIENT", "UNPAUSE")
+        shared.execute_command("CLIENT", "UNPAUSE")
 
-    for _ in range(250):  # the admission now completes, and takes a slot
-        if redis_cache.get(slot_key()) is None and not redis_cache.keys("*quotes:streams:*"):
-            break
-        await asyncio.sleep(0.02)
-    assert redis_cache.get(slot_key()) is None, "the cancelled request's slot was never released"
+    # The admission may complete in Redis after all: its lease is nobody's, and lapses.
+    await asyncio.sleep(0.2)
+    assert not admission.leases.held
+    now_ms = time.time() * 1000
+    assert all(expiry <= now_ms + admission.LEASE_TTL_S * 1000 for expiry in leases(shared).values())
     row = await Generation.objects.aget()
     assert row.status == Generation.Status.CANCELLED
     assert fake.requests == []
@@ -126,21 +143,26 @@ async def test_redis_a_request_cancelled_during_admit_gives_its_slot_back(
 
 def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path: Path) -> None:
     """A fresh interpreter configured from the environment, as production starts: the Redis
-    client behind the cache and the limiter has the configured timeouts (redis-py's own default
-    is 5 s), and its first call to a Redis that never answers fails with a timeout."""
+    clients behind the cache and the admission have the configured timeouts (redis-py's own
+    default is 5 s), and an admission against a Redis that never answers fails with a timeout."""
     code = (
-        "import django, json, time; django.setup()\n"
+        "import asyncio, django, json, time; django.setup()\n"
+        "from django.conf import settings\n"
         "from django.core.cache import cache\n"
-        "from quotes.ai import limits\n"
-        "pool = cache._cache.get_client('x', write=True).connection_pool.connection_kwargs\n"
-        "started = time.monotonic()\n"
-        "try:\n"
-        "    limits.admit('ip:x', limit=5, window=60, max_streams=3)\n"
-        "    error = None\n"
-        "except Exception as exc:\n"
-        "    error = type(exc).__name__\n"
-        "print(json.dumps({'error': error, 'seconds': round(time.monotonic() - started, 2),\n"
-        "    'socket_timeout': pool.get('socket_timeout'), 'connect_timeout': pool.get('socket_connect_timeout')}))\n"
+        "from quotes.ai.gateway import admission, redis_clients\n"
+        "cached = cache._cache.get_client('x', write=True).connection_pool.connection_kwargs\n"
+        "async def main():\n"
+        "    pool = redis_clients.client().connection_pool.connection_kwargs\n"
+        "    started = time.monotonic()\n"
+        "    try:\n"
+        "        await admission.admit('ip:x', settings.QUOTES_GATEWAY)\n"
+        "        error = None\n"
+        "    except Exception as exc:\n"
+        "        error = type(exc).__name__\n"
+        "    return {'error': error, 'seconds': round(time.monotonic() - started, 2),\n"
+        "        'socket_timeout': pool.get('socket_timeout'), 'connect_timeout': pool.get('socket_connect_timeout'),\n"
+        "        'cache': [cached.get('socket_timeout'), cached.get('socket_connect_timeout')]}\n"
+        "print(json.dumps(asyncio.run(main())))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "AI_", "REDIS_", "QUOTES_"))}
     env.update(
@@ -157,7 +179,9 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout.splitlines()[-1])
     assert (found["socket_timeout"], found["connect_timeout"]) == (0.5, 0.25), found
+    assert found["cache"] == [0.5, 0.25], found
     assert found["error"] == "TimeoutError", found
+    assert found["seconds"] < 5, found  # the configured timeout, not redis-py's default
 
 
 async def test_redis_that_hangs_fails_the_request_instead_of_holding_it(

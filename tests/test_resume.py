@@ -43,8 +43,9 @@ async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> Asyn
     # stopped here and reported.
     left = [run for run in runs_module.runs.values() if not run.closing]
     for run in list(runs_module.runs.values()):
-        if (finishing := run.stop() or run.finishing) is not None:
-            await asyncio.wait_for(asyncio.shield(finishing), 10)
+        await run.stop()
+        if run.finishing is not None:
+            await asyncio.wait_for(asyncio.shield(run.finishing), 10)
     await reset_backends()
     assert not left, f"runs left running after the test: {[run.public_id for run in left]}"
 
@@ -191,20 +192,25 @@ async def test_resume_after_the_end_from_redis(
     assert len(fake.requests) == 1
 
 
-async def test_resume_is_not_refused_at_the_open_stream_cap(
+async def test_resume_is_a_connection_counted_at_the_open_stream_cap(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    """The generation being resumed holds its slot: a resume opens no new stream, so the cap
-    (one stream here, held by that very generation in its grace) does not refuse it."""
+    """The cap counts connections (quotes.ai.gateway.admission): a generation in its grace, its
+    client gone, holds none, so a new stream is admitted; while that one is open, a resume is
+    refused like a new stream (503, Retry-After); once it has closed, the resume is served."""
     settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
     _, received, _ = await cut(fake)
-    refused = await request("POST", STREAM_URL, json_body={"persona": persona.slug})
+    resume_query = f"persona={persona.slug}&last_event_id={last_id(received)}"
+    fake.script(Scenario(tokens=TOKENS, token_delay_s=0.01))
+    other = post_stream()
+    await read_events(other, 2)  # the process's one connection
 
-    resumed = await request(
-        "GET", STREAM_URL, query=f"persona={persona.slug}&last_event_id={last_id(received)}"
-    )
+    refused = await request("GET", STREAM_URL, query=resume_query)
+    await other.disconnect()
+    resumed = await request("GET", STREAM_URL, query=resume_query)
 
-    assert refused.status == 503  # a new stream is refused: the process is full
+    assert (refused.status, refused.json()["error"]["code"]) == (503, "over_capacity")
+    assert refused.headers["retry-after"]
     assert resumed.status == 200
     assert text_of(received) + text_of(resumed.body) == TEXT
 

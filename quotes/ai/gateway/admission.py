@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,8 @@ from ...conf import GatewaySettings
 from .. import limits
 from ..errors import ErrorCode
 from ..events import Error
+from . import redis_clients
+from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +46,14 @@ DRAINING_RETRY_AFTER_S = 1
 
 
 class OpenStreams:
-    """The streams open in this process (HTTP and WebSocket alike)."""
+    """The streams open in this process (HTTP and WebSocket connections alike: what the cap
+    counts), and its live generations (a run goes on for its resume grace with no connection:
+    a drain waits for those too)."""
 
     def __init__(self) -> None:
         self.count = 0
-        #: set when the count falls to 0 (made by a drain, which waits for it)
+        self.runs = 0
+        #: set when both fall to 0 (made by a drain, which waits for it)
         self.emptied: asyncio.Event | None = None
 
     def try_open(self, cap: int) -> bool:
@@ -57,7 +64,17 @@ class OpenStreams:
 
     def close(self) -> None:
         self.count -= 1
-        if not self.count and self.emptied is not None:
+        self._check_empty()
+
+    def run_started(self) -> None:
+        self.runs += 1
+
+    def run_ended(self) -> None:
+        self.runs -= 1
+        self._check_empty()
+
+    def _check_empty(self) -> None:
+        if not self.count and not self.runs and self.emptied is not None:
             self.emptied.set()
 
 
@@ -97,19 +114,125 @@ def over_capacity() -> Error:
     )
 
 
+# -- the one admission -------------------------------------------------------------------------
+#
+# Every connection that reads a generation (a new stream, a resume, a WebSocket start or resume)
+# is admitted here, once, before any work is done for it, and holds a Ticket until it ends: a
+# slot of the process's open-stream count and a lease on one of the client's concurrent-stream
+# slots. With REDIS_URL the client's slots are leases in one sorted set per client (members are
+# lease ids, scores their expiry), taken in one atomic script with the rate count: a lease
+# whose process dies expires LEASE_TTL_S later at most, for this process renews the leases it
+# holds every LEASE_RENEW_S, and a refusal extends nothing. Without Redis they live in this
+# process's memory, which dies with it.
+
+#: How long a client's slot outlives the process that holds it (kill -9).
+LEASE_TTL_S = 10.0
+LEASE_RENEW_S = 3.0
+
+_ADMIT = """
+if ARGV[7] == '1' then
+  local n = redis.call('INCR', KEYS[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  if n > tonumber(ARGV[1]) then return 1 end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[3]) then return 2 end
+redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[5]), ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+return 0
+"""
+
+
+def lease_key(client_key: str) -> str:
+    return f"quotes:slots:{client_key}"
+
+
+class Leases:
+    """The client slots this process holds (lease ids by key), and the task that renews them
+    in Redis while there are any. Without Redis, the slots themselves (no expiry needed: they
+    die with the process)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[str]] = {}
+        self._serial = 0
+        self._keeper: asyncio.Task[None] | None = None
+
+    def new_id(self) -> str:
+        self._serial += 1
+        return f"{redis_clients.PROCESS}:{self._serial}"
+
+    def count(self, client_key: str) -> int:
+        return len(self.held.get(client_key, ()))
+
+    def add(self, client_key: str, lease: str) -> None:
+        self.held.setdefault(client_key, set()).add(lease)
+
+    def discard(self, client_key: str, lease: str) -> None:
+        mine = self.held.get(client_key)
+        if mine is not None:
+            mine.discard(lease)
+            if not mine:
+                del self.held[client_key]
+
+    async def close(self) -> None:
+        """Stop renewing (the end of a test's loop)."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and not keeper.done() and keeper.get_loop() is asyncio.get_running_loop():
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+
+    def reset(self) -> None:
+        """Forget the slots of a loop that is gone (a finished test's)."""
+        self._keeper = None
+        self.held.clear()
+
+    def keep_renewed(self) -> None:
+        keeper = self._keeper
+        if keeper is None or keeper.done() or keeper.get_loop() is not asyncio.get_running_loop():
+            self._keeper = detached_task(self._renew())
+
+    async def _renew(self) -> None:
+        failing = False
+        while self.held:
+            await asyncio.sleep(LEASE_RENEW_S)
+            expiry = time.time() * 1000 + LEASE_TTL_S * 1000
+            pipe = redis_clients.client().pipeline(transaction=False)
+            for client_key, leases in list(self.held.items()):
+                key = lease_key(client_key)
+                pipe.zadd(key, dict.fromkeys(leases, expiry), xx=True)
+                pipe.pexpire(key, int(LEASE_TTL_S * 1000))
+            try:
+                await pipe.execute()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not failing:  # once per outage, not every round
+                    logger.warning("could not renew this process's stream slots in Redis: %r", exc)
+                failing = True
+            else:
+                failing = False
+
+
+leases = Leases()
+
+
 @dataclass(slots=True)
 class Ticket:
     client_key: str
-    #: still holding a slot of the client's concurrent-stream cap (shared cache)
-    client_slot: bool = True
+    #: the lease id of the client's slot this connection holds ("" once given back)
+    lease: str
     #: still counted in this process's open streams
     process_slot: bool = True
 
     async def release_client_slot(self) -> None:
         """Give the client's slot back (before the client hears "done" and asks again)."""
-        if self.client_slot:
-            self.client_slot = False
-            await _shielded(limits.run_on_cache(limits.release_stream_slot, self.client_key))
+        lease, self.lease = self.lease, ""
+        if not lease:
+            return
+        leases.discard(self.client_key, lease)
+        if redis_clients.enabled():
+            await _shielded(redis_clients.client().zrem(lease_key(self.client_key), lease))
 
     async def release(self) -> None:
         if self.process_slot:
@@ -118,41 +241,87 @@ class Ticket:
         await self.release_client_slot()
 
 
-async def admit(client_key: str, options: GatewaySettings) -> Ticket | Error:
-    """A Ticket, or the Error (503 over capacity, 429 rate limited) that refuses the stream."""
-    if drain.draining:
+async def admit(
+    client_key: str, options: GatewaySettings, *, new: bool = True, while_draining: bool = False
+) -> Ticket | Error:
+    """Admit one connection for `client_key`: a Ticket, or the Error (503 draining or over
+    capacity, 429 rate limited or too many streams) that refuses it. `new`: it starts a
+    generation, and counts against the client's rate limit (a resume does not).
+    `while_draining`: a resume of a run this process holds, served while it drains."""
+    if drain.draining and not while_draining:
         return server_draining()
     if not open_streams.try_open(options.max_open_streams):
         return over_capacity()
     limit, window = options.rate_limit
+    lease = leases.new_id()
     try:
-        # Atomic, in one round trip on Redis, and safe against this request being cancelled.
-        refused = await limits.admit_stream(
-            client_key, limit=limit, window=window, max_streams=options.max_concurrent_streams
-        )
+        refused = await _take_slot(client_key, lease, limit=limit, window=window, options=options, new=new)
     except BaseException:
         open_streams.close()
         raise
     if refused is None:
-        return Ticket(client_key)
+        leases.add(client_key, lease)
+        if redis_clients.enabled():
+            leases.keep_renewed()
+        return Ticket(client_key, lease)
     open_streams.close()
     reason, retry_after = refused
-    if reason == "rate_limited":
+    if reason == ErrorCode.RATE_LIMITED:
         message = f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s."
     else:
         message = "You already have quotes being written. Wait for one to finish."
     return Error(reason, message, 429, retry_after=retry_after)
 
 
-async def _shielded(coroutine: Any) -> None:
-    """Finish `coroutine` even if this task is cancelled meanwhile."""
-    task = asyncio.ensure_future(coroutine)
+#: Seconds a client at its concurrent-stream cap is told to wait.
+TOO_MANY_STREAMS_RETRY_AFTER_S = 5
+
+
+async def _take_slot(
+    client_key: str, lease: str, *, limit: int, window: int, options: GatewaySettings, new: bool
+) -> tuple[ErrorCode, int] | None:
+    """Count the request (when `new`) and take a slot: None, or why not and when to try again.
+    On Redis, one atomic script (a request cancelled while it runs leaves at most a lease that
+    nobody renews: it expires). In memory, no await: atomic by itself."""
+    now = time.time()
+    index = int(now // window)
+    rate_key = limits.rate_key("rate", client_key, window, index)
+    retry_after = max(1, math.ceil((index + 1) * window - now))
+    if not redis_clients.enabled():
+        if new and await limits.run_on_cache(limits.count_in_window, rate_key, window + 1) > limit:
+            return ErrorCode.RATE_LIMITED, retry_after
+        if leases.count(client_key) >= options.max_concurrent_streams:
+            return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S
+        return None
+    answer = await redis_clients.client().eval(
+        _ADMIT,
+        2,
+        limits.cache_key(rate_key),
+        lease_key(client_key),
+        limit,
+        window + 1,
+        options.max_concurrent_streams,
+        int(now * 1000),
+        int(LEASE_TTL_S * 1000),
+        lease,
+        "1" if new else "0",
+    )
+    if answer == 1:
+        return ErrorCode.RATE_LIMITED, retry_after
+    if answer == 2:
+        return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S
+    return None
+
+
+async def _shielded(awaitable: Any) -> None:
+    """Finish `awaitable` even if this task is cancelled meanwhile."""
+    task = asyncio.ensure_future(awaitable)
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
         raise  # the task goes on by itself
     except Exception:
-        logger.exception("cleanup after a generation failed")
+        logger.warning("could not give a stream slot back (it expires by itself)", exc_info=True)
 
 
 # -- draining -------------------------------------------------------------------------------------
@@ -212,7 +381,7 @@ class Drain:
         self.draining = True
         logger.info("draining: %d open streams, deadline in %g s", open_streams.count, timeout_s)
         emptied = open_streams.emptied = asyncio.Event()
-        if open_streams.count:
+        if open_streams.count or open_streams.runs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(emptied.wait(), timeout_s)
         cut = self.cut()

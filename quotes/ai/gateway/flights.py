@@ -20,32 +20,26 @@ connections are free to send keep-alive pings while the upstream is silent.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from asgiref.sync import SyncToAsync
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from ..errors import internal
 from ..events import Done, Event, Token
-from . import relay
+from . import shared_runs
 from .policy import Plan, generate
-
-if TYPE_CHECKING:
-    from .runs import Run
+from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 
+class Reader(Protocol):
+    """What a flight feeds (quotes.ai.gateway.runs.Run): each event, synchronously."""
 
-def detached_task(coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
-    """A task that may outlive the request that starts it: not in that request's
-    thread-sensitive context (sync_to_async work of a finished request must not wait on it)."""
-    context = contextvars.copy_context()
-    context.run(SyncToAsync.thread_sensitive_context.set, None)  # type: ignore[arg-type]
-    return asyncio.create_task(coro, context=context)
+    def feed(self, event: Event) -> None: ...
+
+    def calls_upstream(self) -> None:
+        """The flight calls the upstream itself after all (it followed another process's call)."""
 
 
 class Flight:
@@ -55,7 +49,7 @@ class Flight:
         self.first_token_s = first_token_s
         #: every event so far, for a run that joins late (kept only when the flight has a key)
         self.history: list[Event] = []
-        self.runs: list[Run] = []
+        self.runs: list[Reader] = []
         self.task: asyncio.Task[None] | None = None
 
     def register(self) -> None:
@@ -69,20 +63,20 @@ class Flight:
         self.register()
         self.task = detached_task(self._fly(plan, store))
 
-    def follow(
+    def follow_elsewhere(
         self,
         events: AsyncIterator[Event],
         plan: Plan,
         store: Callable[[list[Event]], Awaitable[None]] | None = None,
     ) -> None:
-        """Publish `events` (another process's upstream call, read from Redis: relay.follow)
+        """Publish `events` (another process's upstream call, read from Redis: shared_runs.follow)
         instead of calling the upstream; registered like a flight of this process's own. If that
         call's owner gives up on it (its client left, it drained) or dies before a token came,
         call the upstream with `plan` after all; after a token, the generation is lost."""
         self.register()
-        self.task = detached_task(self._relay(events, plan, store))
+        self.task = detached_task(self._follow(events, plan, store))
 
-    async def _relay(
+    async def _follow(
         self,
         events: AsyncIterator[Event],
         plan: Plan,
@@ -93,9 +87,9 @@ class Flight:
                 self.publish(event)
         except asyncio.CancelledError:
             raise
-        except relay.OwnerGone:
+        except shared_runs.OwnerGone:
             if any(type(event) is Token for event in self.history):
-                self.publish(relay.generation_lost())
+                self.publish(shared_runs.generation_lost())
             else:
                 if self.runs:  # this process's own call now: one of its rows counts it
                     self.runs[0].calls_upstream()
@@ -106,13 +100,13 @@ class Flight:
         finally:
             self.unregister()
 
-    def join(self, run: Run) -> None:
+    def join(self, run: Reader) -> None:
         """Attach `run`: it gets what the flight has published so far, then each event as it comes."""
         for event in self.history:
             run.feed(event)
         self.runs.append(run)
 
-    def leave(self, run: Run) -> None:
+    def leave(self, run: Reader) -> None:
         if run in self.runs:
             self.runs.remove(run)
         if not self.runs and self.task is not None and not self.task.done():

@@ -27,7 +27,7 @@ from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
 from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
-from . import admission, answers, relay
+from . import admission, answers, shared_runs
 from .flights import Flight, flights
 from .log import Record, writer
 from .policy import Plan, first_token_budget
@@ -209,17 +209,15 @@ async def stream_generation(
         )
         record.cache_status = Generation.CacheStatus.MISS if use_cache else Generation.CacheStatus.BYPASS
         cached = await get_answer(key) if use_cache else None
-        # From here the run owns the ticket and the row: it outlives this request if the client drops.
+        # From here the run owns the row: it outlives this request if the client drops.
         run = Run(
             record=record,
-            ticket=ticket,
             log=log,
             client_key=client.key,
             grace_s=options.resume_grace_s,
             ttl=options.resume_ttl_s,
         )
-        ticket = None
-        if run.relay is not None:
+        if run.publisher is not None:
             run.facts = {
                 "persona_id": persona.pk,
                 "persona_version_id": version.pk if version else None,
@@ -262,13 +260,13 @@ async def stream_generation(
                     key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
                 )
                 owner = None
-                if use_cache and run.relay is not None:
+                if use_cache and run.publisher is not None:
                     # Across processes: one of them claims the upstream call, the others follow
                     # its owner's run. Registered first, so that identical requests of this
                     # process join this flight while Redis is asked, whatever it answers.
                     flight.register()
                     try:
-                        owner = await relay.claim(key, run.public_id)
+                        owner = await shared_runs.claim(key, run.public_id)
                     except BaseException:
                         if flight.runs:  # requests joined meanwhile: they get their answer
                             flight.start(plan, _storer(key, ttl))
@@ -277,7 +275,7 @@ async def stream_generation(
                         run.fail(ABANDONED, status=Generation.Status.CANCELLED)
                         raise
                     if owner is None:
-                        run.relay.claim = key
+                        run.publisher.claim = key
                 if owner is None:
                     flight.start(plan, _storer(key, ttl) if use_cache else None)
                 else:
@@ -285,9 +283,12 @@ async def stream_generation(
                     run.hit = True
                     metrics.coalesced_listener()
                     # The owner's events after its own opening Meta (this run has its own).
-                    flight.follow(relay.follow(owner, for_run=True, skip=1), plan, _storer(key, ttl))
+                    flight.follow_elsewhere(
+                        shared_runs.follow(owner, for_run=True, skip=1), plan, _storer(key, ttl)
+                    )
             run.attach(flight)
-        listener = run.subscribe(0, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
+        listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
+        ticket = None  # the connection's now: given back when it ends
         if cursor is not None:
             cursor.bind(run.public_id, listener, run)
         async with aclosing(listener.events()) as events:

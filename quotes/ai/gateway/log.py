@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 
-from django.db import OperationalError, close_old_connections, transaction
+from django.db import IntegrityError, OperationalError, close_old_connections, transaction
 
 from ... import metrics
 from ...models import Generation, Persona, PersonaVersion
@@ -209,7 +209,9 @@ class LogWriter:
         rows = [row for row, _, _ in batch]
         try:
             with transaction.atomic():
-                Generation.objects.bulk_create(rows)
+                # Idempotent by generation id (public_id is unique): a row written twice, such as
+                # a lost generation's, which each resume that finds it lost writes, is kept once.
+                Generation.objects.bulk_create(rows, ignore_conflicts=True)
             self.written += len(rows)
             return {}
         except Exception:
@@ -233,6 +235,10 @@ class LogWriter:
             try:
                 row.save(force_insert=True)
                 return
+            except IntegrityError:
+                if Generation.objects.filter(public_id=row.public_id).exists():
+                    return  # written already (idempotent by generation id)
+                raise
             except OperationalError:
                 if attempt == ROW_ATTEMPTS - 1:
                     raise

@@ -20,7 +20,7 @@ Exactly one row per run, written before its terminal event is published, however
 connections come and go. A finished run's events stay in Django's cache for
 QUOTES_RESUME_TTL_S (`resume` reads them from there once the run has left this process's
 registry): with Redis as the cache that already works across processes. With REDIS_URL set, a
-live run's events also go to Redis as they come (relay.py), so `resume()` on a process that does
+live run's events also go to Redis as they come (shared_runs.py), so `resume()` on a process that does
 not hold the run reads them there and follows the live rest.
 
 Feeding a run is synchronous (the flight's task calls `feed`): a token costs a few field
@@ -40,15 +40,17 @@ from dataclasses import dataclass
 
 from django.core.cache import cache
 
+from ...conf import GatewaySettings
 from ...models import Generation
 from ..errors import ErrorCode
 from ..events import Done, Error, Event, Meta, Ping, Token, Usage
 from ..limits import run_on_cache
-from . import relay
-from .admission import Ticket, drain, server_draining
-from .flights import Flight, detached_task
+from . import shared_runs
+from .admission import Ticket, admit, drain, open_streams, server_draining
+from .flights import Flight
 from .log import Record, writer
 from .policy import timeout_error
+from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
 
@@ -151,10 +153,10 @@ class Run:
         "listeners",
         "log",
         "public_id",
+        "publisher",
         "record",
-        "relay",
+        "stopped",
         "task",
-        "ticket",
         "ttl",
     )
 
@@ -162,7 +164,6 @@ class Run:
         self,
         *,
         record: Record,
-        ticket: Ticket,
         log: Callable[[], Awaitable[None]],
         client_key: str,
         grace_s: float,
@@ -170,7 +171,6 @@ class Run:
     ) -> None:
         self.record = record
         self.public_id = record.public_id
-        self.ticket = ticket
         self._log = log
         self.client_key = client_key
         self.grace_s = grace_s
@@ -187,13 +187,17 @@ class Run:
         #: the terminal event is in the log
         self.ended = False
         self.finishing: asyncio.Task[None] | None = None
-        #: what another process needs to log a resume of this run of its own (relay.py): the
+        #: what another process needs to log a resume of this run of its own (shared_runs.py): the
         #: persona, backend, topic..., as Generation fields
         self.facts: dict[str, object] = {}
+        #: its client stopped it while another process read it: it goes on for that reader, and
+        #: its row says stopped
+        self.stopped = False
         self._grace: asyncio.TimerHandle | None = None
         #: sends the events to Redis for the other processes (only with REDIS_URL)
-        self.relay = relay.Publisher(self) if relay.enabled() else None
+        self.publisher = shared_runs.Publisher(self) if shared_runs.enabled() else None
         runs[self.public_id] = self
+        open_streams.run_started()
 
     # -- the source -----------------------------------------------------------------------------
 
@@ -261,25 +265,61 @@ class Run:
 
     def _publish(self, event: Event) -> None:
         self.log.append(event)
-        if self.relay is not None:
-            self.relay.poke()
+        if self.publisher is not None:
+            self.publisher.poke()
         for listener in self.listeners:
             waiter = listener.waiter
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
-    def stop(self) -> asyncio.Task[None] | None:
-        """Stop at once, because the client asked: the upstream closes now, the row says
-        `stopped`. The task that writes the row and ends the run, or None if it was ending."""
+    async def stop(self) -> bool:
+        """Stop, because its client asked: its connections end with `stopped` now. Unless
+        another process reads it (a follower, a resume: then it goes on for them, and ends
+        when nobody reads it), the upstream closes now and the row says `stopped`. False when
+        it was ending already."""
         if self.closing:
-            return None
+            return False
+        if self.publisher is not None and await shared_runs.has_readers(self.public_id):
+            if self.closing:
+                return False
+            self.stopped = True
+            for listener in list(self.listeners):
+                listener.end(STOPPED)
+            return True
+        if self.closing:
+            return False
         self.fail(STOPPED, status=Generation.Status.CANCELLED)
-        return self.finishing
+        if self.finishing is not None:
+            await asyncio.shield(self.finishing)  # the row is written when the answer says "stopped"
+        return True
+
+    def stop_asked(self) -> None:
+        """Another process asked to stop this run for its client (shared_runs' sender)."""
+        detached_task(self.stop())
 
     def abandon(self) -> None:
-        """Nobody came back within the grace: stop, and say so on the row."""
+        """Nobody came back within the grace: end, unless another process reads it still."""
         self._grace = None
-        if not self.closing and not self.listeners:
+        if self.closing or self.listeners:
+            return
+        if self.publisher is None:
+            self._abandon_now()
+        else:
+            detached_task(self._abandon_unless_read())
+
+    async def _abandon_unless_read(self) -> None:
+        read = await shared_runs.has_readers(self.public_id)
+        if self.closing or self.listeners:
+            return
+        if read:  # look again a moment later: it ends once the last reader has gone
+            self._grace = asyncio.get_running_loop().call_later(shared_runs.READER_RENEW_S, self.abandon)
+        else:
+            self._abandon_now()
+
+    def _abandon_now(self) -> None:
+        if self.stopped:
+            self.fail(STOPPED, status=Generation.Status.CANCELLED)
+        else:
             self.fail(ABANDONED, status=Generation.Status.CANCELLED)
 
     def fail(self, error: Error, *, status: str = Generation.Status.ERROR) -> None:
@@ -293,6 +333,10 @@ class Run:
         # The source is left in _finish, not here: feed() may be running inside the flight's
         # loop over its runs, which must not change under it.
         self.closing = True
+        if self.stopped and status == Generation.Status.OK:
+            # Its client stopped it; it went on for another process's reader: the row says
+            # stopped (with the whole text and its usage, which that reader was given).
+            status, error = Generation.Status.CANCELLED, STOPPED
         self.record.status = status
         self.record.error = error
         self._cancel_grace()
@@ -301,7 +345,6 @@ class Run:
     async def _finish(self, terminal: Event) -> None:
         try:
             self._detach()
-            await self.ticket.release_client_slot()  # before the client hears "done" and asks again
             self.record.parts = [self.log.text]
             await self._log()  # the row, before anyone hears the end
             self._publish(terminal)
@@ -319,13 +362,13 @@ class Run:
         finally:
             if runs.get(self.public_id) is self:
                 del runs[self.public_id]
-            await self.ticket.release()
+            open_streams.run_ended()
 
     # -- connections ----------------------------------------------------------------------------
 
-    def subscribe(self, index: int, *, keepalive_s: float, idle_s: float) -> Listener:
+    def subscribe(self, index: int, *, ticket: Ticket, keepalive_s: float, idle_s: float) -> Listener:
         self._cancel_grace()
-        listener = Listener(self, index, keepalive_s=keepalive_s, idle_s=idle_s)
+        listener = Listener(self, index, ticket=ticket, keepalive_s=keepalive_s, idle_s=idle_s)
         self.listeners.add(listener)
         return listener
 
@@ -366,6 +409,7 @@ class Listener:
     becomes of the flight, the run ends with the timeout error the flight would give."""
 
     __slots__ = (
+        "_ending",
         "_handle",
         "_ping_due",
         "_quiet_since",
@@ -376,11 +420,16 @@ class Listener:
         "keepalive_s",
         "run",
         "started",
+        "ticket",
         "waiter",
     )
 
-    def __init__(self, run: Run, index: int, *, keepalive_s: float, idle_s: float) -> None:
+    def __init__(self, run: Run, index: int, *, ticket: Ticket, keepalive_s: float, idle_s: float) -> None:
         self.run = run
+        #: this connection's admission (quotes.ai.gateway.admission): given back at its end
+        self.ticket = ticket
+        #: the error this connection ends with while the run goes on (its client stopped it)
+        self._ending: Error | None = None
         self.keepalive_s = keepalive_s
         self.idle_s = idle_s
         #: the next event of the run's history to hand on; after a yield, the event's number n
@@ -412,10 +461,16 @@ class Listener:
                     self._quiet_since = now
                     if self.started:
                         self.deadline = now + self.idle_s + LISTENER_GRACE_S
-                    yield event
                     if kind is Done or kind is Error:
+                        await self.ticket.release_client_slot()  # before the client hears the end
+                        yield event
                         return
+                    yield event
                     continue
+                if self._ending is not None:
+                    await self.ticket.release_client_slot()
+                    yield self._ending
+                    return
                 if run.ended:
                     return  # resumed at the last event: nothing more to say
                 self.waiter = loop.create_future()
@@ -439,6 +494,14 @@ class Listener:
                 self._handle.cancel()
                 self._handle = None
             run.unsubscribe(self)
+            await self.ticket.release()
+
+    def end(self, error: Error) -> None:
+        """End this connection with `error` (the run goes on for other readers)."""
+        self._ending = error
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         due = min(self._quiet_since + self.keepalive_s, self.deadline)
@@ -492,8 +555,20 @@ def _elsewhere(event: Event) -> Event:
     told the client to resume elsewhere, is a lost generation there (the drained process has
     closed its upstream; resuming again would only hear the same)."""
     if type(event) is Error and event.code is ErrorCode.SERVER_DRAINING:
-        return relay.generation_lost()
+        return shared_runs.generation_lost()
     return event
+
+
+async def _held(events: AsyncGenerator[Event, None], ticket: Ticket) -> AsyncGenerator[Event, None]:
+    """`events` read by a connection that holds `ticket` (a resume not served by a Listener)."""
+    try:
+        async for event in events:
+            if type(event) is Done or type(event) is Error:
+                await ticket.release_client_slot()  # before the client hears the end
+            yield event
+    finally:
+        await events.aclose()
+        await ticket.release()
 
 
 class Replayer:
@@ -515,9 +590,10 @@ class Replayer:
 
 class RemoteReader:
     """A generation live (or just ended) in another process: what Redis holds of it from
-    `index` on, then the live rest (relay.follow) until its terminal event. A resume that ends
-    with `generation_lost` (the owner died, or drained it) writes a row of its own first: the
-    attempt is logged, and the owner may never write the generation's."""
+    `index` on, then the live rest (shared_runs.follow) until its terminal event. A resume that
+    ends with `generation_lost` (the owner died, or drained it) writes the generation's row,
+    under its own id, if nobody has: the owner may never write it, and however many resumes
+    find it lost, it has one row."""
 
     __slots__ = ("facts", "index", "keepalive_s", "last", "log", "public_id")
 
@@ -549,7 +625,7 @@ class RemoteReader:
                 return
         if len(log) and type(log.at(len(log) - 1)) in (Done, Error):
             return  # resumed at the last event: nothing more to say
-        async for event in relay.follow(
+        async for event in shared_runs.follow(
             self.public_id, last=self.last, keepalive_s=self.keepalive_s, seen=len(log)
         ):
             if type(event) is not Ping:
@@ -563,9 +639,10 @@ class RemoteReader:
             return
         row = Generation(
             **self.facts,
+            public_id=self.public_id,
             status=Generation.Status.ERROR,
             error_code=event.code,
-            error_message=f"{event.message} (a resume of {self.public_id})",
+            error_message=event.message,
             text=self.log.text,
         )
         try:
@@ -592,26 +669,52 @@ class Resumed:
     cursor: Cursor
 
 
-async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: float) -> Resumed | Error | None:
+async def resume(public_id: str, after: int, *, client_key: str, options: GatewaySettings) -> Resumed | Error | None:
     """The events of generation `public_id` after the `after`-th, then the live rest: from the
     run in this process, else from its finished events in the cache, else (with REDIS_URL) from
     its events in Redis, live in another process; None when none has it (unknown, expired, or
     `after` beyond what it sent). A draining process serves only the runs it holds: any other
     resume is refused like a new stream (the server_draining Error; nginx asks another process),
-    for it could outlive the drain's cut and be closed at exit without a word."""
+    for it could outlive the drain's cut and be closed at exit without a word.
+
+    A resume is a connection like a new stream's: admitted (quotes.ai.gateway.admission) before
+    anything is read for it, refused with the admission's Error (429 too many streams, 503 at
+    the cap), and holding its ticket while it reads."""
+    run = runs.get(public_id)
+    here = run is not None and after <= len(run.log)
+    if drain.draining and not here:
+        return server_draining()
+    ticket = await admit(client_key, options, new=False, while_draining=here)
+    if isinstance(ticket, Error):
+        return ticket
+    try:
+        found = await _resume(
+            public_id, after, ticket=ticket, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
+        )
+    except BaseException:
+        await ticket.release()
+        raise
+    if not isinstance(found, Resumed):
+        await ticket.release()
+    return found
+
+
+async def _resume(
+    public_id: str, after: int, *, ticket: Ticket, keepalive_s: float, idle_s: float
+) -> Resumed | Error | None:
     cursor = Cursor()
     cursor.resumed = True
     run = runs.get(public_id)
     if run is not None and after <= len(run.log):
-        listener = run.subscribe(after, keepalive_s=keepalive_s, idle_s=idle_s)
+        listener = run.subscribe(after, ticket=ticket, keepalive_s=keepalive_s, idle_s=idle_s)
         cursor.bind(public_id, listener, run)
         return Resumed(run.log.meta_until(after), listener.events(), cursor)
     if drain.draining:
         return server_draining()
-    if relay.enabled():
+    if shared_runs.enabled():
         # Redis first: it has the run live in another process, or just ended (with what a
         # resume needs to log itself if the run was lost).
-        elsewhere = await _resume_elsewhere(public_id, after, keepalive_s=keepalive_s)
+        elsewhere = await _resume_elsewhere(public_id, after, ticket=ticket, keepalive_s=keepalive_s)
         if elsewhere is not None:
             return elsewhere
     finished = await _finished(public_id)
@@ -622,11 +725,13 @@ async def resume(public_id: str, after: int, *, keepalive_s: float, idle_s: floa
         return None
     replayer = Replayer(log, after)
     cursor.bind(public_id, replayer, None)
-    return Resumed(log.meta_until(after), replayer.events(), cursor)
+    return Resumed(log.meta_until(after), _held(replayer.events(), ticket), cursor)
 
 
-async def _resume_elsewhere(public_id: str, after: int, *, keepalive_s: float) -> Resumed | None:
-    found = await relay.read(public_id)
+async def _resume_elsewhere(
+    public_id: str, after: int, *, ticket: Ticket, keepalive_s: float
+) -> Resumed | None:
+    found = await shared_runs.read(public_id)
     if found is None:
         return None
     events, last, facts = found
@@ -639,7 +744,7 @@ async def _resume_elsewhere(public_id: str, after: int, *, keepalive_s: float) -
     cursor = Cursor()
     cursor.resumed = True
     cursor.bind(public_id, reader, None)
-    return Resumed(log.meta_until(after), reader.events(), cursor)
+    return Resumed(log.meta_until(after), _held(reader.events(), ticket), cursor)
 
 
 async def stop(public_id: str, client_key: str) -> bool | None:
@@ -651,13 +756,9 @@ async def stop(public_id: str, client_key: str) -> bool | None:
     if run is not None:
         if run.client_key != client_key:
             return None
-        finishing = run.stop()
-        if finishing is None:
-            return False  # it was ending
-        await asyncio.shield(finishing)  # the row is written when the answer says "stopped"
-        return True
-    if relay.enabled():
-        stopped = await relay.stop_elsewhere(public_id, client_key)
+        return await run.stop()
+    if shared_runs.enabled():
+        stopped = await shared_runs.stop_elsewhere(public_id, client_key)
         if stopped is not None:
             return stopped
     finished = await _finished(public_id)

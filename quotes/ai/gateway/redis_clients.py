@@ -1,0 +1,128 @@
+"""This process's Redis clients for the stream core (only when REDIS_URL is set): one module owns
+them, whoever calls (admission's leases, the shared runs in `shared_runs`).
+
+Two pools per process: a small blocking one for short calls (publishing, claims, leases), which
+wait for a free connection within the socket timeout rather than fail when every run publishes
+at once; and one for blocking reads (a reader's XREAD BLOCK holds a connection while it waits),
+so that those never starve the short calls. Every call is bounded by REDIS_OPTIONS' timeouts.
+
+The clients are bound to the running event loop: daphne has one for its life; a test run has one
+per test, and `close()` (in the test's loop) or `forget()` (after it) ends each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import redis.asyncio as aioredis
+from django.conf import settings
+
+#: This process, as the keys it holds name it (heartbeats, leases, its stop list).
+PROCESS = uuid.uuid4().hex
+
+#: Short calls share a few connections.
+SHORT_CONNECTIONS = 32
+#: Blocking reads, one connection each while they wait. Bounded: admission bounds the readers
+#: (every reader is an admitted connection), and this bounds what a fault could still open.
+BLOCKING_CONNECTIONS = 1_000
+
+
+def enabled() -> bool:
+    return bool(settings.REDIS_URL)
+
+
+_clients: tuple[asyncio.AbstractEventLoop, aioredis.Redis, aioredis.Redis] | None = None
+
+
+def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
+    global _clients
+    loop = asyncio.get_running_loop()
+    if _clients is None or _clients[0] is not loop:
+        forget()
+        options = settings.REDIS_OPTIONS
+        timeouts = {
+            "socket_timeout": options["socket_timeout"],
+            "socket_connect_timeout": options["socket_connect_timeout"],
+        }
+        short = aioredis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL,
+            max_connections=SHORT_CONNECTIONS,
+            timeout=options["socket_timeout"],
+            **timeouts,
+        )
+        blocking = aioredis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL,
+            max_connections=BLOCKING_CONNECTIONS,
+            timeout=options["socket_timeout"],
+            **timeouts,
+        )
+        _clients = (loop, aioredis.Redis.from_pool(short), aioredis.Redis.from_pool(blocking))
+    return _clients[1], _clients[2]
+
+
+def client() -> aioredis.Redis:
+    """For short calls."""
+    return _pools()[0]
+
+
+def reader() -> aioredis.Redis:
+    """For blocking reads (XREAD BLOCK)."""
+    return _pools()[1]
+
+
+def block_ms() -> int:
+    """How long one XREAD waits: well within the socket timeout, so a quiet stream is no error."""
+    return max(1, min(1000, int(settings.REDIS_OPTIONS["socket_timeout"] * 500)))
+
+
+def forget() -> None:
+    """Drop clients whose loop is gone (a finished test's), closing their sockets without it."""
+    global _clients
+    if _clients is None:
+        return
+    _, *redis_clients = _clients
+    _clients = None
+    _close_dead(redis_clients)
+
+
+def _close_dead(redis_clients: list[aioredis.Redis]) -> None:
+    # redis-py offers no way to close a connection whose loop has closed (its disconnect()
+    # awaits the writer), and its __del__ then warns of an unclosed connection: the sockets are
+    # closed here by hand. This touches redis-py's and asyncio's internals; tests/test_forks.py
+    # pins them.
+    for redis in redis_clients:
+        pool = redis.connection_pool
+        for connection in [*pool._available_connections, *pool._in_use_connections]:
+            writer = connection._writer
+            connection._writer = connection._reader = None
+            if writer is not None:
+                _close_without_loop(writer.transport)
+
+
+def _close_without_loop(transport: asyncio.BaseTransport) -> None:
+    """Close a socket transport whose loop is closed (so StreamWriter.close() cannot run), and
+    leave it as a closed transport would be: marked closing (StreamWriter.__del__ is then quiet)
+    and with no socket (so _SelectorTransport.__del__ is too)."""
+    with contextlib.suppress(RuntimeError):
+        transport.close()
+    sock = getattr(transport, "_sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.close()
+        transport._sock = None  # type: ignore[attr-defined]
+
+
+async def close() -> None:
+    """Close the clients (the end of a test's loop, or of the process)."""
+    global _clients
+    if _clients is None:
+        return
+    loop, *redis_clients = _clients
+    _clients = None
+    if loop is asyncio.get_running_loop():
+        for redis in redis_clients:
+            await redis.aclose()
+    elif loop.is_closed():
+        _close_dead(redis_clients)

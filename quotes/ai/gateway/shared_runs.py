@@ -1,0 +1,517 @@
+"""Runs shared across processes: a live run's events in Redis (only when REDIS_URL is set).
+
+    owner process:  run -> Publisher -> XADD quotes:live:<public_id>   (+ heartbeat key)
+    other process:  follow() <- XREAD BLOCK quotes:live:<public_id>    (a resume, or a follower)
+
+While a run is live, its process publishes its events to one Redis Stream per run and keeps a
+heartbeat key (`quotes:owner:<public_id>`, HEARTBEAT_TTL_S, refreshed every HEARTBEAT_EVERY_S)
+saying that it still holds it. Publishing is batched: this process's one sender sends what
+every run's log gained since the last send, one XADD per run (one pickled list of events,
+numbered from the index it starts at) in one pipeline per round trip.
+
+Another process reads a run it does not hold with `follow()`: what the stream has, then new
+entries as they come (XREAD BLOCK), until the terminal event. While it reads, it holds a reader
+lease on the run (`quotes:readers:<public_id>`, a sorted set of lease ids by expiry, renewed
+every READER_RENEW_S), so the owner knows that someone still reads the run: a run ends early
+(its client stopped it, or left it) only when nobody reads it on any process (`has_readers`).
+When the heartbeat key has expired and nothing more comes (the owner was killed), the reader
+ends with `generation_lost` (retryable) instead of waiting forever.
+
+Ownership expires in seconds. The first process to start an upstream call for an answer-cache
+key claims it (`quotes:flight:<key>` = its run id, HEARTBEAT_TTL_S, renewed with the heartbeat);
+an identical request elsewhere follows that run's events (`claim()` returns the owner's run id).
+A claim whose owner's heartbeat is gone is taken over at once, so a killed owner costs identical
+requests nothing after a few seconds.
+
+Stopping across processes: the heartbeat key holds the owner process's id. A stop asked of
+another process (`stop_elsewhere`, the stop endpoint behind nginx) pushes the run's id onto the
+owner's list `quotes:stops:<process>`; the owner's sender pops that list in each of its round
+trips and stops the run (for the client that asked: the run's first entry names it).
+
+A Redis that fails costs the cross-process parts (logged), never the stream of the process that
+holds the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import pickle
+import time
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+from ..errors import ErrorCode
+from ..events import Done, Error, Event, Ping
+from . import redis_clients
+from .tasks import detached_task
+
+logger = logging.getLogger(__name__)
+
+#: How long a dead owner's heartbeat (and its claims) outlive it: followers give up, and
+#: identical requests call the upstream themselves, this long after a kill -9.
+HEARTBEAT_TTL_S = 3.0
+HEARTBEAT_EVERY_S = 1.0
+#: A reader's lease on a run: renewed this often, and gone this long after its process died.
+READER_RENEW_S = 1.0
+READER_TTL_S = 3.0
+#: How long a run's stream stays in Redis after its last entry (a late resume reads the
+#: finished log from the cache; this covers the moment in between, and followers still reading).
+STREAM_TTL_S = 120
+#: A live run's stream lasts at most this long (reset to STREAM_TTL_S at its end).
+LIVE_TTL_S = 3600
+#: The codes a run ends with for its own connections' sake, not the generation's: a follower on
+#: another process, which did not ask for that, is told the generation is lost instead.
+RUN_ENDINGS = frozenset({ErrorCode.STOPPED, ErrorCode.ABANDONED, ErrorCode.SERVER_DRAINING})
+#: Stops taken from the list per round trip (more wait for the next round).
+STOPS_PER_ROUND = 64
+#: How long a process asking another to stop a run waits to see it end.
+STOP_WAIT_S = 5.0
+
+#: Claim `KEYS[1]` for run ARGV[1] unless a live owner holds it (its heartbeat key, ARGV[3] +
+#: its run id, exists): nil when claimed now, else the owner's run id.
+_CLAIM = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] and redis.call('EXISTS', ARGV[3] .. owner) == 1 then return owner end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', ARGV[3] .. ARGV[1], ARGV[4], 'PX', ARGV[2])
+return false
+"""
+#: Renew `KEYS[1]` for ARGV[2] ms if run ARGV[1] still holds it.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+OWNER_PREFIX = "quotes:owner:"
+
+
+class OwnerGone(Exception):
+    """The run a follower followed ended for its own connections' sake (stopped, abandoned,
+    drained), or its process stopped publishing it: the follower decides what to do."""
+
+
+def generation_lost() -> Error:
+    return Error(
+        ErrorCode.GENERATION_LOST,
+        "The server writing this quote went away before it finished. Please ask again.",
+        503,
+        retry_after=1,
+    )
+
+
+def stream_key(public_id: str) -> str:
+    return f"quotes:live:{public_id}"
+
+
+def owner_key(public_id: str) -> str:
+    return OWNER_PREFIX + public_id
+
+
+def claim_key(answer_key: str) -> str:
+    return f"quotes:flight:{answer_key}"
+
+
+def readers_key(public_id: str) -> str:
+    return f"quotes:readers:{public_id}"
+
+
+def stops_key(process: str) -> str:
+    return f"quotes:stops:{process}"
+
+
+enabled = redis_clients.enabled
+
+
+class Shared(Protocol):
+    """What the sender needs of a run (quotes.ai.gateway.runs.Run)."""
+
+    @property
+    def public_id(self) -> str: ...
+    @property
+    def client_key(self) -> str: ...
+    @property
+    def facts(self) -> dict[str, object]: ...
+    @property
+    def ended(self) -> bool: ...
+    @property
+    def log(self) -> Any: ...  # an EventLog: len() and at(i)
+
+    def stop_asked(self) -> None:
+        """Another process asked (for this run's client) to stop it."""
+
+
+#: The publishers of this process still sending, by run id.
+publishers: dict[str, Publisher] = {}
+
+
+async def flush(timeout_s: float) -> None:
+    """Wait (up to `timeout_s`) until every run's last events are in Redis (before an exit)."""
+    if _sender is not None and not _sender.done():
+        await asyncio.wait([_sender], timeout=timeout_s)  # it stops once every run is out
+
+
+def reset() -> None:
+    """Forget everything of a loop that is gone (a finished test's): its sender, its clients."""
+    global _sender
+    _sender = None
+    _dirty.clear()
+    publishers.clear()
+    redis_clients.forget()
+
+
+async def close() -> None:
+    """Stop publishing and close the clients (the end of a test's loop)."""
+    global _sender
+    if _sender is not None:
+        _sender.cancel()
+        _sender = None
+    publishers.clear()
+    _dirty.clear()
+    await redis_clients.close()
+
+
+# -- the owner's side -------------------------------------------------------------------------------
+
+
+class Publisher:
+    """A run's place in this process's one sender: what of its log is in Redis (`sent`), its
+    heartbeat, the answer key it claimed. `poke()` (a run's event, synchronous) marks it."""
+
+    __slots__ = ("beat_due", "claim", "run", "sent")
+
+    def __init__(self, run: Shared) -> None:
+        self.run = run
+        self.sent = 0
+        self.beat_due = 0.0
+        #: the answer key this run claimed for its upstream call (renewed with the heartbeat,
+        #: released at its end)
+        self.claim = ""
+        publishers[run.public_id] = self
+        self.poke()
+
+    def poke(self) -> None:
+        _dirty.add(self)
+        _wake_sender()
+
+    def stage(self, pipe: Any, now: float) -> tuple[int, bool]:
+        """Queue this run's commands on `pipe`: its new events, its heartbeat (and claim) when
+        due, and at its end the stream's expiry, the heartbeat's removal and the claim's
+        release. Returns the log length sent, and whether that is the end."""
+        run = self.run
+        log = run.log
+        end = len(log)
+        ended = run.ended and end > 0
+        stream = stream_key(run.public_id)
+        if end > self.sent:
+            fields = {
+                "i": self.sent,
+                "d": pickle.dumps([log.at(i) for i in range(self.sent, end)], protocol=5),
+            }
+            if not self.sent:
+                fields["r"] = pickle.dumps(run.facts, protocol=5)
+                fields["c"] = run.client_key  # who may stop it from another process
+            pipe.xadd(stream, fields)
+            if not self.sent or ended:
+                # Set once live (a bound for a run whose process dies), once ended: not per
+                # batch, which would double the commands per token.
+                pipe.expire(stream, STREAM_TTL_S if ended else LIVE_TTL_S)
+        if ended:
+            pipe.delete(owner_key(run.public_id))
+            if self.claim:
+                pipe.eval(_RELEASE, 1, claim_key(self.claim), run.public_id)
+        elif now >= self.beat_due:
+            ttl_ms = int(HEARTBEAT_TTL_S * 1000)
+            pipe.set(owner_key(run.public_id), redis_clients.PROCESS, px=ttl_ms)
+            if self.claim:
+                pipe.eval(_RENEW, 1, claim_key(self.claim), run.public_id, ttl_ms)
+            self.beat_due = now + HEARTBEAT_EVERY_S
+        return end, ended
+
+
+def _forget(publisher: Publisher) -> None:
+    if publishers.get(publisher.run.public_id) is publisher:
+        del publishers[publisher.run.public_id]
+
+
+#: Publishers with something to send (new events, or their end).
+_dirty: set[Publisher] = set()
+_wake: asyncio.Event | None = None
+_sender: asyncio.Task[None] | None = None
+
+
+def _wake_sender() -> None:
+    global _wake, _sender
+    if _sender is None or _sender.done():
+        _wake = asyncio.Event()
+        _sender = detached_task(_send())
+    assert _wake is not None
+    _wake.set()
+
+
+async def _send() -> None:
+    """This process's one sender: every run's pending events, heartbeats and ends in one
+    pipeline per round trip, so that under load a round trip carries many runs' tokens (and
+    a drain's hundreds of ends), on one connection."""
+    assert _wake is not None
+    wake = _wake
+    while publishers:
+        if not _dirty:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), HEARTBEAT_EVERY_S)
+        wake.clear()
+        now = time.monotonic()
+        due = {p for p in publishers.values() if now >= p.beat_due}
+        batch = list(_dirty | due)
+        _dirty.clear()
+        if not batch:
+            continue
+        pipe = redis_clients.client().pipeline(transaction=False)
+        staged = []
+        for publisher in batch:
+            before = len(pipe)
+            end, ended = publisher.stage(pipe, now)
+            staged.append((publisher, end, ended, before, len(pipe)))
+        # The stops other processes were asked for this process's runs, in the same round trip.
+        pipe.lpop(stops_key(redis_clients.PROCESS), STOPS_PER_ROUND)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if _cancelled():
+                return
+            # Other processes miss these runs for now; their own connections do not.
+            logger.exception("could not publish runs' events to Redis")
+            for publisher, _, ended, _, _ in staged:
+                if ended:
+                    _forget(publisher)  # given up: its resumers will hear it is lost
+                else:
+                    _dirty.add(publisher)
+            await asyncio.sleep(HEARTBEAT_EVERY_S)
+            continue
+        for publisher, end, ended, first, last in staged:
+            if any(isinstance(result, Exception) for result in results[first:last]):
+                logger.warning("could not publish run %s's events to Redis", publisher.run.public_id)
+                if ended:
+                    _forget(publisher)
+                else:
+                    _dirty.add(publisher)
+                    publisher.beat_due = 0.0
+                continue
+            publisher.sent = end
+            if ended:
+                _forget(publisher)
+        if isinstance(results[-1], list):
+            for public_id in results[-1]:
+                asked = publishers.get(public_id.decode())
+                if asked is not None:
+                    asked.run.stop_asked()
+
+
+def _cancelled() -> bool:
+    """This task was asked to stop, even if the call it was in answered with another exception
+    (redis-py's connection may turn a cancel that meets its own read timeout into an error): a
+    loop that retried would outlive its event loop's shutdown (asyncio.run waits for it)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def has_readers(public_id: str) -> bool:
+    """Whether a process other than this one reads run `public_id` now (a follower, a resume):
+    then the run must not end early. False when Redis cannot say (the run ends as it would
+    without other processes)."""
+    try:
+        count = await redis_clients.client().zcount(readers_key(public_id), time.time() * 1000, "+inf")
+    except Exception as exc:
+        logger.warning("could not ask Redis who reads run %s: %r", public_id, exc)
+        return False
+    return bool(count)
+
+
+# -- the other processes' side --------------------------------------------------------------------
+
+
+async def claim(answer_key: str, public_id: str) -> str | None:
+    """Claim the upstream call for `answer_key` for run `public_id`: None when this process now
+    owns it (or Redis cannot say: then it calls the upstream itself), else the run id of its
+    live owner. An owner whose heartbeat is gone (killed) loses its claim to this one."""
+    try:
+        owner = await redis_clients.client().eval(
+            _CLAIM,
+            1,
+            claim_key(answer_key),
+            public_id,
+            int(HEARTBEAT_TTL_S * 1000),
+            OWNER_PREFIX,
+            redis_clients.PROCESS,
+        )
+    except Exception:
+        logger.exception("could not claim an upstream call in Redis")
+        return None
+    if not owner:
+        return None
+    return owner.decode() if isinstance(owner, bytes) else str(owner)
+
+
+def _new(fields: dict[bytes, bytes], seen: int) -> list[Event]:
+    """The events of a stream entry that come after the first `seen` of the run (an entry sent
+    again after a failed reply would repeat some: a client must never get a token twice)."""
+    batch: list[Event] = pickle.loads(fields[b"d"])
+    return batch[max(0, seen - int(fields[b"i"])) :]
+
+
+async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None:
+    """The events of run `public_id` that its stream holds now (all of them, from the first),
+    the id of the last entry read and the run's facts (Run.facts); None when Redis has no such
+    run."""
+    try:
+        entries: Any = await redis_clients.client().xrange(stream_key(public_id))
+    except Exception:
+        logger.exception("could not read a run from Redis")
+        return None
+    if not entries:
+        return None
+    events: list[Event] = []
+    for _, fields in entries:
+        events.extend(_new(fields, len(events)))
+    facts = entries[0][1].get(b"r")
+    return events, entries[-1][0].decode(), pickle.loads(facts) if facts else {}
+
+
+async def owner_alive(public_id: str) -> bool:
+    """Whether the process that holds run `public_id` still beats (True when Redis cannot say)."""
+    try:
+        return bool(await redis_clients.client().exists(owner_key(public_id)))
+    except Exception:
+        return True
+
+
+async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
+    """Stop run `public_id`, live in another process, for the client that started it: True
+    once its owner has taken the stop (it ended stopped, or goes on only for other readers),
+    False when it ended otherwise first; None when no process holds it for this client."""
+    redis = redis_clients.client()
+    try:
+        owner = await redis.get(owner_key(public_id))
+        if owner is None:
+            return None
+        first: Any = await redis.xrange(stream_key(public_id), count=1)
+        if not first or first[0][1].get(b"c") != client_key.encode():
+            return None
+        key = stops_key(owner.decode() if isinstance(owner, bytes) else str(owner))
+        pipe = redis.pipeline(transaction=False)
+        pipe.rpush(key, public_id)
+        pipe.expire(key, int(HEARTBEAT_TTL_S) + 1)  # a dead owner's list goes with it
+        await pipe.execute()
+    except Exception:
+        logger.exception("could not ask another process to stop a run")
+        return None
+    # The stop is taken within a round trip of the owner's sender; a run that other processes
+    # still read goes on for them, so its end is not waited for: only a Done that came first.
+    try:
+        async with asyncio.timeout(STOP_WAIT_S), contextlib.aclosing(follow(public_id, lease=False)) as events:
+            async for event in events:
+                if isinstance(event, Error):
+                    return event.code is ErrorCode.STOPPED
+                if isinstance(event, Done):
+                    return False
+    except TimeoutError:
+        pass
+    return True
+
+
+_reader_ids = itertools.count(1)
+
+
+async def follow(
+    public_id: str,
+    *,
+    last: str = "0-0",
+    keepalive_s: float | None = None,
+    for_run: bool = False,
+    skip: int = 0,
+    seen: int = 0,
+    lease: bool = True,
+) -> AsyncGenerator[Event, None]:
+    """The events of run `public_id` from its stream, after entry `last`, as they come, ending
+    with its terminal event; `generation_lost` when its owner is gone (heartbeat expired) before
+    that. Pings after `keepalive_s` of quiet when given. `for_run`: the events feed a flight of
+    our own (a follower), which is told by OwnerGone when the owner's run ends for its own
+    connections' sake (stopped, abandoned, drained) or is lost, instead of an event. `skip`: how
+    many events to leave out first (a follower leaves out the owner's opening Meta: its run has
+    its own). `seen`: how many events the entries up to `last` hold. `lease`: hold a reader
+    lease on the run while reading (every reader but a stop's own look)."""
+    redis = redis_clients.reader()
+    stream, owner, readers = stream_key(public_id), owner_key(public_id), readers_key(public_id)
+    me = f"{redis_clients.PROCESS}:{next(_reader_ids)}"
+    wait = redis_clients.block_ms()
+    quiet_since = time.monotonic()
+    renew_at = 0.0
+    try:
+        while True:
+            if lease and time.monotonic() >= renew_at:
+                renew_at = time.monotonic() + READER_RENEW_S
+                with contextlib.suppress(Exception):  # a lease that fails costs a stop's wait
+                    pipe = redis_clients.client().pipeline(transaction=False)
+                    pipe.zadd(readers, {me: time.time() * 1000 + READER_TTL_S * 1000})
+                    pipe.pexpire(readers, int(READER_TTL_S * 1000))
+                    await pipe.execute()
+            try:
+                answer: Any = await redis.xread({stream: last}, block=wait, count=64)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("could not follow a run in Redis")
+                if for_run:
+                    raise OwnerGone("redis") from None
+                yield generation_lost()
+                return
+            if answer:
+                for entry_id, fields in answer[0][1]:
+                    last = entry_id.decode()
+                    batch = _new(fields, seen)
+                    seen += len(batch)
+                    for event in batch:
+                        if skip:
+                            skip -= 1
+                            continue
+                        kind = type(event)
+                        if isinstance(event, Error) and for_run and event.code in RUN_ENDINGS:
+                            raise OwnerGone(event.code)
+                        yield event
+                        if kind is Done or kind is Error:
+                            return
+                quiet_since = time.monotonic()
+                continue
+            try:
+                alive = await redis.exists(owner)
+                if not alive:
+                    # One last look: the owner may have sent its end just before its key went.
+                    answer = await redis.xread({stream: last}, count=64)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("could not follow a run in Redis")
+                alive, answer = 0, None
+            if not alive and not answer:
+                logger.warning("run %s lost: its process stopped publishing it", public_id)
+                if for_run:
+                    raise OwnerGone("heartbeat")
+                yield generation_lost()
+                return
+            if not alive:
+                continue  # the end came: read it on the next turn
+            if keepalive_s is not None and time.monotonic() - quiet_since >= keepalive_s:
+                quiet_since = time.monotonic()
+                yield Ping()
+    finally:
+        if lease and renew_at:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(redis_clients.client().zrem(readers, me))
