@@ -287,7 +287,9 @@ async def stream_generation(
                         shared_runs.follow(owner, for_run=True, skip=1), plan, _storer(key, ttl)
                     )
             run.attach(flight)
-        listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s)
+        listener = run.subscribe(
+            0, ticket=ticket, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
+        )
         ticket = None  # the connection's now: given back when it ends
         if cursor is not None:
             cursor.bind(run.public_id, listener, run)

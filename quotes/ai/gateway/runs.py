@@ -669,7 +669,9 @@ class Resumed:
     cursor: Cursor
 
 
-async def resume(public_id: str, after: int, *, client_key: str, options: GatewaySettings) -> Resumed | Error | None:
+async def resume(
+    public_id: str, after: int, *, client_key: str, options: GatewaySettings
+) -> Resumed | Error | None:
     """The events of generation `public_id` after the `after`-th, then the live rest: from the
     run in this process, else from its finished events in the cache, else (with REDIS_URL) from
     its events in Redis, live in another process; None when none has it (unknown, expired, or

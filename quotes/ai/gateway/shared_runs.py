@@ -416,7 +416,10 @@ async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
     # The stop is taken within a round trip of the owner's sender; a run that other processes
     # still read goes on for them, so its end is not waited for: only a Done that came first.
     try:
-        async with asyncio.timeout(STOP_WAIT_S), contextlib.aclosing(follow(public_id, lease=False)) as events:
+        async with (
+            asyncio.timeout(STOP_WAIT_S),
+            contextlib.aclosing(follow(public_id, lease=False)) as events,
+        ):
             async for event in events:
                 if isinstance(event, Error):
                     return event.code is ErrorCode.STOPPED
