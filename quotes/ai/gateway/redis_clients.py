@@ -23,7 +23,7 @@ from django.conf import settings
 PROCESS = uuid.uuid4().hex
 
 #: Short calls share a few connections.
-SHORT_CONNECTIONS = 32
+SHORT_CONNECTIONS = 16
 #: Blocking reads, one connection each while they wait. Bounded: admission bounds the readers
 #: (every reader is an admitted connection), and this bounds what a fault could still open.
 BLOCKING_CONNECTIONS = 1_000

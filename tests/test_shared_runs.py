@@ -1,4 +1,4 @@
-"""Streams across processes (issue 14, quotes.ai.gateway.relay): two real daphne processes (A and
+"""Streams across processes (issue 14, quotes.ai.gateway.shared_runs): two real daphne processes (A and
 B, started with the systemd unit's own command, tests/deployed.py) sharing a real Redis and one
 database, answering from the fake Workers AI on 127.0.0.1.
 
@@ -20,12 +20,14 @@ Each needs Redis (the `redis_server` fixture, a real redis-server: never skipped
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +36,7 @@ import httpx
 import pytest
 import redis
 
+from quotes.ai.gateway import redis_clients
 from tests.deployed import ROOT, environment, events_of, running_daphne, text_of, wait_for
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
@@ -73,7 +76,7 @@ def pair(
     contexts: list[Iterator[subprocess.Popen[bytes]]] = []
     database = tmp_path / "db.sqlite3"
 
-    def start(cache_ttl: int) -> Pair:
+    def start(cache_ttl: int, **overrides: str) -> Pair:
         env = environment(
             DATABASE_URL=f"sqlite:///{database}",
             REDIS_URL=redis_server.rsplit("/", 1)[0] + "/5",  # a database of its own, emptied first
@@ -87,6 +90,7 @@ def pair(
             QUOTES_MAX_ATTEMPTS="1",
             QUOTES_DRAIN_TIMEOUT_S="1",
             QUOTES_TRUSTED_PROXIES="127.0.0.1",  # so a test can speak for another client
+            **overrides,
         )
         redis.Redis.from_url(env["REDIS_URL"]).flushdb()
         subprocess.run(
@@ -208,12 +212,12 @@ def test_relay_a_stop_sent_to_the_other_process_stops_the_stream_at_once(
     assert (status, code) == ("cancelled", "stopped")
 
 
-def test_relay_a_follower_whose_owner_gives_up_before_a_token_calls_the_upstream_itself(
+def test_relay_a_stop_before_a_token_leaves_the_call_going_for_the_other_process(
     pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
 ) -> None:
     # A's upstream call is slow to start; B's identical request follows it; A's client stops
-    # before a token came: B calls the upstream itself, and its row says so (a miss, not a hit).
-    fake_workers_ai.script(Scenario(tokens=TOKENS, stall_before_s=10), Scenario(tokens=TOKENS))
+    # before a token came: the call goes on for B (a run lives while anyone reads it), one call.
+    fake_workers_ai.script(Scenario(tokens=TOKENS, stall_before_s=2))
     servers = pair(3600)
 
     on_a = ask_in_background(servers.a.url)
@@ -230,13 +234,13 @@ def test_relay_a_follower_whose_owner_gives_up_before_a_token_calls_the_upstream
     body = on_b().splitlines()
 
     assert stopped.json() == {"id": quote_id, "stopped": True}
-    assert len(fake_workers_ai.requests) == 2
+    assert len(fake_workers_ai.requests) == 1
     assert json.loads(on_a())["error"]["code"] == "stopped"  # before a token: a JSON error
     assert text_of(events_of(body)) == "".join(TOKENS)
     wait_for(lambda: len(servers.rows()) == 2, "both rows")
     assert sorted((status, code, cache) for _, status, code, cache in servers.rows()) == [
         ("cancelled", "stopped", "miss"),
-        ("ok", "", "miss"),
+        ("ok", "", "hit"),
     ]
 
 
@@ -298,12 +302,10 @@ def test_relay_a_stream_cut_by_a_drain_resumes_on_the_other_process_to_a_clean_e
     error = json.loads(events[-1]["data"])["error"]
     assert error["code"] == "generation_lost", error
     assert len(fake_workers_ai.requests) == 1
-    # A's row for the generation, B's for the resume it could not carry on.
-    wait_for(lambda: len(servers.rows()) == 2, "the resume's row")
-    assert [(status, code) for _, status, code, _ in servers.rows()] == [
-        ("cancelled", "server_draining"),
-        ("error", "generation_lost"),
-    ]
+    # A's row for the generation, and no other: the resume found it lost, and it has its row.
+    wait_for(lambda: len(servers.rows()) == 1, "A's row")
+    time.sleep(0.5)  # a row the resume would have queued is written by now
+    assert [(status, code) for _, status, code, _ in servers.rows()] == [("cancelled", "server_draining")]
 
 
 def test_relay_a_draining_process_refuses_to_resume_a_run_it_does_not_hold(
@@ -333,3 +335,184 @@ def test_relay_a_draining_process_refuses_to_resume_a_run_it_does_not_hold(
     servers.a.process.wait(20)
     # Counted like a refused new stream.
     assert ("busy", "server_draining") in [(status, code) for _, status, code, _ in servers.rows()]
+
+
+# -- issue 19: the cross-process cases, with clients on distinct loopback addresses --------------
+
+
+def client_at(address: str) -> httpx.Client:
+    """A client whose connections come from `address` (127.0.0.x): a client of its own to the
+    servers, as a visitor on another machine is."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=30)
+
+
+def test_shared_a_stop_by_one_client_leaves_another_process_reader_its_whole_quote(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(150)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.03))
+    servers = pair(3600)
+
+    with (
+        client_at("127.0.0.2") as alice,
+        client_at("127.0.0.3") as bob,
+        alice.stream("POST", servers.a.url + STREAM, json=QUOTE) as on_a,
+    ):
+        quote_id = on_a.headers["X-Quote-Id"]
+        alice_lines = on_a.iter_lines()
+        lines_until_tokens(alice_lines, 3)
+        with bob.stream("POST", servers.b.url + STREAM, json=QUOTE) as on_b:
+            bob_lines = on_b.iter_lines()
+            bob_head = lines_until_tokens(bob_lines, 5)  # B follows A's run
+            stopped = alice.post(f"{servers.a.url}/api/quotes/{quote_id}/stop")
+            alice_rest = list(alice_lines)
+            bob_rest = list(bob_lines)
+
+    assert stopped.json() == {"id": quote_id, "stopped": True}
+    assert json.loads(events_of(alice_rest)[-1]["data"])["error"]["code"] == "stopped"
+    bob_events = events_of(bob_head + bob_rest)
+    assert bob_events[-1]["data"] == "[DONE]", bob_rest[-6:]
+    assert text_of(bob_events) == "".join(tokens)
+    assert len(fake_workers_ai.requests) == 1
+    wait_for(lambda: len(servers.rows()) == 2, "both rows")
+    assert sorted((status, code, cache) for _, status, code, cache in servers.rows()) == [
+        ("cancelled", "stopped", "miss"),  # A's: its client stopped it (the upstream's cost is on it)
+        ("ok", "", "hit"),
+    ]
+
+
+def test_shared_an_identical_request_after_the_owner_is_killed_gets_a_whole_quote(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05), Scenario(tokens=TOKENS))
+    servers = pair(3600)
+
+    with client_at("127.0.0.2") as alice, alice.stream("POST", servers.a.url + STREAM, json=QUOTE) as on_a:
+        lines_until_tokens(on_a.iter_lines(), 3)
+        servers.a.process.send_signal(signal.SIGKILL)
+        servers.a.process.wait(10)
+    time.sleep(5)
+    with client_at("127.0.0.3") as bob:
+        answer = bob.post(servers.b.url + STREAM, json=QUOTE)
+
+    assert answer.status_code == 200, answer.text
+    events = events_of(answer.text.splitlines())
+    assert events[-1]["data"] == "[DONE]", events[-3:]
+    assert text_of(events) == "".join(TOKENS)  # its own call, from the start: nothing of the dead one's
+    assert len(fake_workers_ai.requests) == 2
+
+
+def test_shared_a_killed_process_client_slots_come_back_within_seconds(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(*[Scenario(tokens=tokens, token_delay_s=0.05)] * 3)
+    servers = pair(0, QUOTES_MAX_CONCURRENT_STREAMS="3")
+
+    with client_at("127.0.0.2") as carol, contextlib.ExitStack() as streams:
+        readers = []  # kept: an httpx line iterator dropped mid-stream closes its connection
+        for n in range(3):
+            stream = streams.enter_context(
+                carol.stream("POST", servers.a.url + STREAM, json={**QUOTE, "topic": f"t{n}"})
+            )
+            readers.append(stream.iter_lines())
+            lines_until_tokens(readers[-1], 1)
+        full = carol.post(servers.b.url + STREAM, json={**QUOTE, "topic": "more"})
+        assert (full.status_code, full.json()["error"]["code"]) == (429, "too_many_streams")
+        servers.a.process.send_signal(signal.SIGKILL)
+        servers.a.process.wait(10)
+
+    killed = time.monotonic()
+    answers = []
+    with client_at("127.0.0.2") as carol:
+        while time.monotonic() - killed < 30:
+            # Each refused try must extend nothing: asked every second, the slots still come back.
+            answer = carol.post(servers.b.url + STREAM, json={**QUOTE, "topic": "more"})
+            answers.append(answer.status_code)
+            if answer.status_code == 200:
+                break
+            assert answer.json()["error"]["code"] == "too_many_streams", answer.text
+            time.sleep(1)
+    assert answers[-1] == 200, f"the killed process's slots were still held 30 s later: {answers}"
+
+
+def test_shared_concurrent_resumes_by_one_client_are_admitted_up_to_its_limit(  # 40 of them
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05))  # 20 s
+    servers = pair(0, QUOTES_MAX_CONCURRENT_STREAMS="3")
+    store = redis.Redis.from_url(servers.redis_url)
+
+    with client_at("127.0.0.2") as dave:
+        with dave.stream("POST", servers.a.url + STREAM, json=QUOTE) as on_a:
+            head = lines_until_tokens(on_a.iter_lines(), 3)
+            time.sleep(0.5)  # what the client has seen is in Redis (published a round trip later)
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+    before = int(store.info("clients")["connected_clients"])
+    statuses: list[tuple[int, str]] = []
+    opened = threading.Barrier(41)
+    release = threading.Event()
+
+    def resume() -> None:
+        with (
+            client_at("127.0.0.2") as client,
+            client.stream(
+                "POST", servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id}
+            ) as answer,
+        ):
+            code = "" if answer.status_code == 200 else json.loads(answer.read())["error"]["code"]
+            statuses.append((answer.status_code, code))
+            opened.wait(30)
+            release.wait(30)
+
+    threads = [threading.Thread(target=resume) for _ in range(40)]
+    for thread in threads:
+        thread.start()
+    try:
+        opened.wait(30)
+        during = int(store.info("clients")["connected_clients"])
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(30)
+        store.close()
+
+    admitted = [status for status in statuses if status[0] == 200]
+    assert 1 <= len(admitted) <= 3, statuses
+    assert sorted(set(statuses) - {(200, "")}) == [(429, "too_many_streams")], statuses
+    # Bounded: the short calls' pool, and one reader per admitted resume (not one per request).
+    assert during - before <= redis_clients.SHORT_CONNECTIONS + 3 + 2, (before, during)
+
+
+def test_shared_resumes_of_a_lost_run_write_one_row_under_its_own_id(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05))
+    servers = pair(0)
+
+    with client_at("127.0.0.2") as erin:
+        with erin.stream("POST", servers.a.url + STREAM, json=QUOTE) as on_a:
+            quote_id = on_a.headers["X-Quote-Id"]
+            lines = on_a.iter_lines()
+            head = lines_until_tokens(lines, 3)
+            time.sleep(0.5)  # what the client has seen is in Redis (published a round trip later)
+            servers.a.process.send_signal(signal.SIGKILL)
+            servers.a.process.wait(10)
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+        resumes = [
+            erin.post(servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id})
+            for _ in range(5)
+        ]
+
+    for resumed in resumes:
+        assert resumed.status_code == 200, resumed.text
+        last = events_of(resumed.text.splitlines())[-1]
+        assert json.loads(last["data"])["error"]["code"] == "generation_lost", resumed.text[-300:]
+    time.sleep(1)  # any row a resume queued is written by now
+    wait_for(lambda: len(servers.rows()) >= 1, "the lost generation's row")
+    assert [(row[0].replace("-", ""), row[1], row[2]) for row in servers.rows()] == [
+        (quote_id.replace("-", ""), "error", "generation_lost")
+    ]
