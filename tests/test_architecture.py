@@ -127,3 +127,64 @@ def test_the_rules_see_a_breach() -> None:
         if isinstance(node, ast.ImportFrom):
             found.append((resolve("quotes.ai.gateway.policy", path, node), node.names[0].name))
     assert found == [("quotes.views", "_x"), ("quotes.ai", "sse")]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Which of the project's modules each imports, deferred and TYPE_CHECKING imports included.
+    `from package import name` names the submodule when `name` is one, else the package."""
+    known = {module for _, module in modules()}
+    graph: dict[str, set[str]] = {}
+    for path, module in modules():
+        edges = graph.setdefault(module, set())
+        for source, name, _ in imports(path, module):
+            target = f"{source}.{name}" if name and f"{source}.{name}" in known else source
+            if target in known and target != module:
+                edges.add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """Calls go down: no import cycle among the project's modules, deferred imports included
+    (a deferred import hides a cycle from Python, not from a reader)."""
+    assert cycles(module_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -9,10 +9,9 @@ raw strings, so a typo is a mypy error rather than a silently skipped retry.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
-
-from .events import Error
 
 
 class ErrorCode(StrEnum):
@@ -76,6 +75,18 @@ class ErrorCode(StrEnum):
     UPSTREAM_REJECTED = "upstream_rejected"
     UPSTREAM_DROPPED = "upstream_dropped"
     UPSTREAM_MALFORMED = "upstream_malformed"
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """The stream failed. `code` is stable and machine-readable, `message` is for people,
+    `status` is the HTTP status to answer with when no byte has been sent yet, and
+    `retry_after` (seconds) says when trying again makes sense."""
+
+    code: ErrorCode
+    message: str
+    status: int = 502
+    retry_after: int | None = None
 
 
 class QuoteError(Exception):

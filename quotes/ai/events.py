@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from .errors import ErrorCode
+from .errors import Error  # an event too: defined with the error vocabulary it carries
 
 Role = Literal["system", "user", "assistant"]
 
@@ -160,18 +159,6 @@ class Meta:
 @dataclass(frozen=True, slots=True)
 class Done:
     """The stream ended normally."""
-
-
-@dataclass(frozen=True, slots=True)
-class Error:
-    """The stream failed. `code` is stable and machine-readable, `message` is for people,
-    `status` is the HTTP status to answer with when no byte has been sent yet, and
-    `retry_after` (seconds) says when trying again makes sense."""
-
-    code: ErrorCode
-    message: str
-    status: int = 502
-    retry_after: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
