@@ -358,6 +358,10 @@ def _parse_rate(name: str, value: str) -> tuple[int, int]:
     return int(count), _RATE_UNITS[unit]
 
 
+_CLIENT_RATE = _parse_rate("QUOTES_RATE_LIMIT", env.str("QUOTES_RATE_LIMIT", default="20/m"))
+#: Unless QUOTES_NETWORK_RATE_LIMIT says otherwise, a network may ask this many times what one
+#: client may: a household or an office shares one /24 or /48.
+NETWORK_RATE_FACTOR = 6
 QUOTES_GATEWAY = GatewaySettings(
     # Our cache sits in front of every backend: QUOTES_CACHE_TTL, else the gateway's TTL, else an
     # hour. 0 turns it off; a persona may override it.
@@ -369,7 +373,12 @@ QUOTES_GATEWAY = GatewaySettings(
     replay_pacing_ms=_env_or_error("QUOTES_CACHE_REPLAY_PACING_MS", int, 5),
     # Per client (the user when logged in, else the IP's network): a fixed window, shared
     # through the cache.
-    rate_limit=_parse_rate("QUOTES_RATE_LIMIT", env.str("QUOTES_RATE_LIMIT", default="20/m")),
+    rate_limit=_CLIENT_RATE,
+    # Per network (QUOTES_IPV6_NETWORK_PREFIX / QUOTES_IPV4_NETWORK_PREFIX): a second, higher
+    # budget, so that many addresses of one delegation do not each get a client's whole budget.
+    network_rate_limit=_parse_rate("QUOTES_NETWORK_RATE_LIMIT", env.str("QUOTES_NETWORK_RATE_LIMIT"))
+    if env.str("QUOTES_NETWORK_RATE_LIMIT", default="")
+    else (_CLIENT_RATE[0] * NETWORK_RATE_FACTOR, _CLIENT_RATE[1]),
     # Thumbs up/down posted per client, counted apart from quotes.
     feedback_rate_limit=_parse_rate(
         "QUOTES_FEEDBACK_RATE_LIMIT", env.str("QUOTES_FEEDBACK_RATE_LIMIT", default="30/m")
@@ -424,6 +433,12 @@ _positive("QUOTES_RESUME_TTL_S", QUOTES_GATEWAY.resume_ttl_s, low=0)
 # addresses, and IPv4-mapped IPv6 ones, count whole).
 QUOTES_IPV6_PREFIX = cast(int, _env_or_error("QUOTES_IPV6_PREFIX", int, 64))
 _positive("QUOTES_IPV6_PREFIX", QUOTES_IPV6_PREFIX, low=1, high=128)
+# The networks the second, coarser rate limit counts by (QUOTES_NETWORK_RATE_LIMIT): an IPv6 /48
+# is what one site or one provider's customer is usually given; an IPv4 /24, one small network.
+QUOTES_IPV6_NETWORK_PREFIX = cast(int, _env_or_error("QUOTES_IPV6_NETWORK_PREFIX", int, 48))
+_positive("QUOTES_IPV6_NETWORK_PREFIX", QUOTES_IPV6_NETWORK_PREFIX, low=1, high=128)
+QUOTES_IPV4_NETWORK_PREFIX = cast(int, _env_or_error("QUOTES_IPV4_NETWORK_PREFIX", int, 24))
+_positive("QUOTES_IPV4_NETWORK_PREFIX", QUOTES_IPV4_NETWORK_PREFIX, low=1, high=32)
 
 # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (quotes/security.py): addresses
 # or networks, and `unix` for a unix socket (no peer address). Anyone else's copy is ignored, so

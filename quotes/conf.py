@@ -30,6 +30,9 @@ class GatewaySettings:
     #: (requests, window in seconds) per client, a fixed window shared through the cache
     rate_limit: tuple[int, int]
     feedback_rate_limit: tuple[int, int]
+    #: (requests, window in seconds) per network (an IPv6 /48, an IPv4 /24), a second, higher
+    #: budget: whoever holds a /48 holds 65,536 of the per-client buckets
+    network_rate_limit: tuple[int, int]
     max_concurrent_streams: int
     #: per process, whoever asks: past it a stream is refused at once (503 over_capacity)
     max_open_streams: int

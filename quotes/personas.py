@@ -15,7 +15,8 @@ admin), so each process keeps them in memory, checked against one value in Djang
   (several processes on the in-memory cache) or a change made behind the ORM's back (raw SQL)
   is never stale for long.
 
-Unknown slugs are not remembered (a stranger could fill the memory with them).
+An unknown slug is remembered for MISS_TTL_S (each would otherwise cost a query), in a bounded
+table that is emptied when full (a stranger cannot fill the memory with them).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 VERSION_KEY = "quotes:personas:version"
 #: The longest an entry is trusted without reading the database again.
 MAX_AGE_S = 30.0
+#: How long an unknown slug is known to be unknown, and how many are remembered at most.
+MISS_TTL_S = 10.0
+MAX_MISSES = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,7 @@ class ActivePersona:
 
 
 _entries: dict[str, ActivePersona] = {}
+_misses: dict[str, float] = {}  # unknown slugs, by when they were looked up
 _loading: dict[str, asyncio.Future[ActivePersona | None]] = {}
 _under: str | None = None  # the version value the entries were loaded under (None: none yet)
 
@@ -67,9 +72,13 @@ async def get_active(slug: str) -> ActivePersona | None:
         current = None
     if current is None or current != _under:
         _entries.clear()
+        _misses.clear()
         _under = current
     entry = _entries.get(slug)
     now = time.monotonic()
+    missed = _misses.get(slug)
+    if entry is None and missed is not None and now - missed < MISS_TTL_S:
+        return None
     if entry is None or now - entry.loaded_at > MAX_AGE_S:
         # One load per slug at a time: a burst of requests for a persona not in memory (a process
         # that just started) waits for one query instead of sending one each.
@@ -81,6 +90,9 @@ async def get_active(slug: str) -> ActivePersona | None:
         entry = await asyncio.shield(loading)
         if entry is None:
             _entries.pop(slug, None)
+            if len(_misses) >= MAX_MISSES:
+                _misses.clear()
+            _misses[slug] = now
             return None
         if current is not None and _under == current:  # nothing changed while it loaded
             _entries[slug] = entry
@@ -97,6 +109,7 @@ def bump(**_: Any) -> None:
     """Persona data changed: forget it here, and tell every process through the shared cache."""
     global _under
     _entries.clear()
+    _misses.clear()
     _under = None
     cache.set(VERSION_KEY, uuid.uuid4().hex, timeout=None)
 

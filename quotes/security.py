@@ -67,6 +67,19 @@ def client_address(ip: str) -> str:
     return str(address)
 
 
+def client_network(ip: str) -> str:
+    """The network the coarser rate limit counts an address by: its IPv6 /48 or its IPv4 /24
+    (QUOTES_IPV6_NETWORK_PREFIX, QUOTES_IPV4_NETWORK_PREFIX); "" when it is not an address."""
+    address = _address(ip)
+    if address is None:
+        return ""
+    if isinstance(address, ipaddress.IPv6Address):
+        prefix = settings.QUOTES_IPV6_NETWORK_PREFIX
+    else:
+        prefix = settings.QUOTES_IPV4_NETWORK_PREFIX
+    return str(ipaddress.ip_network((int(address), prefix), strict=False))
+
+
 # --- trusted proxies --------------------------------------------------------------------------
 
 

@@ -50,7 +50,7 @@ from .ai.gateway.runs import stop as stop_run
 from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
-from .security import refuse_cross_site
+from .security import count_refused_start, refuse_cross_site
 from .transports import (
     Encoder,
     EventSourceEncoder,
@@ -322,6 +322,7 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
         quote = await parse_quote_request(params)
     except QuoteError as exc:
         headers = {"Allow": "GET, POST"} if exc.status == 405 else None
+        exc = await _counted(request, exc)
         if htmx:
             return _htmx_error_response(exc.as_event(), Meta(), headers)
         return error_response(exc, headers)
@@ -354,9 +355,25 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
             return _htmx_error_response(full, Meta())
         quote = await parse_quote_request(params)
     except QuoteError as exc:
+        exc = await _counted(request, exc)
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
     cursor = Cursor()
     return await _htmx_stream(_events_for(quote, client, "htmx", cursor), cursor)
+
+
+#: The refusals of a request's own input (bad JSON, an unknown persona, a body too large...):
+#: each counts against the client's rate limit, as a quote it asked for would, so that invalid
+#: requests are not free (each may cost a look-up). A cross-site refusal (403) does not: another
+#: site's page would spend its visitor's budget.
+_COUNTED_STATUSES = frozenset({400, 404, 405, 413, 415})
+
+
+async def _counted(request: HttpRequest, error: QuoteError) -> QuoteError:
+    """Count a refused request against its client: the 429 to answer instead once the client is
+    over its limit, else the request's own error."""
+    if error.status not in _COUNTED_STATUSES:
+        return error
+    return await count_refused_start((await client_of(request)).key) or error
 
 
 def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:

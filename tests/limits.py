@@ -9,7 +9,12 @@ from typing import Any
 
 
 def configure(settings: Any, **options: Any) -> None:
-    """Change some of the gateway's settings (pytest-django's `settings`) for this test."""
+    """Change some of the gateway's settings (pytest-django's `settings`) for this test. A raised
+    client rate limit raises the network's with it (as settings.py derives it), unless given."""
+    rate = options.get("rate_limit")
+    if rate is not None and "network_rate_limit" not in options:
+        current = settings.QUOTES_GATEWAY.network_rate_limit
+        options["network_rate_limit"] = (max(current[0], rate[0] * 6), rate[1])
     settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, **options)
 
 

@@ -42,6 +42,7 @@ def _roomy_limits(settings: Any) -> None:
     settings.QUOTES_GATEWAY = replace(
         settings.QUOTES_GATEWAY,
         rate_limit=(100_000, 60),
+        network_rate_limit=(1_000_000, 60),
         max_concurrent_streams=100_000,
         cache_ttl=0,
     )

@@ -134,6 +134,11 @@ if ARGV[7] == '1' then
   local n = redis.call('INCR', KEYS[1])
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   if n > tonumber(ARGV[1]) then return 1 end
+  if KEYS[3] ~= '' then
+    n = redis.call('INCR', KEYS[3])
+    redis.call('EXPIRE', KEYS[3], ARGV[9])
+    if n > tonumber(ARGV[8]) then return 3 end
+  end
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[3]) then return 2 end
@@ -242,11 +247,17 @@ class Ticket:
 
 
 async def admit(
-    client_key: str, options: GatewaySettings, *, new: bool = True, while_draining: bool = False
+    client_key: str,
+    options: GatewaySettings,
+    *,
+    network_key: str = "",
+    new: bool = True,
+    while_draining: bool = False,
 ) -> Ticket | Error:
     """Admit one connection for `client_key`: a Ticket, or the Error (503 draining or over
     capacity, 429 rate limited or too many streams) that refuses it. `new`: it starts a
     generation, and counts against the client's rate limit (a resume does not).
+    `network_key`: the client's network, counted against the coarser network limit too.
     `while_draining`: a resume of a run this process holds, served while it drains."""
     if drain.draining and not while_draining:
         return server_draining()
@@ -255,7 +266,9 @@ async def admit(
     limit, window = options.rate_limit
     lease = leases.new_id()
     try:
-        refused = await _take_slot(client_key, lease, limit=limit, window=window, options=options, new=new)
+        refused = await _take_slot(
+            client_key, lease, network_key=network_key, limit=limit, window=window, options=options, new=new
+        )
     except BaseException:
         open_streams.close()
         raise
@@ -265,8 +278,10 @@ async def admit(
             leases.keep_renewed()
         return Ticket(client_key, lease)
     open_streams.close()
-    reason, retry_after = refused
-    if reason == ErrorCode.RATE_LIMITED:
+    reason, retry_after, network = refused
+    if reason == ErrorCode.RATE_LIMITED and network:
+        message = f"Your network has asked for many quotes in a short while. Try again in {retry_after} s."
+    elif reason == ErrorCode.RATE_LIMITED:
         message = f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s."
     else:
         message = "You already have quotes being written. Wait for one to finish."
@@ -278,26 +293,45 @@ TOO_MANY_STREAMS_RETRY_AFTER_S = 5
 
 
 async def _take_slot(
-    client_key: str, lease: str, *, limit: int, window: int, options: GatewaySettings, new: bool
-) -> tuple[ErrorCode, int] | None:
-    """Count the request (when `new`) and take a slot: None, or why not and when to try again.
+    client_key: str,
+    lease: str,
+    *,
+    network_key: str,
+    limit: int,
+    window: int,
+    options: GatewaySettings,
+    new: bool,
+) -> tuple[ErrorCode, int, bool] | None:
+    """Count the request (when `new`: against the client's limit, then its network's) and take
+    a slot: None, or why not, when to try again, and whether the network's limit refused it.
     On Redis, one atomic script (a request cancelled while it runs leaves at most a lease that
     nobody renews: it expires). In memory, no await: atomic by itself."""
     now = time.time()
     index = int(now // window)
     rate_key = limits.rate_key("rate", client_key, window, index)
     retry_after = max(1, math.ceil((index + 1) * window - now))
+    net_limit, net_window = options.network_rate_limit
+    net_index = int(now // net_window)
+    net_key = limits.rate_key("netrate", network_key, net_window, net_index) if network_key else ""
+    net_retry_after = max(1, math.ceil((net_index + 1) * net_window - now))
     if not redis_clients.enabled():
         if new and await limits.run_on_cache(limits.count_in_window, rate_key, window + 1) > limit:
-            return ErrorCode.RATE_LIMITED, retry_after
+            return ErrorCode.RATE_LIMITED, retry_after, False
+        if (
+            new
+            and net_key
+            and await limits.run_on_cache(limits.count_in_window, net_key, net_window + 1) > net_limit
+        ):
+            return ErrorCode.RATE_LIMITED, net_retry_after, True
         if leases.count(client_key) >= options.max_concurrent_streams:
-            return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S
+            return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False
         return None
     answer = await redis_clients.client().eval(
         _ADMIT,
-        2,
+        3,
         limits.cache_key(rate_key),
         lease_key(client_key),
+        limits.cache_key(net_key) if net_key else "",
         limit,
         window + 1,
         options.max_concurrent_streams,
@@ -305,11 +339,15 @@ async def _take_slot(
         int(LEASE_TTL_S * 1000),
         lease,
         "1" if new else "0",
+        net_limit,
+        net_window + 1,
     )
     if answer == 1:
-        return ErrorCode.RATE_LIMITED, retry_after
+        return ErrorCode.RATE_LIMITED, retry_after, False
     if answer == 2:
-        return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S
+        return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False
+    if answer == 3:
+        return ErrorCode.RATE_LIMITED, net_retry_after, True
     return None
 
 

@@ -21,7 +21,7 @@ from django.conf import settings
 
 from ... import metrics, personas
 from ...models import Generation, Persona, PersonaVersion
-from ...security import client_address
+from ...security import client_address, client_network
 from ..backends import backend_for
 from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
@@ -43,12 +43,25 @@ class Client:
     key: str
     ip_hash: str
     user_id: int | None = None
+    #: the network it asks from (a salted hash of its IPv6 /48 or IPv4 /24; "" when unknown), for
+    #: the coarser rate limit
+    network_key: str = ""
 
     @classmethod
     def from_request(cls, ip: str, user_id: int | None = None) -> Client:
+        network = client_network(ip)
         ip = client_address(ip)  # an IPv6 address counts as its /64 (QUOTES_IPV6_PREFIX)
-        ip_hash = hmac.new(settings.SECRET_KEY.encode(), ip.encode(), hashlib.sha256).hexdigest()[:32]
-        return cls(key=f"user:{user_id}" if user_id else f"ip:{ip_hash}", ip_hash=ip_hash, user_id=user_id)
+        ip_hash = _salted(ip)
+        return cls(
+            key=f"user:{user_id}" if user_id else f"ip:{ip_hash}",
+            ip_hash=ip_hash,
+            user_id=user_id,
+            network_key=f"net:{_salted(network)}" if network else "",
+        )
+
+
+def _salted(text: str) -> str:
+    return hmac.new(settings.SECRET_KEY.encode(), text.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 ANONYMOUS = Client(key="local", ip_hash="")
@@ -181,7 +194,7 @@ async def stream_generation(
     metrics.stream_opened(transport)  # from here on, log() runs whatever happens
     run: Run | None = None
     try:
-        admitted = await admission.admit(client.key, options)
+        admitted = await admission.admit(client.key, options, network_key=client.network_key)
         if type(admitted) is Error:
             # Counted per client and window, not logged one full row each (see refusals.py).
             logged = True
