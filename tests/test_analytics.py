@@ -275,6 +275,10 @@ def test_analytics_range_filter_changes_the_numbers(admin_client: Client, recent
         ({"range": "custom", "start": "yesterday", "end": "2025-02-01"}, "Enter a valid date"),
         ({"range": "custom", "start": "2020-01-01", "end": "2025-01-01"}, "at most 366 days"),
         ({"range": "forever"}, "Select a valid choice"),
+        # Issue 20: the last days a date can hold raised OverflowError (a 500) computing the end.
+        ({"range": "custom", "start": "9999-12-30", "end": "9999-12-31"}, "starts in the future"),
+        ({"range": "custom", "start": "9999-12-31", "end": "9999-12-31"}, "starts in the future"),
+        ({"range": "custom", "start": "2025-01-01", "end": "9999-12-31"}, "at most 366 days"),
     ],
 )
 def test_analytics_bad_range_is_a_form_error(
@@ -286,6 +290,14 @@ def test_analytics_bad_range_is_a_form_error(
     html = response.content.decode()
     assert 'class="errornote' in html and message in html
     assert "pq-tile" not in html
+
+
+def test_analytics_range_at_the_first_days_a_date_holds(admin_client: Client, recent_log: None) -> None:
+    """The other end of the calendar: a range in year 1 is a valid, empty range, not a 500."""
+    response = admin_client.get(ANALYTICS, {"range": "custom", "start": "0001-01-01", "end": "0001-01-02"})
+
+    assert response.status_code == 200
+    assert _kpis(response.content.decode())["Requests"] == "0"
 
 
 def test_analytics_permissions(client: Client, db: None) -> None:
