@@ -292,6 +292,26 @@ def test_analytics_bad_range_is_a_form_error(
     assert "pq-tile" not in html
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"range": "30d", "bucket": "hour"},
+        {"range": "custom", "start": "2025-01-01", "end": "2025-01-31", "bucket": "hour"},
+    ],
+)
+def test_analytics_hourly_buckets_over_a_month_are_drawn(
+    admin_client: Client, recent_log: None, params: dict[str, str]
+) -> None:
+    """The form allows hourly buckets up to 31 days (744 of them): the time axis found no label
+    step for more than 648 (StopIteration, a 500)."""
+    response = admin_client.get(ANALYTICS, params)
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert 'class="errornote' not in html
+    assert 5 <= html.count('class="pq-tick" x=') <= 200  # a few labels per chart, not 744 each
+
+
 def test_analytics_range_at_the_first_days_a_date_holds(admin_client: Client, recent_log: None) -> None:
     """The other end of the calendar: a range in year 1 is a valid, empty range, not a 500."""
     response = admin_client.get(ANALYTICS, {"range": "custom", "start": "0001-01-01", "end": "0001-01-02"})
@@ -490,3 +510,10 @@ def test_gateway_stats_command_json(recent_log: None) -> None:
 def test_gateway_stats_command_rejects_a_bad_span(db: None) -> None:
     with pytest.raises(CommandError, match="is not a span"):
         call_command("gateway_stats", "--since", "soon")
+
+
+@pytest.mark.parametrize("since", ["1000000d", "99999999999d", "9999999999999999999999h"])
+def test_gateway_stats_command_rejects_a_span_past_the_calendar(db: None, since: str) -> None:
+    """A span reaching back before year 1, or past what a timedelta holds, was an OverflowError."""
+    with pytest.raises(CommandError, match="reaches back further than"):
+        call_command("gateway_stats", "--since", since, stdout=io.StringIO())
