@@ -324,6 +324,10 @@ BATTERY = [
         Bad("GET", STREAM_URL, query="persona=nobody&topic=it's'>x", status=404, code="unknown_persona"),
         id="get-raw-quotes-in-query",
     ),
+    pytest.param(
+        Bad("POST", FORM_URL, b"--x\r\nbroken", {**FORM, "content-type": "multipart/form-data; boundary="}),
+        id="form-multipart-without-boundary",
+    ),
 ]
 
 
