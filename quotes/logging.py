@@ -88,7 +88,7 @@ class RequestIdFilter(logging.Filter):
 
 
 #: Django's loggers that log a request's failure, with its status on the record (`status_code`).
-_REQUEST_LOGGERS = ("django.request", "django.security", "django.channels.server")
+_REQUEST_LOGGERS = ("django.request", "django.security")
 
 
 class ClientErrorFilter(logging.Filter):

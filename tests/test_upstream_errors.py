@@ -271,3 +271,44 @@ async def test_workers_ai_error_envelope_mid_stream_reaches_the_log_not_the_visi
     assert visitor_error(response)["code"] == "upstream_unavailable"
     assert_told_nothing(response.body.decode(), "500-database")
     assert_logged_redacted(caplog, "quotes.ai.backends.workers_ai", "500-database")
+
+
+# -- the redaction itself ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("said", "kept", "gone"),
+    [
+        ('{"api_key": "abc def", "password":"x"}', ('"api_key": ', '"password":'), ("abc def", '"x"')),
+        ("Authorization: Bearer eyJhbGciOi.x.y", ("Authorization: ",), ("eyJhbGciOi",)),
+        ("connect to [fe80::1%eth0]:8080 and 2001:db8::1 refused", ("connect to",), ("fe80", "2001:db8")),
+        ("db-primary.prod.internal and localhost:6379 refused", ("refused",), ("db-primary", "localhost")),
+        ("mail admin@acme.io for access", ("mail", "for access"), ("admin@acme.io",)),
+        ("request 3f2a9c1e-77b0-4c1d-9e2f-0a1b2c3d4e5f failed", ("request", "failed"), ("3f2a9c1e",)),
+        # What says what went wrong stays: model names, times, counts.
+        (
+            "model @cf/mistral/mistral-7b-instruct-v0.1 overloaded at 10:30:00",
+            ("mistral-7b-instruct-v0.1", "10:30:00"),
+            (),
+        ),
+        ("context window exceeded: 3000 tokens > 2048", ("3000 tokens > 2048",), ()),
+    ],
+)
+def test_upstream_text_takes_out_what_is_private_and_keeps_what_went_wrong(
+    said: str, kept: tuple[str, ...], gone: tuple[str, ...]
+) -> None:
+    from quotes.ai.errors import upstream_text
+
+    text = upstream_text(said)
+
+    assert all(part in text for part in kept), text
+    assert not any(part in text for part in gone), text
+
+
+def test_upstream_text_is_bounded_and_on_one_line() -> None:
+    from quotes.ai.errors import UPSTREAM_TEXT_LIMIT, upstream_text
+
+    text = upstream_text("<p>line one\nline two\r\n</p>" + "x " * 10_000)
+
+    assert text.startswith("line one line two") and "\n" not in text and "<p>" not in text
+    assert len(text) <= UPSTREAM_TEXT_LIMIT

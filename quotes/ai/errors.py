@@ -173,8 +173,9 @@ def upstream_status_error(status: int) -> Error:
 
 # -- what an upstream said, for the operator's log ------------------------------------------------
 
-#: How much of an upstream's error text reaches a log line, and how much of it is read (every
-#: pattern below starts only at a word's start, so each is linear in this; the bound keeps the worst case small).
+#: How much of an upstream's error text reaches a log line, and how much of it is read: every
+#: pattern below starts only where a word starts (linear in the text), and the bound keeps even
+#: a hostile 64 KB body cheap.
 UPSTREAM_TEXT_LIMIT = 300
 _READ_LIMIT = 4096
 _REDACTED = "[redacted]"
@@ -185,9 +186,10 @@ _CREDENTIAL_NAME = re.compile(r"(?i)pass|pwd|secret|token|key|auth|credential|co
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s\"',;]+")
 _URL = re.compile(r"(?i)(?<![a-z0-9+.-])[a-z][a-z0-9+.-]*://[^\s\"'<>()]+")
 _EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
-#: keys with a known prefix (sk-..., sk_live_..., org-...), then any long run mixing digits and
-#: letters (tokens, account and organisation ids)
-_KEY = re.compile(r"(?i)(?<![\w-])(?:sk|pk|rk|org|proj|acct|key)[-_][\w-]{8,}")
+#: keys with a known prefix (sk-..., sk_live_..., org-...); then any run of 20 or more word
+#: characters with 4 digits and 4 letters at least (tokens, account and request ids), which
+#: leaves model names (`mistral-7b-instruct-v0.1`) alone
+_KEY = re.compile(r"(?i)(?<![\w-])(?:sk|pk|rk|org)[-_][\w-]{8,}")
 _WORD = re.compile(r"(?<![\w-])[\w-]{20,}")
 _IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\d.])")
 _IPV6 = re.compile(
