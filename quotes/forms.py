@@ -118,13 +118,15 @@ class StatsRangeForm(forms.Form):
                 return data
             if end < start:
                 raise forms.ValidationError("The range ends before it starts: swap From and To.")
+            # Checked on the dates, before any arithmetic: the day after 9999-12-31 (the range's
+            # exclusive end) is past what a date can hold, an OverflowError.
+            if start > timezone.localdate(now):
+                raise forms.ValidationError("The range starts in the future.")
+            if (end - start).days + 1 > MAX_RANGE.days:
+                raise forms.ValidationError(f"Choose at most {MAX_RANGE.days} days.")
             tz = timezone.get_current_timezone()
             since = dt.datetime.combine(start, dt.time.min, tzinfo=tz)
             until = dt.datetime.combine(end + dt.timedelta(days=1), dt.time.min, tzinfo=tz)
-            if until - since > MAX_RANGE:
-                raise forms.ValidationError(f"Choose at most {MAX_RANGE.days} days.")
-            if since > now:
-                raise forms.ValidationError("The range starts in the future.")
             data["since"], data["until"] = since, until
         if data.get("bucket") == "hour" and data["until"] - data["since"] > dt.timedelta(days=31):
             self.add_error("bucket", "Hourly buckets go up to 31 days; choose Day or Auto.")

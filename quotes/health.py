@@ -11,7 +11,8 @@ shown only to staff and when DEBUG is on, and a failure's detail goes to the log
 
 A process that drains (it got SIGTERM: quotes.server) answers 503 `{"status": "draining"}` at
 once, without checks: it takes no new streams, so a load balancer (and the rolling restart in
-docs/deployment.md) must look elsewhere.
+docs/deployment.md) must look elsewhere. Its Retry-After says it is a refusal meant as such (it
+is logged at INFO: quotes.logging.ClientErrorFilter), not a failing check.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from django.core.cache import cache
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
 
-from .ai.gateway.admission import drain
+from .ai.gateway.admission import DRAINING_RETRY_AFTER_S, drain
 from .models import Persona
 
 CHECK_TIMEOUT_S = 3.0
@@ -105,7 +106,11 @@ async def _run(check: Callable[[], Awaitable[Check]]) -> Check:
 @require_safe
 async def healthz(request: HttpRequest) -> JsonResponse:
     if drain.draining:
-        return JsonResponse({"status": "draining"}, status=503, headers={"Cache-Control": "no-store"})
+        return JsonResponse(
+            {"status": "draining"},
+            status=503,
+            headers={"Cache-Control": "no-store", "Retry-After": str(DRAINING_RETRY_AFTER_S)},
+        )
     names = list(CHECKS)
     results = await asyncio.gather(*(_run(CHECKS[name]) for name in names))
     checks = dict(zip(names, results, strict=True))

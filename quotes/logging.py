@@ -1,10 +1,12 @@
-"""Request ids and log formats.
+"""Request ids, log levels and log formats.
 
 `RequestIdMiddleware` gives every request an id (the proxy's `X-Request-ID` when it looks sane,
 else a fresh one), keeps it in a context variable for the request's task, which is also the task
 that streams the body, and returns it as `X-Request-ID`. `RequestIdFilter` puts it on every log
 record, so lines from the view, the gateway and the backend of one request can be found together.
-The formatters also blank out the configured credentials, whatever a message contains.
+`ClientErrorFilter` gives Django's request and security lines the level of what happened: a
+client's mistake is no ERROR. The formatters also blank out the configured credentials and every
+query string (visitors' topics travel in them), whatever a message contains.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class RequestIdMiddleware:
         started = time.perf_counter()
         response = await self.get_response(request)
         response[REQUEST_ID_HEADER] = request_id
+        if response.status_code == 503 and response.has_header("Retry-After"):
+            # Read by ClientErrorFilter on django.request's line, logged after this returns.
+            request.announced_refusal = True  # type: ignore[attr-defined]
         path = request.get_full_path() if settings.QUOTES_LOG_CONTENT else request.path
         access_logger.info(
             "%s %s %s",
@@ -82,6 +87,40 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+#: Django's loggers that log a request's failure, with its status on the record (`status_code`).
+_REQUEST_LOGGERS = ("django.request", "django.security")
+
+
+class ClientErrorFilter(logging.Filter):
+    """Django's request and security lines at the level of what happened (a handler's filter:
+    a logger's would not see the `django.security.<Exception>` loggers' records).
+
+    Django logs a SuspiciousOperation (a bad Host header, a body over DATA_UPLOAD_MAX_MEMORY_SIZE,
+    too many form fields) at ERROR with its traceback, and every 5xx at ERROR. Anyone can send
+    those requests: a 4xx is the client's doing, logged at WARNING at most and without a
+    traceback, and a 503 that says when to come back (Retry-After: a draining process or one at
+    its stream cap, marked by RequestIdMiddleware) is a refusal we meant, logged at INFO. An
+    ERROR is left for what we broke."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(_REQUEST_LOGGERS):
+            return True
+        status = getattr(record, "status_code", None)
+        if not isinstance(status, int):
+            return True
+        if status < 500:
+            _lower(record, logging.WARNING)
+            record.exc_info = record.exc_text = record.stack_info = None
+        elif status == 503 and getattr(getattr(record, "request", None), "announced_refusal", False):
+            _lower(record, logging.INFO)
+        return True
+
+
+def _lower(record: logging.LogRecord, level: int) -> None:
+    if record.levelno > level:
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+
+
 def _secrets() -> list[str]:
     try:
         values = [
@@ -104,9 +143,11 @@ def redact(text: str) -> str:
     return text
 
 
-#: A query string right after a path or URL (`/x?topic=...`, `stream?persona=...`), up to a
-#: space, a quote or a bracket. Visitors' topics travel in query strings (EventSource is GET).
-_QUERY = re.compile(r"(?<=[\w/.%~+-])\?[^\s'\"<>]+")
+#: A query string right after a path or URL (`/x?topic=...`, `stream?persona=...`), up to the
+#: next blank. Visitors' topics travel in query strings (EventSource is GET), and a request line
+#: carries no blank, while a quote, a `>` or a bracket can be part of the topic (`?topic=it's`):
+#: the redaction may take a closing quote with it, never leave a topic's tail behind.
+_QUERY = re.compile(r"(?<=[^\s?])\?\S+")
 
 
 def redact_queries(text: str) -> str:
@@ -121,7 +162,10 @@ def redact_queries(text: str) -> str:
 
 def _scrubbed(value: Any) -> Any:
     """A log field with query strings and secrets out. Objects become their text first: a
-    request's repr (django.request puts the request on the record) carries its query string."""
+    request (django.request puts it on the record) becomes its method and path, without the
+    query string its repr has."""
+    if isinstance(value, HttpRequest):
+        return redact(redact_queries(f"{value.method} {value.get_full_path()}"))
     if isinstance(value, str):
         return redact(redact_queries(value))
     if value is None or isinstance(value, bool | int | float):

@@ -374,7 +374,10 @@ def parse_since(value: str, *, now: dt.datetime | None = None) -> dt.datetime:
     number, unit = value[:-1], value[-1:]
     if unit not in units or not number.isdigit() or int(number) <= 0:
         raise ValueError(f"{value!r} is not a span such as 24h, 7d or 30d.")
-    return (now or timezone.now()) - dt.timedelta(**{units[unit]: int(number)})
+    try:
+        return (now or timezone.now()) - dt.timedelta(**{units[unit]: int(number)})
+    except OverflowError:  # past what a timedelta holds, or before year 1
+        raise ValueError(f"{value!r} reaches back further than the calendar does.") from None
 
 
 # --- the diff between two versions -----------------------------------------------------------

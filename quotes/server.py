@@ -17,6 +17,11 @@ for the Deferreds they return), so a trigger of ours, even one returning a Defer
 daphne's back. So this runs daphne's own `Server` with Twisted's signal handlers off and
 handles the signals itself: the reactor is stopped (and daphne's shutdown runs) only once the
 drain is over.
+
+daphne's access log (on stdout unless `--access-log` says otherwise, as under `make run`) writes
+each request's path as it came, query string included, and visitors' topics travel in query
+strings: here it gets the path without it (`without_query`). The app's own access line
+(quotes.request) has the request id too; the deploy files send daphne's to /dev/null.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 # daphne.cli imports daphne.server first, which installs Twisted's asyncio reactor.
@@ -39,9 +45,27 @@ logger = logging.getLogger("quotes.server")  # run as __main__ (python -m)
 FLUSH_S = 0.5
 
 
+ActionLogger = Callable[[str, str, dict[str, Any]], None]
+
+
+def without_query(action_logger: ActionLogger) -> ActionLogger:
+    """daphne's `action_logger` (its access log), given each request's path without its query
+    string: `GET /api/quotes/stream?persona=x&topic=...` is logged as `GET /api/quotes/stream`."""
+
+    def log(protocol: str, action: str, details: dict[str, Any]) -> None:
+        path = details.get("path")
+        if isinstance(path, str) and "?" in path:
+            details = {**details, "path": path.partition("?")[0]}
+        action_logger(protocol, action, details)
+
+    return log
+
+
 class DrainingServer(Server):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["signal_handlers"] = False  # ours: see the module's docstring
+        if kwargs.get("action_logger") is not None:
+            kwargs["action_logger"] = without_query(kwargs["action_logger"])
         super().__init__(*args, **kwargs)
         self.draining: asyncio.Task[None] | None = None
 

@@ -62,6 +62,17 @@ def daphne_command(source: str, port: int) -> list[str]:
     return [sys.executable, "-m", *args]
 
 
+def make_command(target: str, port: int) -> list[str]:
+    """The command the Makefile's `target` runs (its one recipe line: `serve`, which `make run`
+    ends in), on 127.0.0.1:`port`: what a developer's server is."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = lines.index(f"{target}:")
+    recipe = next(line.strip() for line in lines[start + 1 :] if line.startswith("\t"))
+    args = shlex.split(recipe.replace("$(HOST)", "127.0.0.1").replace("$(PORT)", str(port)))
+    assert args[0].endswith("python") and args[1:3] == ["-m", "quotes.server"], args
+    return [sys.executable, *args[1:]]
+
+
 def environment(**overrides: str) -> dict[str, str]:
     prefixes = (
         "DJANGO_",

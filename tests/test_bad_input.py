@@ -7,8 +7,11 @@ other secret paths are covered in tests/test_workers_ai_endpoint.py).
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import AsyncIterator
+import logging
+import re
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -29,7 +32,10 @@ from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STREAM_URL = "/api/quotes/stream"
+FORM_URL = "/quotes/stream"  # the persona page's form
 JSON = {"content-type": "application/json"}
+#: a CSRF cookie, so Django's CSRF check reads a form's fields (and meets what is wrong with them)
+FORM = {"content-type": "application/x-www-form-urlencoded", "cookie": "csrftoken=" + "a" * 32}
 MAX_BODY = django_settings.QUOTES_MAX_BODY_BYTES
 TOO_LONG_TOPIC = "x" * (django_settings.QUOTES_MAX_TOPIC_CHARS + 1)
 INJECTIONS = ("{topic}", "{{7*7}}", "{% debug %}", "%(x)s", "${7*7}", "{0.__class__}", "</script><b>x")
@@ -300,11 +306,56 @@ BATTERY = [
         ),
         id="admin-login-no-csrf",
     ),
+    # -- issue 20: what Django answers 400 itself, and logged at ERROR with a traceback
+    pytest.param(Bad("GET", "/", headers={"host": "evil.example"}), id="bad-host-header"),
+    pytest.param(Bad("GET", STREAM_URL, headers={"host": "evil.example:1/x"}), id="bad-host-header-stream"),
+    pytest.param(
+        Bad("POST", FORM_URL, b"csrfmiddlewaretoken=x&topic=" + b"x" * (10 * 1024 * 1024), FORM),
+        id="form-10-mb",
+    ),
+    pytest.param(
+        Bad("POST", FORM_URL, "&".join(f"f{n}=1" for n in range(2000)).encode(), FORM), id="form-2000-fields"
+    ),
+    pytest.param(
+        Bad("POST", "/admin/login/", "&".join(f"f{n}=1" for n in range(2000)).encode(), FORM),
+        id="admin-login-2000-fields",
+    ),
+    pytest.param(
+        Bad("GET", STREAM_URL, query="persona=nobody&topic=it's'>x", status=404, code="unknown_persona"),
+        id="get-raw-quotes-in-query",
+    ),
+    pytest.param(
+        Bad("POST", FORM_URL, b"--x\r\nbroken", {**FORM, "content-type": "multipart/form-data; boundary="}),
+        id="form-multipart-without-boundary",
+    ),
 ]
 
 
+@pytest.fixture
+def log_output() -> Iterator[io.StringIO]:
+    """What the console handler that config/settings.py configures (its filters, its format)
+    writes during the test."""
+    import config.asgi  # noqa: F401  (its first import configures logging)
+
+    [console] = [h for h in logging.getLogger().handlers if h.get_name() == "console"]
+    assert isinstance(console, logging.StreamHandler)
+    buffer = io.StringIO()
+    previous = console.setStream(buffer)
+    yield buffer
+    console.setStream(previous)
+
+
+def assert_no_error_logged(output: str) -> None:
+    """A client's mistake is logged at WARNING at most, without a traceback (issue 20)."""
+    errors = re.findall(r"^.*\b(?:ERROR|CRITICAL)\b.*$", output, re.MULTILINE)
+    assert errors == [], output
+    assert "Traceback" not in output, output
+
+
 @pytest.mark.parametrize("bad", BATTERY)
-async def test_bad_input_gets_its_4xx_and_never_a_500(persona: Persona, unlimited: Any, bad: Bad) -> None:
+async def test_bad_input_gets_its_4xx_and_never_a_500(
+    persona: Persona, unlimited: Any, log_output: io.StringIO, bad: Bad
+) -> None:
     response = await send(bad.method, bad.path, bad.body, bad.headers, bad.query)
 
     if bad.code is not None:
@@ -314,6 +365,7 @@ async def test_bad_input_gets_its_4xx_and_never_a_500(persona: Persona, unlimite
     else:
         assert_readable_page(response, bad.status)
     assert not await Generation.objects.aexists()  # refused before the gateway: nothing to log
+    assert_no_error_logged(log_output.getvalue())
 
 
 def test_bad_input_battery_is_at_least_30_cases() -> None:
@@ -427,6 +479,7 @@ async def warm_answers(persona: Persona, local_backend: Any, unlimited: Any) -> 
 )
 async def test_bad_input_fuzzed_stream_requests_never_get_a_500(
     warm_answers: None,
+    log_output: io.StringIO,
     method: str,
     body: bytes,
     content_type: str,
@@ -445,6 +498,7 @@ async def test_bad_input_fuzzed_stream_requests_never_get_a_500(
     else:
         assert response.status == 200
         assert response.headers["content-type"] == "text/event-stream"
+    assert_no_error_logged(log_output.getvalue())
 
 
 # -- secrets in the admin -------------------------------------------------------------------------
@@ -536,13 +590,16 @@ FEEDBACK_AND_PERMALINK = [
 
 
 @pytest.mark.parametrize("bad", FEEDBACK_AND_PERMALINK)
-async def test_bad_input_feedback_and_permalink_get_their_4xx(persona: Persona, bad: Bad) -> None:
+async def test_bad_input_feedback_and_permalink_get_their_4xx(
+    persona: Persona, log_output: io.StringIO, bad: Bad
+) -> None:
     response = await send(bad.method, bad.path, bad.body, bad.headers, bad.query)
 
     if bad.path.endswith("/feedback") and bad.path != "/api/quotes/not-a-uuid/feedback":
         assert_json_error(response, bad.status, bad.code)
     else:
         assert_readable_page(response, bad.status)
+    assert_no_error_logged(log_output.getvalue())
 
 
 # -- the WebSocket consumer -----------------------------------------------------------------------------

@@ -172,6 +172,13 @@ def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(
     assert server.process.returncode == 0, tail(server.log)
     # The refusal is counted like an over-capacity one (a "busy" refusal row), the stream logged.
     assert sorted(server.rows()) == [("busy", "server_draining"), ("ok", "")]
+    # Issue 20: the drain's refusals (the stream's, /healthz's) are expected, logged at INFO;
+    # nothing is an ERROR.
+    lines = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
+    refusals = [line for line in lines if line["logger"] == "django.request" and line["status_code"] == 503]
+    assert {line["message"].partition(": ")[2] for line in refusals} == {STREAM, "/healthz"}, refusals
+    assert {line["level"] for line in refusals} == {"INFO"}, refusals
+    assert [line for line in lines if line["level"] in ("ERROR", "CRITICAL")] == []
 
 
 def test_every_refusal_of_a_draining_process_is_counted_up_to_its_exit(

@@ -261,3 +261,85 @@ def test_import_skips_the_retired_emoji_field_of_older_files(tmp_path: Path) -> 
     assert err == ""
     assert "0 created, 0 updated, 6 unchanged" in out
     assert snapshot() == before
+
+
+# --- issue 20: files that crashed the import instead of being reported ---------------------------
+
+
+def import_problems(path: Path) -> tuple[str, str]:
+    """The CommandError's message and what was written to stderr; fails if anything was imported."""
+    before = snapshot()
+    err = StringIO()
+    with pytest.raises(CommandError) as raised:
+        call_command("import_personas", str(path), stdout=StringIO(), stderr=err)
+    assert snapshot() == before
+    return str(raised.value), err.getvalue()
+
+
+@pytest.mark.parametrize("depth", [100_000, 5_000])
+def test_import_reports_a_deeply_nested_file(tmp_path: Path, depth: int) -> None:
+    path = tmp_path / "nested.json"
+    path.write_text("[" * depth + "]" * depth)
+
+    message, err = import_problems(path)
+
+    assert "1 problem in" in message
+    assert err.startswith(f"{path}:1: ") and "nested too deeply" in err, err
+
+
+def test_import_reports_a_deeply_nested_value(tmp_path: Path) -> None:
+    """A list inside a field's list is no persona value: it is named as such, before the type
+    checks and the model's validation, which would each recurse into it (at any depth)."""
+    depth = 200
+    text = '[\n  {"slug": "alan-watts",\n   "fallback_models": ' + "[" * depth + "]" * depth + "}\n]"
+    path = tmp_path / "nested.json"
+    path.write_text(text)
+
+    _, err = import_problems(path)
+
+    assert err.startswith(f"{path}:3: alan-watts.fallback_models: ") and "nested too deeply" in err, err
+
+
+@pytest.mark.parametrize(
+    ("entry", "line", "problem"),
+    [
+        # A lone surrogate is a valid JSON escape, and passes the model's validation; the
+        # database refuses it at insert (SQLite and PostgreSQL alike).
+        ('{"slug": "alan-watts", "name": "Bad \\ud800 name"}', "alan-watts.name: ", "not valid Unicode"),
+        (
+            '{"slug": "alan-watts", "default_topic": "\\udfff"}',
+            "alan-watts.default_topic: ",
+            "not valid Unicode",
+        ),
+        (
+            '{"slug": "alan-watts", "fallback_models": ["\\ud83d"]}',
+            "alan-watts.fallback_models: ",
+            "not valid Unicode",
+        ),
+        ('{"slug": "bad-\\ud800", "name": "X"}', "bad-\\ud800.slug: ", "not valid Unicode"),
+        ('{"slug": "alan-watts", "\\ud800": 1}', "alan-watts.\\ud800: ", "unknown field"),
+        # PostgreSQL refuses a NUL character in text at insert.
+        (
+            '{"slug": "alan-watts", "system_prompt": "You are\\u0000 Alan"}',
+            "alan-watts.system_prompt: ",
+            "NUL",
+        ),
+        # NaN and Infinity are not JSON, but Python's parser reads them.
+        ('{"slug": "alan-watts", "temperature": NaN}', "alan-watts.temperature: ", "not NaN"),
+        ('{"slug": "alan-watts", "top_p": -Infinity}', "alan-watts.top_p: ", "not -Infinity"),
+        ('{"slug": "alan-watts", "seed": 1e400}', "alan-watts.seed: ", "whole number"),
+        ('{"slug": "alan-watts", "seed": 100000000000000000000000000000}', "alan-watts.seed: ", ""),
+    ],
+)
+def test_import_reports_text_and_numbers_the_database_would_refuse(
+    tmp_path: Path, entry: str, line: str, problem: str
+) -> None:
+    path = tmp_path / "personas.json"
+    path.write_text("[\n" + entry + "\n]\n", encoding="utf-8")
+
+    message, err = import_problems(path)
+
+    assert "1 problem in" in message, (message, err)
+    assert err.startswith(f"{path}:2: {line}"), err
+    assert problem in err, err
+    err.encode("utf-8")  # the report itself is printable (a lone surrogate is escaped)

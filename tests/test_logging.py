@@ -226,3 +226,132 @@ def test_nginx_site_logs_every_server_in_the_query_free_format() -> None:
     assert servers == 4  # the public site on 80 and 443, and one metrics port per daphne process
     assert site.count("access_log /var/log/nginx/persona-quotes.access.log persona_quotes;") == servers
     assert "include /etc/nginx/snippets/persona-quotes-log.conf;" in site
+
+
+# --- issue 20: a developer's server, and a raw quote in a query string ----------------------------
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        f"topic=it's-{SECRET_TOPIC}",  # a raw quote ended the redaction, leaving the rest
+        f"topic=x'>{SECRET_TOPIC}",
+        f'topic=x"{SECRET_TOPIC}',
+        f"persona=Not+A+Slug&topic=a'b'c'{SECRET_TOPIC}",
+    ],
+)
+async def test_django_request_log_has_no_query_string_with_quotes_in_it(
+    console: Any, settings: Any, persona: Any, query: str
+) -> None:
+    settings.QUOTES_LOG_CONTENT = False
+
+    response = await request("GET", "/api/quotes/stream", query=query)
+
+    assert response.status in (400, 404)
+    output = console.getvalue()
+    assert "django.request" in output and "/api/quotes/stream" in output
+    assert SECRET_TOPIC not in output, output
+
+
+def _raw_get(url: str, target: str, headers: str = "") -> int:
+    """One request sent byte for byte (httpx would percent-encode a quote or a `>`); its status."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        sock.sendall(
+            f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n".encode()
+        )
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+#: A CSRF cookie, so Django's CSRF check reads the form's fields (and meets what is wrong with them).
+FORM = {"content-type": "application/x-www-form-urlencoded", "cookie": "csrftoken=" + "a" * 32}
+
+
+@pytest.fixture(scope="module", params=["development", "production"])
+def served_output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """What the server of `make run` (the Makefile's `serve`: `python -m quotes.server` with
+    daphne's access log on) writes for visitors' topics in query strings and for clients'
+    mistakes, in development (DEBUG, text lines) and under production settings (JSON lines).
+    Returns (each request's status, the output)."""
+    import subprocess
+
+    import httpx
+
+    from tests.deployed import environment, make_command, wait_until_answering
+    from tests.scaleout.services import free_port, stop_process
+
+    tmp = tmp_path_factory.mktemp(f"served-{request.param}")
+    env = environment(
+        DJANGO_ALLOWED_HOSTS="127.0.0.1",
+        DATABASE_URL=f"sqlite:///{tmp / 'unused.sqlite3'}",  # the requests below need none
+    )
+    if request.param == "development":
+        env["DJANGO_DEBUG"] = "true"
+    port, log = free_port(), tmp / "server.log"
+    with log.open("ab") as out:
+        process = subprocess.Popen(make_command("serve", port), env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    statuses: dict[str, int] = {}
+    try:
+        wait_until_answering(url + "/api/quotes/stream", process, log)
+        stream = "/api/quotes/stream?persona=Not+A+Slug&topic="
+        statuses["topic"] = httpx.get(f"{url}{stream}{SECRET_TOPIC}").status_code
+        statuses["quote"] = _raw_get(url, f"{stream}it's-{SECRET_TOPIC}")
+        statuses["quote-bracket"] = _raw_get(url, f"{stream}x'>{SECRET_TOPIC}")
+        feedback = f"/api/quotes/00000000-0000-4000-8000-000000000000/feedback?topic={SECRET_TOPIC}"
+        statuses["feedback"] = httpx.get(url + feedback).status_code
+        statuses["bad-host"] = httpx.get(url + "/", headers={"host": "evil.example"}).status_code
+        big = b"csrfmiddlewaretoken=x&a=" + b"x" * (10 * 1024 * 1024)
+        statuses["10-mb-form"] = httpx.post(url + "/admin/login/", content=big, headers=FORM).status_code
+        fields = "&".join(f"f{n}=1" for n in range(2000)).encode()
+        statuses["2000-fields"] = httpx.post(url + "/admin/login/", content=fields, headers=FORM).status_code
+    finally:
+        stop_process(process)
+    return statuses, log.read_text()
+
+
+def _lines(output: str) -> list[tuple[str, str, str]]:
+    """(level, logger, line) of each log line, text or JSON; daphne's access lines are ("", "")."""
+    import re
+
+    found = []
+    for line in output.splitlines():
+        if line.startswith("{"):
+            data = json.loads(line)
+            found.append((data["level"], data["logger"], line))
+        elif match := re.match(r"\d{4}-\d\d-\d\d [\d:,]+ (\w+) (\S+) ", line):
+            found.append((match[1], match[2], line))
+        else:
+            found.append(("", "", line))
+    return found
+
+
+def test_served_output_has_no_topic_in_any_line(served_output: Any) -> None:
+    statuses, output = served_output
+    assert statuses["topic"] == statuses["quote"] == statuses["quote-bracket"] == 404, statuses
+    assert statuses["feedback"] == 405
+    access = [
+        line for level, _, line in _lines(output) if not level and '"GET /api/quotes/stream" 404' in line
+    ]
+    assert len(access) == 3, output  # daphne's access lines are there, without their query
+    assert SECRET_TOPIC not in output, output
+
+
+def test_served_output_logs_clients_mistakes_below_error_without_a_traceback(served_output: Any) -> None:
+    statuses, output = served_output
+    assert statuses["bad-host"] == statuses["10-mb-form"] == statuses["2000-fields"] == 400, statuses
+    lines = _lines(output)
+    security = {logger: level for level, logger, _ in lines if logger.startswith("django.security.")}
+    assert security == {
+        "django.security.DisallowedHost": "WARNING",
+        "django.security.RequestDataTooBig": "WARNING",
+        "django.security.TooManyFieldsSent": "WARNING",
+    }, output
+    assert [line for level, _, line in lines if level in ("ERROR", "CRITICAL")] == []
+    assert "Traceback" not in output

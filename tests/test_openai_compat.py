@@ -156,7 +156,9 @@ async def test_openai_compat_wrong_api_key_is_upstream_auth(
     assert wrong not in line
 
 
-async def test_openai_compat_base_url_of_no_api_is_rejected_with_404(llama_server: LlamaServer) -> None:
+async def test_openai_compat_base_url_of_no_api_is_rejected_with_404(
+    llama_server: LlamaServer, caplog: pytest.LogCaptureFixture
+) -> None:
     root = llama_server.base_url.removesuffix("/v1") + "/api"  # a mistyped base URL
     backend = OpenAICompatBackend(base_url=root, api_key=llama_server.api_key, http=TIMEOUTS)
     try:
@@ -165,18 +167,21 @@ async def test_openai_compat_base_url_of_no_api_is_rejected_with_404(llama_serve
         await backend.aclose()
     assert isinstance(error, Error)
     assert (error.code, error.status) == ("upstream_rejected", 404)
-    assert "Not Found" in error.message
+    assert "HTTP 404" in error.message
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "quotes.ai.backends.openai_compat"]
+    assert "Not Found" in logged  # what the server said: for the operator
 
 
 async def test_openai_compat_prompt_over_the_context_window_is_rejected(
-    llama_backend: OpenAICompatBackend,
+    llama_backend: OpenAICompatBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     # llama.cpp checks the prompt against the context before it streams: a 400 that names it.
     long = replace(QUOTE, messages=(Message("user", "word " * 3000),))
     [error] = await collect(llama_backend, long)
     assert isinstance(error, Error)
     assert (error.code, error.status) == ("upstream_rejected", 400)
-    assert "context" in error.message
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "quotes.ai.backends.openai_compat"]
+    assert "context" in logged and "context" not in error.message
 
 
 # --- against a scripted upstream ----------------------------------------------------------------
@@ -427,13 +432,15 @@ async def test_openai_compat_json_instead_of_event_stream_is_malformed(
 
 
 async def test_openai_compat_error_event_mid_stream(
-    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
+    upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     upstream.reply = Reply(pieces=[chunk("a"), sse({"error": {"message": "model crashed"}})])
     events = await collect(scripted_backend)
     assert isinstance(events[-1], Error)
     assert events[-1].code == "upstream_unavailable"
-    assert "model crashed" in events[-1].message
+    assert "model crashed" not in events[-1].message
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "quotes.ai.backends.openai_compat"]
+    assert "mid-stream: model crashed" in logged
 
 
 @pytest.mark.parametrize(
@@ -449,6 +456,7 @@ async def test_openai_compat_error_event_mid_stream(
 async def test_openai_compat_http_errors(
     upstream: ScriptedUpstream,
     scripted_backend: OpenAICompatBackend,
+    caplog: pytest.LogCaptureFixture,
     status: int,
     code: str,
     answered: int,
@@ -459,9 +467,10 @@ async def test_openai_compat_http_errors(
     [error] = await collect(scripted_backend)
     assert isinstance(error, Error)
     assert (error.code, error.status) == (code, answered)
-    assert f"HTTP {status}" in error.message
-    assert "Bad thing for key" in error.message
-    assert "sk-secret-123" not in error.message
+    assert "Bad thing" not in error.message  # issue 20: our words only, one message per kind
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "quotes.ai.backends.openai_compat"]
+    assert f"HTTP {status}: Bad thing for key [redacted]" in logged
+    assert "sk-secret-123" not in logged
 
 
 @pytest.mark.parametrize("status", [401, 403])

@@ -455,13 +455,16 @@ async def test_backend_maps_upstream_errors_to_stable_codes(
     assert "<" not in error.message and "{" not in error.message
 
 
-async def test_backend_error_message_carries_the_upstream_message(workers_ai_backend, fake_workers_ai):
+async def test_backend_error_message_is_ours_and_the_upstream_message_is_logged(
+    workers_ai_backend, fake_workers_ai, caplog
+):
     fake_workers_ai.script(Scenario.error(5007, "No such model @cf/nope/nope or task"))
 
     error = last_error(await collect(workers_ai_backend))
 
-    assert error.message.startswith("That model does not exist")
-    assert "No such model @cf/nope/nope or task" in error.message
+    assert error.message == "That model does not exist on Workers AI."
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "quotes.ai.backends.workers_ai"]
+    assert "Workers AI said: HTTP 400: No such model @cf/nope/nope or task" in logged
 
 
 async def test_backend_keeps_meta_headers_on_an_error(workers_ai_backend, fake_workers_ai):

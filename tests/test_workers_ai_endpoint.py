@@ -528,8 +528,9 @@ async def test_workers_ai_endpoint_maps_each_documented_error_code(
     response = await post_quote()
 
     message = assert_json_error(response, status, code)
-    assert f"(Workers AI said: {upstream_message})" in message
-    assert message != f"(Workers AI said: {upstream_message})"  # our own words come first
+    # Our words only (issue 20): what Workers AI said is for the operator's log.
+    assert message == BACKEND_ERROR_CODES[upstream_code][2]
+    assert f"said: {upstream_message}" not in message
     assert "content-encoding" not in response.headers
     row = await assert_error_row(code, message)
     assert row.upstream_headers == {"cf-aig-log-id": "log-err"}

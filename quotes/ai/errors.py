@@ -1,5 +1,6 @@
-"""The error vocabulary: every stable code a client can see, and the constructors for the errors
-that more than one module raises.
+"""The error vocabulary: every stable code a client can see, the constructors for the errors
+that more than one module raises, and `upstream_text`, which makes what an upstream said fit for
+the operator's log (a visitor never gets it: issue 20).
 
 A code is part of the wire format (JSON envelopes, SSE `error` events, WebSocket frames, the
 `error_code` column of the log), so its value never changes; `ErrorCode` is a `StrEnum`, so a
@@ -9,6 +10,9 @@ raw strings, so a typo is a mypy error rather than a silently skipped retry.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -161,3 +165,99 @@ def upstream_unavailable(message: str = f"The model service is having trouble ri
 
 def upstream_rejected(message: str, status: int) -> Error:
     return Error(code=ErrorCode.UPSTREAM_REJECTED, message=message, status=status)
+
+
+def upstream_status_error(status: int) -> Error:
+    """The visitor's error for an upstream's non-2xx answer, from its status alone. Whatever the
+    upstream wrote with it (internal addresses, third-party keys, its account's billing) is for
+    the operator's log (`upstream_text`), never for the visitor, who can act on none of it."""
+    if status in (401, 403):
+        return upstream_auth()
+    if status == 429:
+        return upstream_rejected(f"The model service is receiving too many requests. {_RETRY}", 429)
+    if 400 <= status < 500:
+        return upstream_rejected(f"The model service rejected the request (HTTP {status}).", status)
+    if status >= 500:
+        return upstream_unavailable()
+    return upstream_malformed(f"The model service gave an unexpected answer (HTTP {status}).")
+
+
+# -- what an upstream said, for the operator's log ------------------------------------------------
+
+#: How much of an upstream's error text reaches a log line, and how much of it is read: every
+#: pattern below starts only where a word starts (linear in the text), and the bound keeps even
+#: a hostile 64 KB body cheap.
+UPSTREAM_TEXT_LIMIT = 300
+_READ_LIMIT = 4096
+_REDACTED = "[redacted]"
+#: `NAME=value`, `NAME: value`, `"name": "value"`; redacted when the name says it holds a
+#: credential (_CREDENTIAL_NAME). The name is matched possessively: no backtracking into it.
+_ASSIGNMENT = re.compile(r"""(?<![\w.-])([\w.-]++)(["']?\s*+[=:]\s*+)("[^"]*+"|'[^']*+'|[^\s,;&"'<>()]++)""")
+_CREDENTIAL_NAME = re.compile(r"(?i)pass|pwd|secret|token|key|auth|credential|cookie|session|dsn")
+_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s\"',;]+")
+_URL = re.compile(r"(?i)(?<![a-z0-9+.-])[a-z][a-z0-9+.-]*://[^\s\"'<>()]+")
+_EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+#: keys with a known prefix (sk-..., sk_live_..., org-...); then any run of 20 or more word
+#: characters with 4 digits and 4 letters at least (tokens, account and request ids), which
+#: leaves model names (`mistral-7b-instruct-v0.1`) alone
+_KEY = re.compile(r"(?i)(?<![\w-])(?:sk|pk|rk|org)[-_][\w-]{8,}")
+_WORD = re.compile(r"(?<![\w-])[\w-]{20,}")
+_IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\d.])")
+_IPV6 = re.compile(
+    r"(?<![\w:.])\[?(?P<address>(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4})(?:%[\w.-]+)?\]?(?::\d{1,5})?(?![\w:])"
+)
+#: `db:5432`, `inference-7.cluster.local:8080`; then names under the private-use suffixes
+_HOST_PORT = re.compile(r"(?i)(?<![\w.:-])(?=[\w.-]*[a-z])[a-z0-9-]+(?:\.[a-z0-9-]+)*:\d{2,5}\b")
+_PRIVATE_HOST = re.compile(
+    r"(?i)(?<![\w.-])(?:[a-z0-9-]+\.)+(?:internal|local|localdomain|lan|corp|intranet|svc|home\.arpa)\b"
+    r"|\blocalhost\b"
+)
+_TAG = re.compile(r"<[^<>]{0,200}>")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def _without_credential(match: re.Match[str]) -> str:
+    if _CREDENTIAL_NAME.search(match[1]):
+        return match[1] + match[2] + _REDACTED
+    return match.group(0)
+
+
+def _without_random(match: re.Match[str]) -> str:
+    word = match.group(0)
+    digits = sum(c.isdigit() for c in word)
+    return _REDACTED if digits >= 4 and sum(c.isalpha() for c in word) >= 4 else word
+
+
+def _without_ipv6(match: re.Match[str]) -> str:
+    try:
+        ipaddress.IPv6Address(match["address"])
+    except ValueError:
+        return match.group(0)  # a time of day, a ratio: not an address
+    return "[address]"
+
+
+def upstream_text(text: str, *, secrets: Iterable[str] = ()) -> str:
+    """What an upstream said in an error, for the operator's log line: our own credentials
+    (`secrets`), anything named as a credential (`DATABASE_PASSWORD=...`, `"api_key": ...`),
+    bearer tokens, keys and account ids, URLs, e-mail addresses, IP addresses and internal host
+    names out; HTML tags and control characters out; at most UPSTREAM_TEXT_LIMIT characters.
+    What is left says what went wrong ("pool to [address] failed, DATABASE_PASSWORD=[redacted]")."""
+    text = text[:_READ_LIMIT]
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _REDACTED)
+    text = _CONTROL.sub(" ", _TAG.sub(" ", text))
+    text = _BEARER.sub(r"\1 " + _REDACTED, text)
+    text = _ASSIGNMENT.sub(_without_credential, text)
+    text = _URL.sub("[url]", text)
+    text = _EMAIL.sub("[email]", text)
+    text = _KEY.sub(_REDACTED, text)
+    text = _IPV4.sub("[address]", text)
+    text = _IPV6.sub(_without_ipv6, text)
+    text = _HOST_PORT.sub("[address]", text)
+    text = _PRIVATE_HOST.sub("[host]", text)
+    text = _WORD.sub(_without_random, text)
+    text = " ".join(text.split())
+    if len(text) > UPSTREAM_TEXT_LIMIT:
+        text = text[: UPSTREAM_TEXT_LIMIT - 1].rstrip() + "…"
+    return text

@@ -91,6 +91,8 @@ EXPECTED_ERRORS: dict[int, tuple[str, int]] = {
 
 _RUN_ROUTE = re.compile(r"^/client/v4/accounts/(?P<account>[^/]+)/ai/run/(?P<model>.+)$")
 _GATEWAY_ROUTE = re.compile(r"^/gateway/v1/(?P<account>[^/]+)/(?P<gateway>[^/]+)/workers-ai/(?P<model>.+)$")
+#: Workers AI's OpenAI-compatible endpoint: what AI_BACKEND=openai calls (the model is in the body).
+_OPENAI_ROUTE = re.compile(r"^/client/v4/accounts/(?P<account>[^/]+)/ai/v1/chat/completions$")
 _MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
@@ -238,7 +240,7 @@ class RecordedRequest:
     json: Any
     #: time.monotonic() when the request was fully read
     received_at: float
-    #: "run", "gateway" or "" (no route matched)
+    #: "run", "gateway", "openai" (the OpenAI-compatible endpoint) or "" (no route matched)
     route: str = ""
     account: str = ""
     gateway: str = ""
@@ -293,6 +295,11 @@ class FakeWorkersAI:
     @property
     def gateway_base_url(self) -> str:
         return f"{self.base_url}/gateway/v1"
+
+    def openai_base_url(self, account: str) -> str:
+        """OPENAI_BASE_URL for Workers AI's OpenAI-compatible endpoint: the openai backend posts
+        to `<this>/chat/completions`, and a 200 is answered in OpenAI's chunk format."""
+        return f"{self.api_base_url}/accounts/{account}/ai/v1"
 
     def script(self, *scenarios: Scenario) -> None:
         """Queue scenarios, consumed one per request; `self.default` answers when none is left."""
@@ -417,11 +424,16 @@ class FakeWorkersAI:
         elif match := _GATEWAY_ROUTE.match(path):
             record.route, record.account, record.model = "gateway", match["account"], match["model"]
             record.gateway = match["gateway"]
+        elif match := _OPENAI_ROUTE.match(path):
+            model = parsed.get("model") if isinstance(parsed, dict) else None
+            record.route, record.account, record.model = "openai", match["account"], str(model or "")
 
         with self._lock:
             self._requests.append(record)
             if record.route and method == "POST":
                 scenario = self._script.popleft() if self._script else self.default
+                if record.route == "openai":
+                    scenario = replace(scenario, openai_style=True)
             else:
                 scenario = Scenario(status=404 if not record.route else 405, error_code=7003)
                 scenario = replace(scenario, error_message="No route for that URI")

@@ -9,7 +9,8 @@ charged for it and a cancellation never lands in the consumer's code.
 
 Event order: `Meta` (once, before the first other event of an open stream), `Token`s, at most
 one `Usage`, then exactly one `Done` or `Error`. Failures before the stream opens yield only
-the `Error`. The API key never appears in a message: upstream text is scrubbed of it.
+the `Error`. What the server says when it fails goes to the log, redacted (the API key among
+much else: `errors.upstream_text`); the visitor's message is ours, one per kind of failure.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from httpx_sse import EventSource, SSEError
 
 from ...conf import UpstreamHTTPSettings
 from ..errors import (
-    upstream_auth,
     upstream_dropped,
     upstream_malformed,
-    upstream_rejected,
+    upstream_status_error,
+    upstream_text,
     upstream_timeout,
     upstream_unavailable,
     upstream_unreachable,
@@ -39,8 +40,6 @@ logger = logging.getLogger(__name__)
 
 #: How much of an error body we read: enough for any JSON error, bounded against a hostile one.
 _ERROR_BODY_LIMIT = 64 * 1024
-#: How much upstream error text reaches a message.
-_MESSAGE_LIMIT = 300
 #: Upstream response headers worth keeping on Meta (lower-case prefixes).
 _KEPT_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
 
@@ -104,13 +103,10 @@ class OpenAICompatBackend:
                 body[field] = value
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
-    def _scrub(self, text: str) -> str:
-        text = text.strip()
-        if self._api_key:
-            text = text.replace(self._api_key, "[redacted]")
-        if len(text) > _MESSAGE_LIMIT:
-            text = text[:_MESSAGE_LIMIT].rstrip() + "…"
-        return text
+    def _said(self, text: str) -> str:
+        """`text` from the server, as the log may keep it: ": <redacted text>", or "." if none."""
+        text = upstream_text(text, secrets=(self._api_key,))
+        return f": {text}" if text else "."
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         loop = asyncio.get_running_loop()
@@ -228,25 +224,28 @@ class OpenAICompatBackend:
             detail = _error_detail(bytes(raw[:_ERROR_BODY_LIMIT]))
         except (TimeoutError, httpx.HTTPError):
             pass  # the status alone still says what happened
-        detail = self._scrub(detail)
-        suffix = f": {detail}" if detail else "."
+        # For the operator only: what the server said can name our credentials, its hosts, its
+        # account. The visitor gets one fixed message per kind of failure (upstream_status_error).
+        error = upstream_status_error(status)
         if status in (401, 403):
-            # For the operator only: a visitor learns nothing about our credentials or server.
             logger.warning(
-                "openai upstream_auth: %s refused our credentials (HTTP %s). Check OPENAI_API_KEY%s",
-                self._url,
+                "openai upstream_auth: the model server refused our credentials (HTTP %s). "
+                "Check OPENAI_API_KEY%s",
                 status,
-                suffix,
+                self._said(detail),
             )
-            return upstream_auth()
-        if 400 <= status < 500:
-            return upstream_rejected(f"The model server rejected the request (HTTP {status}){suffix}", status)
-        return upstream_unavailable(f"The model server failed (HTTP {status}){suffix}")
+        else:
+            logger.warning(
+                "openai %s: the model server answered HTTP %s%s", error.code, status, self._said(detail)
+            )
+        return error
 
     def _stream_error(self, error: object) -> Error:
-        detail = _message_of(error)
-        suffix = f": {self._scrub(detail)}" if detail else "."
-        return upstream_unavailable(f"The model server failed mid-stream{suffix}")
+        logger.warning(
+            "openai upstream_unavailable: the model server failed mid-stream%s",
+            self._said(_message_of(error)),
+        )
+        return upstream_unavailable("The model service failed while writing the quote. Please try again.")
 
 
 def _message_of(error: object) -> str:

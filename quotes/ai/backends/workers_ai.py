@@ -27,12 +27,11 @@ import httpx
 from ...conf import CloudflareGatewaySettings, UpstreamHTTPSettings, WorkersAISettings
 from ..errors import (
     ErrorCode,
-    upstream_auth,
     upstream_dropped,
     upstream_malformed,
-    upstream_rejected,
+    upstream_status_error,
+    upstream_text,
     upstream_timeout,
-    upstream_unavailable,
     upstream_unreachable,
 )
 from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
@@ -45,14 +44,11 @@ logger = logging.getLogger(__name__)
 META_HEADERS = ("cf-aig-cache-status", "cf-aig-step", "cf-aig-log-id", "cf-aig-request-id")
 #: How much of an error body is read: enough for any envelope, bounded against a runaway body.
 MAX_ERROR_BODY_BYTES = 64 * 1024
-#: How much of the upstream's own error message a visitor gets to see.
-MAX_UPSTREAM_MESSAGE_CHARS = 200
 
 # A model id: `@cf/meta/llama-3.1-8b-instruct`. It goes into the URL path, so nothing that could
 # climb out of it ("..", "?", "#", "%", spaces) is allowed.
 _MODEL_ID = re.compile(r"@?[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*", re.ASCII)
 _BEARER = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
 
 # -- stable errors ---------------------------------------------------------------------------------
@@ -89,33 +85,22 @@ def invalid_model(model: str) -> Error:
     return Error(ErrorCode.MODEL_NOT_FOUND, f"{model[:80]!r} is not a valid model id.", 400)
 
 
-def error_for_status(status: int, body: bytes, *, secrets: Iterable[str] = ()) -> Error:
-    """The Error for a non-2xx answer: by documented envelope code first, then by status.
-
-    The upstream's own message is appended for context, scrubbed of `secrets`, bounded, and
-    only when the body is a v4 envelope (an HTML error page says nothing useful).
-    """
-    codes, upstream_message = _parse_envelope(body)
-    detail = ""
-    if upstream_message:
-        clean = _CONTROL.sub(" ", scrub(upstream_message, secrets)).strip()
-        if len(clean) > MAX_UPSTREAM_MESSAGE_CHARS:
-            clean = clean[: MAX_UPSTREAM_MESSAGE_CHARS - 1] + "…"
-        detail = f" (Workers AI said: {clean})" if clean else ""
+def error_for_status(status: int, body: bytes) -> Error:
+    """The visitor's Error for a non-2xx answer: by documented envelope code first, then by
+    status. Our words only: what Workers AI said (`upstream_said`) is for the operator's log."""
+    codes, _ = _parse_envelope(body)
     for number in codes:
         if number in ERROR_CODES:
             code, our_status, message = ERROR_CODES[number]
-            return Error(code, message + detail, our_status)
-    if status in (401, 403):
-        # The visitor did nothing wrong: our credentials are bad or lack a permission.
-        return upstream_auth()
-    if status == 429:
-        return upstream_rejected(f"The model service is receiving too many requests. {_RETRY}", 429)
-    if 400 <= status < 500:
-        return upstream_rejected("The model service rejected the request." + detail, status)
-    if status >= 500:
-        return upstream_unavailable()
-    return upstream_malformed(f"The model service gave an unexpected answer (HTTP {status}).")
+            return Error(code, message, our_status)
+    return upstream_status_error(status)
+
+
+def upstream_said(body: bytes, secrets: Iterable[str]) -> str:
+    """What an error body says, for the operator's log: a v4 envelope's first message, else the
+    text itself (an HTML page's words), redacted (quotes.ai.errors.upstream_text)."""
+    _, message = _parse_envelope(body)
+    return upstream_text(message or body.decode("utf-8", "replace"), secrets=secrets)
 
 
 def _parse_envelope(body: bytes) -> tuple[list[int], str]:
@@ -184,15 +169,17 @@ class StreamParser:
     - `data: [DONE]` ends the stream (anything after it is not read).
     - A data payload that is not a JSON object is `upstream_malformed`.
 
-    `secrets` are scrubbed from an error envelope that arrives inside the stream.
+    An error envelope that arrives inside the stream ends it with its Error; what it said is
+    kept in `said` for the log, redacted (`secrets` among the rest).
     """
 
-    __slots__ = ("_decoder", "_secrets", "finished")
+    __slots__ = ("_decoder", "_secrets", "finished", "said")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self._decoder = SSEDecoder()
         self._secrets = secrets
         self.finished = False
+        self.said = ""
 
     def feed(self, chunk: bytes) -> list[Event]:
         events: list[Event] = []
@@ -217,7 +204,8 @@ class StreamParser:
                 text = _openai_delta(payload)
                 if text is None and "errors" in payload:
                     # An error envelope inside the stream (seen from some proxies).
-                    events.append(error_for_status(502, data.encode(), secrets=self._secrets))
+                    events.append(error_for_status(502, data.encode()))
+                    self.said = upstream_said(data.encode(), self._secrets)
                     self.finished = True
                     return events
             elif type(text) is not str:
@@ -431,7 +419,10 @@ class WorkersAIBackend:
                         body = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
                 except (httpx.TransportError, TimeoutError):
                     body = b""
-                yield self._log(error_for_status(response.status_code, body, secrets=self._secrets), request)
+                said = upstream_said(body, self._secrets)
+                status = response.status_code
+                said = f"HTTP {status}: {said}" if said else f"HTTP {status}"
+                yield self._log(error_for_status(status, body), request, said)
                 return
             if not is_event_stream(response):
                 yield self._log(upstream_malformed(), request)
@@ -470,7 +461,7 @@ class WorkersAIBackend:
                             if tail:
                                 yield Token(tail)
                             if type(event) is Error:
-                                self._log(event, request)
+                                self._log(event, request, parser.said)
                             else:
                                 await _finish_body(chunks)
                             yield event
@@ -481,14 +472,15 @@ class WorkersAIBackend:
                 watchdog.close()
                 await chunks.aclose()
 
-    def _log(self, error: Error, request: GenerationRequest) -> Error:
-        # Every message here is ours or already scrubbed; the token never reaches a log line.
+    def _log(self, error: Error, request: GenerationRequest, said: str = "") -> Error:
+        # The message is ours; what Workers AI said (`said`) is redacted already (upstream_said).
         logger.warning(
-            "workers-ai %s: %s (model %s, status %s)",
+            "workers-ai %s: %s (model %s, status %s)%s",
             error.code,
-            scrub(error.message, self._secrets),
+            error.message,
             request.model,
             error.status,
+            f" Workers AI said: {said}" if said else "",
         )
         return error
 

@@ -1,7 +1,8 @@
 """`python manage.py import_personas FILE`: create or update personas (by slug) from an export.
 
-Everything is checked before anything is written: unknown keys, each value's JSON type, and the
-persona's own validation (`full_clean`, so the catalog's ranges too). Each problem is reported
+Everything is checked before anything is written: the file's depth, unknown keys, each value's
+JSON type, text the database would refuse (a lone surrogate, a NUL character), and the persona's
+own validation (`full_clean`, so the catalog's ranges too). Each problem is reported
 with its line in the file, compiler-style (`personas.json:12: alan-watts.temperature: ...`),
 and one problem means nothing is imported. A key left out keeps the persona's current value
 (a new persona's default).
@@ -10,6 +11,7 @@ and one problem means nothing is imported. A key left out keeps the persona's cu
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,38 @@ from .export_personas import persona_fields
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
+def _printable(text: str) -> str:
+    """`text` as it can be written to a terminal or a UTF-8 file: a lone surrogate as `\\udxxx`."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _nested(value: object) -> bool:
+    """Whether `value` holds a list or an object inside a list or an object. No persona field
+    does (the deepest is a list of strings), and every step after parsing (the type checks, the
+    model's validation, saving) would recurse into it: thousands of levels exhaust the stack."""
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(isinstance(child, dict | list) for child in children)
+
+
+def _text_problem(value: object) -> str | None:
+    """Why the database would refuse a string in `value` (a string, or a list of them), or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return (
+                    "holds text that is not valid Unicode (a lone surrogate), which the database cannot store"
+                )
+            if "\x00" in item:
+                return "holds a NUL character, which the database cannot store"
+    return None
+
+
 @dataclass
 class _Entry:
     """One element of the file's list, with where each part of it starts."""
@@ -39,7 +73,7 @@ class _Entry:
     @property
     def label(self) -> str:
         slug = self.value.get("slug") if isinstance(self.value, dict) else None
-        return slug if isinstance(slug, str) and slug else f"#{self.index + 1}"
+        return _printable(slug) if isinstance(slug, str) and slug else f"#{self.index + 1}"
 
     def line_of(self, key: str) -> int:
         return self.key_lines.get(key, [self.line])[0]
@@ -71,6 +105,11 @@ def parse_entries(text: str) -> list[_Entry]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _Problems([(exc.lineno, f"not valid JSON: {exc.msg} (column {exc.colno})")]) from None
+    except RecursionError:
+        # Python's parser recurses once per level: thousands of `[` exhaust the stack.
+        raise _Problems(
+            [(1, "nested too deeply to read: a persona file is a list of flat objects")]
+        ) from None
     start = _skip(text, 0)
     if not isinstance(data, list):
         raise _Problems([(_line(text, start), "the file must hold a JSON list of persona objects")])
@@ -119,6 +158,8 @@ def _type_error(model_field: models.Field[Any, Any], value: object) -> str | Non
         return f"must be {name}, not {json.dumps(value)}"
     if not isinstance(value, types):
         return f"must be {name}, not {json.dumps(value)[:60]}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be {name}, not {json.dumps(value)}"  # NaN, Infinity: no JSON, but Python reads them
     return None
 
 
@@ -141,15 +182,21 @@ def check_entries(entries: list[_Entry]) -> tuple[list[Persona], list[tuple[int,
         value: dict[str, Any] = entry.value
         bad: set[str] = set()
         for key, lines in entry.key_lines.items():
+            where = f"{label}.{_printable(key)}"
             if len(lines) > 1:
-                problems.append((lines[1], f"{label}.{key}: given more than once"))
+                problems.append((lines[1], f"{where}: given more than once"))
             if key in RETIRED_FIELDS:
                 continue
             if key not in fields:
-                problems.append((lines[0], f"{label}.{key}: unknown field"))
+                problems.append((lines[0], f"{where}: unknown field"))
                 bad.add(key)
-            elif (error := _type_error(fields[key], value[key])) is not None:
-                problems.append((lines[0], f"{label}.{key}: {error}"))
+            elif _nested(value[key]):
+                problems.append(
+                    (lines[0], f"{where}: nested too deeply (a value is at most a list of strings)")
+                )
+                bad.add(key)
+            elif (error := _type_error(fields[key], value[key]) or _text_problem(value[key])) is not None:
+                problems.append((lines[0], f"{where}: {error}"))
                 bad.add(key)
         slug = value.get("slug")
         if "slug" not in value:
@@ -198,7 +245,7 @@ class Command(BaseCommand):
             problems = exc.problems
         if problems:
             for line, message in problems:
-                self.stderr.write(f"{name}:{line}: {message}")
+                self.stderr.write(f"{name}:{line}: {_printable(message)}")
             raise CommandError(
                 f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in {name}; nothing was imported."
             )
