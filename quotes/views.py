@@ -345,6 +345,10 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     try:
         if request.method != "POST":
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
+        # The stream URLs' one rule, after Django's CSRF check: that check lets a post without an
+        # Origin through on plain http on a token alone, and a sibling subdomain can plant the
+        # CSRF cookie; its Sec-Fetch-Site still says where it comes from.
+        refuse_cross_site(request)
         _check_body_size(request)
         params = _form_params(request)
         if (last_event_id := _last_event_id(request, params)) is not None:
