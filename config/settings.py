@@ -452,6 +452,9 @@ AXES_COOLOFF_TIME = timedelta(minutes=_login_cooloff_minutes)
 AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 AXES_CLIENT_IP_CALLABLE = "quotes.security.login_client_address"
 AXES_LOCKOUT_CALLABLE = "quotes.security.login_locked_out"
+# axes' database handler, storing no field, username or password a client sent (else each failed
+# login, lockout included, appended its fields to the client's row, without bound).
+AXES_HANDLER = "quotes.security.LoginFailureHandler"
 AXES_RESET_ON_SUCCESS = True
 # No "AXES: BEGIN" line at every start-up; lockouts are still logged (as warnings).
 AXES_VERBOSE = False

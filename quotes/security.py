@@ -9,8 +9,8 @@
   or a sibling subdomain) must not start a paid generation, over HTTP or the WebSocket.
 - `frame_too_large`, `count_refused_start`: the WebSocket's frame cap, and the rate limit for
   `start` frames refused before they reach the gateway (which counts the others).
-- `LoginThrottleBackend`, `login_client_address`, `login_locked_out`: django-axes for the admin
-  login.
+- `LoginThrottleBackend`, `LoginFailureHandler`, `login_client_address`, `login_locked_out`:
+  django-axes for the admin login.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from urllib.parse import urlsplit
 
 from asgiref.sync import sync_to_async
 from axes.backends import AxesStandaloneBackend
+from axes.handlers.database import AxesDatabaseHandler
+from axes.models import AccessAttempt
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.db import router, transaction
+from django.http import HttpRequest, HttpResponse, QueryDict
 from django.http.request import split_domain_port, validate_host
 from django.shortcuts import render
 from django.utils.http import is_same_domain
@@ -353,6 +356,37 @@ class LoginThrottleBackend(AxesStandaloneBackend):
             return None
         # axes counts and checks in the database, with the sync ORM: one thread hop, per login only.
         return await sync_to_async(self.authenticate)(request, username, password, **kwargs)
+
+
+class LoginFailureHandler(AxesDatabaseHandler):
+    """AXES_HANDLER: django-axes' database handler, keeping nothing a client sent.
+
+    axes stores a failed login's GET and POST fields (up to 1 KB each, the password's value
+    masked) and the submitted username in the client's AccessAttempt row, and appends each later
+    failure's fields to that row, during a lockout too: 40 attempts with a 2 KB field grew one
+    row from 1.3 KB to 84 KB, without bound, holding whatever was typed (a password typed into
+    the username box included). Here axes sees a request with no fields and no credentials, so
+    the row keeps the address, the user agent, the path, the count and the times; the lockout
+    is by address (AXES_LOCKOUT_PARAMETERS) and needs nothing else. The row is then emptied of
+    the separators axes appends for each failure even when there is no data, in the same
+    transaction."""
+
+    def user_login_failed(
+        self, sender: Any, credentials: dict[str, Any], request: HttpRequest | None = None, **kwargs: Any
+    ) -> None:
+        if request is None:
+            return super().user_login_failed(sender, credentials, request, **kwargs)
+        submitted = request.GET, request.POST
+        request.GET = request.POST = QueryDict()
+        try:
+            with transaction.atomic(using=router.db_for_write(AccessAttempt)):
+                # No credentials: axes takes the username from them, else from the (empty) POST.
+                super().user_login_failed(sender, None, request, **kwargs)
+                AccessAttempt.objects.filter(ip_address=request.axes_ip_address).exclude(  # type: ignore[attr-defined]
+                    get_data="", post_data=""
+                ).update(get_data="", post_data="")
+        finally:
+            request.GET, request.POST = submitted
 
 
 def login_client_address(request: HttpRequest) -> str | None:
