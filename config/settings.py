@@ -500,8 +500,9 @@ QUOTES_LOG_CONTENT = _env_or_error("QUOTES_LOG_CONTENT", bool, False)
 
 # Log rows older than this many days are deleted; 0 keeps them all.
 QUOTES_LOG_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_LOG_RETENTION_DAYS", int, 90))
-# Quotes someone rated or opened by their permalink are kept this long instead (0: for good),
-# with their request, upstream headers, topic and client hash cleared after the log retention.
+# Quotes someone rated or shared (the page's Permalink or Copy button) are kept this long instead
+# (0: for good), with their request, upstream headers, topic and client hash cleared after the log
+# retention.
 QUOTES_KEPT_QUOTE_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_KEPT_QUOTE_RETENTION_DAYS", int, 0))
 _positive("QUOTES_LOG_RETENTION_DAYS", QUOTES_LOG_RETENTION_DAYS, low=0)
 _positive("QUOTES_KEPT_QUOTE_RETENTION_DAYS", QUOTES_KEPT_QUOTE_RETENTION_DAYS, low=0)
