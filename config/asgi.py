@@ -20,13 +20,12 @@ django_asgi_app = ASGIHandler()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.urls import get_resolver  # noqa: E402
 
 from quotes.ai.backends import get_backend  # noqa: E402
 from quotes.consumers import websocket_urlpatterns  # noqa: E402
-from quotes.security import TrustedProxyMiddleware  # noqa: E402
+from quotes.security import SameOriginWebSocketMiddleware, TrustedProxyMiddleware  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL.preload:
     get_backend()  # starts loading the embedded model on its thread now, not on the first request
@@ -37,9 +36,9 @@ application = TrustedProxyMiddleware(
     ProtocolTypeRouter(
         {
             "http": django_asgi_app,
-            # Origin checked against ALLOWED_HOSTS: a page on another site cannot open a socket that
-            # rides this site's session cookie.
-            "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+            # Only this origin's pages may open a socket (the rule of the HTTP stream URLs): a page on
+            # another site or a sibling subdomain cannot ride this site's session cookie or spend its quota.
+            "websocket": SameOriginWebSocketMiddleware(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
         }
     )
 )

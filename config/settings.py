@@ -482,6 +482,9 @@ AXES_COOLOFF_TIME = timedelta(minutes=_login_cooloff_minutes)
 AXES_LOCKOUT_PARAMETERS = ["ip_address"]
 AXES_CLIENT_IP_CALLABLE = "quotes.security.login_client_address"
 AXES_LOCKOUT_CALLABLE = "quotes.security.login_locked_out"
+# axes' database handler, storing no field, username or password a client sent (else each failed
+# login, lockout included, appended its fields to the client's row, without bound).
+AXES_HANDLER = "quotes.security.LoginFailureHandler"
 AXES_RESET_ON_SUCCESS = True
 # No "AXES: BEGIN" line at every start-up; lockouts are still logged (as warnings).
 AXES_VERBOSE = False
@@ -527,8 +530,9 @@ QUOTES_LOG_CONTENT = _env_or_error("QUOTES_LOG_CONTENT", bool, False)
 
 # Log rows older than this many days are deleted; 0 keeps them all.
 QUOTES_LOG_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_LOG_RETENTION_DAYS", int, 90))
-# Quotes someone rated or opened by their permalink are kept this long instead (0: for good),
-# with their request, upstream headers, topic and client hash cleared after the log retention.
+# Quotes someone rated or shared (the page's Permalink or Copy button) are kept this long instead
+# (0: for good), with their request, upstream headers, topic and client hash cleared after the log
+# retention.
 QUOTES_KEPT_QUOTE_RETENTION_DAYS = cast(int, _env_or_error("QUOTES_KEPT_QUOTE_RETENTION_DAYS", int, 0))
 _positive("QUOTES_LOG_RETENTION_DAYS", QUOTES_LOG_RETENTION_DAYS, low=0)
 _positive("QUOTES_KEPT_QUOTE_RETENTION_DAYS", QUOTES_KEPT_QUOTE_RETENTION_DAYS, low=0)

@@ -248,9 +248,13 @@ class Generation(models.Model):
         help_text="The visitors' verdict: the sign of the sum of their votes (one per visitor), "
         "empty when there are none or they cancel out.",
     )
-    #: when its permalink page was first opened: a quote someone shared is kept longer (pruning)
+    #: when a visitor first shared it (the persona page's Permalink or Copy button; opening the
+    #: permalink page is no share): a shared quote is kept longer (pruning)
     shared_at = models.DateTimeField(
-        "permalink first opened", null=True, blank=True, help_text="Shared quotes are kept longer."
+        "first shared",
+        null=True,
+        blank=True,
+        help_text="When its Permalink or Copy button was first used. Shared quotes are kept longer.",
     )
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 

@@ -5,11 +5,12 @@
 - `TrustedProxyMiddleware`: the client's address (and scheme) from `X-Forwarded-For` /
   `X-Forwarded-Proto`, believed only when the peer is one of `QUOTES_TRUSTED_PROXIES`. It wraps
   the whole ASGI app (config/asgi.py), so HTTP and the WebSocket see the same client.
-- `refuse_cross_site`: a browser on another site must not start a paid generation.
+- `refuse_cross_site`, `SameOriginWebSocketMiddleware`: a page of another origin (another site,
+  or a sibling subdomain) must not start a paid generation, over HTTP or the WebSocket.
 - `frame_too_large`, `count_refused_start`: the WebSocket's frame cap, and the rate limit for
   `start` frames refused before they reach the gateway (which counts the others).
-- `LoginThrottleBackend`, `login_client_address`, `login_locked_out`: django-axes for the admin
-  login.
+- `LoginThrottleBackend`, `LoginFailureHandler`, `login_client_address`, `login_locked_out`:
+  django-axes for the admin login.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from urllib.parse import urlsplit
 
 from asgiref.sync import sync_to_async
 from axes.backends import AxesStandaloneBackend
+from axes.handlers.database import AxesDatabaseHandler
+from axes.models import AccessAttempt
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.db import router, transaction
+from django.http import HttpRequest, HttpResponse, QueryDict
+from django.http.request import split_domain_port, validate_host
 from django.shortcuts import render
 from django.utils.http import is_same_domain
 
@@ -175,15 +180,44 @@ def _forwarded_scope(scope: Scope, proxies: TrustedProxies) -> Scope:
 # --- cross-site requests ----------------------------------------------------------------------
 
 
+#: What `Sec-Fetch-Site` says of a request that no other page made: `same-origin` (this site's
+#: own pages), or `none` (the visitor's own doing: a URL typed into the address bar, a bookmark,
+#: a link opened from another application). No page, of another site or a sibling subdomain,
+#: can make a browser send `none`, so it spends nothing on anyone's behalf, as curl does not.
+FROM_THIS_ORIGIN = frozenset({"same-origin", "none"})
+
+
+def comes_from_elsewhere(*, fetch_site: str | None, origin: str | None, own_origin: str | None) -> bool:
+    """Whether a browser says this request comes from a page of another origin: another site,
+    or a sibling subdomain of this one (`same-site`: still another origin, its own code).
+
+    Browsers say where a request comes from with `Sec-Fetch-Site` (all current ones, on every
+    request) and `Origin` (on every cross-origin fetch or EventSource, every POST and every
+    WebSocket). A request is from elsewhere unless its `Origin` is one of
+    DJANGO_CSRF_TRUSTED_ORIGINS (the operator's word outweighs the browser's), or it is from
+    this origin by both headers: `Sec-Fetch-Site` absent or in FROM_THIS_ORIGIN, and `Origin`
+    absent or `own_origin` (None: not known, so no Origin matches it). A request with neither
+    header, such as curl's, is not a browser riding a visitor's session, and is not from
+    elsewhere."""
+    if origin is not None and _trusted_origin(origin):
+        return False
+    if fetch_site is not None and fetch_site not in FROM_THIS_ORIGIN:
+        return True  # same-site, cross-site, or a value no browser sends
+    return origin is not None and origin != own_origin
+
+
 def refuse_cross_site(request: HttpRequest) -> None:
-    """Raise a 403 for a browser request sent from another site's page. Browsers say where a
-    request comes from: `Sec-Fetch-Site` (all current ones) and `Origin` (on every cross-origin
-    fetch or EventSource, and on every POST). A request with neither, such as curl's, is not a
-    browser riding a visitor's session, and passes."""
-    if request.headers.get("Sec-Fetch-Site") == "cross-site":
-        raise _cross_site()
+    """Raise a 403 for a browser request sent from a page of another origin (comes_from_elsewhere),
+    before any work: a page elsewhere, a sibling subdomain's included, must not start a (paid)
+    generation or stop a visitor's."""
     origin = request.headers.get("Origin")
-    if origin is not None and not _own_origin(request, origin):
+    if comes_from_elsewhere(
+        fetch_site=request.headers.get("Sec-Fetch-Site"),
+        origin=origin,
+        # Only when there is an Origin to compare: get_host() raises for a host not allowed, and
+        # StreamAdmissionMiddleware asks before CommonMiddleware has answered that with its 400.
+        own_origin=f"{request.scheme}://{request.get_host()}" if origin is not None else None,
+    ):
         raise _cross_site()
 
 
@@ -195,9 +229,9 @@ def _cross_site() -> QuoteError:
     )
 
 
-def _own_origin(request: HttpRequest, origin: str) -> bool:
-    """This site's origin, or one of DJANGO_CSRF_TRUSTED_ORIGINS (wildcards as Django reads them)."""
-    if origin == f"{request.scheme}://{request.get_host()}" or origin in settings.CSRF_TRUSTED_ORIGINS:
+def _trusted_origin(origin: str) -> bool:
+    """One of DJANGO_CSRF_TRUSTED_ORIGINS (wildcards as Django reads them)."""
+    if origin in settings.CSRF_TRUSTED_ORIGINS:
         return True
     try:
         parts = urlsplit(origin)
@@ -209,6 +243,54 @@ def _own_origin(request: HttpRequest, origin: str) -> bool:
             if pattern.scheme == parts.scheme and is_same_domain(parts.netloc, pattern.netloc.lstrip("*")):
                 return True
     return False
+
+
+class SameOriginWebSocketMiddleware:
+    """Pure ASGI, around the WebSocket app: a handshake from a page of another origin
+    (comes_from_elsewhere, the rule the HTTP stream URLs keep) is refused before the socket is
+    accepted (the server answers 403), so no `start` frame is ever read from it.
+
+    The handshake's own origin is its scheme (ws: http, wss: https; a trusted proxy's
+    X-Forwarded-Proto already applied) and its Host, when that is one of ALLOWED_HOSTS. Browsers
+    send `Origin` on every WebSocket handshake, so one without is refused, as Channels'
+    AllowedHostsOriginValidator (which this replaces: it let every subdomain of a
+    `.example.com` entry in, and ignored scheme and port) refused it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and not _websocket_from_this_origin(scope):
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008})  # before accept: an HTTP 403
+            return
+        await self.app(scope, receive, send)
+
+
+def _websocket_from_this_origin(scope: Scope) -> bool:
+    origins = _header_values(scope, b"origin")
+    if len(origins) != 1:
+        return False
+    fetch_sites = _header_values(scope, b"sec-fetch-site")
+    return not comes_from_elsewhere(
+        fetch_site=fetch_sites[-1] if fetch_sites else None,
+        origin=origins[0],
+        own_origin=_websocket_own_origin(scope),
+    )
+
+
+def _websocket_own_origin(scope: Scope) -> str | None:
+    hosts = _header_values(scope, b"host")
+    if len(hosts) != 1:
+        return None
+    domain, _port = split_domain_port(hosts[0])
+    allowed = settings.ALLOWED_HOSTS
+    if settings.DEBUG and not allowed:
+        allowed = [".localhost", "127.0.0.1", "[::1]"]  # as Django's HttpRequest.get_host
+    if not domain or not validate_host(domain, allowed):
+        return None
+    scheme = "https" if scope.get("scheme") == "wss" else "http"
+    return f"{scheme}://{hosts[0]}"
 
 
 # --- limits the gateway does not see ---------------------------------------------------------
@@ -287,6 +369,37 @@ class LoginThrottleBackend(AxesStandaloneBackend):
             return None
         # axes counts and checks in the database, with the sync ORM: one thread hop, per login only.
         return await sync_to_async(self.authenticate)(request, username, password, **kwargs)
+
+
+class LoginFailureHandler(AxesDatabaseHandler):
+    """AXES_HANDLER: django-axes' database handler, keeping nothing a client sent.
+
+    axes stores a failed login's GET and POST fields (up to 1 KB each, the password's value
+    masked) and the submitted username in the client's AccessAttempt row, and appends each later
+    failure's fields to that row, during a lockout too: 40 attempts with a 2 KB field grew one
+    row from 1.3 KB to 84 KB, without bound, holding whatever was typed (a password typed into
+    the username box included). Here axes sees a request with no fields and no credentials, so
+    the row keeps the address, the user agent, the path, the count and the times; the lockout
+    is by address (AXES_LOCKOUT_PARAMETERS) and needs nothing else. The row is then emptied of
+    the separators axes appends for each failure even when there is no data, in the same
+    transaction."""
+
+    def user_login_failed(
+        self, sender: Any, credentials: dict[str, Any], request: HttpRequest | None = None, **kwargs: Any
+    ) -> None:
+        if request is None:
+            return super().user_login_failed(sender, credentials, request, **kwargs)
+        submitted = request.GET, request.POST
+        request.GET = request.POST = QueryDict()
+        try:
+            with transaction.atomic(using=router.db_for_write(AccessAttempt)):
+                # No credentials: axes takes the username from them, else from the (empty) POST.
+                super().user_login_failed(sender, None, request, **kwargs)
+                AccessAttempt.objects.filter(ip_address=request.axes_ip_address).exclude(  # type: ignore[attr-defined]
+                    get_data="", post_data=""
+                ).update(get_data="", post_data="")
+        finally:
+            request.GET, request.POST = submitted
 
 
 def login_client_address(request: HttpRequest) -> str | None:

@@ -1,4 +1,4 @@
-"""The domain's actions: everything that changes personas, their versions or the votes on a quote.
+"""The domain's actions: everything that changes personas, their versions, the votes on a quote or its being shared.
 
 The admin, the management commands and the views call these and nothing else to write; each is
 one transaction and takes keyword-only arguments. Reads live in quotes.selectors.
@@ -6,11 +6,13 @@ one transaction and takes keyword-only arguments. Reads live in quotes.selectors
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.db.models import Sum
+from django.utils import timezone
 
 from .ai.events import GENERATION_FIELDS
 from .models import Generation, Persona, PersonaVersion, Vote
@@ -90,3 +92,13 @@ async def generation_feedback_set(*, generation_id: int, client_key: str, value:
     await sync_to_async(_generation_feedback_set)(
         generation_id=generation_id, client_key=client_key, value=value
     )
+
+
+async def generation_share(*, public_id: uuid.UUID) -> bool:
+    """Mark a finished quote as shared (its page's Permalink or Copy button): retention keeps it
+    from now on (prune_generations). Only the first share writes. False when there is no such
+    finished quote to share."""
+    shareable = Generation.objects.filter(public_id=public_id, status=Generation.Status.OK, is_preview=False)
+    if await shareable.filter(shared_at__isnull=True).aupdate(shared_at=timezone.now()):
+        return True
+    return await shareable.aexists()

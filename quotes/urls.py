@@ -15,4 +15,6 @@ urlpatterns = [
     path("quotes/stream", views.stream_quote_form, name="stream-form"),
     path("api/quotes/<uuid:public_id>/feedback", views.quote_feedback, name="feedback"),
     path("api/quotes/<uuid:public_id>/stop", views.stop_quote, name="stop"),
+    # Keeps a quote past the log's retention: the page's Permalink and Copy buttons (Django's CSRF).
+    path("api/quotes/<uuid:public_id>/share", views.share_quote, name="share"),
 ]

@@ -97,6 +97,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             # The page script builds a quote's URLs from these patterns ("{id}" is its id).
             "permalink_url": _url_pattern("quotes:permalink"),
             "feedback_url": _url_pattern("quotes:feedback"),
+            "share_url": _url_pattern("quotes:share"),
             "stop_url": _url_pattern("quotes:stop"),
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
             # (static/js/quote-stream.js), which the browser tests use to prove that path too.
@@ -345,6 +346,10 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     try:
         if request.method != "POST":
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
+        # The stream URLs' one rule, after Django's CSRF check: that check lets a post without an
+        # Origin through on plain http on a token alone, and a sibling subdomain can plant the
+        # CSRF cookie; its Sec-Fetch-Site still says where it comes from.
+        refuse_cross_site(request)
         _check_body_size(request)
         params = _form_params(request)
         if (last_event_id := _last_event_id(request, params)) is not None:
@@ -378,15 +383,18 @@ async def _counted(request: HttpRequest, error: QuoteError) -> QuoteError:
 
 def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
     """CSRF_FAILURE_VIEW: htmx gets the refusal as an error event the page can show (hx-sse
-    handles any text/event-stream response, whatever its status); everyone else gets Django's
-    own page. One URL answers both, so the answer varies on HX-Request."""
+    handles any text/event-stream response, whatever its status), a client that asks for JSON
+    (the page's share button) the JSON error, and everyone else Django's own page. One URL
+    answers all three, so the answer varies on HX-Request and Accept."""
     response: HttpResponse
+    error = Error(ErrorCode.CSRF_FAILED, "This page has expired. Reload it, then try again.", 403)
     if request.htmx:
-        error = Error(ErrorCode.CSRF_FAILED, "This page has expired. Reload it, then ask again.", 403)
         response = _htmx_error_response(error, Meta())
+    elif "application/json" in request.headers.get("Accept", ""):
+        response = error_response(error)
     else:
         response = csrf.csrf_failure(request, reason)
-    patch_vary_headers(response, ("HX-Request",))
+    patch_vary_headers(response, ("HX-Request", "Accept"))
     return response
 
 
@@ -569,10 +577,8 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
         )
     except Generation.DoesNotExist:
         raise Http404("No such quote.") from None
-    if generation.shared_at is None:  # one write per quote, ever: it is kept longer from now on
-        await Generation.objects.filter(pk=generation.pk, shared_at__isnull=True).aupdate(
-            shared_at=timezone.now()
-        )
+    # Showing writes nothing: a link preview's bot, a crawler or a prefetch is no share. Only the
+    # page's buttons keep a quote past the log's retention (share_quote).
     text = generation.text.strip()
     return render(
         request,
@@ -587,6 +593,23 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
                 reverse("quotes:persona", kwargs={"slug": generation.persona.slug})
             ),
         },
+    )
+
+
+async def share_quote(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
+    """POST: the visitor shared this quote (the persona page's Permalink or Copy button, with
+    the page's CSRF token, which Django's middleware has checked by now): retention keeps it
+    (quotes.services.generation_share). Opening the permalink page does not, so link previews
+    and crawlers keep nothing. Sharing again changes nothing."""
+    try:
+        if request.method != "POST":
+            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
+        if not await services.generation_share(public_id=public_id):
+            raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404)
+    except QuoteError as exc:
+        return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
+    return JsonResponse(
+        {"id": str(public_id), "shared": True, "permalink": reverse("quotes:permalink", args=[public_id])}
     )
 
 

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.contrib.auth.models import User
 from django.test import AsyncClient
 
@@ -97,6 +98,65 @@ async def test_admin_login_success_resets_the_count(admin: User, settings: Any) 
     for _ in range(2):
         assert (await log_in(browser, "wrong")).status_code == 200
     assert (await log_in(browser, PASSWORD)).status_code == 302
+
+
+async def test_login_failures_keep_no_submitted_data_and_the_row_stays_small(
+    admin: User, settings: Any
+) -> None:
+    """Issue 20, point 7: axes appended every failed login's GET and POST fields to the client's
+    row, during the lockout too (40 attempts with a 2 KB field: 1.3 KB to 84 KB), and kept the
+    submitted username. Now the row holds nothing the client sent, and keeps its size."""
+    from axes.models import AccessAttempt
+
+    settings.AXES_FAILURE_LIMIT = 3
+    browser = Browser("198.51.100.23")
+    filler = "f" * 2048
+    typed_username = "boss-typed-a-secret"
+    typed_password = "a-mistyped-secret-password"
+
+    async def fail_once() -> int:
+        page = await browser.get(LOGIN)
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.content.decode())
+        assert token, page.content[:500]
+        response = await browser.post(
+            LOGIN + "?next=/admin/&query-secret=" + "q" * 500,
+            {
+                "username": typed_username,
+                "password": typed_password,
+                "filler": filler,
+                "next": "/admin/",
+                "csrfmiddlewaretoken": token[1],
+            },
+        )
+        return int(response.status_code)
+
+    def row_sizes() -> list[int]:
+        """The text each row holds (the count's digits and the times aside)."""
+        text = ("username", "user_agent", "http_accept", "path_info", "get_data", "post_data")
+        rows = AccessAttempt.objects.filter(ip_address="198.51.100.23").values_list(*text)
+        return [sum(len(value or "") for value in row) for row in rows]
+
+    statuses = [await fail_once() for _ in range(5)]
+    [after_five] = await sync_to_async(row_sizes)()
+    statuses += [await fail_once() for _ in range(35)]
+    [after_forty] = await sync_to_async(row_sizes)()
+
+    assert statuses[:2] == [200, 200] and set(statuses[2:]) == {429}  # the lockout still holds
+    row = await AccessAttempt.objects.aget(ip_address="198.51.100.23")
+    assert row.failures_since_start == 40  # and still counts
+    assert after_forty == after_five < 1024, (after_five, after_forty)
+    stored = " ".join(str(value) for value in (await AccessAttempt.objects.values().aget(pk=row.pk)).values())
+    for submitted in (
+        typed_username,
+        typed_password,
+        filler[:64],
+        "query-secret",
+        "qqqq",
+        "csrfmiddlewaretoken",
+    ):
+        assert submitted not in stored, submitted
+    assert row.get_data == row.post_data == ""
+    assert row.username is None
 
 
 async def test_async_login_works_with_the_throttling_backend(admin: User) -> None:

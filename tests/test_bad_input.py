@@ -245,6 +245,18 @@ BATTERY = [
         ),
         id="get-cross-site",
     ),
+    # -- issue 20: nor can a sibling subdomain's (the same site, another origin)
+    pytest.param(
+        Bad(
+            "GET",
+            STREAM_URL,
+            headers={"sec-fetch-site": "same-site", "accept": "text/event-stream"},
+            query="persona=test-watts",
+            status=403,
+            code="cross_site",
+        ),
+        id="get-same-site",
+    ),
     pytest.param(
         Bad(
             "POST",

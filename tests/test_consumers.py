@@ -121,7 +121,9 @@ async def test_socket_disconnect_stops_the_upstream_and_logs_cancelled(
     from config.asgi import application
 
     fake_workers_ai.script(Scenario(tokens=["tick"] * 500, token_delay_s=0.02))
-    socket = WebsocketCommunicator(application, "/ws/quotes/", headers=[(b"origin", b"http://127.0.0.1")])
+    socket = WebsocketCommunicator(
+        application, "/ws/quotes/", headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
+    )
     assert (await socket.connect())[0]
     await socket.send_json_to({"type": "start", "persona": persona.slug})
     await frames_until(socket, "token")

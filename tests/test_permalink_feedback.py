@@ -1,9 +1,10 @@
-"""A finished quote's permalink page (with Open Graph tags) and the feedback endpoint."""
+"""A finished quote's permalink page (with Open Graph tags), and the share and feedback endpoints."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import replace
@@ -77,6 +78,64 @@ def test_permalink_page_is_404_for_unfinished_or_preview_quotes(
     generation = make_generation(persona, **fields)
     assert client.get(f"/q/{generation.public_id}/").status_code == 404
     assert client.get(f"/q/{uuid.uuid4()}/").status_code == 404
+
+
+def test_share_needs_the_pages_csrf_token_and_keeps_the_quote(persona: Persona) -> None:
+    """The persona page's Permalink and Copy buttons post its CSRF token to share a quote;
+    without it (another site's form, a bot) nothing is kept, and a JSON client is told why."""
+    generation = make_generation(persona)
+    browser = Client(enforce_csrf_checks=True)
+    share_url = f"/api/quotes/{generation.public_id}/share"
+
+    page = browser.get(f"/personas/{persona.slug}/")
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.content.decode())
+    assert token, page.content[:300]
+    assert 'data-share-url="/api/quotes/{id}/share"' in page.content.decode()
+    forged = browser.post(share_url, headers={"accept": "application/json"})
+    generation.refresh_from_db()
+    assert forged.status_code == 403 and forged.json()["error"]["code"] == "csrf_failed"
+    assert generation.shared_at is None
+
+    shared = browser.post(share_url, headers={"x-csrftoken": token[1], "accept": "application/json"})
+
+    assert shared.status_code == 200
+    assert shared.json() == {
+        "id": str(generation.public_id),
+        "shared": True,
+        "permalink": f"/q/{generation.public_id}/",
+    }
+    generation.refresh_from_db()
+    assert generation.shared_at is not None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"status": Generation.Status.CANCELLED},
+        {"status": Generation.Status.ERROR},
+        {"is_preview": True},
+        None,
+    ],
+)
+def test_share_is_404_for_what_has_no_permalink(
+    persona: Persona, client: Client, fields: dict[str, object] | None
+) -> None:
+    public_id = make_generation(persona, **fields).public_id if fields is not None else uuid.uuid4()
+
+    response = client.post(f"/api/quotes/{public_id}/share")
+
+    assert response.status_code == 404 and response.json()["error"]["code"] == "unknown_quote"
+    assert not Generation.objects.filter(shared_at__isnull=False).exists()
+
+
+def test_share_takes_only_post(persona: Persona, client: Client) -> None:
+    generation = make_generation(persona)
+
+    response = client.get(f"/api/quotes/{generation.public_id}/share")
+
+    assert response.status_code == 405 and response["Allow"] == "POST"
+    generation.refresh_from_db()
+    assert generation.shared_at is None
 
 
 async def post_feedback(

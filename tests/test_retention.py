@@ -1,5 +1,6 @@
 """Retention of the request log: `manage.py prune_generations` on real rows (SQLite here, and
-PostgreSQL under scripts/test-services), and the permalink visit that marks a quote as shared."""
+PostgreSQL under scripts/test-services), and the share that marks a quote to keep (opening its
+permalink does not)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def watts(db: None) -> Persona:
 
 @pytest.fixture
 def old_and_new(watts: Persona, client: Client) -> dict[str, Generation]:
-    """Rows past the 90-day default and rows within it; one old quote shared by opening its
-    permalink (the real page), one rated."""
+    """Rows past the 90-day default and rows within it; one old quote shared (its page's share
+    button: the real endpoint), one whose permalink page was only opened, one rated."""
     rows = {
         "old_ok": logged(watts, days_ago=100),
         "old_error": logged(watts, days_ago=95, status="error", error_code="upstream_error", text=""),
@@ -68,6 +69,7 @@ def old_and_new(watts: Persona, client: Client) -> dict[str, Generation]:
         "old_rated_error": logged(watts, days_ago=100, status="error", feedback=-1),
         "old_rated": logged(watts, days_ago=100, feedback=1),
         "old_shared": logged(watts, days_ago=200),
+        "old_only_opened": logged(watts, days_ago=200),
         "old_votes_cancel_out": logged(watts, days_ago=150),
         "ancient_rated": logged(watts, days_ago=800, feedback=-1),
         "new_ok": logged(watts, days_ago=89),
@@ -75,10 +77,13 @@ def old_and_new(watts: Persona, client: Client) -> dict[str, Generation]:
     }
     for client_key, value in (("ip:a", 1), ("ip:b", -1)):  # voted on, the verdict empty
         Vote.objects.create(generation=rows["old_votes_cancel_out"], client_key=client_key, value=value)
-    page = client.get(f"/q/{rows['old_shared'].public_id}/")
-    assert page.status_code == 200
-    rows["old_shared"].refresh_from_db()
-    assert rows["old_shared"].shared_at is not None
+    shared = client.post(f"/api/quotes/{rows['old_shared'].public_id}/share")
+    assert shared.status_code == 200, shared.content
+    for _ in range(3):  # a link preview's bot, a crawler, the visitor
+        assert client.get(f"/q/{rows['old_only_opened'].public_id}/").status_code == 200
+    for row in rows.values():
+        row.refresh_from_db()
+    assert rows["old_shared"].shared_at is not None and rows["old_only_opened"].shared_at is None
     return rows
 
 
@@ -86,14 +91,22 @@ def remaining() -> set[int]:
     return set(Generation.objects.values_list("pk", flat=True))
 
 
-def test_permalink_opened_marks_the_quote_shared_once(watts: Persona, client: Client) -> None:
+def test_opening_the_permalink_keeps_nothing_and_a_share_marks_the_quote_once(
+    watts: Persona, client: Client
+) -> None:
+    """Issue 20, point 8: opening /q/<id>/ set shared_at, so every link preview's bot exempted a
+    quote from retention. Only the share (a POST, the page's buttons) does now."""
     row = logged(watts, days_ago=3)
-    assert row.shared_at is None
 
     assert client.get(f"/q/{row.public_id}/").status_code == 200
+    assert client.head(f"/q/{row.public_id}/").status_code == 200
+    row.refresh_from_db()
+    assert row.shared_at is None
+
+    assert client.post(f"/api/quotes/{row.public_id}/share").status_code == 200
     row.refresh_from_db()
     first = row.shared_at
-    assert client.get(f"/q/{row.public_id}/").status_code == 200
+    assert client.post(f"/api/quotes/{row.public_id}/share").status_code == 200
     row.refresh_from_db()
 
     assert first is not None and row.shared_at == first
@@ -109,7 +122,7 @@ def test_prune_deletes_old_rows_and_keeps_rated_and_shared_quotes(
 
     kept = {name for name, row in old_and_new.items() if row.pk in remaining()}
     assert kept == {"old_rated", "old_shared", "old_votes_cancel_out", "ancient_rated", "new_ok", "new_error"}
-    assert "Deleted 6 log rows and trimmed 4 kept quotes" in out
+    assert "Deleted 7 log rows and trimmed 4 kept quotes" in out
     # What the permalink and the analytics need stays; the visitor's words and the request go.
     for name in ("old_rated", "old_shared", "old_votes_cancel_out", "ancient_rated"):
         row = Generation.objects.get(pk=old_and_new[name].pk)
@@ -119,6 +132,7 @@ def test_prune_deletes_old_rows_and_keeps_rated_and_shared_quotes(
     assert (new.request, new.topic) == (REQUEST, "rain")
     assert client.get(f"/q/{old_and_new['old_shared'].public_id}/").status_code == 200
     assert client.get(f"/q/{old_and_new['old_ok'].public_id}/").status_code == 404
+    assert client.get(f"/q/{old_and_new['old_only_opened'].public_id}/").status_code == 404
 
     assert "Deleted 0 log rows and trimmed 0 kept quotes" in prune()  # nothing left to do
 
@@ -158,7 +172,7 @@ def test_prune_dry_run_changes_nothing(old_and_new: dict[str, Generation], setti
 
     out = prune("--dry-run")
 
-    assert "Would delete 6 log rows and trim 4 kept quotes" in out
+    assert "Would delete 7 log rows and trim 4 kept quotes" in out
     assert remaining() == before
     assert Generation.objects.get(pk=old_and_new["old_rated"].pk).request == REQUEST
 

@@ -4,18 +4,22 @@ fake Workers AI server on 127.0.0.1.
 
 1. IPv6 clients are counted by their /64 (QUOTES_IPV6_PREFIX); IPv4-mapped addresses as IPv4.
 2. X-Forwarded-For is believed only from QUOTES_TRUSTED_PROXIES (quotes.security).
-3. A browser on another site cannot start a generation (Sec-Fetch-Site / Origin).
+3. A browser on another site cannot start a generation (Sec-Fetch-Site / Origin); issue 20's
+   point 4: nor a page of another origin on this site (a sibling subdomain, another port).
 11. A lone surrogate in a topic or a turn is a 400, not a crash in the backend.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import os
+import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -28,12 +32,12 @@ from django.conf import settings as django_settings
 
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, StreamedResponse, parse_sse, post_quote
-from tests.deployed import start_daphne, wait_until_answering
+from tests.asgi import AsgiStream, StreamedResponse, htmx_form_post, parse_sse, post_quote, request
+from tests.deployed import deploy_upstream, start_daphne, wait_until_answering
 from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 from tests.fakes.workers_ai import FakeWorkersAI
 from tests.limits import at_start_of_window
-from tests.scaleout.services import free_port, stop_process
+from tests.scaleout.services import free_port, nginx, stop_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -299,6 +303,21 @@ CROSS_SITE = [
     pytest.param({"origin": "https://evil.example"}, id="foreign-origin"),
     pytest.param({"origin": "null"}, id="opaque-origin"),
     pytest.param({"origin": "http://testserver.evil.example"}, id="lookalike-origin"),
+    # issue 20, point 4: a sibling subdomain is the same site, but another origin (its own code)
+    pytest.param(
+        {"sec-fetch-site": "same-site", "accept": "text/event-stream"},
+        id="img-or-link-from-a-sibling-subdomain",
+    ),
+    pytest.param(
+        {"sec-fetch-site": "same-site", "origin": "http://sibling.testserver", "accept": "text/event-stream"},
+        id="eventsource-from-a-sibling-subdomain",
+    ),
+    pytest.param(
+        {"sec-fetch-site": "same-site", "origin": "http://testserver"}, id="same-site-but-our-origin"
+    ),
+    pytest.param({"origin": "https://testserver"}, id="our-host-on-another-scheme"),
+    pytest.param({"origin": "http://testserver:8443"}, id="our-host-on-another-port"),
+    pytest.param({"sec-fetch-site": "same-origin, cross-site"}, id="a-value-no-browser-sends"),
 ]
 
 
@@ -333,6 +352,53 @@ async def test_cross_site_htmx_request_gets_its_error_event(persona: Persona, fa
     assert event["event"] == "error"
     assert json.loads(event["data"])["code"] == "cross_site"
     assert fake.requests == []
+
+
+async def test_same_site_gets_spend_no_quota(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
+    """Refused before the rate limit counts them: a sibling's requests cannot use up a visitor's
+    budget either."""
+    limit_to(settings, 1)
+    await at_start_of_window()
+
+    refused = [await get(f"persona={persona.slug}", {"sec-fetch-site": "same-site"}) for _ in range(3)]
+    own = await get(f"persona={persona.slug}", {"sec-fetch-site": "same-origin"})
+
+    for response in refused:
+        assert_json_error(response, 403, "cross_site")
+    assert own.status == 200, own.body[:300]
+    assert len(fake.requests) == 1
+
+
+async def test_same_site_htmx_get_gets_its_error_event(persona: Persona, fake: FakeWorkersAI) -> None:
+    response = await get(f"persona={persona.slug}", {"hx-request": "true", "sec-fetch-site": "same-site"})
+
+    assert response.status == 403
+    [event] = parse_sse(response.body)
+    assert event["event"] == "error" and json.loads(event["data"])["code"] == "cross_site"
+    assert fake.requests == []
+
+
+async def test_same_site_form_post_with_a_planted_csrf_cookie_is_refused(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    """A sibling subdomain can set the CSRF cookie for the parent domain and post the matching
+    token; on plain http, without an Origin, Django's check passes on the token alone."""
+    sibling = await htmx_form_post({"persona": persona.slug}, **{"sec-fetch-site": "same-site"})
+    own = await htmx_form_post({"persona": persona.slug}, **{"sec-fetch-site": "same-origin"})
+
+    assert sibling.status == 403
+    [event] = parse_sse(sibling.body)
+    assert event["event"] == "error" and json.loads(event["data"])["code"] == "cross_site"
+    assert own.status == 200, own.body[:300]
+    assert len(fake.requests) == 1
+
+
+async def test_same_site_stop_is_refused(persona: Persona) -> None:
+    response = await request(
+        "POST", f"/api/quotes/{uuid.uuid4()}/stop", headers={"sec-fetch-site": "same-site"}
+    )
+
+    assert_json_error(response, 403, "cross_site")
 
 
 SAME_SITE = [
@@ -390,18 +456,144 @@ async def test_websocket_from_another_origin_is_refused(persona: Persona, origin
     assert not connected
 
 
-async def test_websocket_from_this_site_is_accepted(persona: Persona) -> None:
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param([(b"origin", b"http://127.0.0.1:9999")], id="another-port"),
+        pytest.param([(b"origin", b"https://127.0.0.1:8000")], id="another-scheme"),
+        pytest.param([(b"origin", b"http://localhost:8000")], id="another-allowed-host"),
+        pytest.param(
+            [(b"origin", b"http://127.0.0.1:8000"), (b"sec-fetch-site", b"same-site")], id="same-site"
+        ),
+        pytest.param([], id="no-origin"),
+    ],
+)
+async def test_websocket_from_another_origin_of_an_allowed_host_is_refused(
+    persona: Persona, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """Channels' AllowedHostsOriginValidator let these in: it matched the Origin's host against
+    ALLOWED_HOSTS, whatever its scheme and port, and whichever allowed host the socket was for."""
+    from config.asgi import application
+
+    socket_ = WebsocketCommunicator(
+        application, "/ws/quotes/", headers=[*headers, (b"host", b"127.0.0.1:8000")]
+    )
+    connected, _ = await socket_.connect()
+
+    assert not connected
+
+
+async def test_websocket_from_a_sibling_subdomain_is_refused(persona: Persona, settings: Any) -> None:
+    settings.ALLOWED_HOSTS = [".example.com"]
+    from config.asgi import application
+
+    def socket_from(origin: bytes) -> WebsocketCommunicator:
+        return WebsocketCommunicator(
+            application, "/ws/quotes/", headers=[(b"origin", origin), (b"host", b"quotes.example.com")]
+        )
+
+    own, _ = await (own_socket := socket_from(b"http://quotes.example.com")).connect()
+    sibling, _ = await socket_from(b"http://sibling.example.com").connect()
+
+    assert own and not sibling
+    await own_socket.disconnect()
+
+
+async def test_websocket_for_a_host_not_allowed_is_refused(persona: Persona) -> None:
+    """Host and Origin agree, but the host is not one of ALLOWED_HOSTS (DNS rebinding)."""
     from config.asgi import application
 
     socket_ = WebsocketCommunicator(
         application,
         "/ws/quotes/",
-        headers=[(b"origin", b"http://127.0.0.1:8000"), (b"host", b"127.0.0.1:8000")],
+        headers=[(b"origin", b"http://rebound.example"), (b"host", b"rebound.example")],
+    )
+    connected, _ = await socket_.connect()
+
+    assert not connected
+
+
+async def test_websocket_from_a_trusted_origin_is_accepted(persona: Persona, settings: Any) -> None:
+    settings.CSRF_TRUSTED_ORIGINS = ["https://www.example.org"]
+    from config.asgi import application
+
+    socket_ = WebsocketCommunicator(
+        application,
+        "/ws/quotes/",
+        headers=[(b"origin", b"https://www.example.org"), (b"host", b"127.0.0.1:8000")],
     )
     connected, _ = await socket_.connect()
 
     assert connected
     await socket_.disconnect()
+
+
+@pytest.mark.parametrize("fetch_site", [None, b"same-origin"])
+async def test_websocket_from_this_site_is_accepted(persona: Persona, fetch_site: bytes | None) -> None:
+    from config.asgi import application
+
+    headers = [(b"origin", b"http://127.0.0.1:8000"), (b"host", b"127.0.0.1:8000")]
+    if fetch_site is not None:
+        headers.append((b"sec-fetch-site", fetch_site))
+    socket_ = WebsocketCommunicator(application, "/ws/quotes/", headers=headers)
+    connected, _ = await socket_.connect()
+
+    assert connected
+    await socket_.disconnect()
+
+
+def websocket_handshake_status(base_url: str, origin: str) -> bytes:
+    """The status line a real server answers a WebSocket handshake from `origin` with."""
+    host = base_url.removeprefix("http://")
+    address, _, port = host.partition(":")
+    with socket.create_connection((address, int(port)), timeout=20) as sock:
+        key = base64.b64encode(os.urandom(16)).decode()
+        sock.sendall(
+            f"GET /ws/quotes/ HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nOrigin: {origin}\r\n\r\n".encode()
+        )
+        return sock.makefile("rb").readline()
+
+
+def test_dockerfile_daphne_refuses_a_sibling_subdomain_over_http_and_the_websocket(
+    dockerfile_daphne: str, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """The deployed server (one quote an hour per client): a sibling's EventSource GET and its
+    socket are refused before anything is spent, and this site's own page still gets its quote."""
+    stream = dockerfile_daphne + STREAM_URL + "?persona=alan-watts"
+    with httpx.Client(timeout=20) as client:
+        sibling = client.get(stream, headers={"Sec-Fetch-Site": "same-site", "Accept": "text/event-stream"})
+        socket_status = websocket_handshake_status(dockerfile_daphne, "http://sibling.127.0.0.1.example")
+        own = client.get(stream, headers={"Sec-Fetch-Site": "same-origin", "Accept": "text/event-stream"})
+
+    assert sibling.status_code == 403 and sibling.json()["error"]["code"] == "cross_site", sibling.text
+    assert b" 403 " in socket_status, socket_status
+    assert own.status_code == 200, own.text
+    assert len(fake_workers_ai.requests) == 1
+
+
+def test_behind_nginx_a_page_on_another_port_is_this_origin_only_on_its_own_port(
+    dockerfile_daphne: str, tmp_path: Path
+) -> None:
+    """deploy/nginx's proxy rules in front of the daphne: the app compares the page's Origin with
+    the Host nginx passes on, which must keep the port the browser sent (nginx's $host drops
+    it, and every page of a site on a port other than 443 looked like another origin's)."""
+    proxy_port = free_port()
+    site = f"""
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    {deploy_upstream([dockerfile_daphne.removeprefix("http://")])}
+    server {{
+        listen 127.0.0.1:{proxy_port};
+        server_name 127.0.0.1;
+        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
+    }}
+"""
+    with nginx(tmp_path, site=site, port=proxy_port) as proxy:
+        own = websocket_handshake_status(proxy.url, proxy.url)
+        other_port = websocket_handshake_status(proxy.url, f"http://127.0.0.1:{free_port()}")
+
+    assert b" 101 " in own, own
+    assert b" 403 " in other_port, other_port
 
 
 # -- 11. lone surrogates ----------------------------------------------------------------------------

@@ -121,7 +121,9 @@ async def test_open_stream_cap_counts_websockets_and_refuses_with_an_error_frame
     from config.asgi import application
 
     held = await cap_of_one_held(settings, fake)
-    socket = WebsocketCommunicator(application, "/ws/quotes/", headers=[(b"origin", b"http://testserver")])
+    socket = WebsocketCommunicator(
+        application, "/ws/quotes/", headers=[(b"origin", b"http://testserver"), (b"host", b"testserver")]
+    )
     connected, _ = await socket.connect()
     assert connected
 

@@ -62,6 +62,7 @@ export function mountPersonaPage(form) {
       streamUrl: data.streamUrl,
       permalinkUrl: data.permalinkUrl,
       feedbackUrl: data.feedbackUrl,
+      shareUrl: data.shareUrl,
       stopUrl: data.stopUrl,
       csrfToken: form.querySelector("[name=csrfmiddlewaretoken]")?.value ?? "",
       persona: data.persona,

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
+from tests.deployed import wait_for
+
 from .conftest import RECORDER, DaphneServer, assert_streamed_in_steps, watch_console
 
 TRANSPORTS = pytest.mark.parametrize("transport", ["htmx", "fetch"])
@@ -23,6 +25,19 @@ def wait_done(page: Page) -> None:
     expect(page.get_by_test_id("quote-card")).to_have_attribute(
         "data-state", re.compile("done|error"), timeout=30_000
     )
+
+
+def shown_quote_id(page: Page) -> str:
+    """The public id of the quote on the card (from its Permalink link), as SQLite stores it."""
+    href = page.get_by_test_id("permalink").get_attribute("href") or ""
+    match = re.fullmatch(r"/q/([0-9a-f-]{36})/", href)
+    assert match, href
+    return match[1].replace("-", "")
+
+
+def shared_at(server: DaphneServer, public_id: str) -> object:
+    [(value,)] = server.query("SELECT shared_at FROM quotes_generation WHERE public_id = ?", public_id)
+    return value
 
 
 @TRANSPORTS
@@ -107,13 +122,26 @@ def test_browser_permalink_page_and_feedback(
     expect(page.get_by_test_id("feedback-up")).to_have_attribute("aria-pressed", "false")
     assert daphne_server.query("SELECT feedback FROM quotes_generation ORDER BY id DESC LIMIT 1") == [(-1,)]
 
+    # Copy shares the quote: kept past the log's retention (issue 20, point 8). Until then it is not.
+    copied = shown_quote_id(page)
+    assert shared_at(daphne_server, copied) is None
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     page.get_by_test_id("copy").click()
     expect(page.get_by_test_id("action-status")).to_contain_text("Copied")
     assert quote in page.evaluate("navigator.clipboard.readText()")
+    wait_for(lambda: shared_at(daphne_server, copied) is not None, "the copied quote marked shared")
 
+    # So does following the Permalink link (a POST as it navigates away), for another quote.
+    copied_href = page.get_by_test_id("permalink").get_attribute("href") or ""
+    page.get_by_test_id("generate").click()
+    expect(page.get_by_test_id("permalink")).not_to_have_attribute("href", copied_href, timeout=30_000)
+    wait_done(page)
+    quote = (page.get_by_test_id("quote-text").text_content() or "").strip()
+    linked = shown_quote_id(page)
+    assert linked != copied and shared_at(daphne_server, linked) is None
     page.get_by_test_id("permalink").click()
     expect(page.get_by_test_id("permalink-text")).to_have_text(quote)
+    wait_for(lambda: shared_at(daphne_server, linked) is not None, "the linked quote marked shared")
     expect(page.get_by_test_id("permalink-persona")).to_have_text("Alan Watts")
     expect(page.get_by_test_id("permalink-model")).to_have_attribute(
         "href", "https://huggingface.co/google/gemma-3-270m"

@@ -3,8 +3,10 @@
 Run it daily (deploy/systemd/persona-quotes-prune.timer). What it keeps:
 
 - every row younger than QUOTES_LOG_RETENTION_DAYS (0: the command keeps everything);
-- quotes someone voted on or opened by their permalink (a `Vote`, or `shared_at` set), for
-  QUOTES_KEPT_QUOTE_RETENTION_DAYS (0: for good), since a shared link should keep working. Past
+- quotes someone voted on or shared (a `Vote`, or `shared_at` set by the persona page's
+  Permalink or Copy button: a POST, quotes.views.share_quote; opening the permalink page, as any
+  link preview's bot does, keeps nothing), for QUOTES_KEPT_QUOTE_RETENTION_DAYS (0: for good),
+  since a shared link should keep working. Past
   the log retention such a quote keeps only what its permalink page and the analytics use:
   its request (prompts and the visitor's conversation), upstream headers, topic and client
   hash are cleared.
@@ -31,8 +33,7 @@ DEFAULT_BATCH = 500
 
 
 def kept_quotes() -> Q:
-    """Quotes someone cared about: voted on (even if the votes cancel out), or opened by their
-    permalink."""
+    """Quotes someone cared about: voted on (even if the votes cancel out), or shared."""
     voted = Exists(Vote.objects.filter(generation=OuterRef("pk")))
     return Q(status=Generation.Status.OK, is_preview=False) & (
         Q(voted) | Q(feedback__isnull=False) | Q(shared_at__isnull=False)

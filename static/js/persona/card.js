@@ -6,7 +6,7 @@
  * firstText, done, fail, stop; `textEl` is where the text goes and `meta` what is known so far.
  */
 
-import { parseJSON, prefersReducedMotion, setModel, urlFor } from "./dom.js";
+import { parseJSON, prefersReducedMotion, setModel, shareOnFollow, shareQuote, urlFor } from "./dom.js";
 
 const STATES = ["idle", "loading", "streaming", "done", "error", "stopped"];
 
@@ -139,14 +139,17 @@ export function createCard(page) {
   return view;
 }
 
-/** Copy and thumbs up/down under a finished quote. */
+/** Copy, permalink and thumbs up/down under a finished quote. */
 export function wireActions(page) {
   const { doc, el, config } = page;
   const say = (message) => {
     el.actionStatus.textContent = message;
   };
 
+  // Copy and Permalink are how a quote gets shared: each tells the server to keep it.
+  shareOnFollow(el.permalink, config, () => page.quoteId);
   el.copy.addEventListener("click", async () => {
+    shareQuote(config, page.quoteId);
     const text = `“${el.quoteText.textContent.trim()}” — ${config.personaName}`;
     try {
       await navigator.clipboard.writeText(text);

@@ -3,7 +3,7 @@
  * and one view per question, which streams its answer like the card streams the quote.
  */
 
-import { prefersReducedMotion, setModel } from "./dom.js";
+import { prefersReducedMotion, setModel, shareOnFollow } from "./dom.js";
 
 export function createConversation(page) {
   const { doc, el, config } = page;
@@ -71,6 +71,7 @@ export function createConversation(page) {
           link.href = meta.permalink;
           link.textContent = "Permalink";
           link.dataset.testid = "answer-permalink";
+          shareOnFollow(link, config, meta.id);
           footer.append(" · ", link);
         }
         footer.hidden = false;

@@ -43,3 +43,29 @@ export function splitLead(textEl, token) {
 export function urlFor(pattern, id) {
   return pattern.replace("{id}", encodeURIComponent(id));
 }
+
+/**
+ * Tell the server this quote was shared (its Permalink or Copy button), so it is kept past the
+ * request log's retention; opening a permalink page keeps nothing (a link preview's bot opens
+ * them too). `keepalive`: the request goes out even when the click navigates away at once.
+ * Nothing to show either way: the link and the copy work whatever the answer.
+ */
+export function shareQuote(config, id) {
+  if (!id || !config.shareUrl) return;
+  fetch(urlFor(config.shareUrl, id), {
+    method: "POST",
+    headers: { "X-CSRFToken": config.csrfToken, Accept: "application/json" },
+    credentials: "same-origin",
+    keepalive: true,
+  }).catch(() => {});
+}
+
+/** Share `id` whenever `link` is followed: a click, or a middle click (a new tab). */
+export function shareOnFollow(link, config, id) {
+  const follow = (event) => {
+    if (event.type === "auxclick" && event.button !== 1) return;
+    shareQuote(config, typeof id === "function" ? id() : id);
+  };
+  link.addEventListener("click", follow);
+  link.addEventListener("auxclick", follow);
+}
