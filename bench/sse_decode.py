@@ -21,7 +21,7 @@ Paths, interleaved in every round (the order rotates), each decoding the stream 
 - `upstream_events`: httpx-sse as both backends read it now, with the BOM and CR gaps closed
   (quotes/ai/backends/upstream_sse.py).
 
-The decode cost per token is a path's time less the raw read's, over the tokens. For scale, the
+The decode cost per token is a path's CPU time less the raw read's, over the tokens. For scale, the
 app's whole CPU per token at 100 streams is ~130-160 µs (bench.load), and one fast stream
 through the app ~50 µs per token (bench.proxy_overhead's tokens/s). Before timing, every decoder
 must yield the same events for each cut: a figure for a decoder that decodes wrongly would mean
@@ -225,7 +225,7 @@ PATHS: dict[str, Callable[[Sequence[bytes]], Awaitable[list[str]]]] = {
 
 @dataclass
 class Figures:
-    """Seconds per stream, one value per round, for each (cut, path)."""
+    """CPU seconds per stream, one value per round, for each (cut, path)."""
 
     tokens: int
     per_stream: dict[tuple[str, str], list[float]] = field(default_factory=dict)
@@ -254,10 +254,12 @@ async def measure(*, tokens: int, streams: int, rounds: int, cuts: Sequence[str]
         for cut in cuts:
             for name in names[shift:] + names[:shift]:
                 run = PATHS[name]
-                started = time.perf_counter()
+                # CPU time, not wall time: on a shared machine the other processes' turns on
+                # the CPU would otherwise land in whichever path happened to be running.
+                started = time.process_time()
                 for _ in range(streams):
                     await run(chunks[cut])
-                elapsed = time.perf_counter() - started
+                elapsed = time.process_time() - started
                 figures.per_stream.setdefault((cut, name), []).append(elapsed / streams)
     return figures
 
