@@ -487,16 +487,21 @@ def workers_ai_env(upstream: HasApiBaseUrl) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serve_app(server: Server, *, migrate_sql: Sequence[str] = (), **extra_env: str) -> Iterator[AppServer]:
-    """Migrate a fresh SQLite file and serve the app on it, in a subprocess."""
+def serve_app(
+    server: Server, *, migrate_sql: Sequence[str] = (), tree: Path = ROOT, **extra_env: str
+) -> Iterator[AppServer]:
+    """Migrate a fresh SQLite file and serve the app on it, in a subprocess. `tree`: the source
+    tree to run (another checkout, e.g. a `git worktree` of the code before a change, to measure
+    both side by side)."""
+    name = server if tree == ROOT else f"{server}-{tree.name}"
     with tempfile.TemporaryDirectory(prefix=f"bench-{server}-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         env = app_env(db_path, **extra_env)
-        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=tree, env=env, check=True)
         with sqlite3.connect(db_path) as connection:
             for statement in migrate_sql:
                 connection.execute(statement)
-        with serve_asgi(server, "config.asgi:application", env, server) as (process, url, log_path):
+        with serve_asgi(server, "config.asgi:application", env, name, cwd=tree) as (process, url, log_path):
             yield AppServer(server, url, process, db_path, log_path, env)
 
 
@@ -520,7 +525,7 @@ def serve_naive(upstream_url: str, headers: dict[str, str], server: Server = "da
 
 @contextlib.contextmanager
 def serve_asgi(
-    server: Server, application: str, env: dict[str, str], name: str
+    server: Server, application: str, env: dict[str, str], name: str, *, cwd: Path = ROOT
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """`application` under daphne or uvicorn on a free port, logging to artifacts/bench/`name`.log
     (the latest server of each name): (the process, its URL, the log)."""
@@ -533,7 +538,7 @@ def serve_asgi(
         command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
     log_path = ARTIFACTS / f"{name}.log"
     # /healthz, not /: the home page needs collected static files.
-    with running_server(command, port=port, env=env, log_path=log_path, name=name) as (process, url):
+    with running_server(command, port=port, env=env, log_path=log_path, name=name, cwd=cwd) as (process, url):
         yield process, url, log_path
 
 

@@ -206,7 +206,8 @@ MARKERS = (
     "check_context_window (",
     "stream_generation (",
     "WorkersAIBackend.stream (",
-    "parse_events (",
+    "StreamParser.feed (",
+    "EventSource.aiter_sse (",
     "_sse_body (",
     "_save (",
     "SyncToAsync.__call__ (",
@@ -436,6 +437,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-seconds", type=float, default=8.0, help="0: no profile")
     parser.add_argument("--attribution-requests", type=int, default=150, help="0: skip")
     parser.add_argument("--profile-rate", type=int, default=250)
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="also serve the app from this source tree (e.g. a git worktree of the code before a "
+        "change) under daphne, as one more path in the same interleaved run",
+    )
     args = parser.parse_args(argv)
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -450,6 +457,16 @@ def main(argv: list[str] | None = None) -> None:
             Reader(f"app under {app.server}", app_request(app, c), fake)
             for app, c in zip(apps, clients, strict=True)
         ]
+        if args.baseline_tree is not None:
+            tree = args.baseline_tree.resolve()
+            baseline = stack.enter_context(serve_app("daphne", tree=tree, **workers_ai_env(fake)))
+            app_paths.append(
+                Reader(
+                    f"app under daphne, {tree.name}",
+                    app_request(baseline, stack.enter_context(client())),
+                    fake,
+                )
+            )
         for path in app_paths:  # warm up, and teach the fake what the app sends
             for _ in range(args.warmup):
                 path.run()

@@ -334,6 +334,28 @@ async def test_backend_reads_random_splits_with_any_line_ending_padding_and_comm
     assert events[1:] == [Token(str(t)) for t in NON_ASCII] + [Usage(12, 6), Done()]
 
 
+@pytest.mark.parametrize("split", [None, 1, 2, "random"])
+async def test_backend_drops_a_leading_bom_and_keeps_the_first_token(
+    workers_ai_backend, fake_workers_ai, split
+):
+    body = b"\xef\xbb\xbf" + render_body(Scenario(tokens=NON_ASCII), model=MODEL)
+    fake_workers_ai.script(Scenario(raw_body=body, split=split, seed=19))
+
+    events = await collect(workers_ai_backend)
+
+    assert events[1:] == [Token(str(t)) for t in NON_ASCII] + [Usage(12, 6), Done()]
+
+
+async def test_backend_hands_on_a_cr_only_event_without_waiting_for_the_next_read(fake_workers_ai):
+    # The second token never comes (a stall past the read timeout): the first must be out already.
+    fake_workers_ai.script(Scenario(tokens=["a", "b"], cr_only=True, stall_after_tokens=1, stall_s=10))
+    async with make_backend(fake_workers_ai, read_timeout_s=0.3) as backend:
+        events = await collect(backend)
+
+    assert events[1] == Token("a")
+    assert last_error(events).code == "upstream_timeout"
+
+
 @pytest.mark.parametrize(
     "options",
     [{"crlf": True}, {"cr_only": True}, {"padding": True}, {"comments": True}, {"split_delay_s": 0.002}],

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
-from httpx_sse import EventSource, SSEError
+from httpx_sse import SSEError
 
 from ...conf import UpstreamHTTPSettings
 from ..errors import (
@@ -35,6 +35,7 @@ from ..errors import (
     upstream_unreachable,
 )
 from ..events import SAMPLING_FIELDS, Done, Error, Event, GenerationRequest, Meta, Token, Usage
+from .upstream_sse import upstream_events
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class OpenAICompatBackend:
     async def _events(
         self, response: httpx.Response, request: GenerationRequest, deadline: float
     ) -> AsyncGenerator[Event, None]:
-        sse = EventSource(response).aiter_sse()
+        sse = upstream_events(response)
         meta_sent = False
         usage: Usage | None = None
         loads = json.loads

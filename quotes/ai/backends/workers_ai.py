@@ -1,14 +1,14 @@
 """Cloudflare Workers AI, directly or through AI Gateway, streamed over SSE.
 
 Wire facts: /work/shared/reference/workers-ai.md (docs/ in the repository). One
-`httpx.AsyncClient` per backend (the registry keeps one backend per process). The body is read
-raw (`aiter_raw`) and decoded by our incremental SSE decoder (quotes.ai.sse), which buffers
-bytes, accepts LF, CRLF and CR and decodes each complete line, so a network read cut anywhere
-(mid-line, mid-character) is handled, in one loop with no generator per decoding layer.
+`httpx.AsyncClient` per backend (the registry keeps one backend per process). The body is decoded
+by httpx-sse (`upstream_events`, which also drops a leading BOM and ends a line at a CR at once),
+so a network read cut anywhere (mid-line, mid-character) is handled.
 
-Timeouts: the connect, pool and write timeouts are httpx's. The read timeout (any byte, the
-headers included) and the whole-request deadline are enforced by one `Watchdog` per stream
-(quotes.ai.watchdog) rather than by httpx, which would arm a timer for every read.
+Timeouts: the connect, pool and write timeouts are httpx's. The read timeout (the headers, then
+each event: a keep-alive comment does not count) and the whole-request deadline are enforced by
+one `Watchdog` per stream (quotes.ai.watchdog) rather than by httpx, which would arm a timer for
+every read.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import httpx
 
@@ -35,8 +35,8 @@ from ..errors import (
     upstream_unreachable,
 )
 from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
-from ..sse import SSEDecoder
 from ..watchdog import Watchdog
+from .upstream_sse import ServerSentEvent, upstream_events
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,8 @@ async def _finish_body(source: AsyncIterator[Any]) -> None:
 
 
 class StreamParser:
-    """The Workers AI wire format, chunk by chunk: `feed(raw bytes)` returns the events they
-    complete; the last one is Done or an Error once the stream has ended (`finished`).
+    """The Workers AI wire format, event by event: `feed(event)` returns the events it carries;
+    the last one is Done or an Error once the stream has ended (`finished`).
 
     - `response` is the text (a number is turned into a string); OpenAI-style chunks
       (`choices[0].delta.content`) are read when it is absent; `p` padding is ignored.
@@ -173,49 +173,42 @@ class StreamParser:
     kept in `said` for the log, redacted (`secrets` among the rest).
     """
 
-    __slots__ = ("_decoder", "_secrets", "finished", "said")
+    __slots__ = ("_secrets", "finished", "said")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
-        self._decoder = SSEDecoder()
         self._secrets = secrets
         self.finished = False
         self.said = ""
 
-    def feed(self, chunk: bytes) -> list[Event]:
-        events: list[Event] = []
-        for message in self._decoder.feed(chunk):
-            data = message.data
-            if data == "[DONE]":
-                events.append(Done())
+    def feed(self, message: ServerSentEvent) -> list[Event]:
+        data = message.data
+        if data == "[DONE]":
+            self.finished = True
+            return [Done()]
+        if not data:
+            return []
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            self.finished = True
+            return [upstream_malformed()]
+        text = payload.get("response")
+        if text is None:
+            text = _openai_delta(payload)
+            if text is None and "errors" in payload:
+                # An error envelope inside the stream (seen from some proxies).
                 self.finished = True
-                return events
-            if not data:
-                continue
-            try:
-                payload = json.loads(data)
-            except ValueError:
-                payload = None
-            if not isinstance(payload, dict):
-                events.append(upstream_malformed())
-                self.finished = True
-                return events
-            text = payload.get("response")
-            if text is None:
-                text = _openai_delta(payload)
-                if text is None and "errors" in payload:
-                    # An error envelope inside the stream (seen from some proxies).
-                    events.append(error_for_status(502, data.encode()))
-                    self.said = upstream_said(data.encode(), self._secrets)
-                    self.finished = True
-                    return events
-            elif type(text) is not str:
-                text = str(text) if isinstance(text, int | float) and not isinstance(text, bool) else None
-            if text:
-                events.append(Token(text))
-            if "usage" in payload:
-                usage = _usage(payload["usage"])
-                if usage is not None:
-                    events.append(usage)
+                self.said = upstream_said(data.encode(), self._secrets)
+                return [error_for_status(502, data.encode())]
+        elif type(text) is not str:
+            text = str(text) if isinstance(text, int | float) and not isinstance(text, bool) else None
+        events: list[Event] = [Token(text)] if text else []
+        if "usage" in payload:
+            usage = _usage(payload["usage"])
+            if usage is not None:
+                events.append(usage)
         return events
 
 
@@ -234,12 +227,12 @@ async def parse_events(
         yield upstream_malformed()
         return
     parser = StreamParser(secrets)
-    chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
+    messages = upstream_events(response)
     try:
-        async for chunk in chunks:
-            for event in parser.feed(chunk):
+        async for message in messages:
+            for event in parser.feed(message):
                 if type(event) is Done:
-                    await _finish_body(chunks)
+                    await _finish_body(messages)
                 yield event
             if parser.finished:
                 return
@@ -253,7 +246,7 @@ async def parse_events(
         yield upstream_dropped()
         return
     finally:
-        await chunks.aclose()
+        await messages.aclose()
     yield upstream_dropped()
 
 
@@ -430,16 +423,16 @@ class WorkersAIBackend:
 
             parser = StreamParser(self._secrets)
             scrubber = _Scrubber(self._secrets)
-            chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
+            messages = upstream_events(response)
             watchdog = Watchdog()
             try:
                 while True:
-                    # Each read must end within read_s, and by the deadline: one stored float.
+                    # Each event must come within read_s, and by the deadline: one stored float.
                     due = loop.time() + read_s
                     watchdog.expect(due if due < deadline else deadline)
                     events: list[Event]
                     try:
-                        events = parser.feed(await anext(chunks))
+                        events = parser.feed(await anext(messages))
                     except StopAsyncIteration:
                         events = [upstream_dropped()]
                     except asyncio.CancelledError:
@@ -463,14 +456,14 @@ class WorkersAIBackend:
                             if type(event) is Error:
                                 self._log(event, request, parser.said)
                             else:
-                                await _finish_body(chunks)
+                                await _finish_body(messages)
                             yield event
                             return
                         else:
                             yield event
             finally:
                 watchdog.close()
-                await chunks.aclose()
+                await messages.aclose()
 
     def _log(self, error: Error, request: GenerationRequest, said: str = "") -> Error:
         # The message is ours; what Workers AI said (`said`) is redacted already (upstream_said).
