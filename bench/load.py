@@ -469,7 +469,7 @@ def one_run(
     streams: int, args: argparse.Namespace, path: str = "app", *, metrics: bool = True, relay: bool = False
 ) -> dict[str, Any]:
     """One run; `relay`: with a real redis-server and REDIS_URL set (the cache, the limits and
-    the relay of live runs for other processes, quotes.ai.gateway.relay, all in Redis)."""
+    the live runs shared for other processes, quotes.ai.gateway.shared_runs, all in Redis)."""
     if relay:
         from tests.scaleout.services import redis
 

@@ -45,7 +45,7 @@ from .ai.events import Error
 from .ai.gateway import Client, refuse_if_full, stream_generation
 from .ai.gateway.runs import Cursor, parse_event_id, resume
 from .security import count_refused_start, frame_too_large
-from .transports import Opening, WebSocketEncoder, relay
+from .transports import Opening, WebSocketEncoder, encode_stream
 from .views import QuoteInput, parse_quote_request
 
 
@@ -135,8 +135,8 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             return
         self.cursor = resumed.cursor
         self.task = asyncio.create_task(
-            self._relay(
-                relay(resumed.events, WebSocketEncoder(), Opening(resumed.meta, None), resumed.cursor)
+            self._send_frames(
+                encode_stream(resumed.events, WebSocketEncoder(), Opening(resumed.meta, None), resumed.cursor)
             )
         )
 
@@ -181,9 +181,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             transport="websocket",
             cursor=cursor,
         )
-        await self._relay(relay(events, WebSocketEncoder(), None, cursor))
+        await self._send_frames(encode_stream(events, WebSocketEncoder(), None, cursor))
 
-    async def _relay(self, frames: AsyncGenerator[dict[str, Any], None]) -> None:
+    async def _send_frames(self, frames: AsyncGenerator[dict[str, Any], None]) -> None:
         # aclosing: a cancelled task closes the generation's reader here, in this task.
         async with aclosing(frames):
             async for frame in frames:

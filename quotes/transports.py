@@ -1,6 +1,6 @@
 """From the gateway's events to what each client reads: one loop, four small encoders.
 
-`relay()` is the only loop: it drives a generation's events (quotes.ai.gateway) into a
+`encode_stream()` is the only loop: it drives a generation's events (quotes.ai.gateway) into a
 transport's encoder and yields what the encoder makes. Each encoder says how one event looks
 on its wire, and nothing else:
 
@@ -18,13 +18,13 @@ and how an event carries its id (`identify`): every event of a generation is num
 
 An HTTP response must choose its status before its first byte, so the views first `open_stream()`:
 everything up to the first token (or the error that came instead) is read, the status and the
-headers follow from it, and `relay()` then starts from that first event. The WebSocket has no
+headers follow from it, and `encode_stream()` then starts from that first event. The WebSocket has no
 status to choose and relays from the start. Keep-alive pings before the first token are
 dropped there, for the same reason: the headers are not sent yet.
 
 When the process drains (quotes.ai.gateway.admission.drain) a stream still open at the drain's
 deadline is cut: before its first token it becomes a 503 server_draining (with Retry-After),
-like a refused one; after it, `relay()` ends it with the encoder's `reconnect` (an SSE
+like a refused one; after it, `encode_stream()` ends it with the encoder's `reconnect` (an SSE
 `event: reconnect`, a WebSocket `reconnect` frame), which tells the client to resume elsewhere.
 """
 
@@ -128,7 +128,7 @@ def _was_cut(watch: StreamWatch) -> bool:
     return True
 
 
-async def relay(
+async def encode_stream(
     events: AsyncGenerator[Event, None],
     encoder: Encoder[Out],
     opening: Opening | None = None,

@@ -57,10 +57,10 @@ from .transports import (
     HtmxEncoder,
     Opening,
     WorkersAIEncoder,
+    encode_stream,
     error_payload,
     meta_payload,
     open_stream,
-    relay,
 )
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -236,7 +236,7 @@ async def _resume(
         )
     release_request_thread()
     return StreamingHttpResponse(
-        relay(resumed.events, encoder, Opening(resumed.meta, None), resumed.cursor),
+        encode_stream(resumed.events, encoder, Opening(resumed.meta, None), resumed.cursor),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **_meta_headers(resumed.meta), "X-Generation-Id": parsed[0]},
     )
@@ -505,7 +505,7 @@ async def stream_response(
     if opening.meta.generation_id:
         headers["X-Generation-Id"] = opening.meta.generation_id
     return StreamingHttpResponse(
-        relay(events, encoder or WorkersAIEncoder(), opening, cursor),
+        encode_stream(events, encoder or WorkersAIEncoder(), opening, cursor),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )
@@ -536,7 +536,7 @@ async def _htmx_stream(events: AsyncGenerator[Event, None], cursor: Cursor) -> H
     if opening.meta.generation_id:
         headers["X-Generation-Id"] = opening.meta.generation_id
     return StreamingHttpResponse(
-        relay(events, HtmxEncoder(), opening, cursor),
+        encode_stream(events, HtmxEncoder(), opening, cursor),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )

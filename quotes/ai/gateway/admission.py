@@ -393,7 +393,7 @@ class Drain:
         self._watches: weakref.WeakKeyDictionary[asyncio.Task[Any], StreamWatch] = weakref.WeakKeyDictionary()
 
     def watch(self) -> StreamWatch:
-        """The current task's stream (made on first ask: the HTTP view and then the relay, in
+        """The current task's stream (made on first ask: the HTTP view and then encode_stream, in
         one task, share it)."""
         task = asyncio.current_task()
         assert task is not None
