@@ -991,6 +991,26 @@ async def test_timeout_first_token_is_retried_then_504(
     assert (row.status, row.error_code) == ("error", "upstream_timeout")
 
 
+async def test_timeout_first_token_budget_is_the_total_across_attempts(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """QUOTES_TTFT_TIMEOUT bounds the whole wait for a first token (issue 21): three attempts at
+    a hung upstream share it, instead of taking it three times over (a load balancer's idle
+    timeout would cut the request first)."""
+    configure(settings, max_attempts=3, retry_delay_ms=10, ttft_timeout_s=1.0)
+    await use_workers_ai(settings, fake, read_timeout_s=30)
+    fake.script(*[Scenario(stall_before_s=10)] * 3)
+    started = time.monotonic()
+
+    response = await post_quote()
+
+    assert_json_error(response, 504, "upstream_timeout")
+    assert time.monotonic() - started < 2.5  # one budget of 1 s (three would take 3 s)
+    assert len(fake.requests) == 3  # each attempt had its share
+    [row] = await rows()
+    assert (row.status, row.error_code) == ("error", "upstream_timeout")
+
+
 async def test_timeout_idle_mid_stream_ends_with_an_error_event(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:

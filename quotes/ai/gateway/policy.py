@@ -3,8 +3,10 @@
 Each model in turn (the fallback `step`), each up to `max_attempts` times, until text flows.
 Retries and fallbacks happen only before the first token: once text has flowed, a failure ends
 the stream with an error and never repeats text. Three timeouts bound it: to the first token
-(from the attempt's request), between tokens (idle), and the whole generation (total). They are
-kept by one Watchdog for the whole flight, not by a timer per token (quotes.ai.watchdog).
+(QUOTES_TTFT_TIMEOUT, the total across every attempt and fallback: a visitor hears within it,
+whatever the retries; each attempt gets an equal share of what is left), between tokens (idle),
+and the whole generation (total). They are kept by one Watchdog for the whole flight, not by a
+timer per token (quotes.ai.watchdog).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
     options = settings.QUOTES_GATEWAY
     loop = asyncio.get_running_loop()
     deadline = loop.time() + options.total_timeout_s
+    first_token_deadline = loop.time() + options.ttft_timeout_s
+    attempts_left = len(plan.models) * options.max_attempts
     idle_s = options.idle_timeout_s
     error: Error = internal()
     meta = Meta()
@@ -71,6 +75,9 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
             for attempt in range(options.max_attempts):
                 if attempt:
                     await asyncio.sleep(retry_delay(attempt, options))
+                if loop.time() >= first_token_deadline:
+                    error = timeout_error(started=False, total=False)
+                    break
                 request = (
                     plan.primary
                     if model == plan.primary.model
@@ -83,7 +90,9 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                 started = False
                 # From the request, not from the headers: an upstream's Meta does not restart it,
                 # so a listener can tell how long a live flight may take (first_token_budget).
-                first_token_by = loop.time() + options.ttft_timeout_s
+                now = loop.time()
+                first_token_by = now + (first_token_deadline - now) / attempts_left
+                attempts_left -= 1
                 async with aclosing(plan.backend.stream(request)) as events:
                     while True:
                         due = loop.time() + idle_s if started else first_token_by
@@ -121,11 +130,15 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                 if started:
                     yield error  # after text, never retry or fall back: that would repeat text
                     return
-                if loop.time() >= deadline:
+                if loop.time() >= deadline or loop.time() >= first_token_deadline:
                     break
                 if error.code not in RETRYABLE:
                     break  # this model will not do better on a second try
-            if error.code in NOT_FOR_FALLBACK or loop.time() >= deadline:
+            if (
+                error.code in NOT_FOR_FALLBACK
+                or loop.time() >= deadline
+                or loop.time() >= first_token_deadline
+            ):
                 break
     finally:
         watchdog.close()
@@ -143,12 +156,11 @@ def retry_delay(attempt: int, options: GatewaySettings) -> float:
 
 
 def first_token_budget(models: int, options: GatewaySettings) -> float:
-    """The longest a live flight takes to its first token or its error: every model, each
-    attempt up to the first-token timeout with the retry delays between, within the total
-    (which a retry's delay may overrun)."""
-    attempts = options.max_attempts
-    delays = sum(retry_delay(attempt, options) for attempt in range(1, attempts))
-    return float(min(models * (attempts * options.ttft_timeout_s + delays), options.total_timeout_s + delays))
+    """The longest a live flight takes to its first token or its error: the first-token timeout
+    (the total across attempts) and the retry delays, within the total (which a retry's delay may
+    overrun)."""
+    delays = models * sum(retry_delay(attempt, options) for attempt in range(1, options.max_attempts))
+    return float(min(options.ttft_timeout_s + delays, options.total_timeout_s + delays))
 
 
 def timeout_error(*, started: bool, total: bool) -> Error:
