@@ -34,6 +34,7 @@ from django.db import close_old_connections
 from django.db.models.signals import post_delete, post_migrate, post_save
 
 from .ai.limits import run_on_cache
+from .ai.redis_health import report
 from .models import Persona, PersonaVersion, personas_changed
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ async def get_active(slug: str) -> ActivePersona | None:
     try:
         # A read only (never a write on the request path): a missing value is a value too.
         current = str(await run_on_cache(cache.get, VERSION_KEY, ""))
-    except Exception:  # the shared cache is down: memory cannot be trusted, the database can
-        logger.warning("could not read the persona version value; reading the database", exc_info=True)
+    except Exception as exc:  # the shared cache is down: memory cannot be trusted, the database can
+        report(logger, "could not read the persona version value; reading the database", exc)
         current = None
     if current is None or current != _under:
         _entries.clear()

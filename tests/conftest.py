@@ -104,9 +104,11 @@ def _no_relay_left() -> Iterator[None]:
     test's loop: it goes with the test."""
     yield
     from quotes.ai.gateway import admission, shared_runs
+    from quotes.ai.redis_health import breaker
 
     shared_runs.reset()
     admission.leases.reset()
+    breaker.reset()  # a test's Redis outage is not the next one's
 
 
 @pytest.fixture

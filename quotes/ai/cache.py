@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass
 
 from django.core.cache import cache
@@ -11,6 +12,9 @@ from django.core.cache import cache
 from .. import metrics
 from .events import GenerationRequest
 from .limits import run_on_cache
+from .redis_health import report
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +37,13 @@ def answer_key(*, backend: str, request: GenerationRequest, version_id: int | No
 
 
 async def get_answer(key: str) -> CachedAnswer | None:
-    answer = _answer_of(await run_on_cache(cache.get, key))
+    """The cached answer for `key`, or None (a miss, or a cache that is down: a fresh answer)."""
+    try:
+        stored = await run_on_cache(cache.get, key)
+    except Exception as exc:
+        report(logger, "could not read the answer cache", exc)
+        return None
+    answer = _answer_of(stored)
     metrics.cache_lookup(hit=answer is not None)
     return answer
 

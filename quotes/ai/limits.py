@@ -29,6 +29,9 @@ from asgiref.sync import sync_to_async
 from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
 from django.core.cache.backends.redis import RedisCache
+from redis.exceptions import RedisError
+
+from .redis_health import breaker
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,18 @@ R = TypeVar("R")
 
 async def run_on_cache(function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """Run a sync cache operation without blocking the loop: inline for the in-memory cache,
-    in a worker thread (not the request's own) for a networked one such as Redis."""
+    in a worker thread (not the request's own) for a networked one such as Redis. A Redis that
+    failed a moment ago is not asked (RedisUnavailable at once: quotes.ai.redis_health)."""
     if isinstance(caches["default"], LocMemCache):
         return function(*args, **kwargs)
-    return await sync_to_async(function, thread_sensitive=False)(*args, **kwargs)
+    breaker.check()
+    try:
+        result = await sync_to_async(function, thread_sensitive=False)(*args, **kwargs)
+    except (RedisError, OSError) as exc:
+        breaker.failed(exc)
+        raise
+    breaker.succeeded()
+    return result
 
 
 def _redis(store: RedisCache, key: str) -> tuple[Any, str]:

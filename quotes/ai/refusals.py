@@ -37,6 +37,7 @@ from django.db import IntegrityError, OperationalError, close_old_connections
 
 from ..models import Generation, Persona, PersonaVersion
 from . import limits
+from .redis_health import report
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ async def record_refusal(
                 request_count=1,
             ),
         )
-    except Exception:
-        logger.exception("could not record a refused request")
+    except Exception as exc:
+        report(logger, "could not record a refused request", exc)
 
 
 async def _record(
@@ -187,8 +188,8 @@ async def _flush(key: str, public_id: uuid.UUID) -> None:
             count = await limits.run_on_cache(cache.get, key)
         if isinstance(count, int) and count > 1:
             await sync_to_async(_write_count, thread_sensitive=False)(public_id, count)
-    except Exception:
-        logger.exception("could not record refused requests")
+    except Exception as exc:
+        report(logger, "could not record refused requests", exc)
 
 
 def _write_count(public_id: uuid.UUID, count: int, attempts: int = 5) -> None:

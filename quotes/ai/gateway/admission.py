@@ -29,6 +29,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from ...conf import GatewaySettings
 from .. import limits
 from ..errors import ErrorCode
@@ -148,6 +150,10 @@ return 0
 """
 
 
+#: The prefix of a slot taken in this process's memory (no Redis, or Redis down), not in Redis.
+LOCAL = "here:"
+
+
 def lease_key(client_key: str) -> str:
     return f"quotes:slots:{client_key}"
 
@@ -191,6 +197,7 @@ class Leases:
         """Forget the slots of a loop that is gone (a finished test's)."""
         self._keeper = None
         self.held.clear()
+        _counts_here.clear()
 
     def keep_renewed(self) -> None:
         keeper = self._keeper
@@ -198,25 +205,24 @@ class Leases:
             self._keeper = detached_task(self._renew())
 
     async def _renew(self) -> None:
-        failing = False
         while self.held:
             await asyncio.sleep(LEASE_RENEW_S)
+            if not redis_clients.usable():
+                continue  # a lease that lapses meanwhile costs its client a slot's count, briefly
             expiry = time.time() * 1000 + LEASE_TTL_S * 1000
             pipe = redis_clients.client().pipeline(transaction=False)
             for client_key, leases in list(self.held.items()):
-                key = lease_key(client_key)
-                pipe.zadd(key, dict.fromkeys(leases, expiry), xx=True)
-                pipe.pexpire(key, int(LEASE_TTL_S * 1000))
+                shared = [lease for lease in leases if not lease.startswith(LOCAL)]
+                if shared:
+                    key = lease_key(client_key)
+                    pipe.zadd(key, dict.fromkeys(shared, expiry), xx=True)
+                    pipe.pexpire(key, int(LEASE_TTL_S * 1000))
             try:
                 await pipe.execute()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if not failing:  # once per outage, not every round
-                    logger.warning("could not renew this process's stream slots in Redis: %r", exc)
-                failing = True
-            else:
-                failing = False
+                redis_clients.failed(exc)
 
 
 leases = Leases()
@@ -231,12 +237,13 @@ class Ticket:
     process_slot: bool = True
 
     async def release_client_slot(self) -> None:
-        """Give the client's slot back (before the client hears "done" and asks again)."""
+        """Give the client's slot back (before the client hears "done" and asks again). A
+        lease in Redis that cannot be given back now (Redis down) expires by itself."""
         lease, self.lease = self.lease, ""
         if not lease:
             return
         leases.discard(self.client_key, lease)
-        if redis_clients.enabled():
+        if not lease.startswith(LOCAL) and redis_clients.usable():
             await _shielded(redis_clients.client().zrem(lease_key(self.client_key), lease))
 
     async def release(self) -> None:
@@ -266,15 +273,17 @@ async def admit(
     limit, window = options.rate_limit
     lease = leases.new_id()
     try:
-        refused = await _take_slot(
+        refused, shared = await _take_slot(
             client_key, lease, network_key=network_key, limit=limit, window=window, options=options, new=new
         )
     except BaseException:
         open_streams.close()
         raise
     if refused is None:
+        if not shared:
+            lease = LOCAL + lease
         leases.add(client_key, lease)
-        if redis_clients.enabled():
+        if shared:
             leases.keep_renewed()
         return Ticket(client_key, lease)
     open_streams.close()
@@ -301,11 +310,12 @@ async def _take_slot(
     window: int,
     options: GatewaySettings,
     new: bool,
-) -> tuple[ErrorCode, int, bool] | None:
+) -> tuple[tuple[ErrorCode, int, bool] | None, bool]:
     """Count the request (when `new`: against the client's limit, then its network's) and take
-    a slot: None, or why not, when to try again, and whether the network's limit refused it.
-    On Redis, one atomic script (a request cancelled while it runs leaves at most a lease that
-    nobody renews: it expires). In memory, no await: atomic by itself."""
+    a slot: (None, or why not, when to try again, and whether the network's limit refused it;
+    whether the slot is a lease in Redis). On Redis, one atomic script (a request cancelled
+    while it runs leaves at most a lease that nobody renews: it expires). While Redis is down,
+    or without it, in this process's memory, with no await: atomic by itself."""
     now = time.time()
     index = int(now // window)
     rate_key = limits.rate_key("rate", client_key, window, index)
@@ -314,19 +324,71 @@ async def _take_slot(
     net_index = int(now // net_window)
     net_key = limits.rate_key("netrate", network_key, net_window, net_index) if network_key else ""
     net_retry_after = max(1, math.ceil((net_index + 1) * net_window - now))
+    if redis_clients.usable():
+        try:
+            answer = await _take_shared(
+                client_key, lease, rate_key, net_key, limit=limit, window=window, options=options, new=new
+            )
+        except (RedisError, OSError) as exc:
+            redis_clients.failed(exc)  # served on this process's own counts meanwhile
+        else:
+            redis_clients.breaker.succeeded()
+            if answer == 1:
+                return (ErrorCode.RATE_LIMITED, retry_after, False), True
+            if answer == 2:
+                return (ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False), True
+            if answer == 3:
+                return (ErrorCode.RATE_LIMITED, net_retry_after, True), True
+            return None, True
+    if new and await _count(rate_key, window + 1) > limit:
+        return (ErrorCode.RATE_LIMITED, retry_after, False), False
+    if new and net_key and await _count(net_key, net_window + 1) > net_limit:
+        return (ErrorCode.RATE_LIMITED, net_retry_after, True), False
+    if leases.count(client_key) >= options.max_concurrent_streams:
+        return (ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False), False
+    return None, False
+
+
+async def _count(key: str, ttl: int) -> int:
+    """Without REDIS_URL the counts are the cache's, shared with the WebSocket's count of refused
+    starts; while Redis is down (or the cache is a Redis that is down), this process's own."""
     if not redis_clients.enabled():
-        if new and await limits.run_on_cache(limits.count_in_window, rate_key, window + 1) > limit:
-            return ErrorCode.RATE_LIMITED, retry_after, False
-        if (
-            new
-            and net_key
-            and await limits.run_on_cache(limits.count_in_window, net_key, net_window + 1) > net_limit
-        ):
-            return ErrorCode.RATE_LIMITED, net_retry_after, True
-        if leases.count(client_key) >= options.max_concurrent_streams:
-            return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False
-        return None
-    answer = await redis_clients.client().eval(
+        try:
+            return await limits.run_on_cache(limits.count_in_window, key, ttl)
+        except (RedisError, OSError):
+            pass
+    return _count_here(key, ttl)
+
+
+#: Counts kept in this process while Redis is down: key -> (count, expiry on the monotonic clock).
+_counts_here: dict[str, tuple[int, float]] = {}
+
+
+def _count_here(key: str, timeout: int) -> int:
+    now = time.monotonic()
+    if len(_counts_here) > 100_000:  # bounded: expired windows go
+        for old in [k for k, (_, expiry) in _counts_here.items() if expiry <= now]:
+            del _counts_here[old]
+    count, expiry = _counts_here.get(key, (0, 0.0))
+    if expiry <= now:
+        count, expiry = 0, now + timeout
+    _counts_here[key] = (count + 1, expiry)
+    return count + 1
+
+
+async def _take_shared(
+    client_key: str,
+    lease: str,
+    rate_key: str,
+    net_key: str,
+    *,
+    limit: int,
+    window: int,
+    options: GatewaySettings,
+    new: bool,
+) -> int:
+    net_limit, net_window = options.network_rate_limit
+    answer: int = await redis_clients.client().eval(
         _ADMIT,
         3,
         limits.cache_key(rate_key),
@@ -335,20 +397,14 @@ async def _take_slot(
         limit,
         window + 1,
         options.max_concurrent_streams,
-        int(now * 1000),
+        int(time.time() * 1000),
         int(LEASE_TTL_S * 1000),
         lease,
         "1" if new else "0",
         net_limit,
         net_window + 1,
     )
-    if answer == 1:
-        return ErrorCode.RATE_LIMITED, retry_after, False
-    if answer == 2:
-        return ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False
-    if answer == 3:
-        return ErrorCode.RATE_LIMITED, net_retry_after, True
-    return None
+    return answer
 
 
 async def _shielded(awaitable: Any) -> None:

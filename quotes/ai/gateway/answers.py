@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator
 
 from ..cache import CachedAnswer, store_answer
 from ..events import Done, Event, Meta, Token, Usage
+from ..redis_health import report
 
 logger = logging.getLogger(__name__)
 
@@ -15,8 +16,8 @@ logger = logging.getLogger(__name__)
 async def store(key: str, history: list[Event], *, ttl: int) -> None:
     try:
         await store_answer(key, answer_from(history), ttl=ttl)
-    except Exception:  # a cache that is down costs a future hit, never this answer
-        logger.exception("could not cache an answer")
+    except Exception as exc:  # a cache that is down costs a future hit, never this answer
+        report(logger, "could not cache an answer", exc)
 
 
 def answer_from(history: list[Event]) -> CachedAnswer:

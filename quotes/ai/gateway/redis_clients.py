@@ -19,6 +19,8 @@ import uuid
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from ..redis_health import breaker
+
 #: This process, as the keys it holds name it (heartbeats, leases, its stop list).
 PROCESS = uuid.uuid4().hex
 
@@ -30,7 +32,18 @@ BLOCKING_CONNECTIONS = 1_000
 
 
 def enabled() -> bool:
+    """REDIS_URL is set."""
     return bool(settings.REDIS_URL)
+
+
+def usable() -> bool:
+    """REDIS_URL is set, and Redis has not failed a moment ago (quotes.ai.redis_health)."""
+    return bool(settings.REDIS_URL) and breaker.available()
+
+
+def failed(error: BaseException) -> None:
+    """A call to Redis failed: the breaker opens (one WARNING per outage)."""
+    breaker.failed(error)
 
 
 _clients: tuple[asyncio.AbstractEventLoop, aioredis.Redis, aioredis.Redis] | None = None

@@ -45,6 +45,7 @@ from ...models import Generation
 from ..errors import ErrorCode
 from ..events import Done, Error, Event, Meta, Ping, Token, Usage
 from ..limits import run_on_cache
+from ..redis_health import report
 from . import shared_runs
 from .admission import Ticket, admit, drain, open_streams, server_draining
 from .flights import Flight
@@ -195,7 +196,7 @@ class Run:
         self.stopped = False
         self._grace: asyncio.TimerHandle | None = None
         #: sends the events to Redis for the other processes (only with REDIS_URL)
-        self.publisher = shared_runs.Publisher(self) if shared_runs.enabled() else None
+        self.publisher = shared_runs.Publisher(self) if shared_runs.available() else None
         runs[self.public_id] = self
         open_streams.run_started()
 
@@ -357,8 +358,8 @@ class Run:
                         (self.client_key, self.log),
                         timeout=self.ttl,
                     )
-                except Exception:  # a cache that is down costs a late resume, never this answer
-                    logger.exception("could not keep a finished generation for resuming")
+                except Exception as exc:  # a cache that is down costs a late resume, never this answer
+                    report(logger, "could not keep a finished generation for resuming", exc)
         finally:
             if runs.get(self.public_id) is self:
                 del runs[self.public_id]
@@ -713,7 +714,7 @@ async def _resume(
         return Resumed(run.log.meta_until(after), listener.events(), cursor)
     if drain.draining:
         return server_draining()
-    if shared_runs.enabled():
+    if shared_runs.available():
         # Redis first: it has the run live in another process, or just ended (with what a
         # resume needs to log itself if the run was lost).
         elsewhere = await _resume_elsewhere(public_id, after, ticket=ticket, keepalive_s=keepalive_s)
@@ -759,7 +760,7 @@ async def stop(public_id: str, client_key: str) -> bool | None:
         if run.client_key != client_key:
             return None
         return await run.stop()
-    if shared_runs.enabled():
+    if shared_runs.available():
         stopped = await shared_runs.stop_elsewhere(public_id, client_key)
         if stopped is not None:
             return stopped
@@ -772,8 +773,8 @@ async def _finished(public_id: str) -> tuple[str, EventLog] | None:
     (QUOTES_RESUME_TTL_S); None when gone, or when the cache cannot say."""
     try:
         stored = await run_on_cache(cache.get, finished_key(public_id))
-    except Exception:
-        logger.exception("could not read a finished generation")
+    except Exception as exc:
+        report(logger, "could not read a finished generation", exc)
         return None
     if not isinstance(stored, tuple) or len(stored) != 2 or not isinstance(stored[1], EventLog):
         return None

@@ -126,7 +126,9 @@ def stops_key(process: str) -> str:
     return f"quotes:stops:{process}"
 
 
-enabled = redis_clients.enabled
+#: Whether runs are shared now: REDIS_URL is set and Redis answers (while it does not, each
+#: process serves on its own: no coalescing or resume across processes).
+available = redis_clients.usable
 
 
 class Shared(Protocol):
@@ -281,14 +283,15 @@ async def _send() -> None:
         # The stops other processes were asked for this process's runs, in the same round trip.
         pipe.lpop(stops_key(redis_clients.PROCESS), STOPS_PER_ROUND)
         try:
+            redis_clients.breaker.check()
             results = await pipe.execute(raise_on_error=False)
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
             if _cancelled():
                 return
             # Other processes miss these runs for now; their own connections do not.
-            logger.exception("could not publish runs' events to Redis")
+            redis_clients.failed(exc)
             for publisher, _, ended, _, _ in staged:
                 if ended:
                     _forget(publisher)  # given up: its resumers will hear it is lost
@@ -296,6 +299,7 @@ async def _send() -> None:
                     _dirty.add(publisher)
             await asyncio.sleep(HEARTBEAT_EVERY_S)
             continue
+        redis_clients.breaker.succeeded()
         for publisher, end, ended, first, last in staged:
             if any(isinstance(result, Exception) for result in results[first:last]):
                 logger.warning("could not publish run %s's events to Redis", publisher.run.public_id)
@@ -327,10 +331,12 @@ async def has_readers(public_id: str) -> bool:
     """Whether a process other than this one reads run `public_id` now (a follower, a resume):
     then the run must not end early. False when Redis cannot say (the run ends as it would
     without other processes)."""
+    if not available():
+        return False
     try:
         count = await redis_clients.client().zcount(readers_key(public_id), time.time() * 1000, "+inf")
     except Exception as exc:
-        logger.warning("could not ask Redis who reads run %s: %r", public_id, exc)
+        redis_clients.failed(exc)
         return False
     return bool(count)
 
@@ -342,6 +348,8 @@ async def claim(answer_key: str, public_id: str) -> str | None:
     """Claim the upstream call for `answer_key` for run `public_id`: None when this process now
     owns it (or Redis cannot say: then it calls the upstream itself), else the run id of its
     live owner. An owner whose heartbeat is gone (killed) loses its claim to this one."""
+    if not available():
+        return None
     try:
         owner = await redis_clients.client().eval(
             _CLAIM,
@@ -352,8 +360,8 @@ async def claim(answer_key: str, public_id: str) -> str | None:
             OWNER_PREFIX,
             redis_clients.PROCESS,
         )
-    except Exception:
-        logger.exception("could not claim an upstream call in Redis")
+    except Exception as exc:
+        redis_clients.failed(exc)  # this process calls the upstream itself
         return None
     if not owner:
         return None
@@ -373,8 +381,8 @@ async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None
     run."""
     try:
         entries: Any = await redis_clients.client().xrange(stream_key(public_id))
-    except Exception:
-        logger.exception("could not read a run from Redis")
+    except Exception as exc:
+        redis_clients.failed(exc)
         return None
     if not entries:
         return None
@@ -410,8 +418,8 @@ async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
         pipe.rpush(key, public_id)
         pipe.expire(key, int(HEARTBEAT_TTL_S) + 1)  # a dead owner's list goes with it
         await pipe.execute()
-    except Exception:
-        logger.exception("could not ask another process to stop a run")
+    except Exception as exc:
+        redis_clients.failed(exc)
         return None
     # The stop is taken within a round trip of the owner's sender; a run that other processes
     # still read goes on for them, so its end is not waited for: only a Done that came first.
@@ -470,8 +478,8 @@ async def follow(
                 answer: Any = await redis.xread({stream: last}, block=wait, count=64)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                logger.exception("could not follow a run in Redis")
+            except Exception as exc:
+                redis_clients.failed(exc)
                 if for_run:
                     raise OwnerGone("redis") from None
                 yield generation_lost()
@@ -500,8 +508,8 @@ async def follow(
                     answer = await redis.xread({stream: last}, count=64)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                logger.exception("could not follow a run in Redis")
+            except Exception as exc:
+                redis_clients.failed(exc)
                 alive, answer = 0, None
             if not alive and not answer:
                 logger.warning("run %s lost: its process stopped publishing it", public_id)
