@@ -516,3 +516,39 @@ def test_shared_resumes_of_a_lost_run_write_one_row_under_its_own_id(
     assert [(row[0].replace("-", ""), row[1], row[2]) for row in servers.rows()] == [
         (quote_id.replace("-", ""), "error", "generation_lost")
     ]
+
+
+def test_shared_a_killed_process_runs_get_their_rows_from_a_live_one(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """Issue 21, point 4: the generations of a process killed mid-stream, whose clients never
+    come back, get their rows from the other process (from the facts in Redis), under their own
+    ids, as generation_lost, exactly once."""
+    tokens = [f" word{n}" for n in range(400)]
+    fake_workers_ai.script(*[Scenario(tokens=tokens, token_delay_s=0.05)] * 3)
+    servers = pair(0)
+
+    ids = []
+    with client_at("127.0.0.2") as frank, contextlib.ExitStack() as streams:
+        readers = []  # kept: an httpx line iterator dropped mid-stream closes its connection
+        for n in range(3):
+            stream = streams.enter_context(
+                frank.stream("POST", servers.a.url + STREAM, json={**QUOTE, "topic": f"t{n}"})
+            )
+            ids.append(stream.headers["X-Quote-Id"].replace("-", ""))
+            readers.append(stream.iter_lines())
+            lines_until_tokens(readers[-1], 2)
+        time.sleep(0.5)  # what the clients have seen is in Redis
+        servers.a.process.send_signal(signal.SIGKILL)
+        servers.a.process.wait(10)
+    time.sleep(4)  # the heartbeats expire
+    with client_at("127.0.0.3") as grace:
+        assert grace.post(servers.b.url + STREAM, json={**QUOTE, "topic": "later"}).status_code == 200
+
+    wait_for(lambda: len(servers.rows()) == 4, "the killed process's rows", timeout_s=20)
+    time.sleep(6)  # another sweep finds nothing more to write
+    rows = {row[0].replace("-", ""): row[1:3] for row in servers.rows()}
+    assert len(servers.rows()) == 4
+    assert {public_id: rows.get(public_id) for public_id in ids} == dict.fromkeys(
+        ids, ("error", "generation_lost")
+    )

@@ -212,6 +212,7 @@ async def stream_generation(
             return
         assert isinstance(admitted, admission.Ticket)
         ticket = admitted
+        shared_runs.sweep_soon()  # the rows of runs whose process died, now and then
 
         ttl = options.cache_ttl if persona.cache_ttl is None else persona.cache_ttl
         use_cache = ttl > 0 and not (preview or bypass_cache or options.skip_cache)

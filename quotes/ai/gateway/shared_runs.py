@@ -43,9 +43,11 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
+from ...models import Generation
 from ..errors import ErrorCode
-from ..events import Done, Error, Event, Ping
+from ..events import Done, Error, Event, Ping, Token
 from . import redis_clients
+from .log import writer
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,13 @@ def readers_key(public_id: str) -> str:
 
 def stops_key(process: str) -> str:
     return f"quotes:stops:{process}"
+
+
+#: Every run live in some process (a set of run ids): a run joins it with its first entry and
+#: leaves it at its end, so that a run whose process died without ending it can be found.
+LIVE_RUNS = "quotes:live-runs"
+#: How often a process looks for runs whose owner died (when it serves requests).
+SWEEP_EVERY_S = 5.0
 
 
 #: Whether runs are shared now: REDIS_URL is set and Redis answers (while it does not, each
@@ -224,8 +233,11 @@ class Publisher:
                 # Set once live (a bound for a run whose process dies), once ended: not per
                 # batch, which would double the commands per token.
                 pipe.expire(stream, STREAM_TTL_S if ended else LIVE_TTL_S)
+            if not self.sent and not ended:
+                pipe.sadd(LIVE_RUNS, run.public_id)
         if ended:
             pipe.delete(owner_key(run.public_id))
+            pipe.srem(LIVE_RUNS, run.public_id)
             if self.claim:
                 pipe.eval(_RELEASE, 1, claim_key(self.claim), run.public_id)
         elif now >= self.beat_due:
@@ -339,6 +351,74 @@ async def has_readers(public_id: str) -> bool:
         redis_clients.failed(exc)
         return False
     return bool(count)
+
+
+# -- the runs of dead processes ----------------------------------------------------------------
+
+_last_sweep = 0.0
+_sweeping: asyncio.Task[list[str]] | None = None
+
+
+def sweep_soon() -> None:
+    """Look for runs whose process died (at most every SWEEP_EVERY_S; called as requests come)."""
+    global _last_sweep, _sweeping
+    now = time.monotonic()
+    if now - _last_sweep < SWEEP_EVERY_S or not available():
+        return
+    if _sweeping is not None and not _sweeping.done() and _sweeping.get_loop() is asyncio.get_running_loop():
+        return
+    _last_sweep = now
+    _sweeping = detached_task(sweep())
+
+
+async def sweep() -> list[str]:
+    """Write the row of every run whose owner's heartbeat has expired without an end (its
+    process was killed): under the run's own id, with the facts and text Redis holds, as
+    `generation_lost`. Exactly once: the process whose SREM takes a run off LIVE_RUNS writes it
+    (and the log is idempotent by generation id besides). The ids written."""
+    redis = redis_clients.client()
+    try:
+        members: Any = await redis.smembers(LIVE_RUNS)
+        ids = sorted(member.decode() for member in members)
+        if not ids:
+            return []
+        pipe = redis.pipeline(transaction=False)
+        for public_id in ids:
+            pipe.exists(owner_key(public_id))
+        alive = await pipe.execute()
+        written = []
+        for public_id, beating in zip(ids, alive, strict=True):
+            if beating or not await redis.srem(LIVE_RUNS, public_id):
+                continue  # alive, or another process took it
+            found = await read(public_id)
+            if found is None or not found[2]:
+                continue
+            events, _, facts = found
+            if events and type(events[-1]) in (Done, Error):
+                continue  # it ended: its owner wrote its row
+            await _write_lost(public_id, facts, "".join(e.text for e in events if type(e) is Token))
+            written.append(public_id)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        redis_clients.failed(exc)
+        return []
+    if written:
+        logger.warning("wrote the rows of %d runs whose process died", len(written))
+    return written
+
+
+async def _write_lost(public_id: str, facts: dict[str, Any], text: str) -> None:
+    lost = generation_lost()
+    row = Generation(
+        **facts,
+        public_id=public_id,
+        status=Generation.Status.ERROR,
+        error_code=lost.code,
+        error_message="The process writing this quote died before it finished.",
+        text=text,
+    )
+    writer.submit(row)
 
 
 # -- the other processes' side --------------------------------------------------------------------
