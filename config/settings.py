@@ -412,7 +412,7 @@ QUOTES_GATEWAY = GatewaySettings(
     fallback_models=tuple(env.list("QUOTES_FALLBACK_MODELS", default=[])),
     # The total wait for a first token, across every attempt and fallback: headers wait for it,
     # so it stays well under a load balancer's usual 60 s idle timeout.
-    ttft_timeout_s=_env_or_error("QUOTES_TTFT_TIMEOUT", float, 20.0),
+    ttft_timeout_s=_env_or_error("QUOTES_TTFT_TIMEOUT", float, 30.0),
     idle_timeout_s=_env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
     total_timeout_s=AI_HTTP.total_timeout_s,
     keepalive_s=_env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),

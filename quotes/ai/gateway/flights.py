@@ -43,10 +43,8 @@ class Reader(Protocol):
 
 
 class Flight:
-    def __init__(self, key: str | None, *, first_token_s: float) -> None:
+    def __init__(self, key: str | None) -> None:
         self.key = key
-        #: the longest this flight can take to its first token or its error, alive
-        self.first_token_s = first_token_s
         #: every event so far, for a run that joins late (kept only when the flight has a key)
         self.history: list[Event] = []
         self.runs: list[Reader] = []

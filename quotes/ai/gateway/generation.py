@@ -30,7 +30,7 @@ from ..refusals import record_refusal
 from . import admission, answers, shared_runs
 from .flights import Flight, flights
 from .log import Record, writer
-from .policy import Plan, first_token_budget
+from .policy import Plan
 from .runs import ABANDONED, Cursor, Run
 
 logger = logging.getLogger(__name__)
@@ -270,9 +270,7 @@ async def stream_generation(
                     cache_key=key if use_cache else None,
                     cache_ttl=ttl,
                 )
-                flight = Flight(
-                    key if use_cache else None, first_token_s=first_token_budget(len(plan.models), options)
-                )
+                flight = Flight(key if use_cache else None)
                 owner = None
                 if use_cache and run.publisher is not None:
                     # Across processes: one of them claims the upstream call, the others follow
@@ -301,9 +299,7 @@ async def stream_generation(
                         shared_runs.follow(owner, for_run=True, skip=1), plan, _storer(key, ttl)
                     )
             run.attach(flight)
-        listener = run.subscribe(
-            0, ticket=ticket, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
-        )
+        listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s)
         ticket = None  # the connection's now: given back when it ends
         if cursor is not None:
             cursor.bind(run.public_id, listener, run)

@@ -88,8 +88,7 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                     backend=plan.backend.name, model=meta.model, step=step, attempt=attempt
                 )
                 started = False
-                # From the request, not from the headers: an upstream's Meta does not restart it,
-                # so a listener can tell how long a live flight may take (first_token_budget).
+                # From the request, not from the headers: an upstream's Meta does not restart it.
                 now = loop.time()
                 first_token_by = now + (first_token_deadline - now) / attempts_left
                 attempts_left -= 1
@@ -153,14 +152,6 @@ def retry_delay(attempt: int, options: GatewaySettings) -> float:
     if options.backoff == "exponential":
         return base * 2 ** (attempt - 1)
     return base
-
-
-def first_token_budget(models: int, options: GatewaySettings) -> float:
-    """The longest a live flight takes to its first token or its error: the first-token timeout
-    (the total across attempts) and the retry delays, within the total (which a retry's delay may
-    overrun)."""
-    delays = models * sum(retry_delay(attempt, options) for attempt in range(1, options.max_attempts))
-    return float(min(options.ttft_timeout_s + delays, options.total_timeout_s + delays))
 
 
 def timeout_error(*, started: bool, total: bool) -> Error:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
 import time
 from array import array
@@ -50,13 +49,9 @@ from . import shared_runs
 from .admission import Ticket, admit, drain, open_streams, server_draining
 from .flights import Flight
 from .log import Record, writer
-from .policy import timeout_error
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
-
-#: How much longer than its flight a listener waits, so a live flight's own error comes first.
-LISTENER_GRACE_S = 1.0
 
 #: `<public_id>:<n>`: the generation's public id (a UUID) and an event's 1-based number.
 EVENT_ID = re.compile(r"([0-9a-fA-F-]{36}):(\d{1,9})")
@@ -147,7 +142,6 @@ class Run:
         "ended",
         "facts",
         "finishing",
-        "first_token_s",
         "flight",
         "grace_s",
         "hit",
@@ -180,7 +174,6 @@ class Run:
         self.listeners: set[Listener] = set()
         self.flight: Flight | None = None
         self.task: asyncio.Task[None] | None = None  # a cache replay's driver
-        self.first_token_s = math.inf
         #: a shared or cached answer: its Meta events say HIT
         self.hit = False
         #: the terminal event is known (the row and its publication may be on their way)
@@ -204,7 +197,6 @@ class Run:
 
     def attach(self, flight: Flight) -> None:
         self.flight = flight
-        self.first_token_s = flight.first_token_s
         flight.join(self)
 
     def calls_upstream(self) -> None:
@@ -367,9 +359,9 @@ class Run:
 
     # -- connections ----------------------------------------------------------------------------
 
-    def subscribe(self, index: int, *, ticket: Ticket, keepalive_s: float, idle_s: float) -> Listener:
+    def subscribe(self, index: int, *, ticket: Ticket, keepalive_s: float) -> Listener:
         self._cancel_grace()
-        listener = Listener(self, index, ticket=ticket, keepalive_s=keepalive_s, idle_s=idle_s)
+        listener = Listener(self, index, ticket=ticket, keepalive_s=keepalive_s)
         self.listeners.add(listener)
         return listener
 
@@ -405,63 +397,48 @@ async def end_for_drain() -> None:
 
 
 class Listener:
-    """One connection's view of a run: its events from `index` on, keep-alive pings while it is
-    quiet, and deadlines of its own (to the first token, then between events) so that whatever
-    becomes of the flight, the run ends with the timeout error the flight would give."""
+    """One connection's view of a run: its events from `index` on, and keep-alive pings while it
+    is quiet. Timeouts are not its business: the flight's policy enforces them, once (a flight
+    that follows another process's run hears of its owner's death by its heartbeat)."""
 
     __slots__ = (
         "_ending",
         "_handle",
         "_ping_due",
         "_quiet_since",
-        "_timed_out",
-        "deadline",
-        "idle_s",
         "index",
         "keepalive_s",
         "run",
-        "started",
         "ticket",
         "waiter",
     )
 
-    def __init__(self, run: Run, index: int, *, ticket: Ticket, keepalive_s: float, idle_s: float) -> None:
+    def __init__(self, run: Run, index: int, *, ticket: Ticket, keepalive_s: float) -> None:
         self.run = run
         #: this connection's admission (quotes.ai.gateway.admission): given back at its end
         self.ticket = ticket
         #: the error this connection ends with while the run goes on (its client stopped it)
         self._ending: Error | None = None
         self.keepalive_s = keepalive_s
-        self.idle_s = idle_s
         #: the next event of the run's history to hand on; after a yield, the event's number n
         self.index = index
         self.waiter: asyncio.Future[None] | None = None
-        self.started = run.record.ttft is not None
-        self.deadline = math.inf
         self._quiet_since = 0.0
         self._handle: asyncio.TimerHandle | None = None
         self._ping_due = False
-        self._timed_out = False
 
     async def events(self) -> AsyncGenerator[Event, None]:
         loop = asyncio.get_running_loop()
         run = self.run
         log = run.log
-        now = loop.time()
-        self._quiet_since = now
-        self.deadline = now + (self.idle_s if self.started else run.first_token_s) + LISTENER_GRACE_S
+        self._quiet_since = loop.time()
         try:
             while True:
                 if self.index < len(log):
                     event = log.at(self.index)
                     self.index += 1
                     kind = type(event)
-                    if kind is Token:
-                        self.started = True
-                    now = loop.time()
-                    self._quiet_since = now
-                    if self.started:
-                        self.deadline = now + self.idle_s + LISTENER_GRACE_S
+                    self._quiet_since = loop.time()
                     if kind is Done or kind is Error:
                         await self.ticket.release_client_slot()  # before the client hears the end
                         yield event
@@ -481,12 +458,6 @@ class Listener:
                     await self.waiter
                 finally:
                     self.waiter = None
-                if self._timed_out:
-                    self._timed_out = False
-                    self.deadline = math.inf
-                    # The run ends with the error this connection waited too long for.
-                    run.fail(timeout_error(started=self.started, total=False))
-                    continue
                 if self._ping_due:
                     self._ping_due = False
                     yield Ping()
@@ -505,8 +476,7 @@ class Listener:
             waiter.set_result(None)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        due = min(self._quiet_since + self.keepalive_s, self.deadline)
-        self._handle = loop.call_at(due, self._tick, loop)
+        self._handle = loop.call_at(self._quiet_since + self.keepalive_s, self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         """The one timer: re-armed at the next due time while the listener is waiting; left
@@ -516,10 +486,7 @@ class Listener:
         if waiter is None or waiter.done():
             return
         now = loop.time()
-        if now >= self.deadline:
-            self._timed_out = True
-            waiter.set_result(None)
-        elif now >= self._quiet_since + self.keepalive_s:
+        if now >= self._quiet_since + self.keepalive_s:
             self._quiet_since = now  # the next ping, another interval on
             self._ping_due = True
             waiter.set_result(None)
@@ -691,9 +658,7 @@ async def resume(
     if isinstance(ticket, Error):
         return ticket
     try:
-        found = await _resume(
-            public_id, after, ticket=ticket, keepalive_s=options.keepalive_s, idle_s=options.idle_timeout_s
-        )
+        found = await _resume(public_id, after, ticket=ticket, keepalive_s=options.keepalive_s)
     except BaseException:
         await ticket.release()
         raise
@@ -703,13 +668,13 @@ async def resume(
 
 
 async def _resume(
-    public_id: str, after: int, *, ticket: Ticket, keepalive_s: float, idle_s: float
+    public_id: str, after: int, *, ticket: Ticket, keepalive_s: float
 ) -> Resumed | Error | None:
     cursor = Cursor()
     cursor.resumed = True
     run = runs.get(public_id)
     if run is not None and after <= len(run.log):
-        listener = run.subscribe(after, ticket=ticket, keepalive_s=keepalive_s, idle_s=idle_s)
+        listener = run.subscribe(after, ticket=ticket, keepalive_s=keepalive_s)
         cursor.bind(public_id, listener, run)
         return Resumed(run.log.meta_until(after), listener.events(), cursor)
     if drain.draining:
