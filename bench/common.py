@@ -110,7 +110,10 @@ def parse_args(
         "--smoke",
         action="store_true",
         help="a tiny run that checks the bench works (figures meaningless): "
-        + ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in smoke.items()),
+        + ", ".join(
+            f"--{name.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+            for name, value in smoke.items()
+        ),
     )
     args = parser.parse_args(argv)
     if args.smoke:
@@ -480,21 +483,21 @@ def app_env(db_path: Path, **extra: str) -> dict[str, str]:
     """Production settings as the deploy tests give daphne (tests.deployed.environment: this
     shell's own app settings dropped, so none changes a figure unseen; pass them with --env
     where a bench takes it), on the SQLite file `db_path`, logging at WARNING."""
-    env = environment(
+    settings = {
         **{name: os.environ[name] for name in MACHINE_SETTINGS if name in os.environ},
-        DATABASE_URL=f"sqlite:///{db_path}",
-        DJANGO_SECRET_KEY="bench-only-secret-key-0123456789abcdefghijklmnopqrstuvwxyz",
-        DJANGO_ALLOWED_HOSTS="127.0.0.1,localhost",
-        DJANGO_LOG_LEVEL="WARNING",
-        LOCAL_MODEL_PRELOAD="false",
+        "DATABASE_URL": f"sqlite:///{db_path}",
+        "DJANGO_SECRET_KEY": "bench-only-secret-key-0123456789abcdefghijklmnopqrstuvwxyz",
+        "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
+        "DJANGO_LOG_LEVEL": "WARNING",
+        "LOCAL_MODEL_PRELOAD": "false",
         # Every request must reach the backend: no answer cache, no per-client limits (the
         # driver is one client sending thousands of requests). Distinct concurrent requests
         # are used where the gateway's coalescing of identical requests would matter.
-        QUOTES_CACHE_TTL="0",
-        QUOTES_RATE_LIMIT="1000000/s",
-        QUOTES_MAX_CONCURRENT_STREAMS="100000",
-        **extra,
-    )
+        "QUOTES_CACHE_TTL": "0",
+        "QUOTES_RATE_LIMIT": "1000000/s",
+        "QUOTES_MAX_CONCURRENT_STREAMS": "100000",
+    }
+    env = environment(**{**settings, **extra})
     env.pop("DJANGO_SETTINGS_MODULE", None)
     return env
 
