@@ -20,7 +20,16 @@ import time
 
 import httpx
 
-from bench.common import ARTIFACTS, PERSONA, Upstream, machine, percentile, table, workers_ai_env
+from bench.common import (
+    ARTIFACTS,
+    PERSONA,
+    Upstream,
+    machine,
+    parse_args,
+    percentile,
+    table,
+    workers_ai_env,
+)
 from bench.load import serve_daphne
 from tests.fakes.workers_ai import Scenario
 
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=150, help="per path")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--pacing", type=int, default=None, help="QUOTES_CACHE_REPLAY_PACING_MS")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"requests": 4, "warmup": 1})
     print(machine(), flush=True)
     scenario = Scenario(tokens=tuple(f" w{i}" for i in range(TOKENS)), usage=(24, TOKENS), padding=True)
     extra = {"QUOTES_CACHE_TTL": "3600"}

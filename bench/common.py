@@ -9,12 +9,14 @@ compared with the driver's.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import socket
 import sqlite3
@@ -26,6 +28,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -35,7 +38,9 @@ from typing import Any, Literal, Protocol
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = ROOT / "artifacts" / "bench"
+#: Raw outputs and logs; BENCH_ARTIFACTS moves them (the smoke test keeps a tiny run's away from
+#: a real run's).
+ARTIFACTS = Path(os.environ.get("BENCH_ARTIFACTS") or ROOT / "artifacts" / "bench")
 PYTHON = sys.executable
 
 ACCOUNT_ID = "bench-account"
@@ -93,6 +98,28 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(
         [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])]
     )
+
+
+def parse_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, smoke: dict[str, Any]
+) -> argparse.Namespace:
+    """`parser`'s arguments plus `--smoke`: a tiny run (`smoke` gives the defaults: a few
+    streams, a few seconds) that shows the bench still works end to end; its figures mean
+    nothing. Flags given explicitly still win. tests/test_bench_smoke.py runs every bench so."""
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny run that checks the bench works (figures meaningless): "
+        + ", ".join(
+            f"--{name.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+            for name, value in smoke.items()
+        ),
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**smoke)
+        args = parser.parse_args(argv)
+    return args
 
 
 def free_port() -> int:
@@ -290,6 +317,7 @@ async def stream_in_process(application: Callable[..., Awaitable[None]], body: b
     return timing
 
 
+from tests.deployed import daphne_command, environment  # noqa: E402
 from tests.fakes.keepalive import KeepAliveUpstream  # noqa: E402
 
 # -- upstreams in their own process ------------------------------------------------------------------
@@ -447,16 +475,19 @@ class AppServer:
             connection.execute(statement, params)
 
 
+#: What a machine keeps for itself, not a setting under test: where the embedded model lives.
+MACHINE_SETTINGS = ("QUOTES_CACHE_DIR", "LOCAL_MODEL_PATH")
+
+
 def app_env(db_path: Path, **extra: str) -> dict[str, str]:
-    """Production-like settings: DEBUG off (so its secrets are required), logging at WARNING."""
-    env = {
-        **os.environ,
+    """Production settings as the deploy tests give daphne (tests.deployed.environment: this
+    shell's own app settings dropped, so none changes a figure unseen; pass them with --env
+    where a bench takes it), on the SQLite file `db_path`, logging at WARNING."""
+    settings = {
+        **{name: os.environ[name] for name in MACHINE_SETTINGS if name in os.environ},
         "DATABASE_URL": f"sqlite:///{db_path}",
-        "DJANGO_DEBUG": "false",
         "DJANGO_SECRET_KEY": "bench-only-secret-key-0123456789abcdefghijklmnopqrstuvwxyz",
         "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
-        # Plain HTTP on loopback: production settings would redirect to https otherwise.
-        "DJANGO_SECURE_SSL_REDIRECT": "false",
         "DJANGO_LOG_LEVEL": "WARNING",
         "LOCAL_MODEL_PRELOAD": "false",
         # Every request must reach the backend: no answer cache, no per-client limits (the
@@ -465,8 +496,8 @@ def app_env(db_path: Path, **extra: str) -> dict[str, str]:
         "QUOTES_CACHE_TTL": "0",
         "QUOTES_RATE_LIMIT": "1000000/s",
         "QUOTES_MAX_CONCURRENT_STREAMS": "100000",
-        **extra,
     }
+    env = environment(**{**settings, **extra})
     env.pop("DJANGO_SETTINGS_MODULE", None)
     return env
 
@@ -523,16 +554,35 @@ def serve_naive(upstream_url: str, headers: dict[str, str], server: Server = "da
         yield AppServer(server, url, process, Path(os.devnull), log_path, env)
 
 
+#: The unit a single daphne process runs as (a TCP port, no nginx in front).
+SINGLE_UNIT = "systemd/persona-quotes.service"
+APP = "config.asgi:application"
+
+
+def daphne_args(application: str, port: int) -> list[str]:
+    """daphne's command line as deploy/systemd/persona-quotes.service runs it (its flags, read
+    from the unit by tests.deployed.daphne_command), on 127.0.0.1:`port`, serving
+    `application`. The app runs under `quotes.server` (daphne, draining on SIGTERM) as
+    deployed; another application (the naive proxy) under plain daphne with the same flags,
+    so both pay for the same server."""
+    command = daphne_command(SINGLE_UNIT, port)
+    assert command[-1] == APP, command
+    if application != APP:
+        command[-1] = application
+        command[command.index("quotes.server")] = "daphne"
+    return command
+
+
 @contextlib.contextmanager
 def serve_asgi(
     server: Server, application: str, env: dict[str, str], name: str, *, cwd: Path = ROOT
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """`application` under daphne or uvicorn on a free port, logging to artifacts/bench/`name`.log
-    (the latest server of each name): (the process, its URL, the log)."""
+    """`application` under daphne (bench.common.daphne_args: as deployed) or uvicorn (no deploy
+    file runs it: a comparison row) on a free port, logging to artifacts/bench/`name`.log (the
+    latest server of each name): (the process, its URL, the log)."""
     port = free_port()
     if server == "daphne":
-        # -v 0: no access log, like uvicorn's --no-access-log below (the app logs at WARNING).
-        command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port), application]
+        command = daphne_args(application, port)
     else:
         command = [PYTHON, "-m", "uvicorn", application, "--host", "127.0.0.1"]
         command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
@@ -592,9 +642,10 @@ ROWS_BY_STATUS = "SELECT status, SUM(request_count) FROM quotes_generation GROUP
 def settled_counts(
     fetch: Callable[[], dict[str, int]], expected: int, timeout_s: float = 120.0
 ) -> dict[str, int]:
-    """`fetch()` (rows by status), polled each second until the rows add up to `expected` or the
-    counts have stopped moving for 10 s (a saturated server writes the cancelled streams' rows
-    last), or `timeout_s` is up."""
+    """`fetch()` (rows by status, each row counted as its `request_count`), polled each second
+    until the rows add up to `expected` or the counts have stopped moving for 10 s (a saturated
+    server writes the cancelled streams' rows last; a refusal's count reaches its row a second
+    after the last refusal of its window), or `timeout_s` is up."""
     deadline = time.monotonic() + timeout_s
     previous: dict[str, int] | None = None
     still = 0
@@ -605,3 +656,63 @@ def settled_counts(
             return counts
         previous = counts
         time.sleep(1.0)
+
+
+def row_accounting(expected: int, rows: dict[str, int]) -> dict[str, int]:
+    """The log rows against the requests a daphne answered (`expected`), each of which has its
+    row. Refusals share rows: those of one client and window are one row whose `request_count`
+    says how many (quotes/ai/refusals.py), and `rows` sums that count. Behind nginx, `expected`
+    is what nginx's log says the daphnes answered (`nginx_attempts`), not what the client
+    received: nginx tries the other process after a 503 (deploy/nginx's proxy_next_upstream),
+    so one refused request can be refused, and counted, by each process. Lost rows: answered
+    requests with no row; extra rows: rows counting requests no daphne answered (a miscount)."""
+    total = sum(rows.values())
+    return {
+        "rows_expected": expected,
+        "rows_total": total,
+        "lost_rows": max(0, expected - total),
+        "extra_rows": max(0, total - expected),
+    }
+
+
+# -- nginx: every attempt on a daphne ---------------------------------------------------------------
+
+STREAM_PATH = "/api/quotes/stream"
+
+#: An access log with each attempt nginx made on a daphne for a request (`$upstream_status` and
+#: `$upstream_bytes_received` list one entry per attempt), for the row count; `access_log <file>
+#: attempts;` in the server block.
+NGINX_ATTEMPTS_FORMAT = (
+    'log_format attempts \'$request_method $uri $status "$upstream_addr" "$upstream_status" \'\n'
+    "                    '\"$upstream_bytes_received\" $request_time $msec';"
+)
+_ATTEMPT_LINE = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\S+) (\S+)$')
+
+
+def nginx_attempts(access_log: Path, path: str = STREAM_PATH) -> dict[str, Any]:
+    """Every attempt nginx made on a daphne for a POST to `path` (from a log in
+    NGINX_ATTEMPTS_FORMAT): answered by the daphne (a status and bytes received: it has a log
+    row) or not (a refused connection, a reset), by status; and the statuses the clients got."""
+    answered: Counter[str] = Counter()
+    unanswered: Counter[str] = Counter()
+    client_statuses: Counter[str] = Counter()
+    requests = 0
+    for line in access_log.read_text().splitlines():
+        match = _ATTEMPT_LINE.match(line)
+        if not match or match.group(1) != "POST" or match.group(2) != path:
+            continue
+        requests += 1
+        client_statuses[match.group(3)] += 1
+        statuses = re.split(r"\s*[,:]\s*", match.group(5))
+        received = re.split(r"\s*[,:]\s*", match.group(6))
+        for status, size in zip(statuses, received, strict=False):
+            if status.isdigit() and size.isdigit() and int(size) > 0:
+                answered[status] += 1
+            else:
+                unanswered[f"{status}/{size}B"] += 1
+    return {
+        "requests": requests,
+        "client_statuses": dict(client_statuses),
+        "answered_by_daphne": dict(answered),
+        "not_answered": dict(unanswered),
+    }

@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from bench.common import ACCOUNT_ID, API_TOKEN, ARTIFACTS, PYTHON, ROOT, app_env, free_port
+from tests.deployed import start_daphne
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 from tests.scaleout.run import WebSocket
 
@@ -100,11 +101,9 @@ def daphne_pair(fake: FakeWorkersAI, workdir: Path) -> Iterator[list[Process]]:
     processes: list[Process] = []
     try:
         for name in ("A", "B"):
+            # As deploy/systemd/persona-quotes@.service starts each process (tests.deployed).
             port = free_port()
-            command = [PYTHON, "-m", "daphne", "-v", "0", "-b", "127.0.0.1", "-p", str(port)]
-            command += ["config.asgi:application"]
-            log = (workdir / f"daphne-{name}.log").open("wb")
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            process = start_daphne(port, env, workdir / f"daphne-{name}.log")
             processes.append(Process(name, f"http://127.0.0.1:{port}", process))
         for p in processes:
             wait_until(

@@ -57,7 +57,9 @@ from bench.common import (
     ROWS_BY_STATUS,
     app_env,
     machine,
+    parse_args,
     percentile,
+    row_accounting,
     rss_kib,
     serve_asgi,
     settled_counts,
@@ -543,6 +545,7 @@ def _one_run(
             # Every response, a refusal included, has its row (the app logs every attempt).
             answered = sum(1 for r in run.results if r.status)
             rows = count_rows(db_path, expected=answered) if path == "app" else None
+            expected_rows = answered
             metrics_on = path == "app" and env.get("QUOTES_METRICS_ENABLED") == "true"
             scraped = scrape_metrics(url) if metrics_on else {}
             if spy is not None:
@@ -550,7 +553,15 @@ def _one_run(
     finally:
         upstream.close()
     report = build_report(
-        run, plateau, rows, path=path, streams=streams, tokens=tokens, args=args, load_before=load_before
+        run,
+        plateau,
+        rows,
+        expected_rows=expected_rows,
+        path=path,
+        streams=streams,
+        tokens=tokens,
+        args=args,
+        load_before=load_before,
     )
     report["metrics"] = (
         "" if path != "app" else ("on" if env.get("QUOTES_METRICS_ENABLED") == "true" else "off")
@@ -564,13 +575,15 @@ def build_report(
     plateau: dict[str, Any],
     rows: dict[str, int] | None,
     *,
+    expected_rows: int,
     path: str,
     streams: int,
     tokens: int,
     args: argparse.Namespace,
     load_before: tuple[float, float, float],
 ) -> dict[str, Any]:
-    """The figures of one run. `rows` is None when the server keeps no log (the naive proxy).
+    """The figures of one run. `rows` is None when the server keeps no log (the naive proxy);
+    `expected_rows`: the requests a daphne answered (bench.common.row_accounting).
     Per-stream figures (RSS, CPU per token) count the admitted streams, not the refused ones."""
     results = run.results
     ok = sum(r.done for r in results)
@@ -578,7 +591,6 @@ def build_report(
     errors = [r for r in results if r.error]
     refused = [r for r in results if r.status == 503]
     admitted = max(1, streams - len(refused))
-    got_response = sum(1 for r in results if r.status)
     delays_ms = sorted(d / 1e6 for d in run.delays_ns)
     plateau_samples = [s for s in run.samples if s["t"] >= plateau["ramp_s"]] or run.samples
     rss_plateau = sum(s["VmRSS"] for s in plateau_samples) / max(1, len(plateau_samples))
@@ -601,8 +613,11 @@ def build_report(
         },
         "error_samples": sorted({e.error[:160] for e in errors if e.status != 503})[:5],
         "rows": rows or {},
-        "rows_total": sum((rows or {}).values()),
-        "lost_rows": None if rows is None else got_response - sum(rows.values()),
+        **(
+            {"rows_expected": None, "rows_total": 0, "lost_rows": None, "extra_rows": None}
+            if rows is None
+            else row_accounting(expected_rows, rows)
+        ),
         "tokens_received": len(delays_ms),
         "tokens_expected": admitted * tokens,
         "added_delay_ms": {
@@ -639,6 +654,7 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
             r["refused_503"],
             r["errors"],
             "" if r["lost_rows"] is None else r["lost_rows"],
+            "" if r["extra_rows"] is None else r["extra_rows"],
             r["added_delay_ms"]["p50"],
             r["added_delay_ms"]["p99"],
             r["added_delay_ms"]["max"],
@@ -661,6 +677,7 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
             "503",
             "errors",
             "lost rows",
+            "extra rows",
             "added p50 ms",
             "added p99 ms",
             "added max ms",
@@ -749,7 +766,7 @@ def main(argv: list[str] | None = None) -> None:
         help="REDIS_URL set (a fresh redis-server) for the app; both: alternate off/on runs (--rounds each)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="with --metrics/--relay both: runs per setting")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"streams": 5, "duration": 2})
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     fd_limit = raise_fd_limit(4 * max(counts) + 256)

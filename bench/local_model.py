@@ -50,6 +50,7 @@ from .common import (
     machine,
     median,
     ms,
+    parse_args,
     percentile,
     read_stream,
     rss_kib,
@@ -246,7 +247,7 @@ def speed_section(args: argparse.Namespace) -> list[str]:
         if not args.no_http:
             series.append(Series("HTTP endpoint under daphne", http_runner(client, app.stream_url)))
         for s in series:  # warm up: the first call after loading is slow
-            for topic in TOPICS[:3]:
+            for topic in TOPICS[: args.warmup]:
                 s.run(topic)
         print(f"speed: {args.rounds} interleaved generations per path ...", flush=True)
         for i in range(args.rounds):
@@ -350,8 +351,10 @@ def parallel_rows(
 
 def memory_section(args: argparse.Namespace) -> list[str]:
     rows: list[list[object]] = []
+    # The generation's length does not move the RSS (llama.cpp sizes its buffers at the load).
+    sql = [f"UPDATE quotes_persona SET max_tokens = {args.max_tokens} WHERE slug = '{PERSONA}'"]
     with (
-        serve_app("daphne", AI_BACKEND="local", LOCAL_MODEL_PRELOAD="false") as app,
+        serve_app("daphne", migrate_sql=sql, AI_BACKEND="local", LOCAL_MODEL_PRELOAD="false") as app,
         httpx.Client(timeout=60, trust_env=False) as client,
     ):
         idle = rss_kib(app.pid)
@@ -472,13 +475,25 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rounds", type=int, default=20, help="generations per path (interleaved)")
     parser.add_argument("--max-tokens", type=int, default=64, help="token budget per generation")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up generations per path")
     parser.add_argument("--no-http", action="store_true", help="skip the daphne HTTP path")
     parser.add_argument("--parallel-tokens", type=int, default=64, help="token budget in the slots section")
     parser.add_argument("--parallel-rounds", type=int, default=5, help="rounds per row in the slots section")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--streams", type=int, nargs="+", default=[30, 60, 90], help="open-stream steps")
-    args = parser.parse_args(argv)
+    args = parse_args(
+        parser,
+        argv,
+        smoke={
+            "rounds": 2,
+            "max_tokens": 4,
+            "warmup": 1,
+            "parallel_tokens": 4,
+            "parallel_rounds": 1,
+            "streams": [2, 4],
+        },
+    )
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
     setup_django()
     report = [] if args.no_speed else speed_section(args)

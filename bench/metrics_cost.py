@@ -13,13 +13,15 @@ import os
 import time
 from decimal import Decimal
 
+from bench.common import machine, parse_args
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=20000)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per stream, to express it per token")
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"iterations": 200, "rounds": 1})
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     import django
@@ -27,7 +29,6 @@ def main(argv: list[str] | None = None) -> None:
     django.setup()
     from django.conf import settings
 
-    from bench.common import machine
     from quotes import metrics
     from quotes.models import Generation
 

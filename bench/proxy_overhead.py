@@ -42,6 +42,7 @@ from .common import (
     ARTIFACTS,
     PERSONA,
     PYTHON,
+    ROOT,
     AppServer,
     Server,
     StreamTiming,
@@ -50,6 +51,7 @@ from .common import (
     machine,
     median,
     ms,
+    parse_args,
     percentile,
     read_stream,
     self_signed_cert,
@@ -300,7 +302,7 @@ def profile_daphne(app: AppServer, seconds: float, rate: int) -> str:
         recorder.wait(60)
     if not raw.exists():
         return "py-spy did not write a profile"
-    return f"flame graph: {svg.relative_to(ARTIFACTS.parents[1])}\n" + summarize_profile(raw, requests, rate)
+    return f"flame graph: {svg}\n" + summarize_profile(raw, requests, rate)
 
 
 # -- 5: attribution: the sync_to_async hops on the TTFT path --------------------------------------
@@ -394,7 +396,7 @@ def attribution(fake: Upstream, app: AppServer, rounds: int) -> list[str]:
     output = subprocess.run(
         [PYTHON, "-c", ATTRIBUTION_WORKER, str(rounds)],
         env=env,
-        cwd=ARTIFACTS.parents[1],
+        cwd=ROOT,
         capture_output=True,
         text=True,
     )
@@ -443,7 +445,18 @@ def main(argv: list[str] | None = None) -> None:
         help="also serve the app from this source tree (e.g. a git worktree of the code before a "
         "change) under daphne, as one more path in the same interleaved run",
     )
-    args = parser.parse_args(argv)
+    args = parse_args(
+        parser,
+        argv,
+        smoke={
+            "requests": 4,
+            "warmup": 2,
+            "fast_tokens": 20,
+            "fast_streams": 2,
+            "profile_seconds": 1,
+            "attribution_requests": 3,
+        },
+    )
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)

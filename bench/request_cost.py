@@ -35,6 +35,7 @@ from .common import (
     app_env,
     direct_ttft,
     machine,
+    parse_args,
     percentile,
     stream_in_process,
     table,
@@ -122,7 +123,7 @@ def worker() -> None:
                             unicode=False, show_all=os.environ.get("BENCH_PROFILE_ALL") == "1"
                         )
                     )
-                    result[f"{name}_profile"] = str(path.relative_to(ROOT))
+                    result[f"{name}_profile"] = str(path)
             return result
 
     print(json.dumps(asyncio.run(run())))
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=300, help="requests per kind")
     parser.add_argument("--profile", action="store_true", help="also profile each kind (pyinstrument)")
     parser.add_argument("--settings", default="config.settings", help="DJANGO_SETTINGS_MODULE (experiments)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"requests": 5})
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
     with (

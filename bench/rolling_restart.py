@@ -56,36 +56,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import ARTIFACTS, PERSONA, PYTHON, ROOT, machine, percentile, table
+from bench.common import (
+    ARTIFACTS,
+    NGINX_ATTEMPTS_FORMAT,
+    PERSONA,
+    PYTHON,
+    ROOT,
+    STREAM_PATH,
+    machine,
+    nginx_attempts,
+    parse_args,
+    percentile,
+    row_accounting,
+    table,
+)
 from bench.load import StampingUpstream, numbered_text, raise_fd_limit, response_texts, whole_events
 from bench.scaleout_load import StampingUpstreamStub, count_rows, production_env, truncate
-from tests.deployed import deploy_upstream, start_daphne, wait_until_healthy
+from tests.deployed import deploy_site, start_daphne, wait_until_healthy
 from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process, tail
-
-LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
-STREAM_PATH = "/api/quotes/stream"
 
 # -- the layout ---------------------------------------------------------------------------------------
 
 
 def nginx_site(port: int, addresses: list[str], access_log: Path) -> str:
-    # Every attempt on a daphne, for the row count; and the daphne that answered, for the client.
-    return f"""
-    map $http_upgrade $connection_upgrade {{
-        default upgrade;
-        ''      close;
-    }}
-    log_format attempts '$request_method $uri $status "$upstream_addr" "$upstream_status" '
-                        '"$upstream_bytes_received" $request_time $msec';
-    {deploy_upstream(addresses)}
-    server {{
-        listen 127.0.0.1:{port} backlog=4096;
-        server_name 127.0.0.1;
-        access_log {access_log} attempts;
-        add_header X-Upstream-Addr $upstream_addr always;
-        include {LOCATIONS_CONF};
-    }}
-"""
+    """deploy/nginx's site (tests.deployed.deploy_site) in front of `addresses`, logging every
+    attempt on a daphne, for the row count; and telling the client which daphne answered."""
+    return deploy_site(
+        port,
+        addresses,
+        listen="backlog=4096",
+        http=NGINX_ATTEMPTS_FORMAT,
+        server=f"access_log {access_log} attempts;\n        add_header X-Upstream-Addr $upstream_addr always;",
+    )
 
 
 @dataclass
@@ -357,35 +359,6 @@ async def drive(
 # -- the figures ---------------------------------------------------------------------------------------
 
 
-def nginx_attempts(access_log: Path) -> dict[str, Any]:
-    """Every attempt nginx made on a daphne for a stream request: answered by the daphne (a
-    status and bytes received: it has a log row) or not (refused connection, reset)."""
-    line_re = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\S+) (\S+)$')
-    answered: Counter[str] = Counter()
-    unanswered: Counter[str] = Counter()
-    client_statuses: Counter[str] = Counter()
-    requests = 0
-    for line in access_log.read_text().splitlines():
-        match = line_re.match(line)
-        if not match or match.group(1) != "POST" or match.group(2) != STREAM_PATH:
-            continue
-        requests += 1
-        client_statuses[match.group(3)] += 1
-        statuses = re.split(r"\s*[,:]\s*", match.group(5))
-        received = re.split(r"\s*[,:]\s*", match.group(6))
-        for status, size in zip(statuses, received, strict=False):
-            if status.isdigit() and size.isdigit() and int(size) > 0:
-                answered[status] += 1
-            else:
-                unanswered[f"{status}/{size}B"] += 1
-    return {
-        "requests": requests,
-        "client_statuses": dict(client_statuses),
-        "answered_by_daphne": dict(answered),
-        "not_answered": dict(unanswered),
-    }
-
-
 def refusal_rows(database_url: str) -> tuple[int, int]:
     """The refusal (busy) rows and the requests they count (quotes/ai/refusals.py)."""
     import psycopg
@@ -425,7 +398,8 @@ def report(
         1 for q in quotes if q.outcome == "resumed" for a in q.attempts if a.resume and a.status == 200
     )
     answered = sum(attempts["answered_by_daphne"].values())
-    rows_total = sum(rows.values())
+    # A resume continues the row of the generation it resumes: no row of its own.
+    accounting = row_accounting(answered - resumed_attempts, rows)
     durations = sorted(q.ended - q.started for q in quotes if q.outcome in ("whole", "resumed"))
     restart_from, restart_to = processes[0].sigterm_at, processes[-1].healthy_at
     during = [q for q in quotes if q.started < restart_to and q.ended > restart_from]
@@ -464,9 +438,7 @@ def report(
         ],
         "nginx": attempts,
         "rows": rows,
-        "rows_total": rows_total,
-        "rows_expected": answered - resumed_attempts,
-        "lost_rows": answered - resumed_attempts - rows_total,
+        **accounting,
         "wall_s": round(wall_s, 1),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -488,6 +460,7 @@ def print_report(r: dict[str, Any]) -> None:
                 "quote s p50/p99/max",
                 "rows / expected",
                 "lost rows",
+                "extra rows",
             ],
             [
                 [
@@ -502,6 +475,7 @@ def print_report(r: dict[str, Any]) -> None:
                     "/".join(str(r["quote_s"][k]) for k in ("p50", "p99", "max")),
                     f"{r['rows_total']} / {r['rows_expected']}",
                     r["lost_rows"],
+                    r["extra_rows"],
                 ]
             ],
         )
@@ -575,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         help="extra environment for the daphnes (QUOTES_MAX_OPEN_STREAMS is raised to 2 x --streams: "
         "one process holds every stream while the other restarts)",
     )
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"streams": 4, "quote_seconds": 1, "restart_after": 1, "after": 1})
     tokens = int(args.quote_seconds * args.tokens_per_second)
     print(machine(), f"; open files limit {raise_fd_limit(6 * args.streams + 512)}", flush=True)
     extra = [

@@ -4,12 +4,16 @@ Redis, as docs/deployment.md runs them (tests/scaleout starts the same servers).
     .venv/bin/python -m bench.scaleout_load --processes 1,2 --ladder 200,300,400 --duration 20
     .venv/bin/python -m bench.scaleout_load --processes 2 --streams 1000 --duration 60   # graceful
 
-Each run starts fresh servers (one to N daphne processes and nginx in front of them, least_conn,
-keep-alive to daphne) against one PostgreSQL and one Redis for the whole invocation, and the
-stamping upstream of bench/load.py (50 tokens/s per stream, each token stamped with the time it
-left). The load client is load.py's: one asyncio loop, raw sockets, 200 new streams/s, all through
-nginx. Figures as in load.py, summed over the daphne processes; log rows are counted in
-PostgreSQL and compared with the responses (a 503 refusal has its row too).
+Each run starts fresh servers (one to N daphne processes as deploy/systemd/persona-quotes@.service
+starts them, and nginx in front of them with deploy/nginx's upstream block and locations:
+tests.deployed) against one PostgreSQL and one Redis for the whole invocation, and the stamping
+upstream of bench/load.py (50 tokens/s per stream, each token stamped with the time it left).
+The load client is load.py's: one asyncio loop, raw sockets, 200 new streams/s, all through
+nginx. Figures as in load.py, summed over the daphne processes. Log rows are counted in
+PostgreSQL and compared with the requests the daphnes answered, from nginx's log of its
+attempts: a refusal has its row too (shared with the other refusals of its window: its
+`request_count`), and a request nginx retried on the other process after a 503 was answered,
+and counted, by both (bench.common.row_accounting).
 
 The per-client limits are raised (the load comes from one address, as no real visitor would);
 the per-process open-stream cap (QUOTES_MAX_OPEN_STREAMS) is left as configured: it is what
@@ -33,24 +37,25 @@ from typing import TYPE_CHECKING, Any
 
 from bench.common import (
     ARTIFACTS,
+    NGINX_ATTEMPTS_FORMAT,
     PYTHON,
     ROOT,
     ROWS_BY_STATUS,
     HasApiBaseUrl,
     machine,
+    nginx_attempts,
+    parse_args,
     settled_counts,
     table,
     workers_ai_env,
 )
 from bench.load import StampingUpstream, build_report, capacity_lines, drive, raise_fd_limit
-from tests.deployed import start_daphne, wait_until_healthy
+from tests.deployed import deploy_site, start_daphne, wait_until_healthy
 from tests.scaleout.run import production_base_env
 from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process
 
 if TYPE_CHECKING:
     import psycopg
-
-LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
 
 
 def production_env(
@@ -92,24 +97,17 @@ def daphnes(
             stop_process(process)
 
 
-def nginx_site(port: int, addresses: list[str]) -> str:
-    servers = "\n".join(f"        server {address};" for address in addresses)
-    return f"""
-    map $http_upgrade $connection_upgrade {{
-        default upgrade;
-        ''      close;
-    }}
-    upstream persona_quotes {{
-        least_conn;
-{servers}
-        keepalive 64;
-    }}
-    server {{
-        listen 127.0.0.1:{port} backlog=4096;
-        server_name 127.0.0.1;
-        include {LOCATIONS_CONF};
-    }}
-"""
+def nginx_site(port: int, addresses: list[str], access_log: Path) -> str:
+    """deploy/nginx's site (tests.deployed.deploy_site: its upstream block, max_fails and all,
+    and its locations) in front of `addresses`, logging each attempt on a daphne to
+    `access_log` for the row count (bench.common.nginx_attempts)."""
+    return deploy_site(
+        port,
+        addresses,
+        listen="backlog=4096",
+        http=NGINX_ATTEMPTS_FORMAT,
+        server=f"access_log {access_log} attempts;",
+    )
 
 
 def _connect(database_url: str) -> psycopg.Connection[Any]:
@@ -144,9 +142,10 @@ def one_run(
         env = production_env(database_url, redis_url, upstream, args.env)
         with daphnes(processes, env, workdir) as servers:
             port = free_port()
-            site = nginx_site(port, [address for _, address in servers])
             nginx_dir = workdir / f"nginx-{processes}-{streams}-{time.time_ns()}"
             nginx_dir.mkdir()
+            access_log = nginx_dir / "attempts.log"
+            site = nginx_site(port, [address for _, address in servers], access_log)
             with nginx(
                 nginx_dir,
                 site=site,
@@ -163,7 +162,10 @@ def one_run(
                         args.ramp_per_second,
                     )
                 )
-                answered = sum(1 for r in run.results if r.status)
+                # Each attempt a daphne answered has its row; a refused request nginx then tried
+                # on the other process has one in each (bench.common.row_accounting).
+                attempts = nginx_attempts(access_log)
+                answered = sum(attempts["answered_by_daphne"].values())
                 rows = count_rows(database_url, expected=answered)
     finally:
         upstream.close()
@@ -171,6 +173,7 @@ def one_run(
         run,
         plateau,
         rows,
+        expected_rows=answered,
         path=f"app x{processes}",
         streams=streams,
         tokens=tokens,
@@ -178,6 +181,7 @@ def one_run(
         load_before=load_before,
     )
     report["processes"] = processes
+    report["nginx"] = attempts
     return report
 
 
@@ -191,7 +195,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ramp-per-second", type=float, default=200)
     parser.add_argument("--bound-ms", type=float, default=50.0)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
-    args = parser.parse_args(argv)
+    # A cap of 3 per process: the smoke run's 10 streams meet refusals, and nginx's retry of
+    # each on the other process (their rows counted on both).
+    args = parse_args(
+        parser,
+        argv,
+        smoke={"processes": "2", "streams": 10, "duration": 2, "env": ["QUOTES_MAX_OPEN_STREAMS=3"]},
+    )
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     process_counts = [int(x) for x in args.processes.split(",")]
     print(machine(), f"; open files limit {raise_fd_limit(6 * max(counts) + 512)}", flush=True)
@@ -217,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
             r["refused_with_retry_after"],
             r["refusal_ms"]["p99"],
             r["errors"],
+            f"{r['rows_total']}/{r['rows_expected']}",
             r["lost_rows"],
+            r["extra_rows"],
             r["added_delay_ms"]["p50"],
             r["added_delay_ms"]["p99"],
             r["daphne_cpu_pct"],
@@ -238,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
                 "503 with Retry-After",
                 "503 p99 ms",
                 "other errors",
+                "rows/answered",
                 "lost rows",
+                "extra rows",
                 "added p50 ms",
                 "added p99 ms",
                 "daphne CPU %",

@@ -167,6 +167,35 @@ def deploy_upstream(addresses: list[str]) -> str:
     return "upstream persona_quotes {\n" + "\n".join(f"        {x}" for x in [*others, *body]) + "\n    }"
 
 
+LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
+
+
+def deploy_site(
+    port: int, addresses: list[str], *, listen: str = "", http: str = "", server: str = ""
+) -> str:
+    """nginx's http-context config for `addresses` (host:port daphnes) as deploy/nginx has it:
+    persona-quotes.conf's `map $http_upgrade` block and its upstream block (deploy_upstream),
+    and a plain-HTTP server on 127.0.0.1:`port` that includes persona-quotes-locations.conf.
+    The scale-out check, the drain tests and the benchmarks all build their nginx here, so a
+    change to the deploy files is what they run. `listen`: parameters of the listen directive
+    (a benchmark's backlog); `http`: more http-context text (a log_format, other servers);
+    `server`: more directives in the server block (an access log)."""
+    text = (ROOT / "deploy" / "nginx" / "persona-quotes.conf").read_text()
+    upgrade = re.search(r"^map \$http_upgrade \$connection_upgrade \{.*?\n\}", text, re.S | re.M)
+    assert upgrade is not None, "no `map $http_upgrade` block in deploy/nginx/persona-quotes.conf"
+    return f"""
+{upgrade.group(0)}
+{http}
+    {deploy_upstream(addresses)}
+    server {{
+        listen 127.0.0.1:{port}{" " + listen if listen else ""};
+        server_name 127.0.0.1;
+        {server}
+        include {LOCATIONS_CONF};
+    }}
+"""
+
+
 # -- reading a deployed server's streams (httpx's lines) ---------------------------------------
 
 

@@ -33,7 +33,7 @@ import pytest
 
 from tests.deployed import (
     ROOT,
-    deploy_upstream,
+    deploy_site,
     environment,
     events_of,
     running_daphne,
@@ -127,15 +127,7 @@ def serve_local(tmp_path: Path) -> Iterator[Server]:
 
 def deployed_site(port: int, *servers: Server) -> str:
     """nginx in front of `servers` as deploy/ has it: its upstream block and its locations."""
-    return f"""
-    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
-    {deploy_upstream([s.url.removeprefix("http://") for s in servers])}
-    server {{
-        listen 127.0.0.1:{port};
-        server_name 127.0.0.1;
-        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
-    }}
-"""
+    return deploy_site(port, [s.url.removeprefix("http://") for s in servers])
 
 
 def test_sigterm_refuses_new_streams_and_lets_an_open_one_finish(

@@ -43,13 +43,12 @@ from typing import Any
 
 import httpx
 
-from tests.deployed import deploy_upstream, start_daphne, wait_until_healthy
+from tests.deployed import deploy_site, start_daphne, wait_until_healthy
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 from .services import Nginx, ServiceError, free_port, nginx, postgres, redis, stop_process, tail
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
 METRICS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-metrics.conf"
 METRICS_TOKEN = secrets.token_urlsafe(24)
 TOKENS = ("The", " river", " does", " not", " hurry", ",", " yet", " it", " arrives", ".")
@@ -164,19 +163,7 @@ def nginx_site(port: int, upstreams: list[Daphne], metrics_ports: list[int]) -> 
     }}"""
         for d, metrics_port in zip(upstreams, metrics_ports, strict=True)
     )
-    return f"""
-    map $http_upgrade $connection_upgrade {{
-        default upgrade;
-        ''      close;
-    }}
-    {deploy_upstream([d.url.removeprefix("http://") for d in upstreams])}
-    server {{
-        listen 127.0.0.1:{port};
-        server_name 127.0.0.1;
-        include {LOCATIONS_CONF};
-    }}
-{metrics}
-"""
+    return deploy_site(port, [d.url.removeprefix("http://") for d in upstreams], http=metrics)
 
 
 # --- a small SSE and WebSocket client -------------------------------------------------------------
