@@ -199,12 +199,14 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         cursor, self.cursor = self.cursor, None
         if task is None or task.done():
             return False
-        finishing = cursor.run.stop() if stop and cursor is not None and cursor.run is not None else None
+        stopping = None
+        if stop and cursor is not None and cursor.run is not None:
+            stopping = asyncio.ensure_future(cursor.run.stop())  # the row says stopped, not abandoned
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        if finishing is not None:
-            await asyncio.shield(finishing)
+        if stopping is not None:
+            await asyncio.shield(stopping)
         return True
 
     async def _send_error(self, error: QuoteError | Error) -> None:
