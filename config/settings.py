@@ -91,6 +91,9 @@ MIDDLEWARE = [
     # Last, as django-axes asks: it turns a locked-out login into the lockout page. Async-capable,
     # so it costs no thread hop (only a locked-out response renders in a thread).
     "axes.middleware.AxesMiddleware",
+    # A view's database outage: a 503 in the request's dialect (only an exception hook: the
+    # place in the list does not matter).
+    "quotes.middleware.DatabaseOutageMiddleware",
 ]
 
 # django-axes first: it refuses a locked-out client before the password is even checked, so a

@@ -5,6 +5,8 @@
 - `StreamAdmissionMiddleware`: at the process's open-stream cap, the stream URLs' 503 answered
   before the session, CSRF, auth and message middleware run.
 - `StaticFilesMiddleware`: WhiteNoise, given an async entry point.
+- `DatabaseOutageMiddleware`: a database outage escaping a view is a 503 in the request's
+  dialect, not a 500 with its traceback.
 - Django's own middleware with their methods run inline instead of in a thread each.
 """
 
@@ -28,6 +30,7 @@ from django.urls import reverse
 from django.utils.functional import SimpleLazyObject, empty
 from whitenoise.middleware import WhiteNoiseMiddleware
 
+from .database import UNREACHABLE, outage
 from .request_threads import release_request_thread
 
 
@@ -95,6 +98,33 @@ class StreamAdmissionMiddleware:
             if response is not None:
                 return response
         return await self.get_response(request)
+
+
+class DatabaseOutageMiddleware:
+    """A view that meets the database down (a connection refused or dropped, quotes.database)
+    answers a 503 `service_unavailable` with Retry-After, in its request's dialect
+    (quotes.views.unavailable_response: the htmx error event, the JSON error, a readable page),
+    instead of Django's "Server Error (500)" and a traceback at ERROR per request: the outage is
+    logged once, by quotes.database. Django's documented exception hook: it sees what a view
+    raises (no middleware here queries the database on its own)."""
+
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        return await self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponseBase | None:
+        if not isinstance(exception, UNREACHABLE):
+            return None
+        outage.failed(exception)
+        from .views import unavailable_response  # the views import this module's neighbours
+
+        return unavailable_response(request, outage.error())
 
 
 class StaticFilesMiddleware(WhiteNoiseMiddleware):

@@ -17,6 +17,15 @@ admin), so each process keeps them in memory, checked against one value in Djang
 
 An unknown slug is remembered for MISS_TTL_S (each would otherwise cost a query), in a bounded
 table that is emptied when full (a stranger cannot fill the memory with them).
+
+While the database cannot be reached (quotes.database), a persona this process has loaded before
+is served as it was last loaded, however old (personas rarely change, and a quote from a
+persona's last known version beats no quote), and the database is asked again only after a
+short backoff, not by every request. A persona this process has never loaded cannot be served:
+its request gets a 503 `service_unavailable` with Retry-After. The last loaded entry of each
+persona outlives the invalidations above (a new version value, or Redis down, empties the fresh
+entries on every request); it goes when the database says the persona is gone, or when this
+process deletes or deactivates it.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from django.db.models.signals import post_delete, post_migrate, post_save
 
 from .ai.limits import run_on_cache
 from .ai.redis_health import report
+from .database import UNREACHABLE, outage
 from .models import Persona, PersonaVersion, personas_changed
 
 logger = logging.getLogger(__name__)
@@ -57,13 +67,16 @@ class ActivePersona:
 
 
 _entries: dict[str, ActivePersona] = {}
+#: each persona as it was last loaded, kept across invalidations: what an outage is served from
+_known: dict[str, ActivePersona] = {}
 _misses: dict[str, float] = {}  # unknown slugs, by when they were looked up
 _loading: dict[str, asyncio.Future[ActivePersona | None]] = {}
 _under: str | None = None  # the version value the entries were loaded under (None: none yet)
 
 
 async def get_active(slug: str) -> ActivePersona | None:
-    """The active persona called `slug` and its current version, or None."""
+    """The active persona called `slug` and its current version, or None. Raises the 503
+    QuoteError when the database cannot be reached and this process has never loaded it."""
     global _under
     try:
         # A read only (never a write on the request path): a missing value is a value too.
@@ -80,24 +93,50 @@ async def get_active(slug: str) -> ActivePersona | None:
     missed = _misses.get(slug)
     if entry is None and missed is not None and now - missed < MISS_TTL_S:
         return None
-    if entry is None or now - entry.loaded_at > MAX_AGE_S:
-        # One load per slug at a time: a burst of requests for a persona not in memory (a process
-        # that just started) waits for one query instead of sending one each.
-        loading = _loading.get(slug)
-        if loading is None:
-            loading = asyncio.ensure_future(sync_to_async(_load, thread_sensitive=False)(slug, now))
-            _loading[slug] = loading
-            loading.add_done_callback(lambda _: _loading.pop(slug, None))
+    if entry is not None and now - entry.loaded_at <= MAX_AGE_S:
+        return entry
+    if outage.waiting:  # it failed a moment ago: not asked again before its backoff ends
+        return _last_known(slug)
+    # One load per slug at a time: a burst of requests for a persona not in memory (a process
+    # that just started) waits for one query instead of sending one each.
+    loading = _loading.get(slug)
+    if loading is None:
+        loading = asyncio.ensure_future(sync_to_async(_load, thread_sensitive=False)(slug, now))
+        _loading[slug] = loading
+        loading.add_done_callback(lambda done: _loaded(slug, done))
+    try:
         entry = await asyncio.shield(loading)
-        if entry is None:
-            _entries.pop(slug, None)
-            if len(_misses) >= MAX_MISSES:
-                _misses.clear()
-            _misses[slug] = now
-            return None
-        if current is not None and _under == current:  # nothing changed while it loaded
-            _entries[slug] = entry
+    except UNREACHABLE as exc:
+        outage.failed(exc)
+        return _last_known(slug)
+    outage.recovered()
+    if entry is None:
+        _entries.pop(slug, None)
+        _known.pop(slug, None)
+        if len(_misses) >= MAX_MISSES:
+            _misses.clear()
+        _misses[slug] = now
+        return None
+    _known[slug] = entry
+    if current is not None and _under == current:  # nothing changed while it loaded
+        _entries[slug] = entry
     return entry
+
+
+def _last_known(slug: str) -> ActivePersona:
+    """During an outage: the persona as this process last loaded it, or the 503."""
+    known = _known.get(slug)
+    if known is None:
+        raise outage.error()
+    return known
+
+
+def _loaded(slug: str, done: asyncio.Future[ActivePersona | None]) -> None:
+    _loading.pop(slug, None)
+    if not done.cancelled():
+        # Marks a failure as seen: when every waiter was cancelled (their clients left), asyncio
+        # would otherwise log it at ERROR as never retrieved; the waiters that remain handle it.
+        done.exception()
 
 
 def peek(slug: str) -> ActivePersona | None:
@@ -106,9 +145,14 @@ def peek(slug: str) -> ActivePersona | None:
     return _entries.get(slug)
 
 
-def bump(**_: Any) -> None:
-    """Persona data changed: forget it here, and tell every process through the shared cache."""
+def bump(*, signal: object = None, instance: object = None, **_: Any) -> None:
+    """Persona data changed: forget it here, and tell every process through the shared cache.
+    A persona this process deleted or deactivated is forgotten for outages too."""
     global _under
+    if isinstance(instance, Persona) and (signal is post_delete or not instance.is_active):
+        for slug, known in list(_known.items()):
+            if known.persona.pk == instance.pk or slug == instance.slug:
+                del _known[slug]
     _entries.clear()
     _misses.clear()
     _under = None

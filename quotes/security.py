@@ -300,8 +300,7 @@ class RateLimited(QuoteError):
     """A 429 with the seconds until asking again makes sense (sent as Retry-After)."""
 
     def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(ErrorCode.RATE_LIMITED, message, 429)
-        self.retry_after = retry_after
+        super().__init__(ErrorCode.RATE_LIMITED, message, 429, retry_after=retry_after)
 
 
 def frame_too_large(text_data: str | None, bytes_data: bytes | None) -> QuoteError | None:

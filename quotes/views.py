@@ -78,10 +78,15 @@ async def index(request: HttpRequest) -> HttpResponse:
 
 
 async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
+    # The stream's own persona cache: while the database is down, a persona this process has
+    # served keeps its page, as it keeps its quotes (quotes.personas).
     try:
-        persona = await Persona.objects.active().aget(slug=slug)
-    except Persona.DoesNotExist:
-        raise Http404("No such persona.") from None
+        active = await personas.get_active(slug)
+    except QuoteError as exc:  # the database is down, and this process never loaded the persona
+        return unavailable_page(request, exc)
+    if active is None:
+        raise Http404("No such persona.")
+    persona = active.persona
     model = backend_for(persona).model_name(persona.model)
     return render(
         request,
@@ -112,6 +117,32 @@ _ID_SLOT = uuid.UUID(int=0)
 def _url_pattern(name: str) -> str:
     """The URL `name` takes a quote's public id in, with `{id}` where the id goes."""
     return reverse(name, args=[_ID_SLOT]).replace(str(_ID_SLOT), "{id}")
+
+
+# --- the database down --------------------------------------------------------------------
+
+
+def unavailable_response(request: HttpRequest, error: QuoteError) -> HttpResponseBase:
+    """The 503 for a request the database was needed for and is down (quotes.database), in the
+    request's own dialect: the htmx error event, the JSON error for the API (and any client that
+    asks for JSON), a readable page for everyone else. All three carry Retry-After."""
+    response: HttpResponseBase
+    if request.headers.get("HX-Request") == "true":
+        response = not_a_document(_htmx_error_response(error.as_event(), Meta()))
+    elif request.path_info.startswith("/api/") or "application/json" in request.headers.get("Accept", ""):
+        response = not_a_document(error_response(error))
+    else:
+        response = unavailable_page(request, error)
+    patch_vary_headers(response, ("HX-Request", "Accept"))
+    return response
+
+
+def unavailable_page(request: HttpRequest, error: QuoteError) -> HttpResponse:
+    """The readable 503 page (templates/503.html); it reads nothing from the database."""
+    response = render(request, "503.html", {"message": error.message}, status=503)
+    if error.retry_after is not None:
+        response["Retry-After"] = str(error.retry_after)
+    return response
 
 
 def error_response(error: QuoteError | Error, headers: dict[str, str] | None = None) -> JsonResponse:

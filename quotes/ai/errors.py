@@ -52,6 +52,8 @@ class ErrorCode(StrEnum):
     TOO_MANY_STREAMS = "too_many_streams"
     OVER_CAPACITY = "over_capacity"
     SERVER_DRAINING = "server_draining"
+    #: the database cannot be reached and nothing this process holds can answer instead
+    SERVICE_UNAVAILABLE = "service_unavailable"
     BUSY_SOCKET = "busy_socket"
     # How a generation ended early (on its log row, and to a client still reading it).
     STOPPED = "stopped"
@@ -94,16 +96,18 @@ class Error:
 
 
 class QuoteError(Exception):
-    """A failure with a stable `code`, a readable `message` and the HTTP `status` it maps to."""
+    """A failure with a stable `code`, a readable `message`, the HTTP `status` it maps to, and
+    (for a failure that passes) `retry_after`, the seconds after which trying again makes sense."""
 
-    def __init__(self, code: ErrorCode, message: str, status: int) -> None:
+    def __init__(self, code: ErrorCode, message: str, status: int, *, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
+        self.retry_after = retry_after
 
     def as_event(self) -> Error:
-        return Error(code=self.code, message=self.message, status=self.status)
+        return Error(code=self.code, message=self.message, status=self.status, retry_after=self.retry_after)
 
     def as_json(self) -> dict[str, dict[str, Any]]:
         return envelope(self.code, self.message)
