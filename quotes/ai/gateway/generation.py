@@ -29,7 +29,7 @@ from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
 from . import admission, answers, shared_runs
 from .flights import Flight, flights
-from .log import Record, writer
+from .log import Record, RowFacts, write_row
 from .policy import Plan
 from .runs import ABANDONED, Cursor, Run
 
@@ -163,35 +163,21 @@ async def stream_generation(
         version = await _current_version(persona)
     primary = persona.build_request(topic=topic, messages=messages)
     record = Record(started=time.perf_counter(), model=backend.model_name(primary.model))
+    facts = RowFacts(
+        persona=persona,
+        version=version,
+        backend=backend.name,
+        topic=topic,
+        request=primary,
+        client_hash=client.ip_hash,
+        preview=preview,
+        transport=transport,
+    )
     ticket: admission.Ticket | None = None
+    #: the request's row is written (or counted as a refusal), not the run's to write
     logged = False
 
-    async def log() -> None:
-        """Write the log row once. Called before the terminal event goes out, so a client that
-        has seen [DONE] (or an error) can rely on the row existing; on cancellation, at the end
-        (queued at once, so the row is written whatever becomes of this task)."""
-        nonlocal logged
-        if logged:
-            return
-        logged = True
-        row = record.row(
-            persona=persona,
-            version=version,
-            backend=backend.name,
-            topic=topic,
-            request=primary,
-            client_hash=client.ip_hash,
-            preview=preview,
-        )
-        metrics.stream_finished(row, transport=transport)
-        try:
-            await writer.write(row)
-        except asyncio.CancelledError:
-            raise  # the row is queued: it is written all the same
-        except Exception:
-            logger.exception("could not write the log row of a generation")
-
-    metrics.stream_opened(transport)  # from here on, log() runs whatever happens
+    metrics.stream_opened(transport)  # from here on, a row is written whatever happens
     run: Run | None = None
     try:
         admitted = await admission.admit(client.key, options, network_key=client.network_key)
@@ -226,21 +212,11 @@ async def stream_generation(
         # From here the run owns the row: it outlives this request if the client drops.
         run = Run(
             record=record,
-            log=log,
+            facts=facts,
             client_key=client.key,
             grace_s=options.resume_grace_s,
             ttl=options.resume_ttl_s,
         )
-        if run.publisher is not None:
-            run.facts = {
-                "persona_id": persona.pk,
-                "persona_version_id": version.pk if version else None,
-                "backend": backend.name,
-                "model": record.model,
-                "topic": topic,
-                "client_hash": client.ip_hash,
-                "is_preview": preview,
-            }
         run.feed(
             Meta(
                 model=record.model,
@@ -326,13 +302,14 @@ async def stream_generation(
             run.fail(internal())  # the run writes the row
         else:
             record.status, record.error = Generation.Status.ERROR, internal()
-            await log()
+            logged = True
+            await write_row(record, facts)
             yield record.error
     finally:
         if ticket is not None:
             await ticket.release()
-        if run is None:
-            await log()
+        if run is None and not logged:
+            await write_row(record, facts)
 
 
 def _storer(key: str, ttl: int) -> Any:

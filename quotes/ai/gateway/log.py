@@ -52,6 +52,48 @@ _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 JOIN_EVERY = 64
 
 
+@dataclass(frozen=True, slots=True)
+class RowFacts:
+    """What a generation's row says besides how it went (its Record): who asked what of whom,
+    and how they read it (for the metrics)."""
+
+    persona: Persona
+    version: PersonaVersion | None
+    backend: str
+    topic: str
+    request: GenerationRequest
+    client_hash: str
+    preview: bool
+    transport: str
+
+    def fields(self, model: str) -> dict[str, object]:
+        """As Generation fields: what another process needs to write this generation's row if
+        its own process dies (quotes.ai.gateway.shared_runs)."""
+        return {
+            "persona_id": self.persona.pk,
+            "persona_version_id": self.version.pk if self.version else None,
+            "backend": self.backend,
+            "model": model,
+            "topic": self.topic,
+            "client_hash": self.client_hash,
+            "is_preview": self.preview,
+        }
+
+
+async def write_row(record: Record, facts: RowFacts) -> None:
+    """Write one generation's row, once its outcome is in `record` (the one place rows of
+    generations are made: quotes.ai.gateway.runs.Run at its end, or stream_generation for a
+    request that ended before its run existed)."""
+    row = record.row(facts)
+    metrics.stream_finished(row, transport=facts.transport)
+    try:
+        await writer.write(row)
+    except asyncio.CancelledError:
+        raise  # the row is queued: it is written all the same
+    except Exception:
+        logger.exception("could not write the log row of a generation")
+
+
 @dataclass(slots=True)
 class Record:
     """What the log row needs, gathered while the stream flows (one append per token)."""
@@ -81,17 +123,7 @@ class Record:
     def text(self) -> str:
         return "".join(self.joined) + "".join(self.parts)
 
-    def row(
-        self,
-        *,
-        persona: Persona,
-        version: PersonaVersion | None,
-        backend: str,
-        topic: str,
-        request: GenerationRequest,
-        client_hash: str,
-        preview: bool,
-    ) -> Generation:
+    def row(self, facts: RowFacts) -> Generation:
         usage = self.usage
         cost = None
         if self.cache_status == Generation.CacheStatus.HIT:
@@ -101,12 +133,12 @@ class Record:
             cost = Decimal(str(round(estimate, 8))) if estimate is not None else None
         return Generation(
             public_id=self.public_id,
-            persona_id=persona.pk,
-            persona_version=version,
-            backend=backend,
+            persona_id=facts.persona.pk,
+            persona_version=facts.version,
+            backend=facts.backend,
             model=self.model,
             fallback_step=self.step,
-            topic=topic,
+            topic=facts.topic,
             status=self.status or Generation.Status.ERROR,
             cache_status=self.cache_status,
             error_code=self.error.code if self.error else "",
@@ -118,10 +150,10 @@ class Record:
             cost_usd=cost,
             ttft_ms=(self.ttft - self.started) * 1000 if self.ttft is not None else None,
             duration_ms=(time.perf_counter() - self.started) * 1000,
-            request=asdict(request),
+            request=asdict(facts.request),
             upstream_headers=self.headers,
-            client_hash=client_hash,
-            is_preview=preview,
+            client_hash=facts.client_hash,
+            is_preview=facts.preview,
         )
 
 

@@ -34,7 +34,7 @@ import logging
 import re
 import time
 from array import array
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from django.core.cache import cache
@@ -48,7 +48,7 @@ from ..redis_health import report
 from . import shared_runs
 from .admission import Ticket, admit, drain, open_streams, server_draining
 from .flights import Flight
-from .log import Record, writer
+from .log import Record, RowFacts, write_row, writer
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
@@ -136,11 +136,9 @@ class EventLog:
 class Run:
     __slots__ = (
         "_grace",
-        "_log",
         "client_key",
         "closing",
         "ended",
-        "facts",
         "finishing",
         "flight",
         "grace_s",
@@ -150,6 +148,7 @@ class Run:
         "public_id",
         "publisher",
         "record",
+        "row_facts",
         "stopped",
         "task",
         "ttl",
@@ -159,14 +158,15 @@ class Run:
         self,
         *,
         record: Record,
-        log: Callable[[], Awaitable[None]],
+        facts: RowFacts,
         client_key: str,
         grace_s: float,
         ttl: int,
     ) -> None:
         self.record = record
         self.public_id = record.public_id
-        self._log = log
+        #: what its row says besides its outcome (and what another process needs to write it)
+        self.row_facts = facts
         self.client_key = client_key
         self.grace_s = grace_s
         self.ttl = ttl
@@ -181,9 +181,6 @@ class Run:
         #: the terminal event is in the log
         self.ended = False
         self.finishing: asyncio.Task[None] | None = None
-        #: what another process needs to log a resume of this run of its own (shared_runs.py): the
-        #: persona, backend, topic..., as Generation fields
-        self.facts: dict[str, object] = {}
         #: its client stopped it while another process read it: it goes on for that reader, and
         #: its row says stopped
         self.stopped = False
@@ -192,6 +189,11 @@ class Run:
         self.publisher = shared_runs.Publisher(self) if shared_runs.available() else None
         runs[self.public_id] = self
         open_streams.run_started()
+
+    @property
+    def facts(self) -> dict[str, object]:
+        """What another process needs to write this run's row (shared_runs), as Generation fields."""
+        return self.row_facts.fields(self.record.model)
 
     # -- the source -----------------------------------------------------------------------------
 
@@ -339,7 +341,7 @@ class Run:
         try:
             self._detach()
             self.record.parts = [self.log.text]
-            await self._log()  # the row, before anyone hears the end
+            await write_row(self.record, self.row_facts)  # the row, before anyone hears the end
             self._publish(terminal)
             self.ended = True
             if self.ttl > 0:
