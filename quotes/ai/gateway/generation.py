@@ -168,8 +168,9 @@ async def stream_generation(
 
     async def log() -> None:
         """Write the log row once. Called before the terminal event goes out, so a client that
-        has seen [DONE] (or an error) can rely on the row existing; on cancellation, at the end
-        (queued at once, so the row is written whatever becomes of this task)."""
+        has seen [DONE] (or an error) can rely on the row existing, unless the database is slow
+        or down (the wait is bounded: log.ROW_WAIT_S); on cancellation, at the end (queued at
+        once, so the row is written whatever becomes of this task)."""
         nonlocal logged
         if logged:
             return

@@ -346,7 +346,7 @@ class Run:
         try:
             self._detach()
             self.record.parts = [self.log.text]
-            await self._log()  # the row, before anyone hears the end
+            await self._log()  # the row, before anyone hears the end (waited for at most log.ROW_WAIT_S)
             self._publish(terminal)
             self.ended = True
             if self.ttl > 0:
