@@ -85,7 +85,8 @@ async def outbox_left_empty() -> AsyncIterator[None]:
 def database_fault(kind: str, tmp_path: Path) -> Iterator[None]:
     """Every connection opened from now on (the log writer's, the ORM's) finds the database
     read-only or unreachable, until the block ends. Django's connections of all threads share
-    one settings dict: it is changed in place, and put back as it was."""
+    one settings dict: it is changed in place, and put back as it was. (The log writer opens a
+    connection for each batch: CONN_MAX_AGE is 0 in the tests.)"""
     database = connection.settings_dict
     saved = copy.deepcopy(database)
     sqlite = database["ENGINE"] == "django.db.backends.sqlite3"

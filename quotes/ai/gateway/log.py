@@ -86,12 +86,13 @@ ROW_WAIT_S = 0.5
 #: twice as long each time it fails again, up to RETRY_MAX_S.
 RETRY_MIN_S = 0.25
 RETRY_MAX_S = 5.0
-#: PostgreSQL's "cannot execute INSERT in a read-only transaction" (a hot standby, or
-#: default_transaction_read_only): raised as an InternalError, but the database will take the
-#: row once it is writable again.
-READ_ONLY_SQLSTATE = "25006"
-#: PostgreSQL's class of connection exceptions (08000, 08003, 08006, ...).
-CONNECTION_SQLSTATE_CLASS = "08"
+#: PostgreSQL SQLSTATEs, and classes of them, that say the database cannot take writes now but
+#: will: a connection exception (08), a read-only transaction (25006: a hot standby, or
+#: default_transaction_read_only), a serialization failure or deadlock (40001, 40P01),
+#: insufficient resources (53: disk full, too many connections), a lock not available (55P03),
+#: a statement cancelled or timed out (57014), the server shutting down or starting (57P01-03),
+#: a system error (58). Any other SQLSTATE is about the row (or the query) itself.
+TRANSIENT_SQLSTATES = ("08", "25006", "40001", "40P01", "53", "55P03", "57014", "57P", "58")
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 _Entry = tuple[Generation, _Waiter | None, bool]
@@ -179,21 +180,22 @@ def unavailable(exc: BaseException) -> bool:
     """Whether `exc` says the database cannot take writes now (and will later), rather than that
     the row is wrong: such a row goes to the outbox, not to the lost ones.
 
-    By class: an OperationalError (the DB-API's "errors related to the database's operation":
-    a connection refused or lost, SQLite's "unable to open database file", "attempt to write a
-    readonly database", "database is locked") or an InterfaceError (a connection closed under
-    us). By SQLSTATE, where the driver gives one (psycopg's `sqlstate`, psycopg2's `pgcode`):
-    PostgreSQL's read-only transaction and the connection exceptions. An IntegrityError or a
-    DataError is about the row itself, and writing it again would fail again."""
-    if isinstance(exc, OperationalError | InterfaceError):
+    By SQLSTATE where the driver has the server's (psycopg's `sqlstate`, psycopg2's `pgcode`):
+    TRANSIENT_SQLSTATES, among them PostgreSQL's read-only transaction, an InternalError. Else by
+    class: an OperationalError (the DB-API's "errors related to the database's operation": a
+    connection refused or lost before any answer, SQLite's "unable to open database file",
+    "attempt to write a readonly database", "database is locked") or an InterfaceError (a
+    connection closed under us). An IntegrityError or a DataError is about the row itself, and
+    writing it again would fail again."""
+    if isinstance(exc, InterfaceError):  # not a DatabaseError in the DB-API's tree
         return True
     if not isinstance(exc, DatabaseError):
         return False
     cause = exc.__cause__  # the driver's own exception, which Django's wraps
     sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
-    return isinstance(sqlstate, str) and (
-        sqlstate == READ_ONLY_SQLSTATE or sqlstate.startswith(CONNECTION_SQLSTATE_CLASS)
-    )
+    if isinstance(sqlstate, str):
+        return sqlstate.startswith(TRANSIENT_SQLSTATES)
+    return isinstance(exc, OperationalError)
 
 
 def _describe(exc: BaseException) -> str:
@@ -498,7 +500,7 @@ class LogWriter:
         if not self.outbox.depth:
             try:
                 return self._insert(rows)
-            except DatabaseError as exc:  # `_insert` raises only errors that are `unavailable`
+            except (DatabaseError, InterfaceError) as exc:  # `_insert` raises only `unavailable` ones
                 self._failed(exc)
         self.outbox.append(rows)
         metrics.log_outbox_depth(self.outbox.depth)
@@ -510,7 +512,11 @@ class LogWriter:
             for rows in self.outbox.batches():
                 lost = self._insert(rows)
                 metrics.log_rows_lost(len(lost))
-        except (DatabaseError, OSError) as exc:  # the database still out (or the file unreadable)
+        except (
+            DatabaseError,
+            InterfaceError,
+            OSError,
+        ) as exc:  # the database still out (or the file unreadable)
             self._failed(exc)
             return
         count = self.outbox.depth
@@ -534,7 +540,10 @@ class LogWriter:
             self._retry_s = RETRY_MIN_S
         self._retry_at = time.monotonic() + self._retry_s
         self.failing = _describe(exc)
-        close_old_connections()  # a broken connection is dropped; the next attempt opens a new one
+        # The next attempt opens a new connection: an old one may be broken, or held by a server
+        # that is read-only for good (a former primary), even where CONN_MAX_AGE would keep it.
+        with contextlib.suppress(DatabaseError, InterfaceError):
+            connections[DEFAULT_DB_ALIAS].close()
 
     def _insert(self, rows: Sequence[Generation]) -> set[int]:
         """Insert `rows` in one transaction, or, if the database refuses one of them, one by one.
