@@ -519,12 +519,11 @@ class LogWriter:
         ) as exc:  # the database still out (or the file unreadable)
             self._failed(exc)
             return
-        count = self.outbox.depth
+        count, was_failing, self.failing = self.outbox.depth, self.failing, ""
         self.outbox.clear()
-        metrics.log_outbox_depth(0)
-        if self.failing:
+        metrics.log_outbox_depth(0)  # last: whoever sees 0 sees the writes no longer failing
+        if was_failing:
             logger.info("the database takes log rows again: %d written from the outbox", count)
-        self.failing = ""
 
     def _failed(self, exc: BaseException) -> None:
         """The database took no rows: retry the outbox later, twice as late as last time. One
