@@ -9,6 +9,12 @@ Anyone may ask, so by default each check says only "ok", "loading" or "error": a
 check's `detail` (exception text, missing settings), the backend's name and the timings are
 shown only to staff and when DEBUG is on, and a failure's detail goes to the log.
 
+The log writer's check says "failing" while the database takes no log rows (down, or
+read-only): the rows wait in the process's outbox (quotes/ai/gateway/log.py), and staff see how
+many. That alone answers 200, with `"status": "degraded"`: every process shares the one
+database, so taking them out of rotation for it would turn lost log rows (which the outbox
+prevents) into a site that answers nobody. /metrics has the outbox's depth for alerting.
+
 A process that drains (it got SIGTERM: quotes.server) answers 503 `{"status": "draining"}` at
 once, without checks: it takes no new streams, so a load balancer (and the rolling restart in
 docs/deployment.md) must look elsewhere. Its Retry-After says it is a refusal meant as such (it
@@ -30,6 +36,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
 
 from .ai.gateway.admission import DRAINING_RETRY_AFTER_S, drain
+from .ai.gateway.log import writer
 from .models import Persona
 
 CHECK_TIMEOUT_S = 3.0
@@ -83,10 +90,18 @@ async def _backend() -> Check:
     return {"status": "ok", "backend": name}
 
 
+async def _log_writer() -> Check:
+    # Read from the writer's own state: no query (the database check asks the database).
+    if writer.failing:
+        return {"status": "failing", "outbox": writer.outbox.depth, "detail": writer.failing}
+    return {"status": "ok", "outbox": writer.outbox.depth}
+
+
 CHECKS: dict[str, Callable[[], Awaitable[Check]]] = {
     "database": _database,
     "cache": _cache,
     "backend": _backend,
+    "log": _log_writer,
 }
 
 
@@ -115,13 +130,14 @@ async def healthz(request: HttpRequest) -> JsonResponse:
     results = await asyncio.gather(*(_run(CHECKS[name]) for name in names))
     checks = dict(zip(names, results, strict=True))
     healthy = all(check["status"] != "error" for check in checks.values())
+    degraded = any(check["status"] == "failing" for check in checks.values())
     for name, check in checks.items():
         if check["status"] == "error":
             logger.warning("healthz: %s check failed: %s", name, check.get("detail", ""))
     if not (settings.DEBUG or await _is_staff(request)):
         checks = {name: {"status": check["status"]} for name, check in checks.items()}
     return JsonResponse(
-        {"status": "ok" if healthy else "error", "checks": checks},
+        {"status": ("degraded" if degraded else "ok") if healthy else "error", "checks": checks},
         status=200 if healthy else 503,
         headers={"Cache-Control": "no-store"},
     )

@@ -111,6 +111,11 @@ LOST_ROWS = Counter(
     "quotes_log_rows_lost",
     "Log rows whose insert finally failed. Must stay 0.",
 )
+LOG_OUTBOX = Gauge(
+    "quotes_log_outbox_depth",
+    "Log rows in this process's outbox: the database could not take them (down or read-only), "
+    "so they wait on disk and are written when it can. Above 0 for long: the writes are failing.",
+)
 
 
 def enabled() -> bool:
@@ -190,6 +195,18 @@ def log_row_done(*, counted: bool, lost: bool) -> None:
         LOG_QUEUE.dec()
         if lost:
             LOST_ROWS.inc()
+
+
+def log_rows_lost(count: int) -> None:
+    """Rows from the outbox that could not be written for good (or read back)."""
+    if count and enabled():
+        LOST_ROWS.inc(count)
+
+
+def log_outbox_depth(rows: int) -> None:
+    """The outbox holds `rows` now."""
+    if enabled():
+        LOG_OUTBOX.set(rows)
 
 
 @contextmanager

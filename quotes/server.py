@@ -74,8 +74,13 @@ class DrainingServer(Server):
         super().run()
 
     def _started(self) -> None:
+        from quotes.ai.gateway.log import writer  # the app (and Django) is loaded by now
+
         self.ws_factory.protocol = QuotesWebSocketProtocol  # made by run(), before the reactor runs
         self._handle_signals()
+        # Log rows left in the outbox of a process that is gone (killed while the database was
+        # down) are written now, by the writer's thread, not at this process's first stream.
+        writer.start()
 
     def _handle_signals(self) -> None:
         loop = asyncio.get_event_loop()  # daphne's loop, which the reactor runs

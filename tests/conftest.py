@@ -65,6 +65,26 @@ def django_db_modify_db_settings(tmp_path_factory: pytest.TempPathFactory) -> No
         database.setdefault("TEST", {})["NAME"] = str(tmp_path_factory.mktemp("db") / "test.sqlite3")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _outbox_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The log writer's outbox (rows the database could not take) in a directory of the test
+    session's own, never in a developer's QUOTES_CACHE_DIR."""
+    from django.conf import settings
+
+    settings.QUOTES_OUTBOX_DIR = tmp_path_factory.mktemp("outbox")
+
+
+@pytest.fixture(autouse=True)
+def _rows_before_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's terminal event waits for its log row at most log.ROW_WAIT_S, then goes out with
+    the row still on its way. Tests read the row as soon as they have the event, and a busy test
+    machine may take longer than that to commit it: here the event waits for the row.
+    tests/test_log_outbox.py puts the production bound back."""
+    from quotes.ai.gateway.log import writer
+
+    monkeypatch.setattr(writer, "wait_s", 60.0)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_cache() -> Iterator[None]:
     """Each test starts with no cached answers and no rate-limit counts, in whichever cache is

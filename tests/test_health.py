@@ -50,7 +50,8 @@ async def test_healthz_reports_ok_with_each_check(staff: dict[str, str]) -> None
     assert response.status == 200
     body = response.json()
     assert body["status"] == "ok"
-    assert set(body["checks"]) == {"database", "cache", "backend"}
+    assert set(body["checks"]) == {"database", "cache", "backend", "log"}
+    assert body["checks"]["log"]["status"] == "ok"
     assert body["checks"]["database"]["status"] == "ok"
     assert body["checks"]["cache"]["status"] == "ok"
     assert body["checks"]["backend"]["status"] in ("ok", "loading")
@@ -123,6 +124,7 @@ async def test_healthz_shows_no_detail_to_visitors(
             "database": {"status": "ok"},
             "cache": {"status": "error"},
             "backend": {"status": "error"},
+            "log": {"status": "ok"},
         },
     }
     logged = " ".join(r.getMessage() for r in caplog.records if r.name == "quotes.health")

@@ -1,19 +1,41 @@
 """The request log: what each stream gathers for its `Generation` row (`Record`), and the writer
-that group-commits every stream's row from one thread (`LogWriter`).
+that group-commits every stream's row from one thread (`LogWriter`), with an outbox on disk for
+the rows the database cannot take.
 
 A row per stream used to be one `asave()` on the request's own thread, with a transaction (and,
 on SQLite, an fsync) of its own: at a few hundred streams that is a commit and a thread per
 stream. Here the rows of every stream in the process go through one queue to one writer thread,
 which inserts whatever has queued up in one transaction (`bulk_create`): while it commits, the
-next batch gathers. Each stream still awaits its own row before it sends its terminal event, so
-a client that has seen `[DONE]` (or an error) can count on the row; and the row is queued
-before that wait begins, so a stream cancelled while waiting (its client left) still has its
-row written. Nothing is lost to a failed batch either: it is retried row by row, each insert
-retried on a briefly locked database.
+next batch gathers. A batch the database refuses because of one row (its persona was deleted) is
+written again row by row, so only that row is lost (logged, and counted in
+quotes_log_rows_lost).
+
+A stream waits for its row at most ROW_WAIT_S before it sends its terminal event: ordinarily the
+row is in by then, so a client that has seen `[DONE]` (or an error) can count on it; when the
+database is slow or down, `[DONE]` goes out all the same and the row follows. The row is queued
+before that wait begins, so a stream cancelled while waiting (its client left) still has its row.
+
+The outbox. A batch the database cannot take now (it is down, unreachable or read-only: see
+`unavailable`) is not retried on the streams' time: it is appended to this process's spool file
+(one JSON line per row, fsync'd) under QUOTES_OUTBOX_DIR, and its streams go on. While the
+outbox holds rows, new rows join it (in order, without knocking on a database that is down) and
+the writer replays it with backoff (RETRY_MIN_S, doubling up to RETRY_MAX_S); once a replay goes
+through, the file is removed and rows go straight to the database again. /healthz reports the
+writes failing and /metrics the outbox's depth. Rows are idempotent by generation id
+(`public_id` is unique, and every insert ignores a conflict on it), so a row replayed twice (a
+replay cut short, a process killed after its insert) is kept once.
+
+Each process holds an exclusive lock (flock) on its spool file for as long as it lives; the
+kernel drops it when the process ends, however it ends. When the writer thread starts (the first
+row, or quotes.server's start-up), it takes over the spool file of every process that is gone:
+under that file's lock, it appends the file's rows to its own outbox and deletes the file, so two
+live processes never replay the same file. The files are kept per database (a subdirectory named
+after it), so a row is only ever replayed into the database it was meant for.
 
 The writer thread opens its database connection on demand and, like a request, closes it when
-there is nothing left to write (per CONN_MAX_AGE), so an idle process holds no connection.
-At interpreter exit the queue is drained before the process ends.
+there is nothing left to write (per CONN_MAX_AGE), so an idle process holds no connection. At
+interpreter exit the queue is drained (to the outbox, if the database is down) before the
+process ends.
 """
 
 from __future__ import annotations
@@ -21,16 +43,32 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import fcntl
+import hashlib
 import logging
+import os
+import secrets
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
+from pathlib import Path
 
-from django.db import IntegrityError, OperationalError, close_old_connections, transaction
+from django.conf import settings
+from django.core import serializers
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+    transaction,
+)
 
 from ... import metrics
 from ...models import Generation, Persona, PersonaVersion
@@ -39,12 +77,25 @@ from ..events import Error, GenerationRequest, Usage
 
 logger = logging.getLogger(__name__)
 
-#: Attempts per row when a batch has failed and rows are written one by one.
-ROW_ATTEMPTS = 5
 #: Most rows in one INSERT (SQLite allows 32,766 variables; a row has about 25 fields).
 BATCH_SIZE = 500
+#: The longest a stream waits for its row before it sends its terminal event: `[DONE]` never
+#: waits on a slow or absent database (the row stays queued, or goes to the outbox).
+ROW_WAIT_S = 0.5
+#: While the database cannot take rows, the outbox is replayed after RETRY_MIN_S, then after
+#: twice as long each time it fails again, up to RETRY_MAX_S.
+RETRY_MIN_S = 0.25
+RETRY_MAX_S = 5.0
+#: PostgreSQL SQLSTATEs, and classes of them, that say the database cannot take writes now but
+#: will: a connection exception (08), a read-only transaction (25006: a hot standby, or
+#: default_transaction_read_only), a serialization failure or deadlock (40001, 40P01),
+#: insufficient resources (53: disk full, too many connections), a lock not available (55P03),
+#: a statement cancelled or timed out (57014), the server shutting down or starting (57P01-03),
+#: a system error (58). Any other SQLSTATE is about the row (or the query) itself.
+TRANSIENT_SQLSTATES = ("08", "25006", "40001", "40P01", "53", "55P03", "57014", "57P", "58")
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+_Entry = tuple[Generation, _Waiter | None, bool]
 
 
 #: Tokens kept one by one before they are joined into one string (memory: a stream may run for
@@ -86,12 +137,7 @@ async def write_row(record: Record, facts: RowFacts) -> None:
     request that ended before its run existed)."""
     row = record.row(facts)
     metrics.stream_finished(row, transport=facts.transport)
-    try:
-        await writer.write(row)
-    except asyncio.CancelledError:
-        raise  # the row is queued: it is written all the same
-    except Exception:
-        logger.exception("could not write the log row of a generation")
+    await writer.write(row)  # queued at once; waited for at most ROW_WAIT_S; never raises
 
 
 @dataclass(slots=True)
@@ -157,43 +203,259 @@ class Record:
         )
 
 
+def unavailable(exc: BaseException) -> bool:
+    """Whether `exc` says the database cannot take writes now (and will later), rather than that
+    the row is wrong: such a row goes to the outbox, not to the lost ones.
+
+    By SQLSTATE where the driver has the server's (psycopg's `sqlstate`, psycopg2's `pgcode`):
+    TRANSIENT_SQLSTATES, among them PostgreSQL's read-only transaction, an InternalError. Else by
+    class: an OperationalError (the DB-API's "errors related to the database's operation": a
+    connection refused or lost before any answer, SQLite's "unable to open database file",
+    "attempt to write a readonly database", "database is locked") or an InterfaceError (a
+    connection closed under us). An IntegrityError or a DataError is about the row itself, and
+    writing it again would fail again."""
+    if isinstance(exc, InterfaceError):  # not a DatabaseError in the DB-API's tree
+        return True
+    if not isinstance(exc, DatabaseError):
+        return False
+    cause = exc.__cause__  # the driver's own exception, which Django's wraps
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if isinstance(sqlstate, str):
+        return sqlstate.startswith(TRANSIENT_SQLSTATES)
+    return isinstance(exc, OperationalError)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()[:300]
+
+
+def _dump(row: Generation) -> bytes:
+    """One row as one line: Django's JSON serialization (its field types, foreign keys as ids),
+    ASCII only, so no character in the text can be read as a line break."""
+    return serializers.serialize("json", [row], ensure_ascii=True).encode() + b"\n"
+
+
+def _load(line: bytes) -> Generation:
+    (deserialized,) = serializers.deserialize("json", line)
+    row = deserialized.object
+    assert isinstance(row, Generation)
+    return row
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a file's creation, rename or removal in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Outbox:
+    """This process's spool file of log rows waiting for the database (created on the first,
+    removed once they are written), and the takeover of the files of processes that are gone.
+    Used by the writer thread only; `depth` may be read from anywhere."""
+
+    def __init__(self) -> None:
+        #: rows waiting: in the file, plus any kept in `_memory`
+        self.depth = 0
+        self._path: Path | None = None
+        self._fd: int | None = None
+        self._directory: Path | None = None
+        #: rows that could not be written to the disk either (it is full, say): kept here until
+        #: the database takes them
+        self._memory: list[Generation] = []
+
+    def directory(self) -> Path:
+        """QUOTES_OUTBOX_DIR/<the database>: the files of every process on this database (read once,
+        so a database that changes its name under the writer, as a test's fault does, keeps it)."""
+        if self._directory is None:
+            database = connections[DEFAULT_DB_ALIAS].settings_dict
+            identity = "|".join(str(database.get(key) or "") for key in ("ENGINE", "HOST", "PORT", "NAME"))
+            vendor = str(database["ENGINE"]).rpartition(".")[2]
+            digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+            self._directory = Path(settings.QUOTES_OUTBOX_DIR) / f"{vendor}-{digest}"
+        return self._directory
+
+    def append(self, rows: Sequence[Generation]) -> None:
+        """Add `rows`, on the disk (fsync'd) before this returns. Never raises: rows the disk will
+        not take either are kept in memory (and logged), to be written with the rest."""
+        try:
+            self._add(b"".join(_dump(row) for row in rows))
+        except Exception:  # a disk that is full or read-only too: the rows must not be lost to it
+            logger.exception("could not write %d log rows to the outbox; they wait in memory", len(rows))
+            self._memory.extend(rows)
+        self.depth += len(rows)
+
+    def batches(self) -> Iterator[list[Generation]]:
+        """The rows waiting, oldest first, BATCH_SIZE at a time. A line that cannot be read back
+        (cut short by a crash as it was written) is logged and left out."""
+        batch: list[Generation] = []
+        if self._path is not None:
+            with self._path.open("rb") as file:
+                for number, line in enumerate(file, 1):
+                    try:
+                        batch.append(_load(line))
+                    except Exception:
+                        logger.exception("line %d of the outbox %s is not a log row", number, self._path)
+                        metrics.log_rows_lost(1)
+                    if len(batch) >= BATCH_SIZE:
+                        yield batch
+                        batch = []
+        for row in self._memory:
+            batch.append(row)
+            if len(batch) >= BATCH_SIZE:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def clear(self) -> None:
+        """Every row waiting is written: remove the file (and with it, its lock)."""
+        if self._path is not None and self._fd is not None:
+            with contextlib.suppress(OSError):
+                self._path.unlink()
+                _fsync_directory(self._path.parent)
+            os.close(self._fd)
+        self._path = self._fd = None
+        self._memory = []
+        self.depth = 0
+
+    def take_over(self) -> int:
+        """Append to this outbox the rows of every spool file in the directory whose process is
+        gone (its lock can be taken), and delete those files. Returns how many rows were taken."""
+        directory = self.directory()
+        taken = 0
+        for path in sorted(directory.glob("*.jsonl")):
+            if path == self._path:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # another process took it over meanwhile
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its process lives (or another process is taking it over now)
+                try:
+                    if not os.path.samestat(os.fstat(fd), os.stat(path)):
+                        continue
+                except FileNotFoundError:
+                    continue  # taken over and deleted between our open and our lock
+                with os.fdopen(os.dup(fd), "rb") as file:
+                    data = file.read()
+                # Whole lines only: a last line without its end was cut short as it was written.
+                lines, _, torn = data.rpartition(b"\n")
+                if torn:
+                    logger.warning("the outbox %s ends in a line cut short; it is left out", path)
+                    metrics.log_rows_lost(1)
+                count = lines.count(b"\n") + 1 if lines else 0
+                if count:
+                    self._add(lines + b"\n")
+                    self.depth += count
+                path.unlink()  # its rows are safe in ours: a crash before this replays them twice, once kept
+                _fsync_directory(directory)
+                taken += count
+                logger.info("took over %d log rows from %s, left by a process that is gone", count, path.name)
+            except OSError:
+                logger.exception("could not take over the outbox %s", path)
+            finally:
+                os.close(fd)
+        return taken
+
+    def _add(self, data: bytes) -> None:
+        """Append whole lines to our file, on the disk when this returns. If it raises, the file
+        is as it was: no half line for the next rows to run into."""
+        fd = self._open()
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+
+    def _open(self) -> int:
+        if self._fd is not None:
+            return self._fd
+        directory = self.directory()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Made and locked under a name no takeover looks at, then renamed: a process starting
+        # meanwhile must never find it unlocked (it would take it over as a dead process's).
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        making = directory / f"{name}.new"
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path = directory / f"{name}.jsonl"
+            os.rename(making, path)
+            _fsync_directory(directory)
+        except OSError:
+            os.close(fd)
+            raise
+        self._path, self._fd = path, fd
+        return fd
+
+
 class LogWriter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[Generation, _Waiter | None, bool]] = []
+        self._pending: list[_Entry] = []
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._busy = False  # a batch is being written
         #: rows written since the process started
         self.written = 0
+        #: how long a stream waits for its row (ROW_WAIT_S; the test suite waits longer)
+        self.wait_s = ROW_WAIT_S
+        self.outbox = Outbox()
+        #: why the database takes no rows now (the last attempt's error), or "" when it does
+        self.failing = ""
+        self._retry_at = 0.0
+        self._retry_s = RETRY_MIN_S
 
     async def write(self, row: Generation) -> None:
-        """Queue `row` and wait until it is committed. The row is queued before the wait, so
-        cancelling the caller does not cancel the write; the error of a row that could not be
-        written at all is raised here."""
+        """Queue `row` and wait until it is written (or in the outbox, or lost and logged), at
+        most `wait_s`. The row is queued before the wait, so cancelling the caller does not
+        cancel the write; and a wait that times out leaves it queued."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._enqueue(row, (loop, done))
-        await asyncio.shield(done)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.wait_s):
+                await asyncio.shield(done)
 
     def submit(self, row: Generation) -> None:
         """Queue `row` without waiting for it (a caller that has nothing to send after it)."""
         self._enqueue(row, None)
 
-    def flush(self, timeout: float = 30.0) -> bool:
-        """Block until every queued row is written (tests, shutdown). True if the queue emptied."""
+    def start(self) -> None:
+        """Start the writer thread now rather than at the first row (quotes.server, at start-up):
+        it takes over the outboxes of processes that are gone, and writes them."""
+        with self._lock:
+            self._ensure_thread()
+
+    def flush(self, timeout: float = 30.0, *, outbox: bool = False) -> bool:
+        """Block until every queued row is written or in the outbox (tests, shutdown); with
+        `outbox`, until the outbox is written too, retrying it now. True if done in time."""
         deadline = time.monotonic() + timeout
+        if outbox:
+            self._retry_at = 0.0
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._pending and not self._busy:
+                if not self._pending and not self._busy and not (outbox and self.outbox.depth):
                     return True
             self._wake.set()
             time.sleep(0.01)
         return False
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Write what is queued, then end the thread (at exit)."""
+        """Write what is queued (to the outbox, if the database is down), then end the thread."""
         self._stopping = True
         thread = self._thread
         if thread is not None and thread.is_alive():
@@ -206,23 +468,29 @@ class LogWriter:
         counted = metrics.log_row_queued()  # the queue depth gauge, when metrics are on
         with self._lock:
             self._pending.append((row, waiter, counted))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="quotes-log-writer", daemon=True)
-                self._thread.start()
+            self._ensure_thread()
         self._wake.set()
 
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="quotes-log-writer", daemon=True)
+            self._thread.start()
+
     def _run(self) -> None:
+        self._take_over()
         while True:
             if not self._stopping:
-                self._wake.wait()
+                self._wake.wait(self._until_retry())
             with self._lock:
                 self._wake.clear()
                 batch, self._pending = self._pending[:BATCH_SIZE], self._pending[BATCH_SIZE:]
                 self._busy = bool(batch)
                 if self._pending:
                     self._wake.set()
+            if self.outbox.depth and not self._stopping and time.monotonic() >= self._retry_at:
+                self._replay()
             if batch:
-                failures = self._write(batch)
+                lost = self._write(batch)
                 with self._lock:
                     idle = not self._pending
                 if idle:
@@ -230,79 +498,136 @@ class LogWriter:
                     # before the streams hear their rows are in (so a finished test, or an idle
                     # process, holds no connection).
                     close_old_connections()
-                self._resolve(batch, failures)
+                self._resolve(batch, lost)
                 with self._lock:
                     self._busy = False
             elif self._stopping:
                 close_old_connections()
                 return
 
-    def _write(self, batch: Sequence[tuple[Generation, _Waiter | None, bool]]) -> dict[int, BaseException]:
+    def _until_retry(self) -> float | None:
+        """How long to sleep when nothing is queued: until the next retry of the outbox."""
+        if not self.outbox.depth:
+            return None
+        return max(0.0, self._retry_at - time.monotonic())
+
+    def _take_over(self) -> None:
+        try:
+            taken = self.outbox.take_over()
+        except Exception:  # the outbox directory cannot be read: this process's rows still flow
+            logger.exception("could not look for the outboxes of processes that are gone")
+            return
+        if taken:
+            metrics.log_outbox_depth(self.outbox.depth)
+
+    def _write(self, batch: Sequence[_Entry]) -> set[int]:
+        """Write a batch: to the database, or to the outbox when the database cannot take it (or
+        the outbox already holds rows, which go first). Returns the indices of the rows lost."""
         rows = [row for row, _, _ in batch]
+        if not self.outbox.depth:
+            try:
+                return self._insert(rows)
+            except (DatabaseError, InterfaceError) as exc:  # `_insert` raises only `unavailable` ones
+                self._failed(exc)
+        self.outbox.append(rows)
+        metrics.log_outbox_depth(self.outbox.depth)
+        return set()
+
+    def _replay(self) -> None:
+        """Write the outbox to the database; it is cleared only when every row went in."""
+        try:
+            for rows in self.outbox.batches():
+                lost = self._insert(rows)
+                metrics.log_rows_lost(len(lost))
+        except (
+            DatabaseError,
+            InterfaceError,
+            OSError,
+        ) as exc:  # the database still out (or the file unreadable)
+            self._failed(exc)
+            return
+        count, was_failing, self.failing = self.outbox.depth, self.failing, ""
+        self.outbox.clear()
+        metrics.log_outbox_depth(0)  # last: whoever sees 0 sees the writes no longer failing
+        if was_failing:
+            logger.info("the database takes log rows again: %d written from the outbox", count)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The database took no rows: retry the outbox later, twice as late as last time. One
+        WARNING per outage, not per attempt."""
+        if self.failing:
+            self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+        else:
+            logger.warning(
+                "the database takes no log rows (%s): they wait in the outbox %s",
+                _describe(exc),
+                self.outbox.directory(),
+            )
+            self._retry_s = RETRY_MIN_S
+        self._retry_at = time.monotonic() + self._retry_s
+        self.failing = _describe(exc)
+        # The next attempt opens a new connection: an old one may be broken, or held by a server
+        # that is read-only for good (a former primary), even where CONN_MAX_AGE would keep it.
+        with contextlib.suppress(DatabaseError, InterfaceError):
+            connections[DEFAULT_DB_ALIAS].close()
+
+    def _insert(self, rows: Sequence[Generation]) -> set[int]:
+        """Insert `rows` in one transaction, or, if the database refuses one of them, one by one.
+        Returns the indices of the rows refused for good (logged). Raises the error of a database
+        that cannot take rows now (`unavailable`): then some of them may be in, which is fine, as
+        writing them again keeps them once."""
         try:
             with transaction.atomic():
                 # Idempotent by generation id (public_id is unique): a row written twice, such as
                 # a lost generation's, which each resume that finds it lost writes, is kept once.
                 Generation.objects.bulk_create(rows, ignore_conflicts=True)
-            self.written += len(rows)
-            return {}
-        except Exception:
+        except Exception as exc:
+            if unavailable(exc):
+                raise
             logger.warning("a batch of %d log rows failed; writing them one by one", len(rows), exc_info=True)
-        failures: dict[int, BaseException] = {}
+        else:
+            self.written += len(rows)
+            return set()
+        lost: set[int] = set()
         for index, row in enumerate(rows):
             try:
                 self._write_one(row)
-                self.written += 1
             except Exception as exc:
+                if unavailable(exc):
+                    raise
                 logger.exception("could not write the log row %s", row.public_id)
-                failures[index] = exc
-        return failures
+                lost.add(index)
+            else:
+                self.written += 1
+        return lost
 
     def _write_one(self, row: Generation) -> None:
-        """Insert one row, retrying a briefly locked database: a log row must not be lost to a
-        transient lock."""
         row.pk = None
         row._state.adding = True
-        for attempt in range(ROW_ATTEMPTS):
-            try:
-                row.save(force_insert=True)
-                return
-            except IntegrityError:
-                if Generation.objects.filter(public_id=row.public_id).exists():
-                    return  # written already (idempotent by generation id)
+        try:
+            row.save(force_insert=True)
+        except IntegrityError:
+            if not Generation.objects.filter(public_id=row.public_id).exists():
                 raise
-            except OperationalError:
-                if attempt == ROW_ATTEMPTS - 1:
-                    raise
-                close_old_connections()
-                time.sleep(0.05 * 2**attempt)
+            # written already (idempotent by generation id)
 
-    def _resolve(
-        self, batch: Sequence[tuple[Generation, _Waiter | None, bool]], failures: dict[int, BaseException]
-    ) -> None:
+    def _resolve(self, batch: Sequence[_Entry], lost: set[int]) -> None:
         # One wake-up per event loop for the whole batch, not one per row.
-        by_loop: defaultdict[
-            asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None], BaseException | None]]
-        ]
-        by_loop = defaultdict(list)
+        by_loop: defaultdict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = defaultdict(list)
         for index, (_, waiter, counted) in enumerate(batch):
-            metrics.log_row_done(counted=counted, lost=index in failures)
+            metrics.log_row_done(counted=counted, lost=index in lost)
             if waiter is not None:
                 loop, done = waiter
-                by_loop[loop].append((done, failures.get(index)))
+                by_loop[loop].append(done)
         for loop, waiters in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, waiters)
 
 
-def _settle(waiters: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-    for done, error in waiters:
-        if done.done():
-            continue
-        if error is None:
+def _settle(waiters: list[asyncio.Future[None]]) -> None:
+    for done in waiters:
+        if not done.done():
             done.set_result(None)
-        else:
-            done.set_exception(error)
 
 
 writer = LogWriter()

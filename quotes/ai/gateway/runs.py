@@ -341,7 +341,8 @@ class Run:
         try:
             self._detach()
             self.record.parts = [self.log.text]
-            await write_row(self.record, self.row_facts)  # the row, before anyone hears the end
+            # The row, before anyone hears the end (waited for at most log.ROW_WAIT_S).
+            await write_row(self.record, self.row_facts)
             self._publish(terminal)
             self.ended = True
             if self.ttl > 0:
