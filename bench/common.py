@@ -487,17 +487,43 @@ def workers_ai_env(upstream: HasApiBaseUrl) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serve_app(server: Server, *, migrate_sql: Sequence[str] = (), **extra_env: str) -> Iterator[AppServer]:
-    """Migrate a fresh SQLite file and serve the app on it, in a subprocess."""
+def serve_app(
+    server: Server,
+    *,
+    migrate_sql: Sequence[str] = (),
+    root: Path = ROOT,
+    name: str = "",
+    **extra_env: str,
+) -> Iterator[AppServer]:
+    """Migrate a fresh SQLite file and serve the app on it, in a subprocess. `root`: the source
+    tree to serve (another checkout of the app, for a side-by-side comparison: see `trees`)."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{server}-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         env = app_env(db_path, **extra_env)
-        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=root, env=env, check=True)
         with sqlite3.connect(db_path) as connection:
             for statement in migrate_sql:
                 connection.execute(statement)
-        with serve_asgi(server, "config.asgi:application", env, server) as (process, url, log_path):
+        log_name = f"{server}-{name}" if name else server
+        with serve_asgi(server, "config.asgi:application", env, log_name, cwd=root) as (
+            process,
+            url,
+            log_path,
+        ):
             yield AppServer(server, url, process, db_path, log_path, env)
+
+
+def trees(items: Sequence[str]) -> dict[str, Path]:
+    """`--tree NAME=DIR` options: other source trees of the app (say, `git archive` of another
+    commit, or this tree with one change reverted), each served beside this one in the same run."""
+    found: dict[str, Path] = {}
+    for item in items:
+        name, _, directory = item.partition("=")
+        path = Path(directory).resolve()
+        if not name or not (path / "manage.py").is_file():
+            raise SystemExit(f"--tree {item!r}: want NAME=DIR, DIR a source tree of the app (with manage.py)")
+        found[name] = path
+    return found
 
 
 @contextlib.contextmanager
@@ -520,7 +546,7 @@ def serve_naive(upstream_url: str, headers: dict[str, str], server: Server = "da
 
 @contextlib.contextmanager
 def serve_asgi(
-    server: Server, application: str, env: dict[str, str], name: str
+    server: Server, application: str, env: dict[str, str], name: str, *, cwd: Path = ROOT
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """`application` under daphne or uvicorn on a free port, logging to artifacts/bench/`name`.log
     (the latest server of each name): (the process, its URL, the log)."""
@@ -533,7 +559,7 @@ def serve_asgi(
         command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
     log_path = ARTIFACTS / f"{name}.log"
     # /healthz, not /: the home page needs collected static files.
-    with running_server(command, port=port, env=env, log_path=log_path, name=name) as (process, url):
+    with running_server(command, port=port, env=env, log_path=log_path, name=name, cwd=cwd) as (process, url):
         yield process, url, log_path
 
 

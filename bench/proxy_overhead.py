@@ -57,6 +57,7 @@ from .common import (
     serve_naive,
     stream_in_process,
     table,
+    trees,
     workers_ai_env,
 )
 
@@ -436,7 +437,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-seconds", type=float, default=8.0, help="0: no profile")
     parser.add_argument("--attribution-requests", type=int, default=150, help="0: skip")
     parser.add_argument("--profile-rate", type=int, default=250)
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another source tree of the app, served under daphne as one more path interleaved with "
+        "the others (say, this tree with one change reverted); repeatable",
+    )
     args = parser.parse_args(argv)
+    other_trees = trees(args.tree)
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
@@ -445,10 +455,15 @@ def main(argv: list[str] | None = None) -> None:
 
     with Upstream("fake", ttft_scenario(args.ttft_tokens)) as fake, contextlib.ExitStack() as stack:
         apps = [stack.enter_context(serve_app(s, **workers_ai_env(fake))) for s in servers]
-        clients = [stack.enter_context(client()) for _ in apps]
+        tree_apps = {
+            name: stack.enter_context(serve_app("daphne", root=root, name=name, **workers_ai_env(fake)))
+            for name, root in other_trees.items()
+        }
+        clients = [stack.enter_context(client()) for _ in [*apps, *tree_apps]]
+        names = [f"app under {app.server}" for app in apps] + [f"{name} under daphne" for name in tree_apps]
         app_paths = [
-            Reader(f"app under {app.server}", app_request(app, c), fake)
-            for app, c in zip(apps, clients, strict=True)
+            Reader(name, app_request(app, c), fake)
+            for name, app, c in zip(names, [*apps, *tree_apps.values()], clients, strict=True)
         ]
         for path in app_paths:  # warm up, and teach the fake what the app sends
             for _ in range(args.warmup):

@@ -133,6 +133,7 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
         "from django.core.cache import cache\n"
         "from quotes.ai import limits\n"
         "pool = cache._cache.get_client('x', write=True).connection_pool.connection_kwargs\n"
+        "limiter = limits.redis_client().connection_pool.connection_kwargs\n"
         "started = time.monotonic()\n"
         "try:\n"
         "    limits.admit('ip:x', limit=5, window=60, max_streams=3)\n"
@@ -140,7 +141,8 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
         "except Exception as exc:\n"
         "    error = type(exc).__name__\n"
         "print(json.dumps({'error': error, 'seconds': round(time.monotonic() - started, 2),\n"
-        "    'socket_timeout': pool.get('socket_timeout'), 'connect_timeout': pool.get('socket_connect_timeout')}))\n"
+        "    'socket_timeout': pool.get('socket_timeout'), 'connect_timeout': pool.get('socket_connect_timeout'),\n"
+        "    'limiter': [limiter.get('socket_timeout'), limiter.get('socket_connect_timeout')]}))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "AI_", "REDIS_", "QUOTES_"))}
     env.update(
@@ -157,6 +159,7 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout.splitlines()[-1])
     assert (found["socket_timeout"], found["connect_timeout"]) == (0.5, 0.25), found
+    assert found["limiter"] == [0.5, 0.25], found
     assert found["error"] == "TimeoutError", found
 
 
