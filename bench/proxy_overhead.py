@@ -445,8 +445,12 @@ def main(argv: list[str] | None = None) -> None:
         help="another source tree of the app, served under daphne as one more path interleaved with "
         "the others (say, this tree with one change reverted); repeatable",
     )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for every app"
+    )
     args = parser.parse_args(argv)
     other_trees = trees(args.tree)
+    extra_env = dict(item.partition("=")[::2] for item in args.env)
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
@@ -454,9 +458,10 @@ def main(argv: list[str] | None = None) -> None:
     report: list[str] = []
 
     with Upstream("fake", ttft_scenario(args.ttft_tokens)) as fake, contextlib.ExitStack() as stack:
-        apps = [stack.enter_context(serve_app(s, **workers_ai_env(fake))) for s in servers]
+        app_env = {**workers_ai_env(fake), **extra_env}
+        apps = [stack.enter_context(serve_app(s, **app_env)) for s in servers]
         tree_apps = {
-            name: stack.enter_context(serve_app("daphne", root=root, name=name, **workers_ai_env(fake)))
+            name: stack.enter_context(serve_app("daphne", root=root, name=name, **app_env))
             for name, root in other_trees.items()
         }
         clients = [stack.enter_context(client()) for _ in [*apps, *tree_apps]]
@@ -485,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         # The answer cache: the same app with its cache on, asked the same question again.
         hit_app = stack.enter_context(
             serve_app(
-                "daphne", **workers_ai_env(fake), QUOTES_CACHE_TTL="3600", QUOTES_CACHE_REPLAY_PACING_MS="0"
+                "daphne", **{**app_env, "QUOTES_CACHE_TTL": "3600", "QUOTES_CACHE_REPLAY_PACING_MS": "0"}
             )
         )
         hit = Reader("app under daphne, cache hit", app_request(hit_app, stack.enter_context(client())))

@@ -4,6 +4,7 @@ Django's own code does."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -34,6 +35,18 @@ def test_a_changed_pin_is_reported_by_the_test_and_the_system_check(monkeypatch:
     assert forks.changed_pins() == {dotted: forks.source_hash(dotted)}
     [warning] = forks.check_pins()
     assert warning.id == "quotes.W002" and dotted in warning.msg
+
+
+def test_another_python_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The freeze's gain was measured on one interpreter's collector."""
+    monkeypatch.setattr(forks, "PYTHON", (3, 99))
+    assert "python" in forks.changed_pins()
+
+
+def test_the_served_app_freezes_its_start_up_heap() -> None:
+    import config.asgi  # noqa: F401  (the app as daphne loads it)
+
+    assert gc.get_freeze_count() > 0
 
 
 def test_source_hash_follows_the_source() -> None:
