@@ -41,6 +41,7 @@ A fork that bought less than about 10% of a figure was removed instead of kept h
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import hashlib
 import importlib
@@ -181,6 +182,17 @@ def check_inline_middleware(app_configs: object = None, **kwargs: object) -> lis
             )
     if errors:
         return errors
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # no event loop in this thread (manage.py check, migrate, runserver): async_to_sync works
+    else:
+        return [
+            checks.Info(
+                "The inline middleware were not compared with Django's: checks ran inside an event loop.",
+                id="quotes.I001",
+            )
+        ]
     djangos, ours = _chain(MiddlewareMixin.__acall__), _chain(lambda middleware, request: middleware(request))
     for request, again in zip(_requests(), _requests(), strict=True):
         theirs_out, ours_out = _outcome(djangos, request), _outcome(ours, again)

@@ -102,6 +102,12 @@ def test_the_inline_middleware_check_passes_on_this_app() -> None:
     assert forks.check_inline_middleware() == []
 
 
+async def test_the_inline_middleware_check_says_so_when_it_cannot_compare() -> None:
+    """Inside an event loop async_to_sync cannot drive the two chains: no silent pass."""
+    [info] = forks.check_inline_middleware()
+    assert info.id == "quotes.I001"
+
+
 def test_the_inline_middleware_check_catches_middleware_left_to_hop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(security.SecurityMiddleware, "__acall__", MiddlewareMixin.__acall__)
 
