@@ -519,21 +519,42 @@ def workers_ai_env(upstream: HasApiBaseUrl) -> dict[str, str]:
 
 @contextlib.contextmanager
 def serve_app(
-    server: Server, *, migrate_sql: Sequence[str] = (), tree: Path = ROOT, **extra_env: str
+    server: Server,
+    *,
+    migrate_sql: Sequence[str] = (),
+    root: Path = ROOT,
+    name: str = "",
+    **extra_env: str,
 ) -> Iterator[AppServer]:
-    """Migrate a fresh SQLite file and serve the app on it, in a subprocess. `tree`: the source
-    tree to run (another checkout, e.g. a `git worktree` of the code before a change, to measure
-    both side by side)."""
-    name = server if tree == ROOT else f"{server}-{tree.name}"
+    """Migrate a fresh SQLite file and serve the app on it, in a subprocess. `root`: the source
+    tree to serve (another checkout of the app, for a side-by-side comparison: see `trees`)."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{server}-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         env = app_env(db_path, **extra_env)
-        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=tree, env=env, check=True)
+        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=root, env=env, check=True)
         with sqlite3.connect(db_path) as connection:
             for statement in migrate_sql:
                 connection.execute(statement)
-        with serve_asgi(server, "config.asgi:application", env, name, cwd=tree) as (process, url, log_path):
+        log_name = f"{server}-{name}" if name else server
+        with serve_asgi(server, "config.asgi:application", env, log_name, cwd=root) as (
+            process,
+            url,
+            log_path,
+        ):
             yield AppServer(server, url, process, db_path, log_path, env)
+
+
+def trees(items: Sequence[str]) -> dict[str, Path]:
+    """`--tree NAME=DIR` options: other source trees of the app (say, `git archive` of another
+    commit, or this tree with one change reverted), each served beside this one in the same run."""
+    found: dict[str, Path] = {}
+    for item in items:
+        name, _, directory = item.partition("=")
+        path = Path(directory).resolve()
+        if not name or not (path / "manage.py").is_file():
+            raise SystemExit(f"--tree {item!r}: want NAME=DIR, DIR a source tree of the app (with manage.py)")
+        found[name] = path
+    return found
 
 
 @contextlib.contextmanager

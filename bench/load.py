@@ -64,6 +64,7 @@ from bench.common import (
     serve_asgi,
     settled_counts,
     table,
+    trees,
     workers_ai_env,
 )
 
@@ -222,11 +223,12 @@ def numbered_text(tokens: int) -> str:
 
 @contextlib.contextmanager
 def serve_daphne(
-    application: str = "config.asgi:application", **extra_env: str
+    application: str = "config.asgi:application", root: Path = ROOT, **extra_env: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """Like bench.common.serve_app("daphne"), but DJANGO_SETTINGS_MODULE may be chosen (app_env
     drops it): bench.load_settings raises the upstream connection pool for --pool. The naive
-    proxy (`bench.naive.asgi:application`) has no database: nothing is migrated for it."""
+    proxy (`bench.naive.asgi:application`) has no database: nothing is migrated for it. `root`:
+    the source tree served (`--tree`)."""
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         settings_module = extra_env.pop("DJANGO_SETTINGS_MODULE", "")
@@ -236,9 +238,9 @@ def serve_daphne(
             env["DJANGO_SETTINGS_MODULE"] = settings_module
         if application.startswith("config."):
             subprocess.run(
-                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=root, env=env, check=True
             )
-        with serve_asgi("daphne", application, env, "load-daphne") as (process, url, _log):
+        with serve_asgi("daphne", application, env, "load-daphne", cwd=root) as (process, url, _log):
             yield process, url, db_path
 
 
@@ -516,6 +518,10 @@ def _app_run(
     return _one_run(streams, args, upstream, tokens, path, "config.asgi:application", env)
 
 
+#: `--tree` paths: NAME -> another source tree of the app, served like "app"
+TREES: dict[str, Path] = {}
+
+
 def _one_run(
     streams: int,
     args: argparse.Namespace,
@@ -527,7 +533,7 @@ def _one_run(
 ) -> dict[str, Any]:
     load_before = os.getloadavg()
     try:
-        with serve_daphne(application, **env) as (process, url, db_path):
+        with serve_daphne(application, TREES.get(path, ROOT), **env) as (process, url, db_path):
             spy = None
             if args.profile:
                 spy_out = ARTIFACTS / f"load-{path}-{streams}.pyspy.txt"
@@ -544,9 +550,9 @@ def _one_run(
             )
             # Every response, a refusal included, has its row (the app logs every attempt).
             answered = sum(1 for r in run.results if r.status)
-            rows = count_rows(db_path, expected=answered) if path == "app" else None
+            rows = count_rows(db_path, expected=answered) if path != "naive" else None
             expected_rows = answered
-            metrics_on = path == "app" and env.get("QUOTES_METRICS_ENABLED") == "true"
+            metrics_on = path != "naive" and env.get("QUOTES_METRICS_ENABLED") == "true"
             scraped = scrape_metrics(url) if metrics_on else {}
             if spy is not None:
                 spy.wait(timeout=args.duration * 2)
@@ -564,7 +570,7 @@ def _one_run(
         load_before=load_before,
     )
     report["metrics"] = (
-        "" if path != "app" else ("on" if env.get("QUOTES_METRICS_ENABLED") == "true" else "off")
+        "" if path == "naive" else ("on" if env.get("QUOTES_METRICS_ENABLED") == "true" else "off")
     )
     report["scraped"] = scraped
     return report
@@ -739,7 +745,21 @@ def main(argv: list[str] | None = None) -> None:
         "--paths",
         default="naive,app",
         help="what to serve, one run each per stream count, in this order: naive (the naive Django "
-        "proxy, the baseline) and/or app",
+        "proxy, the baseline), app, and the NAMEs of --tree",
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another source tree of the app, served like app as path NAME (say, this tree with one "
+        "change reverted); repeatable",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the --paths this many times per stream count, the order rotating each time",
     )
     parser.add_argument(
         "--pool",
@@ -769,6 +789,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv, smoke={"streams": 5, "duration": 2})
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    TREES.update(trees(args.tree))
+    if unknown := [p for p in paths if p not in ("naive", "app", *TREES)]:
+        parser.error(f"unknown paths {unknown}: naive, app or a --tree NAME")
     fd_limit = raise_fd_limit(4 * max(counts) + 256)
     print(machine(), f"; open files limit {fd_limit}", flush=True)
     reports = []
@@ -776,9 +799,11 @@ def main(argv: list[str] | None = None) -> None:
     settings_order = [False, True] * args.rounds if args.metrics == "both" else [args.metrics == "on"]
     relay_order = [False, True] * args.rounds if args.relay == "both" else [args.relay == "on"]
     for streams in counts:
-        for path in paths:
-            for metrics in settings_order if path == "app" else [False]:
-                for relay in relay_order if path == "app" else [False]:
+        for path in [
+            p for i in range(args.repeat) for p in paths[i % len(paths) :] + paths[: i % len(paths)]
+        ]:
+            for metrics in settings_order if path != "naive" else [False]:
+                for relay in relay_order if path != "naive" else [False]:
                     report = one_run(streams, args, path, metrics=metrics, relay=relay)
                     report.setdefault("relay", "off")
                     reports.append(report)

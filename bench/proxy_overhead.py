@@ -59,6 +59,7 @@ from .common import (
     serve_naive,
     stream_in_process,
     table,
+    trees,
     workers_ai_env,
 )
 
@@ -440,10 +441,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attribution-requests", type=int, default=150, help="0: skip")
     parser.add_argument("--profile-rate", type=int, default=250)
     parser.add_argument(
-        "--baseline-tree",
-        type=Path,
-        help="also serve the app from this source tree (e.g. a git worktree of the code before a "
-        "change) under daphne, as one more path in the same interleaved run",
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another source tree of the app, served under daphne as one more path interleaved with "
+        "the others (say, this tree with one change reverted); repeatable",
+    )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for every app"
     )
     args = parse_args(
         parser,
@@ -457,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
             "attribution_requests": 3,
         },
     )
+    other_trees = trees(args.tree)
+    extra_env = dict(item.partition("=")[::2] for item in args.env)
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
@@ -464,22 +472,18 @@ def main(argv: list[str] | None = None) -> None:
     report: list[str] = []
 
     with Upstream("fake", ttft_scenario(args.ttft_tokens)) as fake, contextlib.ExitStack() as stack:
-        apps = [stack.enter_context(serve_app(s, **workers_ai_env(fake))) for s in servers]
-        clients = [stack.enter_context(client()) for _ in apps]
+        app_env = {**workers_ai_env(fake), **extra_env}
+        apps = [stack.enter_context(serve_app(s, **app_env)) for s in servers]
+        tree_apps = {
+            name: stack.enter_context(serve_app("daphne", root=root, name=name, **app_env))
+            for name, root in other_trees.items()
+        }
+        clients = [stack.enter_context(client()) for _ in [*apps, *tree_apps]]
+        names = [f"app under {app.server}" for app in apps] + [f"{name} under daphne" for name in tree_apps]
         app_paths = [
-            Reader(f"app under {app.server}", app_request(app, c), fake)
-            for app, c in zip(apps, clients, strict=True)
+            Reader(name, app_request(app, c), fake)
+            for name, app, c in zip(names, [*apps, *tree_apps.values()], clients, strict=True)
         ]
-        if args.baseline_tree is not None:
-            tree = args.baseline_tree.resolve()
-            baseline = stack.enter_context(serve_app("daphne", tree=tree, **workers_ai_env(fake)))
-            app_paths.append(
-                Reader(
-                    f"app under daphne, {tree.name}",
-                    app_request(baseline, stack.enter_context(client())),
-                    fake,
-                )
-            )
         for path in app_paths:  # warm up, and teach the fake what the app sends
             for _ in range(args.warmup):
                 path.run()
@@ -500,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
         # The answer cache: the same app with its cache on, asked the same question again.
         hit_app = stack.enter_context(
             serve_app(
-                "daphne", **workers_ai_env(fake), QUOTES_CACHE_TTL="3600", QUOTES_CACHE_REPLAY_PACING_MS="0"
+                "daphne", **{**app_env, "QUOTES_CACHE_TTL": "3600", "QUOTES_CACHE_REPLAY_PACING_MS": "0"}
             )
         )
         hit = Reader("app under daphne, cache hit", app_request(hit_app, stack.enter_context(client())))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -25,6 +24,7 @@ from django.urls import get_resolver  # noqa: E402
 
 from quotes.ai.backends import get_backend  # noqa: E402
 from quotes.consumers import websocket_urlpatterns  # noqa: E402
+from quotes.forks import freeze_startup_heap  # noqa: E402
 from quotes.security import SameOriginWebSocketMiddleware, TrustedProxyMiddleware  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL.preload:
@@ -44,10 +44,7 @@ application = TrustedProxyMiddleware(
 )
 
 # Everything loaded so far (Django, the URLconf and views, every module) lives as long as the
-# process: the cyclic garbage collector's full passes need not walk it again and again. Each full
-# pass over it stalled every open stream at once (~30-200 ms measured under load, a few per
-# minute at a few hundred streams), which is what the slowest tokens waited for. Frozen objects
-# are still freed by reference counting; only the collector's scans skip them.
+# process: frozen out of the collector's full passes, each of which stalled every open stream
+# (quotes/forks.py, with what it buys).
 get_resolver().url_patterns  # noqa: B018  (loads the URLconf and the views now, to be frozen too)
-gc.collect()
-gc.freeze()
+freeze_startup_heap()

@@ -10,4 +10,7 @@ class QuotesConfig(AppConfig):
 
     def ready(self) -> None:
         # Connects the signals that keep the process-local persona cache in step with the database.
-        from . import personas  # noqa: F401
+        from . import forks, personas  # noqa: F401
+
+        # Before any handler loads its middleware; registers forks' system checks too.
+        forks.inline_middleware()

@@ -11,12 +11,15 @@ single cost on the way to the first token (about 1.7 ms of a loaded 2-core machi
 thread was started at the end of every request only to join the first.
 
 `ASGIHandler` is Django's handler with one change: the request's thread-sensitive context is given
-an executor leased from `pool` (asgiref's documented `ThreadSensitiveContext(executor=...)`), a
-single-thread executor that served earlier requests (at most MAX_THREADS of them: past that, a
-request waits for one, so overload queues requests instead of piling up threads). `ReleaseRequestThreadMiddleware`
-(quotes.middleware) gives it back once a view has returned a streaming response; the rest of that
-request's thread-sensitive calls (Django's `response.close()` at the very end) then run on one
-shared thread. Everything else about the request (middleware, URLs, views, signals) is Django's.
+an executor of its own (asgiref's documented `ThreadSensitiveContext(executor=...)`), a `Lease`
+that runs each call on a single-thread executor leased from `pool`, one that served earlier
+requests (at most MAX_THREADS of them: past that, a request waits for one, so overload queues
+requests instead of piling up threads). The stream views (and `ReleaseRequestThreadMiddleware`,
+quotes.middleware, for any other streaming response) give it back once the view has answered;
+the lease then sends the rest of that request's thread-sensitive calls (Django's
+`response.close()` at the very end) to one shared thread, `tail`. Everything else about the
+request (middleware, URLs, views, signals) is Django's. Only documented interfaces are used:
+asgiref's executor argument and `concurrent.futures.Executor`.
 
 Database connections stay per thread, as Django expects: a pooled thread closes its obsolete ones
 (per CONN_MAX_AGE) when it is given back, as `request_finished` would have on a thread of its own.
@@ -28,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
 
-from asgiref.sync import SyncToAsync, ThreadSensitiveContext
+from asgiref.sync import ThreadSensitiveContext
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler as DjangoASGIHandler
 from django.db import close_old_connections, reset_queries
@@ -91,21 +95,25 @@ pool = RequestThreadPool()
 tail = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-tail")
 
 
-class Lease:
-    __slots__ = ("context", "executor")
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Lease(Executor):
+    """The executor of one request's thread-sensitive context: its calls run one at a time on
+    the thread leased for it, then, once that is given back, on `tail`."""
 
     def __init__(self, executor: ThreadPoolExecutor) -> None:
         self.executor: ThreadPoolExecutor | None = executor
-        self.context: ThreadSensitiveContext | None = None
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        return (self.executor or tail).submit(fn, *args, **kwargs)
 
     def give_back(self, *, finished: bool = False) -> None:
         """Hand the thread on; this request's later thread-sensitive calls go to `tail`."""
         executor, self.executor = self.executor, None
-        if executor is None:
-            return
-        if self.context is not None:
-            SyncToAsync.context_to_thread_executor[self.context] = tail
-        pool.give_back(executor, finished=finished)
+        if executor is not None:
+            pool.give_back(executor, finished=finished)
 
 
 _lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("request_thread_lease", default=None)
@@ -125,19 +133,15 @@ class ASGIHandler(DjangoASGIHandler):
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)  # Django's own refusal
-        executor = await pool.lease()
-        lease = Lease(executor)
+        lease = Lease(await pool.lease())
         token = _lease.set(lease)
         finished = False
         try:
-            context = ThreadSensitiveContext(executor=executor)
-            lease.context = context
-            async with context:
+            async with ThreadSensitiveContext(executor=lease):
                 await self.handle(scope, receive, send)
             # Django's handler ends every request it served with response.close() (which sends
             # request_finished) on the request's thread: its connections are seen to already.
             finished = True
         finally:
-            lease.context = None  # exited: nothing maps to it any more
             lease.give_back(finished=finished)  # a stream's was given back already: no-op
             _lease.reset(token)

@@ -14,9 +14,13 @@ reactor at once, and daphne's "before shutdown" trigger (`Server.kill_all_applic
 cancels every application instance, open streams included. Twisted calls all of an event's
 "before" triggers one after the other without waiting for any (only the "during" phase waits
 for the Deferreds they return), so a trigger of ours, even one returning a Deferred, cannot hold
-daphne's back. So this runs daphne's own `Server` with Twisted's signal handlers off and
-handles the signals itself: the reactor is stopped (and daphne's shutdown runs) only once the
-drain is over.
+daphne's back. So this runs daphne's own `Server` with Twisted's signal handlers off (its
+`signal_handlers` argument) and handles the signals itself, from daphne's `ready_callable`: the
+reactor is stopped (and daphne's shutdown runs) only once the drain is over. daphne's CLI parses
+the arguments and builds the server, through its `server_class` hook.
+
+WebSocket sockets closed with a server's close codes (1012 for a drain) need one fork of daphne's
+internals: quotes.forks.use_server_close_codes.
 
 daphne's access log (on stdout unless `--access-log` says otherwise, as under `make run`) writes
 each request's path as it came, query string included, and visitors' topics travel in query
@@ -35,8 +39,6 @@ from typing import Any
 # daphne.cli imports daphne.server first, which installs Twisted's asyncio reactor.
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
-from daphne.ws_protocol import WebSocketProtocol
-from twisted.internet import reactor
 
 logger = logging.getLogger("quotes.server")  # run as __main__ (python -m)
 
@@ -61,66 +63,48 @@ def without_query(action_logger: ActionLogger) -> ActionLogger:
     return log
 
 
-class DrainingServer(Server):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["signal_handlers"] = False  # ours: see the module's docstring
-        if kwargs.get("action_logger") is not None:
-            kwargs["action_logger"] = without_query(kwargs["action_logger"])
-        super().__init__(*args, **kwargs)
-        self.draining: asyncio.Task[None] | None = None
+def draining_server(**options: Any) -> Server:
+    """daphne's `Server`, as its CLI configures it, that drains on SIGTERM (see the docstring)."""
+    # Imported here: the app (and Django's settings) is loaded by daphne's CLI, after this module.
+    from quotes import forks
+    from quotes.ai.gateway.log import writer
 
-    def run(self) -> None:
-        reactor.callWhenRunning(self._started)
-        super().run()
-
-    def _started(self) -> None:
-        from quotes.ai.gateway.log import writer  # the app (and Django) is loaded by now
-
-        self.ws_factory.protocol = QuotesWebSocketProtocol  # made by run(), before the reactor runs
-        self._handle_signals()
+    def ready() -> None:  # in Server.run(), once its factories exist, before the reactor runs
+        forks.use_server_close_codes(server)
+        loop = asyncio.get_event_loop()  # daphne's loop, which the reactor is about to run
+        for number in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(number, _on_signal, server, number)
         # Log rows left in the outbox of a process that is gone (killed while the database was
         # down) are written now, by the writer's thread, not at this process's first stream.
         writer.start()
 
-    def _handle_signals(self) -> None:
-        loop = asyncio.get_event_loop()  # daphne's loop, which the reactor runs
-        for number in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(number, self._on_signal, number)
-
-    def _on_signal(self, number: int) -> None:
-        if self.draining is None:
-            logger.info("%s: draining before exit", signal.Signals(number).name)
-            self.draining = asyncio.ensure_future(self._drain_then_stop())
-        else:
-            logger.warning("%s again: stopping now", signal.Signals(number).name)
-            self.stop()
-
-    async def _drain_then_stop(self) -> None:
-        try:
-            await drain_and_close()
-        except Exception:
-            logger.exception("draining failed; stopping anyway")
-        finally:
-            self.stop()  # daphne's shutdown: whatever is left (idle sockets) is cancelled
+    if options.get("action_logger") is not None:
+        options["action_logger"] = without_query(options["action_logger"])
+    server = Server(signal_handlers=False, ready_callable=ready, **options)
+    return server
 
 
-#: Close codes a server sends of its own accord (IANA's registry): going away, policy violation,
-#: message too big, internal error, service restart, try again later.
-SERVER_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011, 1012, 1013})
+#: The drain under way (one per process), from the first signal.
+_draining: asyncio.Task[None] | None = None
 
 
-class QuotesWebSocketProtocol(WebSocketProtocol):
-    """daphne's WebSocket protocol, closing with the codes a server sends. daphne passes an ASGI
-    `websocket.close` code to autobahn's `sendClose()`, which takes only 1000 and 3000-4999 (the
-    codes an application picks) and raises on any other, so the socket was never closed: 1012
-    (service restart, for a drain) and 1009 (a frame too large, quotes.consumers) go out as the
-    close frames they are."""
+def _on_signal(server: Server, number: int) -> None:
+    global _draining
+    if _draining is None:
+        logger.info("%s: draining before exit", signal.Signals(number).name)
+        _draining = asyncio.ensure_future(_drain_then_stop(server))
+    else:
+        logger.warning("%s again: stopping now", signal.Signals(number).name)
+        server.stop()
 
-    def serverClose(self, code: int | None = None) -> None:
-        if code in SERVER_CLOSE_CODES:
-            self.sendCloseFrame(code=code, isReply=False)
-        else:
-            super().serverClose(code)
+
+async def _drain_then_stop(server: Server) -> None:
+    try:
+        await drain_and_close()
+    except Exception:
+        logger.exception("draining failed; stopping anyway")
+    finally:
+        server.stop()  # daphne's shutdown: whatever is left (idle sockets) is cancelled
 
 
 async def drain_and_close() -> None:
@@ -149,7 +133,7 @@ async def drain_and_close() -> None:
 
 class DrainingCommandLineInterface(CommandLineInterface):
     description = "Persona Quotes: daphne, draining open streams on SIGTERM"
-    server_class = DrainingServer
+    server_class = staticmethod(draining_server)
 
 
 if __name__ == "__main__":

@@ -165,8 +165,8 @@ async def client_of(request: HttpRequest) -> Client:
 
 def not_a_document(response: HttpResponseBase) -> HttpResponseBase:
     """Mark a response that no browser renders as a page (an SSE stream, a JSON error, an htmx
-    event): django-csp leaves it without a Content-Security-Policy, and quotes.middleware's
-    CSPMiddleware then skips building the policy, the costliest step of a stream's middleware."""
+    event): django-csp leaves it without a Content-Security-Policy. (Its `csp_exempt` decorator
+    sets the same marks, but cannot wrap an async view.)"""
     response._csp_exempt = True  # type: ignore[attr-defined]  # django-csp's own marks
     response._csp_exempt_ro = True  # type: ignore[attr-defined]
     return response

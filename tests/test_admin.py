@@ -172,8 +172,8 @@ def test_admin_prompt_change_makes_a_version_by_the_editor(admin_client: Client,
 
 @pytest.mark.django_db
 def test_admin_change_shows_its_success_message_on_the_next_page(admin_client: Client) -> None:
-    """The message storage is made on first use (quotes.middleware.MessageMiddleware): a view
-    that adds a message still gets it stored, and the next page shows it once."""
+    """Django's MessageMiddleware, run on the event loop (quotes.forks): a view that adds a
+    message gets it stored, and the next page shows it once."""
     persona = watts()
     response = admin_client.post(
         CHANGE.format(pk=persona.pk), form_data(persona, display_order=3), follow=True

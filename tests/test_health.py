@@ -134,9 +134,8 @@ async def test_healthz_shows_no_detail_to_visitors(
 async def test_healthz_is_not_redirected_to_https(settings: Any) -> None:
     """Load balancers call it over plain HTTP on the process's port, under SECURE_SSL_REDIRECT."""
     from django.http import HttpRequest, HttpResponse
+    from django.middleware.security import SecurityMiddleware
     from django.test import RequestFactory
-
-    from quotes.middleware import SecurityMiddleware
 
     settings.SECURE_SSL_REDIRECT = True
 

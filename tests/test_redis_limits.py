@@ -152,7 +152,9 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
         "import asyncio, django, json, time; django.setup()\n"
         "from django.conf import settings\n"
         "from django.core.cache import cache\n"
+        "from quotes.ai import limits\n"
         "from quotes.ai.gateway import admission, redis_clients\n"
+        "limiter = limits.redis_client().connection_pool.connection_kwargs\n"
         "cached = cache._cache.get_client('x', write=True).connection_pool.connection_kwargs\n"
         "async def main():\n"
         "    pool = redis_clients.client().connection_pool.connection_kwargs\n"
@@ -166,6 +168,7 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
         "    return {'error': error, 'seconds': round(time.monotonic() - started, 2),\n"
         "        'socket_timeout': pool.get('socket_timeout'), 'connect_timeout': pool.get('socket_connect_timeout'),\n"
         "        'cache': [cached.get('socket_timeout'), cached.get('socket_connect_timeout')],\n"
+        "        'limiter': [limiter.get('socket_timeout'), limiter.get('socket_connect_timeout')],\n"
         "        'redis_failing': breaker.failing}\n"
         "print(json.dumps(asyncio.run(main())))\n"
     )
@@ -185,6 +188,7 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
     found = json.loads(result.stdout.splitlines()[-1])
     assert (found["socket_timeout"], found["connect_timeout"]) == (0.5, 0.25), found
     assert found["cache"] == [0.5, 0.25], found
+    assert found["limiter"] == [0.5, 0.25], found
     assert found["error"] == "Ticket", found
     assert found["redis_failing"] is True, found
     assert found["seconds"] < 5, found  # the configured timeout, not redis-py's default

@@ -5,8 +5,9 @@ after the window, so the count resets when the window does and `Retry-After` is 
 
 Counting must be atomic, and Django's cache API is not, on Redis: `incr` is EXISTS then INCRBY,
 so a key that expires between the two is recreated with no TTL, and `aincr` is a get followed
-by a set. So on Redis each count is one atomic round trip through the redis-py client Django's
-RedisCache holds (INCR + EXPIRE in a MULTI transaction); on the in-memory cache it is `add` /
+by a set. So on Redis each count is one atomic round trip through a redis-py client of this
+module's own on the cache's Redis (INCR + EXPIRE in a MULTI transaction; Django's RedisCache
+keeps its own client private); on the in-memory cache it is `add` /
 `incr` under LocMem's own lock, run inline (no I/O, microseconds). Redis calls run in a worker
 thread, bounded by REDIS_SOCKET_TIMEOUT (config/settings.py).
 
@@ -19,13 +20,16 @@ quotes.ai.gateway.admission's: it counts in the same keys (`rate_key`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+import redis
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
 from django.core.cache.backends.redis import RedisCache
@@ -55,10 +59,28 @@ async def run_on_cache(function: Callable[P, R], *args: P.args, **kwargs: P.kwar
     return result
 
 
-def _redis(store: RedisCache, key: str) -> tuple[Any, str]:
-    """The redis-py client Django's RedisCache uses for `key`, and the key as Django names it."""
-    full_key = store.make_and_validate_key(key)
-    return store._cache.get_client(full_key, write=True), full_key  # type: ignore[attr-defined]
+#: Django's own options for its RedisCache, not redis-py's.
+_DJANGO_ONLY_OPTIONS = ("parser_class", "pool_class", "serializer")
+
+
+@functools.cache
+def _client(url: str, options: tuple[tuple[str, Any], ...]) -> redis.Redis:
+    return redis.Redis.from_url(url, **dict(options))
+
+
+def redis_client() -> redis.Redis:
+    """A redis-py client on the server Django's default cache writes to (the first of its
+    LOCATION, as RedisCache picks for a write), with the cache's OPTIONS (the socket timeouts)."""
+    cache: dict[str, Any] = settings.CACHES["default"]
+    location = cache["LOCATION"]
+    servers = location.split(",") if isinstance(location, str) else location
+    options = {k: v for k, v in cache.get("OPTIONS", {}).items() if k not in _DJANGO_ONLY_OPTIONS}
+    return _client(servers[0], tuple(sorted(options.items())))
+
+
+def _redis(store: RedisCache, key: str) -> tuple[redis.Redis, str]:
+    """The client for `key`, and the key as Django's cache names it (its prefix and version)."""
+    return redis_client(), store.make_and_validate_key(key)
 
 
 def _increment(key: str, timeout: int) -> int:

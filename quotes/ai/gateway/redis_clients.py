@@ -13,12 +13,12 @@ per test, and `close()` (in the test's loop) or `forget()` (after it) ends each.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from ... import forks
 from ..redis_health import breaker
 
 #: This process, as the keys it holds name it (heartbeats, leases, its stop list).
@@ -91,40 +91,14 @@ def block_ms() -> int:
 
 
 def forget() -> None:
-    """Drop clients whose loop is gone (a finished test's), closing their sockets without it."""
+    """Drop clients whose loop is gone (a finished test's, or `manage.py quote`'s), closing their
+    sockets without it (quotes.forks)."""
     global _clients
     if _clients is None:
         return
     _, *redis_clients = _clients
     _clients = None
-    _close_dead(redis_clients)
-
-
-def _close_dead(redis_clients: list[aioredis.Redis]) -> None:
-    # redis-py offers no way to close a connection whose loop has closed (its disconnect()
-    # awaits the writer), and its __del__ then warns of an unclosed connection: the sockets are
-    # closed here by hand. This touches redis-py's and asyncio's internals; tests/test_forks.py
-    # pins them.
-    for redis in redis_clients:
-        pool = redis.connection_pool
-        for connection in [*pool._available_connections, *pool._in_use_connections]:
-            writer = connection._writer
-            connection._writer = connection._reader = None
-            if writer is not None:
-                _close_without_loop(writer.transport)
-
-
-def _close_without_loop(transport: asyncio.BaseTransport) -> None:
-    """Close a socket transport whose loop is closed (so StreamWriter.close() cannot run), and
-    leave it as a closed transport would be: marked closing (StreamWriter.__del__ is then quiet)
-    and with no socket (so _SelectorTransport.__del__ is too)."""
-    with contextlib.suppress(RuntimeError):
-        transport.close()
-    sock = getattr(transport, "_sock", None)
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.close()
-        transport._sock = None  # type: ignore[attr-defined]
+    forks.close_redis_clients_without_their_loop(redis_clients)
 
 
 async def close() -> None:
@@ -138,4 +112,4 @@ async def close() -> None:
         for redis in redis_clients:
             await redis.aclose()
     elif loop.is_closed():
-        _close_dead(redis_clients)
+        forks.close_redis_clients_without_their_loop(redis_clients)
