@@ -5,7 +5,7 @@ another, and each fault injected in turn for --fault-seconds:
 
     .venv/bin/python -m bench.faults --clients 40 --fault-seconds 10
     .venv/bin/python -m bench.faults --faults postgres-stopped --fault-seconds 35
-    .venv/bin/python -m bench.faults --tiny        # a few seconds each: the smoke test's run
+    .venv/bin/python -m bench.faults --smoke       # a few seconds each: the smoke test's run
 
 Faults (tests/faults/faults.py): baseline (none), postgres-stopped, database-read-only,
 redis-stopped, redis-hung, daphne-killed, upstream-hung. Prints, per fault, its figures (quotes
@@ -28,7 +28,7 @@ from bench.common import ARTIFACTS, machine, table
 from tests.faults import faults
 from tests.faults.layout import Layout, Settings, started
 
-#: --tiny: the faults it runs, and their length (what the smoke test in tests/test_faults.py runs).
+#: --smoke: the faults it runs, and their length (what the smoke test in tests/test_faults.py runs).
 TINY_FAULTS = ("baseline", "upstream-hung")
 CHECKS = ("rows", "answers", "silence", "slots", "redis outage", "logs")
 
@@ -44,10 +44,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=100, help="tokens per quote")
     parser.add_argument("--tokens-per-second", type=float, default=20.0)
     parser.add_argument("--ttft-timeout", type=float, default=10.0, help="QUOTES_TTFT_TIMEOUT")
-    parser.add_argument("--tiny", action="store_true", help="3 clients, 1 s faults, 10 tokens: a smoke run")
+    parser.add_argument(
+        "--smoke",
+        "--tiny",
+        action="store_true",
+        help="3 clients, 1 s faults, 10 tokens: the smoke test's run",
+    )
     parser.add_argument("--json", type=Path, default=ARTIFACTS / "faults.json", help="the raw figures")
     args = parser.parse_args(argv)
-    if args.tiny:
+    if args.smoke:
         args.clients, args.fault_seconds, args.after_seconds = 3, 1.0, 1.0
         args.tokens, args.faults = 10, ",".join(TINY_FAULTS)
     names = list(faults.FAULTS) if args.faults == "all" else args.faults.split(",")

@@ -28,7 +28,7 @@ from tests.faults.layout import Layout, Settings, started
 #: Short runs: CI's budget is a couple of minutes for the whole module.
 CLIENTS = 30
 FAULT_S = 3.0
-AFTER_S = 2.5
+AFTER_S = 2.0
 #: QUOTES_TTFT_TIMEOUT: the bound on a request's wait for a hung upstream.
 TTFT_TIMEOUT_S = 3.0
 
@@ -85,8 +85,8 @@ def test_faults_upstream_hung(layout: Layout) -> None:
 def test_faults_bench_tiny_mode_prints_a_table_per_fault(
     layout: Layout, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """bench/faults.py in its tiny mode, on this module's layout, so it cannot rot."""
-    bench_faults.main(["--tiny", "--json", str(tmp_path / "faults.json")], layout=layout)
+    """bench/faults.py in its smoke (tiny) mode, on this module's layout, so it cannot rot."""
+    bench_faults.main(["--smoke", "--json", str(tmp_path / "faults.json")], layout=layout)
 
     out = capsys.readouterr().out
     for name in bench_faults.TINY_FAULTS:

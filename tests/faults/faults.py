@@ -167,13 +167,13 @@ def run(
     after_s: float = 3.0,
 ) -> Report:
     """One run of `fault` under the load of `clients` clients, settled and checked. The
-    clients start over a quote's length, and the fault comes a second after the last started."""
+    clients start over a quote's length, and the fault comes half a second after the last started."""
     layout.wait_until_healthy()
     first_row = layout.last_row_id()
     refusals_before = layout.refusals_counted()
     log_marks = layout.log_marks()
     ramp_s = layout.settings.tokens / layout.settings.tokens_per_second
-    warm_s = ramp_s + 1.0
+    warm_s = ramp_s + 0.5
     load = Load(layout.url, clients, ramp_s=ramp_s)
     report = Report(fault=fault, load=load, clients=clients, fault_s=fault_s)
 
