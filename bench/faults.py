@@ -50,6 +50,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="3 clients, 1 s faults, 10 tokens: the smoke test's run",
     )
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="more settings for the daphnes"
+    )
     parser.add_argument("--json", type=Path, default=ARTIFACTS / "faults.json", help="the raw figures")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -110,7 +113,10 @@ def main(argv: list[str] | None = None, *, layout: Layout | None = None) -> None
     print(machine(), flush=True)
     if layout is None:
         settings = Settings(
-            ttft_timeout_s=args.ttft_timeout, tokens=args.tokens, tokens_per_second=args.tokens_per_second
+            ttft_timeout_s=args.ttft_timeout,
+            tokens=args.tokens,
+            tokens_per_second=args.tokens_per_second,
+            env=dict(item.split("=", 1) for item in args.env),
         )
         with started(settings) as own:
             reports = run_all(own, args)
