@@ -53,31 +53,31 @@ def run_and_check(layout: Layout, name: str) -> faults.Report:
     return report
 
 
-def test_faults_postgres_stopped(layout: Layout) -> None:
+def test_faults_postgres_stopped_passes_every_check(layout: Layout) -> None:
     run_and_check(layout, "postgres-stopped")
 
 
-def test_faults_database_read_only(layout: Layout) -> None:
+def test_faults_database_read_only_passes_every_check(layout: Layout) -> None:
     run_and_check(layout, "database-read-only")
 
 
-def test_faults_redis_stopped(layout: Layout) -> None:
+def test_faults_redis_stopped_passes_every_check(layout: Layout) -> None:
     report = run_and_check(layout, "redis-stopped")
     assert report.during(), "no quote started while Redis was down: the check proved nothing"
 
 
-def test_faults_redis_hung(layout: Layout) -> None:
+def test_faults_redis_hung_passes_every_check(layout: Layout) -> None:
     report = run_and_check(layout, "redis-hung")
     assert report.during(), "no quote started while Redis was hung: the check proved nothing"
 
 
-def test_faults_daphne_killed(layout: Layout) -> None:
+def test_faults_daphne_killed_passes_every_check(layout: Layout) -> None:
     report = run_and_check(layout, "daphne-killed")
     # The fault hit streams under way: some were cut, and their rows came from the live process.
     assert any(quote.outcome == "cut" for quote in report.quotes), "no stream was cut by the kill"
 
 
-def test_faults_upstream_hung(layout: Layout) -> None:
+def test_faults_upstream_hung_passes_every_check(layout: Layout) -> None:
     report = run_and_check(layout, "upstream-hung")
     assert any(quote.code == "upstream_timeout" for quote in report.quotes), "nobody waited for the upstream"
 

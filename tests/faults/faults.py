@@ -140,8 +140,10 @@ class Report:
     slots_left: dict[str, int] = field(default_factory=dict)
     slots_gone_after_s: float = 0.0
     rows_settled_after_s: float = 0.0
-    #: each process's /healthz status, polled during the fault
+    #: each process's /healthz status, and its log rows waiting in its outbox (None: not known),
+    #: polled during the fault
     health: list[list[int]] = field(default_factory=list)
+    outbox: list[list[float | None]] = field(default_factory=list)
     log_records: list[dict[str, Any]] = field(default_factory=list)
     problems: dict[str, list[str]] = field(default_factory=dict)
 
@@ -179,7 +181,9 @@ def run(
 
     async def poll_health(until: asyncio.Event) -> None:
         while not until.is_set():
-            report.health.append(await layout.healthz())
+            health, outbox = await asyncio.gather(layout.healthz(), layout.outbox_depths())
+            report.health.append(health)
+            report.outbox.append(outbox)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(until.wait(), 0.5)
 
@@ -353,6 +357,7 @@ def summary(report: Report) -> dict[str, object]:
     outcomes = Counter(f"{q.outcome} {q.status} {q.code}".strip() for q in quotes)
     silences = sorted(q.silence for q in quotes)
     health = Counter(status for statuses in report.health for status in statuses)
+    depths = [int(depth) for sample in report.outbox for depth in sample if depth is not None]
     return {
         "quotes": len(quotes),
         "started during the fault": len(during),
@@ -369,6 +374,7 @@ def summary(report: Report) -> dict[str, object]:
         "rows settled after (s)": f"{report.rows_settled_after_s:.1f}",
         "slots left / gone after (s)": f"{sum(report.slots_left.values())} / {report.slots_gone_after_s:.1f}",
         "/healthz during the fault": ", ".join(f"{n}x {s}" for s, n in sorted(health.items())) or "-",
+        "outbox depth during the fault, max": max(depths, default="-"),
         "log lines ERROR / WARNING": (
             f"{sum(1 for r in report.log_records if r.get('level') in ('ERROR', 'CRITICAL'))} / "
             f"{sum(1 for r in report.log_records if r.get('level') == 'WARNING')}"

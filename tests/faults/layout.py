@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import psycopg
 import redis as redis_py
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deployed import start_daphne, wait_until_healthy
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
@@ -177,7 +178,7 @@ class Layout:
 
     def sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.pg.url.replace("postgres://", "postgresql://", 1), connect_timeout=5) as db:
-            return db.execute(query, params).fetchall()  # type: ignore[arg-type]
+            return db.execute(query, params).fetchall()
 
     def last_row_id(self) -> int:
         return int(self.sql("SELECT coalesce(max(id), 0) FROM quotes_generation")[0][0])
@@ -212,6 +213,26 @@ class Layout:
 
         async with httpx.AsyncClient(timeout=1) as client:
             return list(await asyncio.gather(*(one(client, daphne) for daphne in self.daphnes)))
+
+    async def outbox_depths(self) -> list[float | None]:
+        """Each process's quotes_log_outbox_depth as Prometheus scrapes it (on its nginx port,
+        with the token): the log rows waiting for the database. None: no such metric, or no
+        answer within a second."""
+
+        async def one(client: httpx.AsyncClient, url: str) -> float | None:
+            try:
+                response = await client.get(
+                    url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
+                )
+            except httpx.HTTPError:
+                return None
+            for family in text_string_to_metric_families(response.text):
+                if family.name == "quotes_log_outbox_depth":
+                    return sum(sample.value for sample in family.samples)
+            return None
+
+        async with httpx.AsyncClient(timeout=1) as client:
+            return list(await asyncio.gather(*(one(client, url) for url in self.metrics_urls)))
 
     def wait_until_healthy(self, timeout_s: float = 20.0) -> None:
         """Until every process's /healthz says 200 (a run starts from a whole layout)."""
@@ -275,7 +296,7 @@ def started(settings: Settings | None = None) -> Iterator[Layout]:
                 for daphne in daphnes:
                     daphne.start()
                 port, metrics_ports = free_port(), [free_port(), free_port()]
-                site = nginx_site(port, daphnes, metrics_ports)  # type: ignore[arg-type]
+                site = nginx_site(port, daphnes, metrics_ports)  # what it reads of each: .url
                 with nginx(workdir, site=site, port=port) as proxy:
                     layout = Layout(
                         workdir=workdir,

@@ -50,6 +50,10 @@ class Quote:
         return self.content_type.startswith("application/json")
 
 
+#: Clients have 127.0.0.2 to 127.0.0.241 (127.0.0.250 is the settling client's).
+MAX_CLIENTS = 240
+
+
 def address(index: int) -> str:
     """Client `index`'s own loopback address (127.0.0.2 upwards)."""
     return f"127.0.0.{2 + index}"
@@ -158,6 +162,7 @@ class Load:
     async def run(self, during: Callable[[Load], Awaitable[None]]) -> None:
         """Start every client, run `during(self)` (the fault's schedule), then let each client
         finish the quote it is reading and stop."""
+        assert 0 < self.clients <= MAX_CLIENTS, f"1 to {MAX_CLIENTS} clients, one address each"
         stop = asyncio.Event()
         # Every client made before any asks: making one blocks the loop (and the clients' clocks).
         clients = [client_at(address(index)) for index in range(self.clients)]
@@ -175,8 +180,8 @@ class Load:
             for task in pending:
                 task.cancel()
             for task in done:
-                if task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                if (error := task.exception()) is not None:
+                    raise error
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.monotonic()
