@@ -217,7 +217,7 @@ class Layout:
     async def outbox_depths(self) -> list[float | None]:
         """Each process's quotes_log_outbox_depth as Prometheus scrapes it (on its nginx port,
         with the token): the log rows waiting for the database. None: no such metric, or no
-        answer within a second."""
+        answer (within a second)."""
 
         async def one(client: httpx.AsyncClient, url: str) -> float | None:
             try:
@@ -226,6 +226,8 @@ class Layout:
                 )
             except httpx.HTTPError:
                 return None
+            if response.status_code != 200:
+                return None  # nginx's 502 while the process is down
             for family in text_string_to_metric_families(response.text):
                 if family.name == "quotes_log_outbox_depth":
                     return sum(sample.value for sample in family.samples)
