@@ -14,8 +14,8 @@ waited for, up to the lease's TTL and a margin. Then the checks, each a list of 
 - answers: no 500, no HTML error page, no answer that is not the API's (SSE for a stream, JSON
   for anything else), no `internal_error`, no request without a response, no stream cut
   mid-way (but the killed process's);
-- silence: no request waited longer than SILENCE_S for its next byte (headers included); a hung
-  upstream is bounded by QUOTES_TTFT_TIMEOUT (the whole wait for a first token), plus a margin;
+- silence: no request waited longer than SILENCE_S for its next byte (headers included); with
+  the upstream hung, QUOTES_TTFT_TIMEOUT (the whole wait for a first token) plus a margin;
 - slots: no client slot left in Redis (quotes:slots:*) once the leases could expire;
 - redis outage: with Redis down, at least 90% of the quotes started during the outage complete;
 - logs: no traceback in the daphnes' logs, and no ERROR line but django.request's (its line
@@ -64,6 +64,8 @@ class Fault:
     kills: bool = False
     #: Redis is down meanwhile: REDIS_DOWN_COMPLETE of the quotes started then must complete
     redis_down: bool = False
+    #: the upstream sends no first token: a request may wait QUOTES_TTFT_TIMEOUT for it
+    upstream_hangs: bool = False
 
 
 def _postgres_stopped(layout: Layout) -> None:
@@ -119,6 +121,7 @@ FAULTS: dict[str, Fault] = {
             "the upstream takes each request and sends nothing (before its first token)",
             inject=lambda layout: layout.upstream_hung(True),
             recover=lambda layout: layout.upstream_hung(False),
+            upstream_hangs=True,
         ),
     )
 }
@@ -303,7 +306,7 @@ def check(report: Report, *, ttft_timeout_s: float) -> dict[str, list[str]]:
     if cut and not fault.kills:
         answers.append(f"{len(cut)} streams cut mid-way: {_sample(cut)}")
 
-    limit = max(SILENCE_S, ttft_timeout_s + TTFT_MARGIN_S)
+    limit = max(SILENCE_S, ttft_timeout_s + TTFT_MARGIN_S) if fault.upstream_hangs else SILENCE_S
     silent = sorted((q for q in quotes if q.silence > limit), key=lambda q: -q.silence)
     problems["silence"] = (
         [f"{len(silent)} requests silent for more than {limit:g} s: {_sample(silent)}"] if silent else []
