@@ -89,10 +89,10 @@ class Postgres:
     url: str
     port: int
     data_dir: Path
-    #: where the server's binaries, its socket directory and its log are; how it was started
-    bin_dir: Path = Path()
-    base: Path = Path()
-    options: str = ""
+    #: the server's binaries; the directory of its socket and its log; its command-line settings
+    bin_dir: Path
+    base: Path
+    options: str
 
     def _run(self, *command: str) -> str:
         as_root = os.geteuid() == 0
