@@ -254,3 +254,25 @@ async def test_redis_url_down_streams_are_served_by_the_process_alone(
     warnings = [r for r in records if r.name == "quotes.ai.redis_health" and r.levelname == "WARNING"]
     assert len(warnings) == 1, [r.getMessage() for r in records]
     assert not [r for r in records if r.levelname == "ERROR" or r.exc_info], [r.getMessage() for r in records]
+
+
+async def test_redis_down_when_a_slot_is_given_back_logs_no_traceback(settings: Any, tmp_path: Path) -> None:
+    """A slot taken in Redis, given back once Redis is gone (issue 21's fault suite found one
+    WARNING with a traceback per Redis outage, from this release): the lease expires by itself,
+    the outage is the breaker's one WARNING, and nothing is logged with a traceback."""
+    from quotes.ai.redis_health import breaker
+    from tests.scaleout.services import redis_server
+
+    with redis_server(tmp_path) as server:
+        settings.REDIS_URL = server.url
+        ticket = await admission.admit("ip:gone", settings.QUOTES_GATEWAY)
+        assert isinstance(ticket, admission.Ticket) and not ticket.lease.startswith(admission.LOCAL)
+        server.stop()
+        with logged("quotes") as records:
+            await ticket.release()
+
+    assert breaker.failing  # the next callers skip Redis at once
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+    assert [(r.name, r.levelname) for r in records if r.levelno >= logging.WARNING] == [
+        ("quotes.ai.redis_health", "WARNING")
+    ], [r.getMessage() for r in records]

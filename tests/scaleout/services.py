@@ -89,6 +89,47 @@ class Postgres:
     url: str
     port: int
     data_dir: Path
+    #: the server's binaries; the directory of its socket and its log; its command-line settings
+    bin_dir: Path
+    base: Path
+    options: str
+
+    def _run(self, *command: str) -> str:
+        as_root = os.geteuid() == 0
+        full = ["runuser", "-u", "postgres", "--", *command] if as_root else list(command)
+        result = subprocess.run(full, cwd=self.base, capture_output=True, text=True)
+        if result.returncode != 0:
+            log = self.base / "postgres.log"
+            raise ServiceError(f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}\n{tail(log)}")
+        return result.stdout
+
+    def stop(self, mode: str = "fast") -> None:
+        """pg_ctl stop: `fast` rolls back open transactions and closes every connection."""
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop")
+
+    def start(self) -> None:
+        """pg_ctl start, as the cluster was first started (its port, socket directory, settings)."""
+        self._run(
+            str(self.bin_dir / "pg_ctl"),
+            "-D",
+            str(self.data_dir),
+            "-l",
+            str(self.base / "postgres.log"),
+            "-o",
+            self.options,
+            "-w",
+            "-t",
+            "30",
+            "start",
+        )
+
+    def psql(self, *commands: str, database: str = "postgres") -> str:
+        """Run SQL `commands` as the superuser over the unix socket; their output, unaligned."""
+        args = [str(self.bin_dir / "psql"), "-h", str(self.base), "-p", str(self.port), "-U", "postgres"]
+        args += ["-d", database, "-v", "ON_ERROR_STOP=1", "-At"]
+        for command in commands:
+            args += ["-c", command]
+        return self._run(*args)
 
 
 @contextlib.contextmanager
@@ -98,21 +139,22 @@ def postgres(workdir: Path) -> Iterator[Postgres]:
     as_root = os.geteuid() == 0
     base = workdir / "postgres"
     base.mkdir()
-    data_dir, log = base / "data", base / "postgres.log"
+    data_dir = base / "data"
     if as_root:
         # runuser needs to reach the directory: make the whole path traversable, the cluster its own.
         for parent in (workdir, base):
             parent.chmod(0o755)
         shutil.chown(base, "postgres", "postgres")
 
-    def run(*command: str) -> None:
-        full = ["runuser", "-u", "postgres", "--", *command] if as_root else list(command)
-        result = subprocess.run(full, cwd=base, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise ServiceError(f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}\n{tail(log)}")
-
     port = free_port()
-    run(
+    options = (
+        f"-p {port} -k {base} -c listen_addresses=127.0.0.1 "
+        # A throwaway cluster: durability only costs time here.
+        "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+    )
+    url = f"postgres://{DB_USER}:{DB_PASSWORD}@127.0.0.1:{port}/{DB_NAME}"
+    server = Postgres(url=url, port=port, data_dir=data_dir, bin_dir=bin_dir, base=base, options=options)
+    server._run(
         str(bin_dir / "initdb"),
         "-D",
         str(data_dir),
@@ -123,37 +165,54 @@ def postgres(workdir: Path) -> Iterator[Postgres]:
         "--encoding=UTF8",
         "--no-sync",
     )
-    options = (
-        f"-p {port} -k {base} -c listen_addresses=127.0.0.1 "
-        # A throwaway cluster: durability only costs time here.
-        "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-    )
-    run(
-        str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-l", str(log), "-o", options, "-w", "-t", "30", "start"
-    )
+    server.start()
     try:
-        psql = [str(bin_dir / "psql"), "-h", str(base), "-p", str(port), "-U", "postgres", "-d", "postgres"]
-        run(
-            *psql,
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-c",
+        server.psql(
             f"CREATE ROLE {DB_USER} LOGIN CREATEDB PASSWORD '{DB_PASSWORD}'",
-            "-c",
             f"CREATE DATABASE {DB_NAME} OWNER {DB_USER}",
         )
-        url = f"postgres://{DB_USER}:{DB_PASSWORD}@127.0.0.1:{port}/{DB_NAME}"
-        yield Postgres(url=url, port=port, data_dir=data_dir)
+        yield server
     finally:
         with contextlib.suppress(ServiceError):
-            run(str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-m", "immediate", "-w", "stop")
+            server.stop("immediate")
 
 
 # --- Redis ----------------------------------------------------------------------------------------
 
 
+@dataclass
+class RedisServer:
+    """A redis-server that a test may stop, start again (empty, on the same port) and pause."""
+
+    url: str
+    port: int
+    command: list[str]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+        wait_for_port(self.port, process=self.process, name="redis-server", log=self.log)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.resume()  # a stopped (SIGSTOP) process would not hear the SIGTERM
+            stop_process(self.process)
+            self.process = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds every connection open and answers nothing (a hung Redis)."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
+
+
 @contextlib.contextmanager
-def redis(workdir: Path) -> Iterator[str]:
+def redis_server(workdir: Path) -> Iterator[RedisServer]:
     executable = shutil.which("redis-server")
     if executable is None:
         raise ServiceError("redis-server is not installed: apt-get install -y redis-server")
@@ -161,13 +220,20 @@ def redis(workdir: Path) -> Iterator[str]:
     base.mkdir()
     port, log = free_port(), base / "redis.log"
     command = [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    with log.open("wb") as out:
-        process = subprocess.Popen([*command, "--dir", str(base)], stdout=out, stderr=subprocess.STDOUT)
+    server = RedisServer(
+        url=f"redis://127.0.0.1:{port}/0", port=port, command=[*command, "--dir", str(base)], log=log
+    )
+    server.start()
     try:
-        wait_for_port(port, process=process, name="redis-server", log=log)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server
     finally:
-        stop_process(process)
+        server.stop()
+
+
+@contextlib.contextmanager
+def redis(workdir: Path) -> Iterator[str]:
+    with redis_server(workdir) as server:
+        yield server.url
 
 
 # --- nginx ----------------------------------------------------------------------------------------

@@ -414,6 +414,11 @@ async def _shielded(awaitable: Any) -> None:
         await asyncio.shield(task)
     except asyncio.CancelledError:
         raise  # the task goes on by itself
+    except (RedisError, OSError) as exc:
+        # An outage: the breaker says so once (not once per stream, and with no traceback), and
+        # the lease expires by itself within LEASE_TTL_S.
+        redis_clients.failed(exc)
+        logger.debug("could not give a stream slot back (it expires by itself): %r", exc)
     except Exception:
         logger.warning("could not give a stream slot back (it expires by itself)", exc_info=True)
 
