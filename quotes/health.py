@@ -9,6 +9,10 @@ Anyone may ask, so by default each check says only "ok", "loading" or "error": a
 check's `detail` (exception text, missing settings), the backend's name and the timings are
 shown only to staff and when DEBUG is on, and a failure's detail goes to the log.
 
+The cache's check says "failing" while Redis is down or hung: the process serves on its own
+meanwhile (quotes.ai.redis_health), so that too answers 200 "degraded"; a hung Redis costs the
+check one socket timeout, then nothing while the breaker is open.
+
 The log writer's check says "failing" while the database takes no log rows (down, or
 read-only): the rows wait in the process's outbox (quotes/ai/gateway/log.py), and staff see how
 many. That alone answers 200, with `"status": "degraded"`: every process shares the one
@@ -34,9 +38,11 @@ from django.conf import settings
 from django.core.cache import cache
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
+from redis.exceptions import RedisError
 
 from .ai.gateway.admission import DRAINING_RETRY_AFTER_S, drain
 from .ai.gateway.log import writer
+from .ai.limits import run_on_cache
 from .models import Persona
 
 CHECK_TIMEOUT_S = 3.0
@@ -53,9 +59,14 @@ async def _database() -> Check:
 
 async def _cache() -> Check:
     key = f"healthz:{uuid.uuid4().hex}"
-    await cache.aset(key, "ok", timeout=30)
-    value = await cache.aget(key)
-    await cache.adelete(key)
+    try:
+        await run_on_cache(cache.set, key, "ok", timeout=30)
+        value = await run_on_cache(cache.get, key)
+        await run_on_cache(cache.delete, key)
+    except (RedisError, OSError) as exc:
+        # Redis is a cache and a coordinator: without it the process serves on its own
+        # (quotes.ai.redis_health), so a load balancer must not take every process out for it.
+        return {"status": "failing", "detail": f"{type(exc).__name__}: {exc}"[:300]}
     if value != "ok":
         return {"status": "error", "detail": "a value written to the cache did not read back"}
     return {"status": "ok"}

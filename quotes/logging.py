@@ -113,7 +113,15 @@ class ClientErrorFilter(logging.Filter):
             record.exc_info = record.exc_text = record.stack_info = None
         elif status == 503 and getattr(getattr(record, "request", None), "announced_refusal", False):
             _lower(record, logging.INFO)
+        elif status in _UPSTREAM_STATUSES:
+            # Only our views answer 502 and 504 (Django never does): the upstream failed or timed
+            # out, which the backend has logged with its detail; not something we broke.
+            _lower(record, logging.WARNING)
         return True
+
+
+#: What our views answer when the model's upstream fails (a bad gateway) or is too slow.
+_UPSTREAM_STATUSES = frozenset({502, 504})
 
 
 def _lower(record: logging.LogRecord, level: int) -> None:

@@ -234,6 +234,7 @@ SMOKED: dict[str, tuple[Callable[[], list[str]], Callable[[str], None]]] = {
 EXCUSED = {
     "peer_litellm": "installs LiteLLM into a venv of its own from PyPI: no network here",
     "dashboard": "needs Debian's prometheus, which is not installed, and a browser for its screenshot",
+    "sse_decode": "smoked by tests/test_bench_sse_decode.py (its table, and a decoder that decodes wrongly refused)",
     "faults": "smoked by tests/test_faults.py (test_faults_bench_tiny_mode_prints_a_table_per_fault), on that module's layout",
 }
 

@@ -13,6 +13,7 @@ import hmac
 import io
 import itertools
 import json
+import logging
 import re
 import socket
 import time
@@ -1009,6 +1010,31 @@ async def test_timeout_first_token_budget_is_the_total_across_attempts(
     assert len(fake.requests) == 3  # each attempt had its share
     [row] = await rows()
     assert (row.status, row.error_code) == ("error", "upstream_timeout")
+
+
+async def test_timeout_an_upstream_timeout_is_logged_as_a_warning_not_an_error(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """A hung upstream's 504 (issue 21) is the upstream's fault: the configured console handler
+    writes Django's line for it at WARNING, not ERROR, and with no traceback."""
+    import config.asgi  # noqa: F401  (its first import configures logging)
+
+    configure(settings, max_attempts=1, ttft_timeout_s=0.3)
+    await use_workers_ai(settings, fake, read_timeout_s=10)
+    fake.script(Scenario(stall_before_s=5))
+    [console] = [h for h in logging.getLogger().handlers if h.get_name() == "console"]
+    assert isinstance(console, logging.StreamHandler)
+    buffer = io.StringIO()
+    previous = console.setStream(buffer)
+    try:
+        response = await post_quote()
+    finally:
+        console.setStream(previous)
+
+    assert_json_error(response, 504, "upstream_timeout")
+    lines = [line for line in buffer.getvalue().splitlines() if "Gateway Timeout" in line]
+    assert lines and all("WARNING" in line for line in lines), buffer.getvalue()
+    assert "ERROR" not in buffer.getvalue() and "Traceback" not in buffer.getvalue()
 
 
 async def test_timeout_idle_mid_stream_ends_with_an_error_event(
