@@ -54,6 +54,7 @@ class PersonaForm(forms.ModelForm[Persona]):
         widgets = {
             "system_prompt": forms.Textarea(attrs={"rows": 4, "cols": 80}),
             "user_prompt_template": forms.Textarea(attrs={"rows": 3, "cols": 80}),
+            "voice_examples": forms.Textarea(attrs={"rows": 8, "cols": 100}),
         }
 
     def __init__(self, *args: object, **kwargs: object) -> None:

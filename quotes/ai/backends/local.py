@@ -54,11 +54,13 @@ logger = logging.getLogger(__name__)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # A base model continues text; it does not follow instructions. So the persona speaks through a
-# few-shot completion frame: a collection of short quotes, each credited to a person with a few
-# words about them, ending on an open quote mark that the model fills in. The examples are ours,
-# written for the frame, and deliberately not by any of the seeded personas, so the model
-# imitates their shape, not their words. The persona's own description and system prompt fill
-# the same place in its line, so what an admin writes there steers the quote.
+# few-shot completion frame: a collection of short quotes, each credited to a person, ending on an
+# open quote mark that the model fills in. A 270M base model imitates the lines it is shown far
+# more than any description, so a persona with voice examples is shown its own: a collection of
+# its sayings, each credited to it on its own topic, then its line on the visitor's topic.
+# The persona's description and system prompt head the collection, so what an admin writes
+# there still steers the quote. A persona without examples gets the shared frame below: three
+# lines by people who are none of the personas (it imitates their shape, not their words).
 FRAME_HEADER = (
     "A collection of short, original quotes. Each is one or two sentences, "
     "in the voice of the person named, about the topic named.\n\n"
@@ -73,6 +75,12 @@ FRAME_HEADER = (
 # The quote ends at its closing quote mark or at the end of the line.
 STOP_STRINGS = ('"', "\u201d", "\n")
 
+#: A quote ends after this many sentences: a base model, once started, rambles on.
+MAX_SENTENCES = 2
+# The end of a sentence: its mark (an ellipsis counts once), any closing marks after it, then a
+# space or the end of the text so far ("3.5" and "e.g.x" do not end one).
+_SENTENCE_END = re.compile(r"(?:[.!?]+|\u2026)['\u2019)\]]*(?=\s|$)")
+
 #: The longest sketch of a persona the frame takes (characters): the prompt stays small.
 MAX_SKETCH_CHARS = 300
 
@@ -82,15 +90,28 @@ def completion_prompt(request: GenerationRequest) -> str:
     become its lines, and the visitor's latest question opens the next one."""
     speaker = request.speaker
     sketch = persona_sketch(request)
-    credit = f"{speaker} ({sketch})" if sketch else speaker
-    prompt = f"{FRAME_HEADER}{credit}, on {_inline(request.topic)}: "
-    # messages[0:2] are the persona's system and user prompts; the rest is the conversation.
-    for turn in request.messages[2:]:
+    topic = _inline(request.topic)
+    if request.examples:
+        prompt = voice_header(speaker, sketch)
+        for example in request.examples:
+            on = f", on {_inline(example.topic)}" if example.topic else ""
+            prompt += f'{speaker}{on}: "{_inline(example.text)}"\n'
+        prompt += f"{speaker}, on {topic}: "
+    else:
+        credit = f"{speaker} ({sketch})" if sketch else speaker
+        prompt = f"{FRAME_HEADER}{credit}, on {topic}: "
+    for turn in request.conversation:
         if turn.role == "assistant":
             prompt += f'"{_inline(turn.content)}"\n'
         else:
             prompt += f'Asked "{_inline(turn.content)}", {speaker} replied: '
     return prompt + '"'
+
+
+def voice_header(speaker: str, sketch: str) -> str:
+    """The head of a persona's own collection: who is quoted, and what every line is."""
+    who = f"{speaker} ({sketch})" if sketch else speaker
+    return f"Sayings of {who}. Each is one or two sentences, on the topic named.\n\n"
 
 
 def persona_sketch(request: GenerationRequest) -> str:
@@ -116,11 +137,14 @@ class JobStats:
     """What one generation did on its slot. Tests and the benchmarks read it."""
 
     prompt_tokens: int = 0
+    #: of those, how many llama.cpp took from its cache instead of reading them (the frame a
+    #: slot or the host-memory prompt cache already held)
+    cached_tokens: int = 0
     #: pieces of text received so far (the final count comes from llama.cpp's usage)
     generated_tokens: int = 0
     #: how many tokens had arrived when the stop was asked for (None: never asked)
     generated_at_stop: int | None = None
-    stop_reason: str = ""  # "quote_end", "max_tokens", "stopped", "abandoned", "error"
+    stop_reason: str = ""  # "quote_end", "sentences", "max_tokens", "stopped", "abandoned", "error"
     started_at: float | None = None
     stop_requested_at: float | None = None
     finished_at: float | None = None
@@ -130,6 +154,8 @@ class JobStats:
 class _Job:
     body: dict[str, Any]  # the completion request for llama.cpp
     put: Callable[[object], None]
+    #: end the text after this many sentences (None: when llama.cpp ends it)
+    max_sentences: int | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     stats: JobStats = field(default_factory=JobStats)
 
@@ -235,10 +261,13 @@ class LocalBackend:
         self._server = None  # the C++ destructor stops llama.cpp's loop and frees the model
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
-        return self.stream_completion(completion_body(request))
+        return self.stream_completion(completion_body(request), max_sentences=MAX_SENTENCES)
 
-    async def stream_completion(self, body: dict[str, Any]) -> AsyncGenerator[Event, None]:
-        """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot."""
+    async def stream_completion(
+        self, body: dict[str, Any], *, max_sentences: int | None = None
+    ) -> AsyncGenerator[Event, None]:
+        """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot,
+        ended after `max_sentences` sentences if given."""
         with self._pending_lock:
             if self._pending >= self.max_waiting:
                 yield busy()
@@ -250,7 +279,7 @@ class LocalBackend:
         def put(item: object) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        job = _Job(body=body, put=put)
+        job = _Job(body=body, put=put, max_sentences=max_sentences)
         self._live.add(job)
         self.jobs = [*self.jobs[-49:], job.stats]
         self._executor.submit(self._run, job)
@@ -348,25 +377,38 @@ class LocalBackend:
         server = self._load()
         stats = job.stats
         outcome: dict[str, Any] = {}
-        emitted: list[bool] = []  # non-empty once the first piece of text went out
+        written = ""  # the quote so far
 
         def on_chunk(chunk: dict[str, Any]) -> bool:
             """Called by llama.cpp for each piece; returning True ends the request and frees the slot."""
+            nonlocal written
             if job.stop.is_set():
                 stats.stop_reason = "stopped"
                 return True
             if "error" in chunk or "choices" not in chunk:
                 outcome["error"] = chunk.get("error", chunk)
                 return True
+            if "prompt_progress" in chunk:  # before the first token: the prompt's size, its cached part
+                progress = chunk["prompt_progress"]
+                stats.prompt_tokens = int(progress.get("total") or 0)
+                stats.cached_tokens = int(progress.get("cache") or 0)
             choice = chunk["choices"][0] if chunk["choices"] else {}
             text = choice.get("text") or ""
             if text:
                 stats.generated_tokens += 1
-                if not emitted:
+                if not written:
                     text = text.lstrip()  # the quote starts right after the open quote mark
+                if job.max_sentences:
+                    ends = list(_SENTENCE_END.finditer(written + text))
+                    if len(ends) >= job.max_sentences:
+                        # The last sentence the quote may have ends in this piece: stop there.
+                        text = text[: ends[job.max_sentences - 1].end() - len(written)]
+                        outcome["finish_reason"] = "sentences"
                 if text:
-                    emitted.append(True)
+                    written += text
                     job.put(Token(text))
+                if outcome.get("finish_reason") == "sentences":
+                    return True
             if choice.get("finish_reason"):
                 outcome["finish_reason"] = choice["finish_reason"]
             if "usage" in chunk:
@@ -380,9 +422,12 @@ class LocalBackend:
             self._fail(job, None, outcome["error"])
             return
         usage = outcome.get("usage") or {}
-        stats.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        stats.prompt_tokens = int(usage.get("prompt_tokens") or stats.prompt_tokens)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        stats.cached_tokens = int(stats.cached_tokens if cached is None else cached)
         stats.generated_tokens = int(usage.get("completion_tokens") or stats.generated_tokens)
-        stats.stop_reason = "max_tokens" if outcome.get("finish_reason") == "length" else "quote_end"
+        finish = outcome.get("finish_reason")
+        stats.stop_reason = {"length": "max_tokens", "sentences": "sentences"}.get(finish or "", "quote_end")
         job.put(Usage(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated_tokens))
         job.put(Done())
 
@@ -398,6 +443,9 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         "max_tokens": request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # A first chunk says how long the prompt is and how much of it was cached: the usage
+        # of a quote ended early (MAX_SENTENCES), and the benchmarks' prefill figures.
+        "return_progress": True,
         "stop": list(STOP_STRINGS),
         "temperature": pick(request.temperature, 0.8),
         "top_p": pick(request.top_p, 0.95),
