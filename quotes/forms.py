@@ -70,6 +70,11 @@ class PersonaForm(forms.ModelForm[Persona]):
             if field.help_text:
                 self.fields[field.name].help_text = field.help_text
 
+    def clean_voice_examples(self) -> str:
+        # A browser posts a textarea's lines with CRLF: stored as typed, the same examples would
+        # read as a change (a new version) on every save.
+        return str(self.cleaned_data.get("voice_examples") or "").replace("\r\n", "\n")
+
     def clean_fallback_models(self) -> list[str]:
         # Keep the catalog's order: that is the order the select lists them in.
         chosen = set(self.cleaned_data.get("fallback_models") or [])

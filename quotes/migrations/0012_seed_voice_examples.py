@@ -108,7 +108,7 @@ def seed(apps, schema_editor):
         persona = Persona.objects.filter(slug=slug).first()
         if persona is None or persona.voice_examples.strip():
             continue
-        persona.voice_examples = text
+        persona.voice_examples = text.strip()  # as the admin's form saves it
         persona.save(update_fields=["voice_examples"])
         latest = PersonaVersion.objects.filter(persona=persona).order_by("-number").first()
         PersonaVersion.objects.create(
@@ -123,7 +123,7 @@ def unseed(apps, schema_editor):
     Persona = apps.get_model("quotes", "Persona")
     PersonaVersion = apps.get_model("quotes", "PersonaVersion")
     for slug, text in EXAMPLES.items():
-        persona = Persona.objects.filter(slug=slug, voice_examples=text).first()
+        persona = Persona.objects.filter(slug=slug, voice_examples=text.strip()).first()
         if persona is not None:
             PersonaVersion.objects.filter(persona=persona, note=NOTE).delete()
             persona.voice_examples = ""

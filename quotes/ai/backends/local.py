@@ -177,6 +177,7 @@ class LocalBackend:
         queue_timeout_s: float = 20.0,
         max_waiting: int = 16,
         preload: bool = False,
+        prompt_cache_mib: int = 0,
     ) -> None:
         self.path = Path(path)
         self.model = name
@@ -185,6 +186,7 @@ class LocalBackend:
         self.slots = slots
         self.queue_timeout_s = queue_timeout_s
         self.max_waiting = max_waiting
+        self.prompt_cache_mib = prompt_cache_mib
         self._server: Any = None
         self._load_lock = threading.Lock()
         #: the key of the server's loopback HTTP listener: random, and never shown
@@ -210,6 +212,7 @@ class LocalBackend:
             slots=conf.slots,
             queue_timeout_s=conf.queue_timeout_s,
             preload=conf.preload,
+            prompt_cache_mib=conf.prompt_cache_mib,
         )
 
     def model_name(self, requested: str) -> str:
@@ -318,7 +321,17 @@ class LocalBackend:
                 params.n_ctx = self.n_ctx * self.slots  # split evenly between the slots
                 params.cpuparams.n_threads = self.n_threads
                 params.cpuparams_batch.n_threads = self.n_threads
-                params.cache_ram_mib = 0  # no host-memory prompt cache: each slot reuses its own prefix
+                # Each slot reuses the prompt it last read. A persona's frame is a few hundred
+                # tokens (its examples), and with more personas than slots it is pushed out by
+                # another's: the host-memory prompt cache keeps it (a frame's KV is ~20 KiB a
+                # token) and reads it back instead of computing it again.
+                params.cache_ram_mib = self.prompt_cache_mib
+                # Gemma 3 keeps most layers' cache for a sliding window only, and llama.cpp cannot
+                # cut such a cache back to a shared prefix: without this, no prompt reuses any of
+                # the frame a slot holds (measured: 0 of 185 tokens cached; with it 179, and the
+                # first token in 40-110 ms instead of 0.8-3 s). The full cache costs ~18 KiB a
+                # token of context (about 72 MiB for 4 slots of 1,024).
+                params.swa_full = True
                 params.verbosity = -1  # llama.cpp's own log lines stay out of the server's stderr
                 # Its HTTP listener cannot be switched off: keep it on loopback, behind a random key.
                 params.hostnames = ["127.0.0.1"]
