@@ -245,7 +245,9 @@ async def generate(persona: Any, topic: str) -> Quote:
     if backend.jobs:
         stats = backend.jobs[-1]
         quote.cached_tokens = getattr(stats, "cached_tokens", None)
-        quote.stop_reason = stats.stop_reason
+        # A quote the copy rule ended: the gateway closed the backend's stream ("stopped", or
+        # not yet marked when it is read here).
+        quote.stop_reason = stats.stop_reason if stats.stop_reason not in ("", "stopped") else "copy cut"
     quote.text = quote.text.strip()
     return quote
 
@@ -386,7 +388,13 @@ def report(
             "examples",
             "order",
         )
-    } | {"no_examples": args.no_examples, "max_tokens": args.max_tokens}
+    } | {
+        "no_examples": args.no_examples,
+        "max_tokens": args.max_tokens,
+        "sampling": args.sampling,
+        "max_sentences": args.max_sentences,
+        "topic_bias": args.topic_bias,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["out"] = str(out)
     return summary
@@ -470,6 +478,14 @@ def main() -> None:
     parser.add_argument("--examples", type=int, help="use only the first K examples")
     parser.add_argument("--order", choices=("given", "reversed", "shuffled"), default="given")
     parser.add_argument("--no-examples", action="store_true", help="the shared frame, as before issue 23")
+    parser.add_argument("--max-sentences", type=int, help="end a quote after this many sentences (0: never)")
+    parser.add_argument("--topic-bias", type=float, help="raise the topic's words by this much (logit bias)")
+    parser.add_argument(
+        "--sampling",
+        default="",
+        help="llama.cpp defaults to change in this process, e.g. dry_multiplier=0.8,min_p=0.05 "
+        "(quotes.ai.backends.local.SAMPLING_DEFAULTS)",
+    )
     parser.add_argument("--examples-from", default=str(SEED_MIGRATION), help=argparse.SUPPRESS)
     parser.add_argument("--timing", type=int, default=2, help="warm/cold rounds per persona (0: none)")
     parser.add_argument("--seed", type=int, default=23, help="for the blind sheet's order")
@@ -483,6 +499,16 @@ def main() -> None:
         score(Path(args.score[0]), Path(args.score[1]))
         return
     setup_django(args.database)
+    from quotes.ai.backends import local
+
+    if args.max_sentences is not None:
+        local.MAX_SENTENCES = args.max_sentences
+    if args.topic_bias is not None:
+        local.TOPIC_BIAS = args.topic_bias
+    if args.sampling:
+        for item in args.sampling.split(","):
+            name, _, value = item.partition("=")
+            local.SAMPLING_DEFAULTS[name.strip()] = float(value) if "." in value else int(value)
     print(machine())
     summary = asyncio.run(run(args))
     if args.json:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from django.core.exceptions import ValidationError
 from django.core.management import call_command
+from django.test import Client
 
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import FRAME_HEADER, LocalBackend, completion_prompt
@@ -33,6 +34,7 @@ from quotes.services import persona_rollback, persona_save
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 from .asgi import parse_sse, request
+from .test_admin import form_data
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDED = {"alan-watts", "marcus-aurelius", "ada-lovelace", "mark-twain", "emily-dickinson", "lao-tzu"}
@@ -131,7 +133,32 @@ def test_voice_examples_are_versioned_diffed_and_rolled_back() -> None:
     assert rolled is not None and rolled.config == seeded.config
     persona.refresh_from_db()
     assert persona.voice_examples == seeded.config["voice_examples"]
-    assert persona.examples()[0].topic == "self-knowledge"
+    assert persona.examples()[-1].topic == "knowing oneself"
+
+
+@pytest.mark.django_db
+def test_admin_edits_voice_examples_as_a_new_version_and_crlf_is_no_change(admin_client: Client) -> None:
+    persona = Persona.objects.get(slug="emily-dickinson")
+    url = f"/admin/quotes/persona/{persona.pk}/change/"
+    assert 'name="voice_examples"' in admin_client.get(url).content.decode()
+    before = persona.versions.count()
+
+    # A browser posts the textarea with CRLF line ends: the same examples, no new version.
+    same = persona.voice_examples.replace("\n", "\r\n")
+    assert admin_client.post(url, form_data(persona, voice_examples=same)).status_code == 302
+    assert persona.versions.count() == before
+
+    added = persona.voice_examples + "\r\nbees: To make a prairie it takes a clover and one bee."
+    assert admin_client.post(url, form_data(persona, voice_examples=added)).status_code == 302
+    assert persona.versions.count() == before + 1
+    persona.refresh_from_db()
+    assert persona.examples()[-1] == VoiceExample("bees", "To make a prairie it takes a clover and one bee.")
+    page = admin_client.get(f"/admin/quotes/persona/{persona.pk}/history-versions/").content.decode()
+    assert "bees: To make a prairie it takes a clover and one bee." in page
+
+    too_many = "\n".join(f"t{i}: line {i}" for i in range(MAX_EXAMPLES + 1))
+    response = admin_client.post(url, form_data(persona, voice_examples=too_many))
+    assert response.status_code == 200 and f"At most {MAX_EXAMPLES} examples" in response.content.decode()
 
 
 @pytest.mark.django_db

@@ -15,67 +15,68 @@ NOTE = "voice examples (issue 23)"
 EXAMPLES = {
     "marcus-aurelius": """\
 # Verbatim from Meditations, translated by George Long (1862; The Thoughts of the Emperor
-# M. Aurelius Antoninus). In order: V.16, IV.43, VII.59, X.16, IV.17, IV.49, VIII.47.
-the mind: Such as are thy habitual thoughts, such also will be the character of thy mind; for the soul is dyed by the thoughts.
-time: Time is like a river made up of the events which happen, and a violent stream; for as soon as a thing has been seen, it is carried away, and another comes in its place, and this will be carried away too.
-goodness: Look within. Within is the fountain of good, and it will ever bubble up, if thou wilt ever dig.
-virtue: No longer talk at all about the kind of man that a good man ought to be, but be such.
-death: Do not act as if thou wert going to live ten thousand years. Death hangs over thee. While thou livest, while it is in thy power, be good.
-adversity: Be like the promontory against which the waves continually break, but it stands firm and tames the fury of the water around it.
+# M. Aurelius Antoninus). In order: VIII.47, IV.49, IV.17, X.16, VII.59, IV.43, V.16.
 judgement: If thou art pained by any external thing, it is not this thing that disturbs thee, but thy own judgement about it.
+waves: Be like the promontory against which the waves continually break, but it stands firm and tames the fury of the water around it.
+death: Do not act as if thou wert going to live ten thousand years. Death hangs over thee. While thou livest, while it is in thy power, be good.
+good men: No longer talk at all about the kind of man that a good man ought to be, but be such.
+goodness: Look within. Within is the fountain of good, and it will ever bubble up, if thou wilt ever dig.
+time: Time is like a river made up of the events which happen, and a violent stream; for as soon as a thing has been seen, it is carried away, and another comes in its place, and this will be carried away too.
+the mind: Such as are thy habitual thoughts, such also will be the character of thy mind; for the soul is dyed by the thoughts.
 """,
     "lao-tzu": """\
 # Verbatim from the Tao Te Ching, translated by James Legge (The Texts of Taoism, Sacred Books
-# of the East vol. 39, 1891); the parentheses are Legge's. In order: chapters 33, 15, 9, 64, 76, 22.
-self-knowledge: He who knows other men is discerning; he who knows himself is intelligent. He who overcomes others is strong; he who overcomes himself is mighty.
-stillness: Who can (make) the muddy water (clear)? Let it be still, and it will gradually become clear.
-excess: It is better to leave a vessel unfilled, than to attempt to carry it when it is full.
-beginnings: The tree which fills the arms grew from the tiniest sprout; the tower of nine storeys rose from a (small) heap of earth; the journey of a thousand li commenced with a single step.
+# of the East vol. 39, 1891); the parentheses are Legge's. In order: chapters 22, 76, 64, 9, 15, 33.
+what is empty: The partial becomes complete; the crooked, straight; the empty, full; the worn out, new.
 softness: Firmness and strength are the concomitants of death; softness and weakness, the concomitants of life.
-change: The partial becomes complete; the crooked, straight; the empty, full; the worn out, new.
+journeys: The tree which fills the arms grew from the tiniest sprout; the tower of nine storeys rose from a (small) heap of earth; the journey of a thousand li commenced with a single step.
+full vessels: It is better to leave a vessel unfilled, than to attempt to carry it when it is full.
+muddy water: Who can (make) the muddy water (clear)? Let it be still, and it will gradually become clear.
+knowing oneself: He who knows other men is discerning; he who knows himself is intelligent. He who overcomes others is strong; he who overcomes himself is mighty.
 """,
     "mark-twain": """\
 # Verbatim from Pudd'nhead Wilson's Calendar: the chapter epigraphs of Mark Twain's
 # Pudd'nhead Wilson (1894).
-good examples: Few things are harder to put up with than the annoyance of a good example.
-living well: Let us endeavor so to live that when we come to die even the undertaker will be sorry.
-habits: Nothing so needs reforming as other people's habits.
-anger: When angry, count four; when very angry, swear.
-education: Training is everything. The peach was once a bitter almond; cauliflower is nothing but cabbage with a college education.
 lies: One of the most striking differences between a cat and a lie is that a cat has only nine lives.
+education: Training is everything. The peach was once a bitter almond; cauliflower is nothing but cabbage with a college education.
+anger: When angry, count four; when very angry, swear.
+habits: Nothing so needs reforming as other people's habits.
+undertakers: Let us endeavor so to live that when we come to die even the undertaker will be sorry.
+good examples: Few things are harder to put up with than the annoyance of a good example.
 """,
     "ada-lovelace": """\
 # Verbatim from Ada Lovelace's Notes by the Translator to L. F. Menabrea's Sketch of the
 # Analytical Engine (Taylor's Scientific Memoirs, vol. 3, 1843), Notes A and G.
-patterns: We may say most aptly that the Analytical Engine weaves algebraical patterns just as the Jacquard-loom weaves flowers and leaves.
-originality: The Analytical Engine has no pretensions whatever to originate anything. It can do whatever we know how to order it to perform.
-arithmetic: The bounds of arithmetic were outstepped the moment the idea of applying the cards had occurred.
-music: Supposing, for instance, that the fundamental relations of pitched sounds in the science of harmony and of musical composition were susceptible of such expression and adaptations, the engine might compose elaborate and scientific pieces of music of any degree of complexity or extent.
+new subjects: In considering any new subject, there is frequently a tendency, first, to overrate what we find to be already interesting or remarkable; and, secondly, by a sort of natural reaction, to undervalue the true state of the case, when we do discover that our notions have surpassed those that were really tenable.
 symbols: The engine can arrange and combine its numerical quantities exactly as if they were letters or any other general symbols; and in fact it might bring out its results in algebraical notation, were provisions made accordingly.
-new ideas: In considering any new subject, there is frequently a tendency, first, to overrate what we find to be already interesting or remarkable; and, secondly, by a sort of natural reaction, to undervalue the true state of the case, when we do discover that our notions have surpassed those that were really tenable.
+music: Supposing, for instance, that the fundamental relations of pitched sounds in the science of harmony and of musical composition were susceptible of such expression and adaptations, the engine might compose elaborate and scientific pieces of music of any degree of complexity or extent.
+arithmetic: The bounds of arithmetic were outstepped the moment the idea of applying the cards had occurred.
+originating: The Analytical Engine has no pretensions whatever to originate anything. It can do whatever we know how to order it to perform.
+patterns: We may say most aptly that the Analytical Engine weaves algebraical patterns just as the Jacquard-loom weaves flowers and leaves.
 """,
     "emily-dickinson": """\
 # Verbatim from the poems as first published, edited by Mabel Loomis Todd and T. W. Higginson:
 # Poems (1890), Poems, Second Series (1891), Poems, Third Series (1896). A / marks a line break.
-# In order: Success (1890), The brain is wider than the sky (1896), A Book (1896), I'm nobody
-# (1891), The Chariot (1890), Much madness is divinest sense (1890), I never saw a moor (1890).
-success: Success is counted sweetest / By those who ne'er succeed. / To comprehend a nectar / Requires sorest need.
-the mind: The brain is wider than the sky, / For, put them side by side, / The one the other will include / With ease, and you beside.
-books: There is no frigate like a book / To take us lands away, / Nor any coursers like a page / Of prancing poetry.
-fame: I'm nobody! Who are you? / Are you nobody, too?
-death: Because I could not stop for Death, / He kindly stopped for me; / The carriage held but just ourselves / And Immortality.
+# In order: I never saw a moor (1890), Much madness is divinest sense (1890), The Chariot
+# (1890), I'm nobody (1891), A Book (1896), The brain is wider than the sky (1896), Success (1890).
+moors: I never saw a moor, / I never saw the sea; / Yet know I how the heather looks, / And what a wave must be.
 madness: Much madness is divinest sense / To a discerning eye; / Much sense the starkest madness.
-faith: I never saw a moor, / I never saw the sea; / Yet know I how the heather looks, / And what a wave must be.
+death: Because I could not stop for Death, / He kindly stopped for me; / The carriage held but just ourselves / And Immortality.
+nobodies: I'm nobody! Who are you? / Are you nobody, too?
+books: There is no frigate like a book / To take us lands away, / Nor any coursers like a page / Of prancing poetry.
+the brain: The brain is wider than the sky, / For, put them side by side, / The one the other will include / With ease, and you beside.
+success: Success is counted sweetest / By those who ne'er succeed. / To comprehend a nectar / Requires sorest need.
 """,
     "alan-watts": """\
 # Alan Watts's own words are not in the public domain: these lines are original, written for
-# this site in his manner (play, paradox, the present moment), not quotations.
-worry: Worrying about tomorrow is like chewing a meal that nobody has cooked yet: all jaw and no dinner.
-the self: Hunting for your real self is a flashlight searching the dark for the flashlight.
-work: Sweep the floor as though sweeping were the whole point of the universe, because for the next ten minutes it is.
-clouds: A cloud never frets about whether it is the right shape, and that is exactly why the sky looks so easy.
-time: Yesterday is a rumour and tomorrow a daydream; whatever has ever happened has happened now.
+# this site in his manner (play, paradox, the present moment, you), not quotations.
 relaxing: Trying hard to relax is like pulling on a rope to make it go slack.
+yesterday: Yesterday is a rumour and tomorrow a daydream; the universe has never happened anywhere but now.
+clouds: A cloud never worries whether it is the right shape, and the universe finds it perfectly cloudy.
+sweeping: Sweep the floor as though sweeping were the whole point of the universe, because for the next ten minutes it is.
+the self: Looking for your real self is like a flashlight searching the dark for the flashlight, you see.
+playing: The cosmos is not going anywhere in particular; it is playing, and so, when you stop frowning, are you.
+worrying: You can worry about tomorrow all you like, but it is chewing a dinner nobody has cooked: all jaw and no supper.
 """,
 }
 

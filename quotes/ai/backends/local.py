@@ -445,12 +445,51 @@ class LocalBackend:
         job.put(Done())
 
 
+#: What llama.cpp samples with where the persona leaves a field empty (temperature, top_p,
+#: top_k, repetition_penalty), and the samplers a persona has no field for. Chosen by measure
+#: with bench/voice.py (docs/benchmarks.md, "Voices"); the benchmark varies them in its process.
+SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "top_k": 40,
+    "repeat_penalty": 1.15,
+    # DRY ("don't repeat yourself") lowers a token that would extend a run of tokens already in
+    # the context past `dry_allowed_length`; over the whole context, the frame's examples
+    # included, so the model writes in their voice without reciting them.
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 4,
+    "dry_penalty_last_n": 4096,  # the whole context (this llama.cpp refuses -1)
+}
+
+
+#: How much the topic's own words are favoured (added to their tokens' logits; 0: not at all).
+TOPIC_BIAS = 2.0
+_TOPIC_WORD = re.compile(r"[^\W\d_]{3,}")
+_STOP_WORDS = frozenset(
+    {"the", "and", "for", "with", "about", "from", "into", "over", "your", "our", "their"}
+)
+
+
+def topic_bias(topic: str, bias: float) -> list[list[str | float]]:
+    """llama.cpp's `logit_bias` raising the topic's words (each as a word on its own, in lower
+    case and capitalised), so that a quote keeps to its topic."""
+    if not bias:
+        return []
+    words = [w for w in _TOPIC_WORD.findall(topic.lower()) if w not in _STOP_WORDS]
+    return [
+        [form, bias] for word in words for form in (f" {word}", f" {word.capitalize()}", word.capitalize())
+    ]
+
+
 def completion_body(request: GenerationRequest) -> dict[str, Any]:
     """The OpenAI-style completion request llama.cpp gets: the frame, the sampling, the stops."""
-
-    def pick(value: float | int | None, default: float | int) -> float | int:
-        return default if value is None else value
-
+    persona = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "repeat_penalty": request.repetition_penalty or None,
+    }
     return {
         "prompt": completion_prompt(request),
         "max_tokens": request.max_tokens,
@@ -460,12 +499,11 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         # of a quote ended early (MAX_SENTENCES), and the benchmarks' prefill figures.
         "return_progress": True,
         "stop": list(STOP_STRINGS),
-        "temperature": pick(request.temperature, 0.8),
-        "top_p": pick(request.top_p, 0.95),
-        "top_k": pick(request.top_k, 40),
-        "repeat_penalty": request.repetition_penalty or 1.15,
+        **SAMPLING_DEFAULTS,
+        **{name: value for name, value in persona.items() if value is not None},
         "frequency_penalty": request.frequency_penalty or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
+        "logit_bias": topic_bias(request.topic, TOPIC_BIAS),
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
         # A slot reuses the frame it has already read, which saves most of the prompt's time to
         # first token; but logits then differ in the last bits, so a greedy quote can change. A
