@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.voice --per-persona 2 --topics rain,bridges,candles,old friends
     .venv/bin/python -m bench.voice --score artifacts/bench/voice/<run> guesses.txt
+    .venv/bin/python -m bench.voice --measure artifacts/bench/voice/<run>   # figures again
 
 Writes `--per-persona` quotes per persona on each topic, through the real gateway
 (`stream_generation`, the answer cache off) and the embedded model (AI_BACKEND=local), on a
@@ -27,8 +28,9 @@ It prints:
   pairs over all word pairs (1.0: no pair repeated), averaged over the topics;
 - the longest run of words a quote shares with one of its persona's examples (8+ is a copy);
 - lexical attribution: each quote given to the persona whose examples' bag of words (words and
-  the marks / ; ( ! ?, counted, no stop words removed) is nearest by cosine; the share given to
-  its own persona (chance: one in the number of personas);
+  the marks / ; ( ! ?) is nearest by cosine, each feature weighted by how few personas' examples
+  have it (tf-idf: a word all personas use says nothing about who speaks; raw counts in
+  brackets); the share given to its own persona (chance: one in the number of personas);
 - time to first token: p50 over all quotes (personas taking turns), and, per persona, warm (the
   persona's frame already in a slot) against cold (the same request with `cache_prompt` off,
   so llama.cpp reads the whole frame): the difference is the frame's prefill cost.
@@ -308,13 +310,52 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return report(quotes, timings, examples, personas, args, rng)
 
 
-def attribute(quotes: list[Quote], examples: dict[str, list[str]]) -> dict[str, str]:
+def attribute(quotes: list[Quote], examples: dict[str, list[str]], *, idf: bool = True) -> list[str]:
+    """Each quote's nearest persona: cosine between its bag and each persona's examples' bag.
+    With `idf`, a feature counts by how few personas' examples have it (log(personas / having
+    it)): a word every persona uses says nothing about who speaks."""
     centroids = {slug: sum((features(line) for line in lines), Counter()) for slug, lines in examples.items()}
-    guesses = {}
-    for index, quote in enumerate(quotes):
-        bag = features(quote.text)
-        guesses[str(index)] = max(centroids, key=lambda slug: (cosine(bag, centroids[slug]), slug))
-    return guesses
+    having = Counter(feature for bag in centroids.values() for feature in bag)
+    weight = {f: math.log(len(centroids) / n) if idf else 1.0 for f, n in having.items()}
+
+    def weighed(bag: Counter[str]) -> Counter[str]:
+        return Counter({f: count * weight.get(f, 0.0) for f, count in bag.items()})
+
+    centroids = {slug: weighed(bag) for slug, bag in centroids.items()}
+    return [
+        max(centroids, key=lambda slug: (cosine(weighed(features(q.text)), centroids[slug]), slug))
+        for q in quotes
+    ]
+
+
+def measure(quotes: list[Quote], examples: dict[str, list[str]], personas: int) -> dict[str, Any]:
+    """The figures read from the quotes' text alone."""
+    written = [q for q in quotes if q.text and not q.error]
+    by_topic: dict[str, list[str]] = {}
+    for quote in written:
+        by_topic.setdefault(quote.topic, []).append(quote.text)
+    runs = [longest_common_run(q.text, examples.get(q.persona, [])) for q in written]
+    return {
+        "quotes": len(quotes),
+        "errors": sum(1 for q in quotes if q.error or not q.text),
+        "personas": personas,
+        "on_topic": _share(on_topic(q.text, q.topic) for q in written),
+        "ends_cleanly": _share(ends_cleanly(q.text) for q in written),
+        "mean_words": sum(len(words(q.text)) for q in written) / len(written) if written else math.nan,
+        "distinct_2_across_personas": _mean([distinct_2(texts) for texts in by_topic.values()]),
+        "distinct_2_all": distinct_2([q.text for q in written]),
+        "longest_copied_run": max(runs, default=0),
+        "copies_8_plus": sum(1 for run in runs if run >= 8),
+        "lexical_attribution": _share(
+            guess == q.persona for guess, q in zip(attribute(written, examples), written, strict=True)
+        ),
+        "lexical_attribution_raw": _share(
+            guess == q.persona
+            for guess, q in zip(attribute(written, examples, idf=False), written, strict=True)
+        ),
+        "chance": 1 / personas if personas else math.nan,
+        "stop_reasons": dict(Counter(q.stop_reason for q in written)),
+    }
 
 
 def report(
@@ -326,28 +367,12 @@ def report(
     rng: random.Random,
 ) -> dict[str, Any]:
     written = [q for q in quotes if q.text and not q.error]
-    guesses = attribute(written, examples)
-    by_topic: dict[str, list[str]] = {}
-    for quote in written:
-        by_topic.setdefault(quote.topic, []).append(quote.text)
-    runs = [longest_common_run(q.text, examples.get(q.persona, [])) for q in written]
     ttfts = [q.ttft_ms for q in written if q.ttft_ms is not None]
     warm = [ms for t in timings.values() for ms in t.warm_ms]
     cold = [ms for t in timings.values() for ms in t.cold_ms]
     frames = [n for t in timings.values() for n in t.frame_tokens] or [q.prompt_tokens for q in written]
     summary: dict[str, Any] = {
-        "quotes": len(quotes),
-        "errors": sum(1 for q in quotes if q.error or not q.text),
-        "personas": len(personas),
-        "on_topic": _share(on_topic(q.text, q.topic) for q in written),
-        "ends_cleanly": _share(ends_cleanly(q.text) for q in written),
-        "mean_words": sum(len(words(q.text)) for q in written) / len(written) if written else math.nan,
-        "distinct_2_across_personas": _mean([distinct_2(texts) for texts in by_topic.values()]),
-        "distinct_2_all": distinct_2([q.text for q in written]),
-        "longest_copied_run": max(runs, default=0),
-        "copies_8_plus": sum(1 for run in runs if run >= 8),
-        "lexical_attribution": _share(guesses[str(i)] == q.persona for i, q in enumerate(written)),
-        "chance": 1 / len(personas) if personas else math.nan,
+        **measure(quotes, examples, len(personas)),
         "ttft_ms_p50": median(ttfts),
         "ttft_ms_p90": percentile(ttfts, 90),
         "ttft_warm_ms_p50": median(warm),
@@ -356,7 +381,6 @@ def report(
         "prefill_ms_p50": median(cold) - median(warm) if warm and cold else math.nan,
         "frame_tokens_p50": median(frames),
         "cached_share": _share((q.cached_tokens or 0) > 0 for q in written if q.cached_tokens is not None),
-        "stop_reasons": dict(Counter(q.stop_reason for q in written)),
     }
     out = Path(args.out) if args.out else ARTIFACTS / "voice" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -394,6 +418,7 @@ def report(
         "sampling": args.sampling,
         "max_sentences": args.max_sentences,
         "topic_bias": args.topic_bias,
+        "enough_words": args.enough_words,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["out"] = str(out)
@@ -427,8 +452,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("longest run copied from an example, words", str(summary["longest_copied_run"])),
         ("quotes with a run of 8+ words copied", str(summary["copies_8_plus"])),
         (
-            "lexical attribution to its own persona",
-            f"{pct(summary['lexical_attribution'])} (chance {pct(summary['chance'])})",
+            "lexical attribution to its own persona, tf-idf (raw counts)",
+            f"{pct(summary['lexical_attribution'])} ({pct(summary['lexical_attribution_raw'])}); "
+            f"chance {pct(summary['chance'])}",
         ),
         (
             "TTFT p50 / p90, personas taking turns, ms",
@@ -465,6 +491,18 @@ def score(directory: Path, guesses_file: Path) -> None:
     print(f"{right} of {total} right ({right / total:.0%}); chance 1 in {len(set(key.values()))}")
 
 
+def remeasure(directory: Path, examples_from: Path) -> dict[str, Any]:
+    """The text figures of an earlier run again, from its quotes.jsonl (its timings kept), with
+    the examples of the seed migration: after a change to the measures, or for old code's runs."""
+    quotes = [Quote(**json.loads(line)) for line in (directory / "quotes.jsonl").read_text().splitlines()]
+    examples = {slug: parse_lines(text) for slug, text in seed_examples(examples_from).items()}
+    summary = json.loads((directory / "summary.json").read_text())
+    summary.update(measure(quotes, examples, len({q.persona for q in quotes})))
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["out"] = str(directory)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-persona", type=int, default=2, help="quotes per persona on each topic")
@@ -481,6 +519,9 @@ def main() -> None:
     parser.add_argument("--max-sentences", type=int, help="end a quote after this many sentences (0: never)")
     parser.add_argument("--topic-bias", type=float, help="raise the topic's words by this much (logit bias)")
     parser.add_argument(
+        "--enough-words", type=int, help="end a quote after a sentence reaching this many words"
+    )
+    parser.add_argument(
         "--sampling",
         default="",
         help="llama.cpp defaults to change in this process, e.g. dry_multiplier=0.8,min_p=0.05 "
@@ -494,9 +535,13 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true", help="no line per quote as it is written")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--score", nargs=2, metavar=("RUN_DIR", "GUESSES"), help="score a reader's guesses")
+    parser.add_argument("--measure", metavar="RUN_DIR", help="recompute an earlier run's text figures")
     args = parser.parse_args()
     if args.score:
         score(Path(args.score[0]), Path(args.score[1]))
+        return
+    if args.measure:
+        print_summary(remeasure(Path(args.measure), Path(args.examples_from)))
         return
     setup_django(args.database)
     from quotes.ai.backends import local
@@ -505,6 +550,8 @@ def main() -> None:
         local.MAX_SENTENCES = args.max_sentences
     if args.topic_bias is not None:
         local.TOPIC_BIAS = args.topic_bias
+    if args.enough_words is not None:
+        local.ENOUGH_WORDS = args.enough_words
     if args.sampling:
         for item in args.sampling.split(","):
             name, _, value = item.partition("=")

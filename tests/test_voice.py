@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import replace
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -359,6 +360,42 @@ async def test_local_quote_ends_after_its_last_allowed_sentence(local_backend: L
     assert local_backend.jobs[-1].stop_reason == "sentences"
     *_, usage, done = got
     assert isinstance(done, Done) and isinstance(usage, Usage) and usage.prompt_tokens > 10
+
+
+async def test_local_frames_are_reused_from_slots_and_from_the_prompt_cache(
+    local_backend: LocalBackend,
+) -> None:
+    """A persona's frame is read once: a later request of the same persona reuses it, from its
+    slot or, once more personas than slots have pushed it out, from the host-memory cache."""
+    frames = {
+        name: persona_with_examples(
+            name=name,
+            voice_examples="\n".join(
+                f"{topic}: {name} says {topic} is a {shade} thing, and every {topic} comes back again."
+                for topic, shade in (
+                    ("rivers", "long"),
+                    ("stones", "slow"),
+                    ("salt", "white"),
+                    ("moss", "green"),
+                )
+            ),
+        )
+        for name in ("Ana", "Bo", "Cy", "Di", "Ed", "Flo")
+    }
+
+    async def cached(name: str, topic: str) -> int:
+        request = frames[name].build_request(topic=topic)
+        async with aclosing(local_backend.stream(replace(request, max_tokens=2))) as events:
+            assert isinstance([e async for e in events][-1], Done)
+        stats = local_backend.jobs[-1]
+        assert stats.prompt_tokens > 100
+        return stats.cached_tokens
+
+    await cached("Ana", "rain")
+    assert await cached("Ana", "snow") > 100  # from its slot: all but the topic
+    for name in ("Bo", "Cy", "Di", "Ed", "Flo"):  # more frames than the model has slots
+        await cached(name, "rain")
+    assert await cached("Ana", "hail") > 100  # from the prompt cache
 
 
 # --- the benchmark ---------------------------------------------------------------------------------

@@ -75,14 +75,25 @@ FRAME_HEADER = (
 # The quote ends at its closing quote mark or at the end of the line.
 STOP_STRINGS = ('"', "\u201d", "\n")
 
-#: A quote ends after this many sentences: a base model, once started, rambles on.
+#: A quote ends after this many sentences: a base model, once started, rambles on. It ends
+#: after its first sentence already when that one has ENOUGH_WORDS words (0: never).
 MAX_SENTENCES = 2
+ENOUGH_WORDS = 14
 # The end of a sentence: its mark (an ellipsis counts once), any closing marks after it, then a
 # space or the end of the text so far ("3.5" and "e.g.x" do not end one).
 _SENTENCE_END = re.compile(r"(?:[.!?]+|\u2026)['\u2019)\]]*(?=\s|$)")
 
 #: The longest sketch of a persona the frame takes (characters): the prompt stays small.
 MAX_SKETCH_CHARS = 300
+
+
+def quote_end(text: str, max_sentences: int, enough_words: int = 0) -> int | None:
+    """Where the quote `text` (so far) must end: after its `max_sentences`-th sentence, or after
+    the first sentence that brings it to `enough_words` words; None while it may go on."""
+    for count, end in enumerate(_SENTENCE_END.finditer(text), 1):
+        if count >= max_sentences or (enough_words and len(text[: end.end()].split()) >= enough_words):
+            return end.end()
+    return None
 
 
 def completion_prompt(request: GenerationRequest) -> str:
@@ -154,8 +165,10 @@ class JobStats:
 class _Job:
     body: dict[str, Any]  # the completion request for llama.cpp
     put: Callable[[object], None]
-    #: end the text after this many sentences (None: when llama.cpp ends it)
+    #: end the text after this many sentences (None: when llama.cpp ends it), or after any
+    #: sentence that brings it to `enough_words` words (0: no such rule)
     max_sentences: int | None = None
+    enough_words: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     stats: JobStats = field(default_factory=JobStats)
 
@@ -264,13 +277,15 @@ class LocalBackend:
         self._server = None  # the C++ destructor stops llama.cpp's loop and frees the model
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
-        return self.stream_completion(completion_body(request), max_sentences=MAX_SENTENCES)
+        return self.stream_completion(
+            completion_body(request), max_sentences=MAX_SENTENCES, enough_words=ENOUGH_WORDS
+        )
 
     async def stream_completion(
-        self, body: dict[str, Any], *, max_sentences: int | None = None
+        self, body: dict[str, Any], *, max_sentences: int | None = None, enough_words: int = 0
     ) -> AsyncGenerator[Event, None]:
         """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot,
-        ended after `max_sentences` sentences if given."""
+        ended after `max_sentences` sentences if given (or a sentence reaching `enough_words`)."""
         with self._pending_lock:
             if self._pending >= self.max_waiting:
                 yield busy()
@@ -282,7 +297,7 @@ class LocalBackend:
         def put(item: object) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        job = _Job(body=body, put=put, max_sentences=max_sentences)
+        job = _Job(body=body, put=put, max_sentences=max_sentences, enough_words=enough_words)
         self._live.add(job)
         self.jobs = [*self.jobs[-49:], job.stats]
         self._executor.submit(self._run, job)
@@ -412,10 +427,10 @@ class LocalBackend:
                 if not written:
                     text = text.lstrip()  # the quote starts right after the open quote mark
                 if job.max_sentences:
-                    ends = list(_SENTENCE_END.finditer(written + text))
-                    if len(ends) >= job.max_sentences:
+                    end = quote_end(written + text, job.max_sentences, job.enough_words)
+                    if end is not None:
                         # The last sentence the quote may have ends in this piece: stop there.
-                        text = text[: ends[job.max_sentences - 1].end() - len(written)]
+                        text = text[: end - len(written)]
                         outcome["finish_reason"] = "sentences"
                 if text:
                     written += text
