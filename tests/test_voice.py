@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 from io import StringIO
@@ -243,15 +243,22 @@ def test_chat_request_carries_the_examples_as_earlier_answers() -> None:
     )
 
 
+@pytest.fixture
+async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
+    """The workers-ai backend against the fake; its httpx client is closed on the test's loop."""
+    yield fake_workers_ai
+    await reset_backends()
+
+
 async def test_workers_ai_gets_the_examples_as_few_shot_turns_and_copies_are_cut(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, transactional_db: None
+    fake: FakeWorkersAI, transactional_db: None
 ) -> None:
     """Through the stream endpoint to the fake upstream: the chat carries the examples, and an
     answer that would repeat eight words of one ends before the eighth."""
     persona = persona_with_examples()
     await persona.asave()
     copied = ["The", " moon", " does", " not", " hurry,", " and", " every", " night", " it", " arrives", "."]
-    fake_workers_ai.script(Scenario(tokens=copied))
+    fake.script(Scenario(tokens=copied))
 
     response = await request("POST", "/api/quotes/stream", json_body={"persona": "sage", "topic": "rain"})
 
@@ -261,7 +268,7 @@ async def test_workers_ai_gets_the_examples_as_few_shot_turns_and_copies_are_cut
     text = "".join(json.loads(e["data"]).get("response", "") for e in events[:-1])
     assert text == "The moon does not hurry, and every"
     assert longest_copied_run(text, persona.examples()) == COPY_RUN_WORDS - 1
-    sent = fake_workers_ai.requests[-1].json["messages"]
+    sent = fake.requests[-1].json["messages"]
     assert sent[1:3] == [
         {"role": "user", "content": "One line about water"},
         {"role": "assistant", "content": persona.examples()[0].text},
@@ -269,7 +276,6 @@ async def test_workers_ai_gets_the_examples_as_few_shot_turns_and_copies_are_cut
     assert sent[-1] == {"role": "user", "content": "One line about rain"}
     row = await Generation.objects.aget()
     assert row.text == text and row.status == "ok"
-    await reset_backends()  # its httpx client is closed on this test's loop
 
 
 # --- the copy rule -------------------------------------------------------------------------------
