@@ -35,7 +35,9 @@ from quotes.services import persona_rollback, persona_save
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 from .asgi import parse_sse, request
-from .test_admin import form_data
+from .test_admin import form_data, preview_body, staff_headers
+
+__all__ = ["staff_headers"]  # a fixture of test_admin's, used here too
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDED = {"alan-watts", "marcus-aurelius", "ada-lovelace", "mark-twain", "emily-dickinson", "lao-tzu"}
@@ -160,6 +162,30 @@ def test_admin_edits_voice_examples_as_a_new_version_and_crlf_is_no_change(admin
     too_many = "\n".join(f"t{i}: line {i}" for i in range(MAX_EXAMPLES + 1))
     response = admin_client.post(url, form_data(persona, voice_examples=too_many))
     assert response.status_code == 200 and f"At most {MAX_EXAMPLES} examples" in response.content.decode()
+
+
+async def test_preview_shows_the_model_the_unsaved_examples(
+    persona: Persona, staff_headers: dict[str, str]
+) -> None:
+    """The live preview runs the form's examples, unsaved: greedy and seeded, other examples
+    give another quote, and the preview row's request carries them."""
+    url = f"/admin/quotes/persona/{persona.pk}/preview/"
+
+    async def preview_text(examples: str) -> str:
+        body = preview_body(persona, max_tokens=16, temperature=0, seed=5, voice_examples=examples)
+        response = await request("POST", url, json_body=body, headers=staff_headers)
+        assert response.status == 200, response.body
+        events = parse_sse(response.body)
+        assert events[-1]["data"] == "[DONE]"
+        return "".join(json.loads(e["data"]).get("response", "") for e in events[:-1])
+
+    sailor = "storms: The sea keeps its own counsel, and the gale keeps none.\nships: A hull is a promise."
+    baker = "bread: Flour remembers the field.\novens: An oven is patient heat."
+    assert await preview_text(sailor) == await preview_text(sailor)
+    assert await preview_text(baker) != await preview_text(sailor)
+    rows = [row async for row in Generation.objects.filter(is_preview=True).order_by("id")]
+    assert [row.request["examples"][0]["topic"] for row in rows] == ["storms", "storms", "bread", "storms"]
+    assert (await Persona.objects.aget(pk=persona.pk)).voice_examples == ""
 
 
 @pytest.mark.django_db
