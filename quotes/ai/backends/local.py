@@ -82,7 +82,8 @@ STOP_STRINGS = ('"', "\u201d", "\n")
 MAX_SENTENCES = 2
 ENOUGH_WORDS = 0
 # The end of a sentence: its mark (an ellipsis counts once), any closing marks after it, then a
-# space or the end of the text so far ("3.5" and "e.g.x" do not end one).
+# space or the end of the text so far (so "3." ends one if "5" has not arrived yet: rare in a
+# quote, and the price of never holding text back).
 _SENTENCE_END = re.compile(r"(?:[.!?]+|\u2026)['\u2019)\]]*(?=\s|$)")
 
 #: The longest sketch of a persona the frame takes (characters): the prompt stays small.
@@ -340,14 +341,14 @@ class LocalBackend:
                 params.cpuparams_batch.n_threads = self.n_threads
                 # Each slot reuses the prompt it last read. A persona's frame is a few hundred
                 # tokens (its examples), and with more personas than slots it is pushed out by
-                # another's: the host-memory prompt cache keeps it (a frame's KV is ~20 KiB a
-                # token) and reads it back instead of computing it again.
+                # another's: the host-memory prompt cache keeps it (~18 KiB a token, ~5 MiB a
+                # frame) and reads it back instead of computing it again.
                 params.cache_ram_mib = self.prompt_cache_mib
                 # Gemma 3 keeps most layers' cache for a sliding window only, and llama.cpp cannot
-                # cut such a cache back to a shared prefix: without this, no prompt reuses any of
-                # the frame a slot holds (measured: 0 of 185 tokens cached; with it 179, and the
-                # first token in 40-110 ms instead of 0.8-3 s). The full cache costs ~18 KiB a
-                # token of context (about 72 MiB for 4 slots of 1,024).
+                # reliably cut such a cache back to a shared prefix: prompts that share only the
+                # frame (another topic) often read it all again (a throwaway script: 0 of 185
+                # shared tokens reused; with this, 179). The full cache costs ~18 KiB a token of
+                # context (about 72 MiB for 4 slots of 1,024); docs/benchmarks.md, "Voices".
                 params.swa_full = True
                 params.verbosity = -1  # llama.cpp's own log lines stay out of the server's stderr
                 # Its HTTP listener cannot be switched off: keep it on loopback, behind a random key.
