@@ -282,8 +282,10 @@ LOCAL_MODEL = LocalModelSettings(
     slots=_env_or_error("LOCAL_MODEL_SLOTS", int, 4),
     queue_timeout_s=_env_or_error("LOCAL_MODEL_QUEUE_TIMEOUT", float, 20.0),
     preload=_env_or_error("LOCAL_MODEL_PRELOAD", bool, False),
+    prompt_cache_mib=_env_or_error("LOCAL_MODEL_PROMPT_CACHE_MIB", int, 64),
 )
 _positive("LOCAL_MODEL_SLOTS", LOCAL_MODEL.slots, low=1, high=64)
+_positive("LOCAL_MODEL_PROMPT_CACHE_MIB", LOCAL_MODEL.prompt_cache_mib, low=0)
 _positive("LOCAL_MODEL_N_CTX", LOCAL_MODEL.n_ctx, low=128)
 
 

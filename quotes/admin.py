@@ -56,7 +56,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
     prepopulated_fields = {"slug": ("name",)}
     fieldsets = (
         ("Identity", {"fields": ("name", "slug", "description")}),
-        ("Prompts", {"fields": ("system_prompt", "user_prompt_template", "default_topic")}),
+        ("Prompts", {"fields": ("system_prompt", "user_prompt_template", "default_topic", "voice_examples")}),
         ("Model", {"fields": ("backend", "model", "fallback_models", "lora", "max_tokens")}),
         (
             "Sampling",

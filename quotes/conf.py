@@ -131,3 +131,6 @@ class LocalModelSettings:
     queue_timeout_s: float
     #: load the model when the server starts instead of on the first request
     preload: bool
+    #: host memory (MiB) for llama.cpp's prompt cache: frames a slot gave up for another
+    #: persona's, read back instead of computed again (0: off)
+    prompt_cache_mib: int = 64

@@ -54,6 +54,7 @@ class PersonaForm(forms.ModelForm[Persona]):
         widgets = {
             "system_prompt": forms.Textarea(attrs={"rows": 4, "cols": 80}),
             "user_prompt_template": forms.Textarea(attrs={"rows": 3, "cols": 80}),
+            "voice_examples": forms.Textarea(attrs={"rows": 8, "cols": 100}),
         }
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -68,6 +69,11 @@ class PersonaForm(forms.ModelForm[Persona]):
         for field in SAMPLING_FIELDS.values():
             if field.help_text:
                 self.fields[field.name].help_text = field.help_text
+
+    def clean_voice_examples(self) -> str:
+        # A browser posts a textarea's lines with CRLF: stored as typed, the same examples would
+        # read as a change (a new version) on every save.
+        return str(self.cleaned_data.get("voice_examples") or "").replace("\r\n", "\n")
 
     def clean_fallback_models(self) -> list[str]:
         # Keep the catalog's order: that is the order the select lists them in.

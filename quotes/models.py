@@ -10,9 +10,13 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.dispatch import Signal
 
-from .ai.events import GENERATION_FIELDS, SAMPLING_FIELDS, GenerationRequest, Message
+from .ai.events import GENERATION_FIELDS, SAMPLING_FIELDS, GenerationRequest, Message, VoiceExample
+from .ai.voice import example_problems, parse_examples
 
 TEMPLATE_VARIABLES = frozenset({"topic"})
+
+#: The topic a chat model is told an example without a topic was about.
+UNTOPICAL = "anything at all"
 
 BACKEND_CHOICES = [("local", "Embedded model"), ("workers-ai", "Workers AI"), ("openai", "OpenAI-compatible")]
 
@@ -31,6 +35,13 @@ def validate_prompt_template(value: str) -> None:
         raise ValidationError(
             f"Unknown variable {', '.join('{' + n + '}' for n in unknown)}; use only {allowed}."
         )
+
+
+def validate_voice_examples(value: str) -> None:
+    """Voice examples within the limits the frame can hold (quotes.ai.voice)."""
+    problems = example_problems(value)
+    if problems:
+        raise ValidationError(problems)
 
 
 #: Sent when personas change without a save() or delete() of each (a queryset update): the
@@ -67,6 +78,14 @@ class Persona(models.Model):
         help_text="The user prompt. {topic} is replaced with the visitor's topic.",
     )
     default_topic = models.CharField(max_length=200)
+    voice_examples = models.TextField(
+        blank=True,
+        validators=[validate_voice_examples],
+        help_text="A few short lines in this persona's voice, one per line as topic: line "
+        "(e.g. water: Nothing is softer than water.). Before every quote the model is shown them as "
+        "this persona's earlier quotes, and a quote never copies eight words in a row from one. "
+        "Lines starting with # are notes, e.g. the edition quoted.",
+    )
     backend = models.CharField(
         max_length=20,
         choices=BACKEND_CHOICES,
@@ -146,11 +165,26 @@ class Persona(models.Model):
         # str.replace, not str.format: a topic is visitor input and must never be formatted.
         return self.user_prompt_template.replace("{topic}", topic)
 
+    def examples(self) -> tuple[VoiceExample, ...]:
+        return parse_examples(self.voice_examples)
+
     def build_request(
         self, *, topic: str, messages: tuple[Message, ...] = (), model: str | None = None
     ) -> GenerationRequest:
+        examples = self.examples()
+        # A chat model sees the examples as its own earlier answers, each to the user prompt on
+        # the example's topic (few-shot turns): it answers the real topic in the same voice.
+        shots = [
+            turn
+            for example in examples
+            for turn in (
+                Message("user", self.user_prompt(example.topic or UNTOPICAL)),
+                Message("assistant", example.text),
+            )
+        ]
         chat = (
             Message("system", self.system_prompt),
+            *shots,
             Message("user", self.user_prompt(topic)),
             *messages,
         )
@@ -163,6 +197,7 @@ class Persona(models.Model):
             max_tokens=self.max_tokens,
             **self.sampling(),
             lora=self.lora or None,
+            examples=examples,
         )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Field, Sum
 from django.utils import timezone
 
 from .ai.events import GENERATION_FIELDS
@@ -41,14 +41,18 @@ def persona_save(*, persona: Persona, created_by: Any = None, note: str = "") ->
 def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) -> PersonaVersion | None:
     """Apply `version`'s configuration to `persona` and save it as a new version.
 
+    A field the version does not record did not exist yet when it was made: it goes back to its
+    default (rolling back to a version from before voice examples leaves none).
+
     Raises ValidationError when the old configuration is no longer valid (say, a model left the
     catalog); returns None when the persona already has exactly that configuration.
     """
     if version.persona_id != persona.pk:
         raise ValueError("That version belongs to another persona.")
     for name in GENERATION_FIELDS:
-        if name in version.config:
-            setattr(persona, name, version.config[name])
+        field = Persona._meta.get_field(name)
+        assert isinstance(field, Field)  # a generation field is a concrete column
+        setattr(persona, name, version.config.get(name, field.get_default()))
     persona.full_clean()
     return persona_save(persona=persona, created_by=user, note=f"rollback to v{version.number}")
 

@@ -21,6 +21,15 @@ class Message:
     content: str
 
 
+@dataclass(frozen=True, slots=True)
+class VoiceExample:
+    """One line in a persona's voice, on its own topic ("" when the admin gave none): the model
+    is shown these so that it writes like the persona (quotes.ai.voice parses and guards them)."""
+
+    topic: str
+    text: str
+
+
 _HELP = "Leave empty for the model's default. The allowed range depends on the model."
 
 
@@ -36,9 +45,11 @@ def _sampling(*, integer: bool = False, openai: bool, help_text: str = _HELP) ->
 class GenerationRequest:
     """What one generation asks of a backend, whatever the backend.
 
-    `messages` is the chat a cloud model receives: the persona's system prompt first, then the
-    user turns. `speaker`, `description` and `topic` let a base model (the embedded one) build its own
-    completion frame instead of a chat, since chat prompts fail on it.
+    `messages` is the chat a cloud model receives: the persona's system prompt first, then one
+    user turn and one assistant turn per voice example (the example's topic asked, the example
+    answered: few-shot turns), then the user prompt for `topic`, then the visitor's conversation.
+    `speaker`, `description`, `topic` and `examples` let a base model (the embedded one) build its
+    own completion frame instead of a chat, since chat prompts fail on it.
     """
 
     model: str
@@ -58,6 +69,14 @@ class GenerationRequest:
     frequency_penalty: float | None = _sampling(openai=True)
     presence_penalty: float | None = _sampling(openai=True)
     lora: str | None = None
+    #: the persona's voice examples; `messages` carries them too, as few-shot turns
+    examples: tuple[VoiceExample, ...] = ()
+
+    @property
+    def conversation(self) -> tuple[Message, ...]:
+        """The visitor's follow-up turns: what comes after the persona's own part of `messages`
+        (its system prompt, a question and answer per example, the user prompt)."""
+        return self.messages[2 + 2 * len(self.examples) :]
 
     def sampling(self) -> dict[str, float | int | str]:
         """The sampling fields that are set, under their Workers AI names."""
@@ -96,6 +115,7 @@ GENERATION_FIELDS: tuple[str, ...] = (
     "system_prompt",
     "user_prompt_template",
     "default_topic",
+    "voice_examples",
     "backend",
     "model",
     "fallback_models",

@@ -54,11 +54,13 @@ logger = logging.getLogger(__name__)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # A base model continues text; it does not follow instructions. So the persona speaks through a
-# few-shot completion frame: a collection of short quotes, each credited to a person with a few
-# words about them, ending on an open quote mark that the model fills in. The examples are ours,
-# written for the frame, and deliberately not by any of the seeded personas, so the model
-# imitates their shape, not their words. The persona's own description and system prompt fill
-# the same place in its line, so what an admin writes there steers the quote.
+# few-shot completion frame: a collection of short quotes, each credited to a person, ending on an
+# open quote mark that the model fills in. A 270M base model imitates the lines it is shown far
+# more than any description, so a persona with voice examples is shown its own: a collection of
+# its sayings, each credited to it on its own topic, then its line on the visitor's topic.
+# The persona's description and system prompt head the collection, so what an admin writes
+# there still steers the quote. A persona without examples gets the shared frame below: three
+# lines by people who are none of the personas (it imitates their shape, not their words).
 FRAME_HEADER = (
     "A collection of short, original quotes. Each is one or two sentences, "
     "in the voice of the person named, about the topic named.\n\n"
@@ -73,8 +75,28 @@ FRAME_HEADER = (
 # The quote ends at its closing quote mark or at the end of the line.
 STOP_STRINGS = ('"', "\u201d", "\n")
 
+#: A quote ends after this many sentences: a base model, once started, rambles on. It may also
+#: end after its first sentence when that one has ENOUGH_WORDS words; measured and left off (0):
+#: the shorter quotes read no more coherent on unseen topics and carried less of the voice
+#: (docs/benchmarks.md, "Voices").
+MAX_SENTENCES = 2
+ENOUGH_WORDS = 0
+# The end of a sentence: its mark (an ellipsis counts once), any closing marks after it, then a
+# space or the end of the text so far (so "3." ends one if "5" has not arrived yet: rare in a
+# quote, and the price of never holding text back).
+_SENTENCE_END = re.compile(r"(?:[.!?]+|\u2026)['\u2019)\]]*(?=\s|$)")
+
 #: The longest sketch of a persona the frame takes (characters): the prompt stays small.
 MAX_SKETCH_CHARS = 300
+
+
+def quote_end(text: str, max_sentences: int, enough_words: int = 0) -> int | None:
+    """Where the quote `text` (so far) must end: after its `max_sentences`-th sentence, or after
+    the first sentence that brings it to `enough_words` words; None while it may go on."""
+    for count, end in enumerate(_SENTENCE_END.finditer(text), 1):
+        if count >= max_sentences or (enough_words and len(text[: end.end()].split()) >= enough_words):
+            return end.end()
+    return None
 
 
 def completion_prompt(request: GenerationRequest) -> str:
@@ -82,15 +104,28 @@ def completion_prompt(request: GenerationRequest) -> str:
     become its lines, and the visitor's latest question opens the next one."""
     speaker = request.speaker
     sketch = persona_sketch(request)
-    credit = f"{speaker} ({sketch})" if sketch else speaker
-    prompt = f"{FRAME_HEADER}{credit}, on {_inline(request.topic)}: "
-    # messages[0:2] are the persona's system and user prompts; the rest is the conversation.
-    for turn in request.messages[2:]:
+    topic = _inline(request.topic)
+    if request.examples:
+        prompt = voice_header(speaker, sketch)
+        for example in request.examples:
+            on = f", on {_inline(example.topic)}" if example.topic else ""
+            prompt += f'{speaker}{on}: "{_inline(example.text)}"\n'
+        prompt += f"{speaker}, on {topic}: "
+    else:
+        credit = f"{speaker} ({sketch})" if sketch else speaker
+        prompt = f"{FRAME_HEADER}{credit}, on {topic}: "
+    for turn in request.conversation:
         if turn.role == "assistant":
             prompt += f'"{_inline(turn.content)}"\n'
         else:
             prompt += f'Asked "{_inline(turn.content)}", {speaker} replied: '
     return prompt + '"'
+
+
+def voice_header(speaker: str, sketch: str) -> str:
+    """The head of a persona's own collection: who is quoted, and what every line is."""
+    who = f"{speaker} ({sketch})" if sketch else speaker
+    return f"Sayings of {who}. Each is one or two sentences, on the topic named.\n\n"
 
 
 def persona_sketch(request: GenerationRequest) -> str:
@@ -116,11 +151,14 @@ class JobStats:
     """What one generation did on its slot. Tests and the benchmarks read it."""
 
     prompt_tokens: int = 0
+    #: of those, how many llama.cpp took from its cache instead of reading them (the frame a
+    #: slot or the host-memory prompt cache already held)
+    cached_tokens: int = 0
     #: pieces of text received so far (the final count comes from llama.cpp's usage)
     generated_tokens: int = 0
     #: how many tokens had arrived when the stop was asked for (None: never asked)
     generated_at_stop: int | None = None
-    stop_reason: str = ""  # "quote_end", "max_tokens", "stopped", "abandoned", "error"
+    stop_reason: str = ""  # "quote_end", "sentences", "max_tokens", "stopped", "abandoned", "error"
     started_at: float | None = None
     stop_requested_at: float | None = None
     finished_at: float | None = None
@@ -130,6 +168,10 @@ class JobStats:
 class _Job:
     body: dict[str, Any]  # the completion request for llama.cpp
     put: Callable[[object], None]
+    #: end the text after this many sentences (None: when llama.cpp ends it), or after any
+    #: sentence that brings it to `enough_words` words (0: no such rule)
+    max_sentences: int | None = None
+    enough_words: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     stats: JobStats = field(default_factory=JobStats)
 
@@ -151,6 +193,7 @@ class LocalBackend:
         queue_timeout_s: float = 20.0,
         max_waiting: int = 16,
         preload: bool = False,
+        prompt_cache_mib: int = 0,
     ) -> None:
         self.path = Path(path)
         self.model = name
@@ -159,6 +202,7 @@ class LocalBackend:
         self.slots = slots
         self.queue_timeout_s = queue_timeout_s
         self.max_waiting = max_waiting
+        self.prompt_cache_mib = prompt_cache_mib
         self._server: Any = None
         self._load_lock = threading.Lock()
         #: the key of the server's loopback HTTP listener: random, and never shown
@@ -184,6 +228,7 @@ class LocalBackend:
             slots=conf.slots,
             queue_timeout_s=conf.queue_timeout_s,
             preload=conf.preload,
+            prompt_cache_mib=conf.prompt_cache_mib,
         )
 
     def model_name(self, requested: str) -> str:
@@ -235,10 +280,15 @@ class LocalBackend:
         self._server = None  # the C++ destructor stops llama.cpp's loop and frees the model
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
-        return self.stream_completion(completion_body(request))
+        return self.stream_completion(
+            completion_body(request), max_sentences=MAX_SENTENCES, enough_words=ENOUGH_WORDS
+        )
 
-    async def stream_completion(self, body: dict[str, Any]) -> AsyncGenerator[Event, None]:
-        """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot."""
+    async def stream_completion(
+        self, body: dict[str, Any], *, max_sentences: int | None = None, enough_words: int = 0
+    ) -> AsyncGenerator[Event, None]:
+        """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot,
+        ended after `max_sentences` sentences if given (or a sentence reaching `enough_words`)."""
         with self._pending_lock:
             if self._pending >= self.max_waiting:
                 yield busy()
@@ -250,7 +300,7 @@ class LocalBackend:
         def put(item: object) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        job = _Job(body=body, put=put)
+        job = _Job(body=body, put=put, max_sentences=max_sentences, enough_words=enough_words)
         self._live.add(job)
         self.jobs = [*self.jobs[-49:], job.stats]
         self._executor.submit(self._run, job)
@@ -289,7 +339,17 @@ class LocalBackend:
                 params.n_ctx = self.n_ctx * self.slots  # split evenly between the slots
                 params.cpuparams.n_threads = self.n_threads
                 params.cpuparams_batch.n_threads = self.n_threads
-                params.cache_ram_mib = 0  # no host-memory prompt cache: each slot reuses its own prefix
+                # Each slot reuses the prompt it last read. A persona's frame is a few hundred
+                # tokens (its examples), and with more personas than slots it is pushed out by
+                # another's: the host-memory prompt cache keeps it (~18 KiB a token, ~5 MiB a
+                # frame) and reads it back instead of computing it again.
+                params.cache_ram_mib = self.prompt_cache_mib
+                # Gemma 3 keeps most layers' cache for a sliding window only, and llama.cpp cannot
+                # reliably cut such a cache back to a shared prefix: prompts that share only the
+                # frame (another topic) often read it all again (a throwaway script: 0 of 185
+                # shared tokens reused; with this, 179). The full cache costs ~18 KiB a token of
+                # context (about 72 MiB for 4 slots of 1,024); docs/benchmarks.md, "Voices".
+                params.swa_full = True
                 params.verbosity = -1  # llama.cpp's own log lines stay out of the server's stderr
                 # Its HTTP listener cannot be switched off: keep it on loopback, behind a random key.
                 params.hostnames = ["127.0.0.1"]
@@ -348,25 +408,38 @@ class LocalBackend:
         server = self._load()
         stats = job.stats
         outcome: dict[str, Any] = {}
-        emitted: list[bool] = []  # non-empty once the first piece of text went out
+        written = ""  # the quote so far
 
         def on_chunk(chunk: dict[str, Any]) -> bool:
             """Called by llama.cpp for each piece; returning True ends the request and frees the slot."""
+            nonlocal written
             if job.stop.is_set():
                 stats.stop_reason = "stopped"
                 return True
             if "error" in chunk or "choices" not in chunk:
                 outcome["error"] = chunk.get("error", chunk)
                 return True
+            if "prompt_progress" in chunk:  # before the first token: the prompt's size, its cached part
+                progress = chunk["prompt_progress"]
+                stats.prompt_tokens = int(progress.get("total") or 0)
+                stats.cached_tokens = int(progress.get("cache") or 0)
             choice = chunk["choices"][0] if chunk["choices"] else {}
             text = choice.get("text") or ""
             if text:
                 stats.generated_tokens += 1
-                if not emitted:
+                if not written:
                     text = text.lstrip()  # the quote starts right after the open quote mark
+                if job.max_sentences:
+                    end = quote_end(written + text, job.max_sentences, job.enough_words)
+                    if end is not None:
+                        # The last sentence the quote may have ends in this piece: stop there.
+                        text = text[: end - len(written)]
+                        outcome["finish_reason"] = "sentences"
                 if text:
-                    emitted.append(True)
+                    written += text
                     job.put(Token(text))
+                if outcome.get("finish_reason") == "sentences":
+                    return True
             if choice.get("finish_reason"):
                 outcome["finish_reason"] = choice["finish_reason"]
             if "usage" in chunk:
@@ -380,31 +453,77 @@ class LocalBackend:
             self._fail(job, None, outcome["error"])
             return
         usage = outcome.get("usage") or {}
-        stats.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        stats.prompt_tokens = int(usage.get("prompt_tokens") or stats.prompt_tokens)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        stats.cached_tokens = int(stats.cached_tokens if cached is None else cached)
         stats.generated_tokens = int(usage.get("completion_tokens") or stats.generated_tokens)
-        stats.stop_reason = "max_tokens" if outcome.get("finish_reason") == "length" else "quote_end"
+        finish = outcome.get("finish_reason")
+        stats.stop_reason = {"length": "max_tokens", "sentences": "sentences"}.get(finish or "", "quote_end")
         job.put(Usage(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated_tokens))
         job.put(Done())
 
 
+#: What llama.cpp samples with where the persona leaves a field empty (temperature, top_p,
+#: top_k, repetition_penalty), and the samplers a persona has no field for. Chosen by measure
+#: with bench/voice.py (docs/benchmarks.md, "Voices"); the benchmark varies them in its process.
+SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "top_k": 40,
+    "repeat_penalty": 1.15,
+    # DRY ("don't repeat yourself") lowers a token that would extend a run of tokens already in
+    # the context past `dry_allowed_length`; over the whole context, the frame's examples
+    # included, so the model writes in their voice without reciting them.
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 4,
+    "dry_penalty_last_n": 4096,  # the whole context (this llama.cpp refuses -1)
+}
+
+
+#: How much the topic's own words are favoured (added to their tokens' logits; 0: not at all).
+#: Measured: 0 -> 45-54% of quotes name their topic, 2 -> 74-81%, 4 -> 97% but repetitive
+#: ("Ladders are my ladder"); docs/benchmarks.md, "Voices".
+TOPIC_BIAS = 2.0
+_TOPIC_WORD = re.compile(r"[^\W\d_]{3,}")
+_STOP_WORDS = frozenset(
+    {"the", "and", "for", "with", "about", "from", "into", "over", "your", "our", "their"}
+)
+
+
+def topic_bias(topic: str, bias: float) -> list[list[str | float]]:
+    """llama.cpp's `logit_bias` raising the topic's words (each as a word on its own, in lower
+    case and capitalised), so that a quote keeps to its topic."""
+    if not bias:
+        return []
+    words = [w for w in _TOPIC_WORD.findall(topic.lower()) if w not in _STOP_WORDS]
+    return [
+        [form, bias] for word in words for form in (f" {word}", f" {word.capitalize()}", word.capitalize())
+    ]
+
+
 def completion_body(request: GenerationRequest) -> dict[str, Any]:
     """The OpenAI-style completion request llama.cpp gets: the frame, the sampling, the stops."""
-
-    def pick(value: float | int | None, default: float | int) -> float | int:
-        return default if value is None else value
-
+    persona = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "repeat_penalty": request.repetition_penalty or None,
+    }
     return {
         "prompt": completion_prompt(request),
         "max_tokens": request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # A first chunk says how long the prompt is and how much of it was cached: the usage
+        # of a quote ended early (MAX_SENTENCES), and the benchmarks' prefill figures.
+        "return_progress": True,
         "stop": list(STOP_STRINGS),
-        "temperature": pick(request.temperature, 0.8),
-        "top_p": pick(request.top_p, 0.95),
-        "top_k": pick(request.top_k, 40),
-        "repeat_penalty": request.repetition_penalty or 1.15,
+        **SAMPLING_DEFAULTS,
+        **{name: value for name, value in persona.items() if value is not None},
         "frequency_penalty": request.frequency_penalty or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
+        "logit_bias": topic_bias(request.topic, TOPIC_BIAS),
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
         # A slot reuses the frame it has already read, which saves most of the prompt's time to
         # first token; but logits then differ in the last bits, so a greedy quote can change. A

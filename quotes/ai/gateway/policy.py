@@ -24,6 +24,7 @@ from ...models import Persona
 from ..backends import Backend
 from ..errors import ErrorCode, internal, upstream_timeout
 from ..events import Done, Error, Event, GenerationRequest, Message, Meta, Token
+from ..voice import guard_copies
 from ..watchdog import Watchdog
 
 #: Errors worth another attempt at the same model (before the first token only).
@@ -92,7 +93,9 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                 now = loop.time()
                 first_token_by = now + (first_token_deadline - now) / attempts_left
                 attempts_left -= 1
-                async with aclosing(plan.backend.stream(request)) as events:
+                # Whatever the backend, a quote never copies one of the persona's examples.
+                stream = guard_copies(plan.backend.stream(request), request.examples)
+                async with aclosing(stream) as events:
                     while True:
                         due = loop.time() + idle_s if started else first_token_by
                         watchdog.expect(due if due < deadline else deadline)
