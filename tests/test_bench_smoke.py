@@ -15,6 +15,9 @@ Excused, and why:
   suite runs with no network beyond 127.0.0.1.
 - bench/dashboard.py: it needs Debian's `prometheus` (not installed by scripts/bootstrap, nor on
   this machine) and renders a screenshot for docs/ through Playwright's browser.
+- bench/sse_decode.py, bench/faults.py and bench/voice.py: smoked by their own modules
+  (tests/test_bench_sse_decode.py, tests/test_faults.py on its production layout,
+  tests/test_voice.py on the embedded model).
 
 Parts skipped where their tool is missing (requirements-bench.txt, not installed into .venv by
 scripts/bootstrap): bench/proxy_overhead.py's uvicorn row (uvicorn) and its profile (py-spy).
@@ -235,6 +238,7 @@ EXCUSED = {
     "peer_litellm": "installs LiteLLM into a venv of its own from PyPI: no network here",
     "dashboard": "needs Debian's prometheus, which is not installed, and a browser for its screenshot",
     "sse_decode": "smoked by tests/test_bench_sse_decode.py (its table, and a decoder that decodes wrongly refused)",
+    "voice": "smoked by tests/test_voice.py (one quote per persona, small max_tokens)",
     "faults": "smoked by tests/test_faults.py (test_faults_bench_tiny_mode_prints_a_table_per_fault), on that module's layout",
 }
 
