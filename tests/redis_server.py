@@ -112,6 +112,10 @@ def redis_cache(settings: Any, redis_server: str) -> Iterator[Any]:
     client = redis.Redis.from_url(redis_server)
     client.flushdb()
     settings.CACHES = {"default": {"BACKEND": REDIS_CACHE_BACKEND, "LOCATION": redis_server}}
+    if settings.REDIS_URL:
+        # As deployed, REDIS_URL names the cache's Redis: the admission's counts and slots, and
+        # the runs shared across processes, go to the same server as the cache.
+        settings.REDIS_URL = redis_server
     try:
         yield client
     finally:
