@@ -43,7 +43,7 @@ from bench.common import (
     workers_ai_env,
 )
 from bench.load import StampingUpstream, build_report, capacity_lines, drive, raise_fd_limit
-from tests.deployed import start_daphne, wait_until_healthy
+from tests.deployed import deploy_upstream, start_daphne, wait_until_healthy
 from tests.scaleout.run import production_base_env
 from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process
 
@@ -93,17 +93,14 @@ def daphnes(
 
 
 def nginx_site(port: int, addresses: list[str]) -> str:
-    servers = "\n".join(f"        server {address};" for address in addresses)
+    # The deploy file's upstream block (max_fails=0 among its parameters: the app's 503s must
+    # not take a process out of rotation), pointed at these processes.
     return f"""
     map $http_upgrade $connection_upgrade {{
         default upgrade;
         ''      close;
     }}
-    upstream persona_quotes {{
-        least_conn;
-{servers}
-        keepalive 64;
-    }}
+    {deploy_upstream(addresses)}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
         server_name 127.0.0.1;

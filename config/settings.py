@@ -399,9 +399,14 @@ QUOTES_GATEWAY = GatewaySettings(
         "QUOTES_FEEDBACK_RATE_LIMIT", env.str("QUOTES_FEEDBACK_RATE_LIMIT", default="30/m")
     ),
     max_concurrent_streams=_env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
-    # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
-    # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
-    max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 100),
+    # Per process, whoever asks: past its limit a stream is refused at once with 503 and
+    # Retry-After, so the streams a process already holds keep their pace. The limit follows the
+    # event loop's lag (quotes.ai.gateway.capacity): it holds what this host holds, with no
+    # number to size per host. QUOTES_MAX_OPEN_STREAMS is an optional static ceiling on it (0:
+    # none); QUOTES_LOOP_LAG_TARGET_MS=0 turns the adaptive limit off (only the ceiling then).
+    max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 0),
+    loop_lag_target_ms=_env_or_error("QUOTES_LOOP_LAG_TARGET_MS", float, 10.0),
+    min_open_streams=_env_or_error("QUOTES_MIN_OPEN_STREAMS", int, 10),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts,
     # whatever the backend. One variable each: Cloudflare AI Gateway's own retries (above) are
     # another layer and set none of these.
@@ -427,10 +432,12 @@ QUOTES_GATEWAY = GatewaySettings(
 )
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
-    ("QUOTES_MAX_OPEN_STREAMS", "max_open_streams"),
+    ("QUOTES_MIN_OPEN_STREAMS", "min_open_streams"),
     ("QUOTES_MAX_ATTEMPTS", "max_attempts"),
 ):
     _positive(_name, getattr(QUOTES_GATEWAY, _key), low=1)
+_positive("QUOTES_MAX_OPEN_STREAMS", QUOTES_GATEWAY.max_open_streams, low=0)
+_positive("QUOTES_LOOP_LAG_TARGET_MS", QUOTES_GATEWAY.loop_lag_target_ms, low=0)
 for _name, _key in (
     ("QUOTES_TTFT_TIMEOUT", "ttft_timeout_s"),
     ("QUOTES_IDLE_TIMEOUT", "idle_timeout_s"),
