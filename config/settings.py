@@ -73,10 +73,9 @@ MIDDLEWARE = [
     "quotes.middleware.ReleaseRequestThreadMiddleware",
     # Then, so every log line of the request (and its response) carries the request id.
     "quotes.logging.RequestIdMiddleware",
+    # At the open-stream limit the stream URLs' 503 comes before all of these, ahead of Django's
+    # handler (quotes.middleware.StreamAdmissionGate, config/asgi.py), behind these two alone.
     "quotes.middleware.SecurityMiddleware",
-    # At the open-stream cap, the stream URLs' 503 from here: before the session, CSRF, auth and
-    # message middleware (an overload is mostly refusals, each taken from the open streams).
-    "quotes.middleware.StreamAdmissionMiddleware",
     "quotes.middleware.CSPMiddleware",
     "quotes.middleware.StaticFilesMiddleware",
     "quotes.middleware.SessionMiddleware",

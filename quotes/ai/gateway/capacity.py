@@ -8,29 +8,33 @@ next. Instead the process measures how late its loop runs and admits by that:
 
 - **The signal** (`LagProbe`): one timer on the running loop every `PROBE_INTERVAL_S`, which
   notes how late it fired: how long a ready callback (a token's) waited for the loop. One timer
-  per process, nothing per token or per stream.
+  per process, nothing per token or per stream. The limit follows the median of the last
+  `LAG_WINDOW` samples: one stall (a garbage collection, a first request's imports) moves
+  nothing; a loop that stays late does, within a few tenths of a second.
 - **The limit** (`GradientLimit`), hand-written in the manner of Netflix's concurrency-limits
   (Gradient2) and Envoy's adaptive concurrency filter. The gradient is the target lag over the
   measured lag (Envoy compares a sampled latency with a minimum plus a buffer; a loop's lag at
   no load is about 0, so one target, QUOTES_LOOP_LAG_TARGET_MS, stands for both). At or under
   the target, and while the limit is what holds streams back, the limit grows by its square
   root per sample (Gradient2's queue allowance): quick from a small limit, careful near a large
-  one. Over the target it shrinks towards what the process holds times the gradient (at most
-  halved, smoothed: one late sample costs a little, a late loop a lot). It never goes below
+  one, and slower as the lag nears the target. Over the target it shrinks to what the process
+  holds times the gradient, smoothed (at most a quarter per sample). It never goes below
   QUOTES_MIN_OPEN_STREAMS, nor above QUOTES_MAX_OPEN_STREAMS when that static ceiling is set.
 - **When to come back** (`OpenStreams.retry_after_s`): a refusal's Retry-After is when enough of
   the open streams, oldest first, are expected to have ended (by the smoothed duration of the
   streams that ended before) for the count to fall under the limit.
 
-quotes.ai.gateway.admission admits by `limit_now()`; /metrics shows the limit, the smoothed lag
+quotes.ai.gateway.admission admits by `limit_now()`; /metrics shows the limit, the lag it follows
 and the open streams (quotes.metrics reads them when scraped).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -42,10 +46,11 @@ from ...conf import GatewaySettings
 PROBE_INTERVAL_S = 0.1
 #: The limit a process starts with, before its loop has said anything.
 INITIAL_LIMIT = 50
-#: Weight of a new sample in the smoothed lag that the limit follows.
-LAG_SMOOTHING = 0.5
+#: The lag the limit follows is the median of this many samples (half a second): one stall (a
+#: garbage collection, a first request's imports) moves nothing, a loop that stays late does.
+LAG_WINDOW = 5
 #: Share of a shrink's gradient one sample applies (Gradient2's smoothing): a lag twice the
-#: target takes a quarter off at once, and one stray sample cannot halve the limit.
+#: target (or more) takes a quarter off per sample.
 SHRINK_SMOOTHING = 0.5
 #: Weight of an ended stream's duration in the expected duration (Retry-After).
 DURATION_SMOOTHING = 0.1
@@ -124,14 +129,20 @@ class GradientLimit:
 
     def __init__(self, initial: float = INITIAL_LIMIT) -> None:
         self.limit = float(initial)
-        #: the smoothed lag the limit follows, in seconds
+        #: the lag the limit follows (the median of the last LAG_WINDOW samples), in seconds
         self.lag_s = 0.0
+        self._recent = collections.deque([0.0] * LAG_WINDOW, maxlen=LAG_WINDOW)
+
+    def observe(self, lag_s: float) -> float:
+        """Add one lag sample to the window, and return the window's median."""
+        self._recent.append(lag_s)
+        self.lag_s = statistics.median(self._recent)
+        return self.lag_s
 
     def sample(self, lag_s: float, *, peak: int, target_s: float, floor: int, ceiling: int = 0) -> float:
         """One lag sample (seconds). `peak`: the most streams open or asked for since the last
         sample. `ceiling`: the static cap (0: none). Returns the new limit."""
-        self.lag_s += LAG_SMOOTHING * (lag_s - self.lag_s)
-        lag = self.lag_s
+        lag = self.observe(lag_s)
         limit = self.limit
         headroom = math.sqrt(limit)
         if lag <= target_s:
@@ -184,7 +195,9 @@ class LagProbe:
                 floor=options.min_open_streams,
                 ceiling=options.max_open_streams,
             )
-            open_streams.peak = open_streams.count
+        else:
+            gradient.observe(self.last_s)  # shown in /metrics all the same
+        open_streams.peak = open_streams.count
         self._due = now + PROBE_INTERVAL_S
         loop.call_at(self._due, self._fire, loop)
 
@@ -197,9 +210,9 @@ probe = LagProbe()
 def limit_now(options: GatewaySettings) -> float:
     """The number of streams this process admits now: the adaptive limit (within the static
     ceiling, if one is set), or the ceiling alone with the adaptive limit off, or no limit
-    (infinity). Starts the lag probe in the running loop if it is not there yet."""
-    if options.loop_lag_target_ms > 0:
-        probe.ensure_running()
+    (infinity). Starts the lag probe in the running loop if it is not there yet (with the
+    adaptive limit off too: /metrics still shows the lag)."""
+    probe.ensure_running()
     return current_limit(options)
 
 
@@ -213,6 +226,7 @@ def current_limit(options: GatewaySettings) -> float:
 
 def reset() -> None:
     """Start over (a test's fresh process): the initial limit, no lag, no durations."""
-    gradient.limit, gradient.lag_s = float(INITIAL_LIMIT), 0.0
+    global gradient
+    gradient = GradientLimit()
     open_streams.expected_s = None
     open_streams.peak = open_streams.count
