@@ -12,8 +12,12 @@ nginx. Figures as in load.py, summed over the daphne processes; log rows are cou
 PostgreSQL and compared with the responses (a 503 refusal has its row too).
 
 The per-client limits are raised (the load comes from one address, as no real visitor would);
-the per-process open-stream cap (QUOTES_MAX_OPEN_STREAMS) is left as configured: it is what
-turns the streams a process cannot hold into quick 503s. Pass --env NAME=VALUE to change it.
+the per-process open-stream limit is left as configured (by default adaptive, following each
+process's event-loop lag, with no static ceiling: quotes/ai/gateway/capacity.py): it is what
+turns the streams a process cannot hold into quick 503s. Pass --env NAME=VALUE to change it
+(QUOTES_LOOP_LAG_TARGET_MS=0 and no QUOTES_MAX_OPEN_STREAMS: no limit at all, for the raw
+capacity). Each daphne's limit, open streams and lag (its /metrics, once a second) and every
+process's CPU during the plateau are in the report's "admission".
 """
 
 from __future__ import annotations
@@ -263,10 +267,12 @@ class AdmissionWatch(threading.Thread):
 
 
 def cpu_by_role(roots: list[int]) -> dict[str, float]:
-    """CPU seconds used so far by `roots` and every process under them, summed by role."""
+    """CPU seconds used so far by `roots` and every process under them, summed by role, and how
+    much of all that was in the kernel (system time: loopback TCP, mostly)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     used: dict[int, float] = {}
+    kernel: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -277,6 +283,7 @@ def cpu_by_role(roots: list[int]) -> dict[str, float]:
             continue
         parents[int(entry)] = int(fields[1])
         used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        kernel[int(entry)] = int(fields[12]) / tick
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)
@@ -294,6 +301,7 @@ def cpu_by_role(roots: list[int]) -> dict[str, float]:
         if pid == os.getpid():
             role = "load client"
         totals[role] = totals.get(role, 0.0) + used[pid]
+        totals["of which in the kernel"] = totals.get("of which in the kernel", 0.0) + kernel[pid]
     return totals
 
 
