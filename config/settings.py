@@ -404,7 +404,7 @@ QUOTES_GATEWAY = GatewaySettings(
     # number to size per host. QUOTES_MAX_OPEN_STREAMS is an optional static ceiling on it (0:
     # none); QUOTES_LOOP_LAG_TARGET_MS=0 turns the adaptive limit off (only the ceiling then).
     max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 0),
-    loop_lag_target_ms=_env_or_error("QUOTES_LOOP_LAG_TARGET_MS", float, 10.0),
+    loop_lag_target_ms=_env_or_error("QUOTES_LOOP_LAG_TARGET_MS", float, 5.0),
     min_open_streams=_env_or_error("QUOTES_MIN_OPEN_STREAMS", int, 10),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts,
     # whatever the backend. One variable each: Cloudflare AI Gateway's own retries (above) are

@@ -272,8 +272,8 @@ class AdmissionCollector(Collector):
             ),
             GaugeMetricFamily(
                 "quotes_event_loop_lag_seconds",
-                "How late this process's event loop runs a timer, smoothed: the signal the "
-                "admission limit follows (sampled every 100 ms).",
+                "How late this process's event loop runs a timer: the 90th percentile of the last "
+                "2 s of samples (one every 100 ms), the signal the admission limit follows.",
             ),
         )
 

@@ -59,6 +59,16 @@ def test_gradient_limit_one_stall_moves_nothing_a_late_loop_a_lot() -> None:
     assert limit.limit < 60
 
 
+def test_gradient_limit_holds_between_late_samples() -> None:
+    limit = GradientLimit(initial=100)
+    limit.sample(0.5, peak=100, target_s=TARGET_S, floor=1)
+    shrunk = limit.sample(0.5, peak=100, target_s=TARGET_S, floor=1)  # late twice: the loop is late
+    assert shrunk < 100
+
+    # Back on time, but late twice in the last two seconds: neither shrinks nor grows yet.
+    assert limit.sample(0.001, peak=100, target_s=TARGET_S, floor=1) == shrunk
+
+
 def test_gradient_limit_grows_back_while_the_loop_keeps_up_and_streams_are_turned_away() -> None:
     limit = GradientLimit(initial=10)
     seen = []

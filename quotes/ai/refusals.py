@@ -66,9 +66,9 @@ async def record_refusal(
 ) -> None:
     """Count one refused request; the first of its window also writes the row. Never raises
     (but for cancellation): the visitor's 429 (or 503) must go out whatever the log's trouble.
-    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream cap).
+    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream limit).
     `local`: counted in this process's memory, not the shared cache (a refusal by this process's
-    own open-stream cap: quick, with no round trip, when the process is at its busiest)."""
+    own open-stream limit: quick, with no round trip, when the process is at its busiest)."""
     try:
         await _record(
             key_parts=(client_key, persona.pk, code, int(preview)),

@@ -8,17 +8,20 @@ next. Instead the process measures how late its loop runs and admits by that:
 
 - **The signal** (`LagProbe`): one timer on the running loop every `PROBE_INTERVAL_S`, which
   notes how late it fired: how long a ready callback (a token's) waited for the loop. One timer
-  per process, nothing per token or per stream. The limit follows the median of the last
-  `LAG_WINDOW` samples: one stall (a garbage collection, a first request's imports) moves
-  nothing; a loop that stays late does, within a few tenths of a second.
+  per process, nothing per token or per stream. The limit follows a high percentile of the
+  last two seconds of samples (the second-highest of `LAG_WINDOW`, about the 90th): what the
+  slowest tokens wait, not the typical one, is what the admitted streams feel. One stall (a
+  garbage collection, a first request's imports) moves nothing; a loop late one time in ten
+  does, within two late samples.
 - **The limit** (`GradientLimit`), hand-written in the manner of Netflix's concurrency-limits
   (Gradient2) and Envoy's adaptive concurrency filter. The gradient is the target lag over the
   measured lag (Envoy compares a sampled latency with a minimum plus a buffer; a loop's lag at
   no load is about 0, so one target, QUOTES_LOOP_LAG_TARGET_MS, stands for both). At or under
   the target, and while the limit is what holds streams back, the limit grows by its square
   root per sample (Gradient2's queue allowance): quick from a small limit, careful near a large
-  one, and slower as the lag nears the target. Over the target it shrinks to what the process
-  holds times the gradient, smoothed (at most a quarter per sample). It never goes below
+  one, and slower as the lag nears the target. Over the target, at each sample that is late
+  itself, it shrinks to what the process holds times the gradient, smoothed (at most a quarter
+  per sample); between late samples it holds. It never goes below
   QUOTES_MIN_OPEN_STREAMS, nor above QUOTES_MAX_OPEN_STREAMS when that static ceiling is set.
 - **When to come back** (`OpenStreams.retry_after_s`): a refusal's Retry-After is when enough of
   the open streams, oldest first, are expected to have ended (by the smoothed duration of the
@@ -32,9 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import itertools
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -46,9 +49,10 @@ from ...conf import GatewaySettings
 PROBE_INTERVAL_S = 0.1
 #: The limit a process starts with, before its loop has said anything.
 INITIAL_LIMIT = 50
-#: The lag the limit follows is the median of this many samples (half a second): one stall (a
-#: garbage collection, a first request's imports) moves nothing, a loop that stays late does.
-LAG_WINDOW = 5
+#: The lag the limit follows is the second-highest of this many samples (two seconds): about
+#: their 90th percentile, with one stall (a garbage collection, a first request's imports) left
+#: out.
+LAG_WINDOW = 20
 #: Share of a shrink's gradient one sample applies (Gradient2's smoothing): a lag twice the
 #: target (or more) takes a quarter off per sample.
 SHRINK_SMOOTHING = 0.5
@@ -129,14 +133,14 @@ class GradientLimit:
 
     def __init__(self, initial: float = INITIAL_LIMIT) -> None:
         self.limit = float(initial)
-        #: the lag the limit follows (the median of the last LAG_WINDOW samples), in seconds
+        #: the lag the limit follows (the second-highest of the last LAG_WINDOW samples), in seconds
         self.lag_s = 0.0
         self._recent = collections.deque([0.0] * LAG_WINDOW, maxlen=LAG_WINDOW)
 
     def observe(self, lag_s: float) -> float:
-        """Add one lag sample to the window, and return the window's median."""
+        """Add one lag sample to the window, and return the window's second-highest."""
         self._recent.append(lag_s)
-        self.lag_s = statistics.median(self._recent)
+        self.lag_s = heapq.nlargest(2, self._recent)[1]
         return self.lag_s
 
     def sample(self, lag_s: float, *, peak: int, target_s: float, floor: int, ceiling: int = 0) -> float:
@@ -151,7 +155,7 @@ class GradientLimit:
             if peak + headroom >= limit:
                 # Full steps while the loop is well under its target, smaller ones near it.
                 limit += headroom * min(1.0, 2.0 * (1.0 - lag / target_s))
-        else:
+        elif lag_s > target_s:  # late lately, and now: each late sample shrinks it once
             gradient = max(0.5, target_s / lag)
             # From what is held, not from a limit never reached: streams are not taken back, so
             # only a limit under the open count stops more of them joining.
