@@ -267,8 +267,9 @@ class AdmissionWatch(threading.Thread):
 
 
 def cpu_by_role(roots: list[int]) -> dict[str, float]:
-    """CPU seconds used so far by `roots` and every process under them, summed by role, and how
-    much of all that was in the kernel (system time: loopback TCP, mostly)."""
+    """CPU seconds used so far by `roots` and every process under them, summed by role; how much
+    of all that was in the kernel (system time: loopback TCP, mostly); and how long the daphnes'
+    event-loop threads were ready to run but waited for a core (the run queue)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     used: dict[int, float] = {}
@@ -301,10 +302,18 @@ def cpu_by_role(roots: list[int]) -> dict[str, float]:
         if pid == os.getpid():
             role = "load client"
         totals[role] = totals.get(role, 0.0) + used[pid]
+        if role == "daphne":
+            # The event loop's thread, ready to run but waiting for a core (schedstat's second
+            # field, in ns): what a busy machine adds to every token.
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/schedstat") as schedstat:
+                    waited = int(schedstat.read().split()[1]) / 1e9
+                totals[WAITED] = totals.get(WAITED, 0.0) + waited
         totals["of which in the kernel"] = totals.get("of which in the kernel", 0.0) + kernel[pid]
     return totals
 
 
+WAITED = "daphne loops waiting for a core"
 #: (a piece of the command line, the role it names), first match wins
 ROLES = (
     ("quotes.server", "daphne"),
