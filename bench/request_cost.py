@@ -8,8 +8,8 @@ in-process, with no server, against the fake Workers AI upstream in a process of
 
 1. stream: `POST /api/quotes/stream` up to its first token (wall time, and the process's CPU time
    over that window), the request read directly from the fake interleaved as a reference;
-2. refusal: the same request while the process is at its open-stream cap (`QUOTES_MAX_OPEN_STREAMS`
-   streams counted open): the 503 with Retry-After, its wall and CPU time. This is what each of
+2. refusal: the same request while the process is at its open-stream limit (a billion streams
+   counted open): the 503 with Retry-After, its wall and CPU time. This is what each of
    the 800 refused streams of `bench/scaleout_load.py --streams 1000` costs the admitted ones.
 
 CPU time is `time.process_time()` (every thread of the process), so a loaded machine moves it

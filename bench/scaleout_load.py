@@ -16,8 +16,12 @@ attempts: a refusal has its row too (shared with the other refusals of its windo
 and counted, by both (bench.common.row_accounting).
 
 The per-client limits are raised (the load comes from one address, as no real visitor would);
-the per-process open-stream cap (QUOTES_MAX_OPEN_STREAMS) is left as configured: it is what
-turns the streams a process cannot hold into quick 503s. Pass --env NAME=VALUE to change it.
+the per-process open-stream limit is left as configured (by default adaptive, following each
+process's event-loop lag, with no static ceiling: quotes/ai/gateway/capacity.py): it is what
+turns the streams a process cannot hold into quick 503s. Pass --env NAME=VALUE to change it
+(QUOTES_LOOP_LAG_TARGET_MS=0 and no QUOTES_MAX_OPEN_STREAMS: no limit at all, for the raw
+capacity). Each daphne's limit, open streams and lag (its /metrics, once a second) and every
+process's CPU during the plateau are in the report's "admission".
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import httpx
 
 from bench.common import (
     ARTIFACTS,
@@ -45,6 +52,7 @@ from bench.common import (
     machine,
     nginx_attempts,
     parse_args,
+    percentile,
     settled_counts,
     table,
     workers_ai_env,
@@ -67,6 +75,7 @@ def production_env(
         DJANGO_LOG_LEVEL="WARNING",
         **workers_ai_env(upstream),
         AI_MAX_CONNECTIONS="2000",
+        QUOTES_METRICS_TOKEN=METRICS_TOKEN,
         QUOTES_CACHE_TTL="0",
         QUOTES_RATE_LIMIT="1000000/s",
         QUOTES_MAX_CONCURRENT_STREAMS="1000000",
@@ -146,12 +155,15 @@ def one_run(
             nginx_dir.mkdir()
             access_log = nginx_dir / "attempts.log"
             site = nginx_site(port, [address for _, address in servers], access_log)
-            with nginx(
-                nginx_dir,
-                site=site,
-                port=port,
-                worker_connections=2 * streams + 256,
-            ) as proxy:
+            with (
+                nginx(
+                    nginx_dir,
+                    site=site,
+                    port=port,
+                    worker_connections=2 * streams + 256,
+                ) as proxy,
+                AdmissionWatch([address for _, address in servers], roots=layout_roots(workdir)) as watch,
+            ):
                 run, plateau = asyncio.run(
                     drive(
                         proxy.url,
@@ -182,7 +194,148 @@ def one_run(
     )
     report["processes"] = processes
     report["nginx"] = attempts
+    report["admission"] = watch.summary((plateau["ramp_s"] + 1, args.duration - 1))
     return report
+
+
+def layout_roots(workdir: Path) -> list[int]:
+    """This process (the load client, and under it the upstream, the daphnes and nginx) and
+    PostgreSQL's postmaster (pg_ctl starts it on its own)."""
+    roots = [os.getpid()]
+    with contextlib.suppress(OSError, ValueError):
+        roots.append(int((workdir / "postgres" / "data" / "postmaster.pid").read_text().split()[0]))
+    return roots
+
+
+METRICS_TOKEN = "bench-scaleout-metrics-token-0123456789"
+
+
+class AdmissionWatch(threading.Thread):
+    """Once a second for the whole run: each daphne's admission as its /metrics shows it
+    (quotes.ai.gateway.capacity: the limit, the open streams, the smoothed event-loop lag),
+    scraped from each process directly (not through nginx); and the CPU time of every process
+    of the layout (this load client, the upstream, nginx, the daphnes, Redis, PostgreSQL), to
+    say where the machine's cores go during the plateau."""
+
+    def __init__(self, addresses: list[str], roots: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.addresses = addresses
+        self.roots = roots
+        self.samples: list[dict[str, float]] = []
+        self.cpu: list[tuple[float, dict[str, float]]] = []
+        self.stop = threading.Event()
+        self.started = time.monotonic()
+
+    def __enter__(self) -> AdmissionWatch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.join(5)
+
+    def run(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while not self.stop.wait(1.0):
+            self.cpu.append((time.monotonic() - self.started, cpu_by_role(self.roots)))
+            for address in self.addresses:
+                try:
+                    response = httpx.get(
+                        f"http://{address}/metrics",
+                        headers={"Authorization": f"Bearer {METRICS_TOKEN}"},
+                        timeout=5,
+                    )
+                except httpx.HTTPError:
+                    continue
+                sample = {"process": float(self.addresses.index(address))}
+                for family in text_string_to_metric_families(response.text):
+                    if family.name in ADMISSION_GAUGES:
+                        sample[family.name] = sum(s.value for s in family.samples)
+                self.samples.append(sample)
+
+    def summary(self, plateau: tuple[float, float]) -> dict[str, Any]:
+        """Per gauge: min, median and max over the samples with a stream open (all processes);
+        and each role's CPU (% of one core) between `plateau`'s two times (s from the start)."""
+        busy = [s for s in self.samples if s.get("quotes_admission_open_streams", 0) > 0]
+        out: dict[str, Any] = {"samples": len(busy)}
+        for name in ADMISSION_GAUGES:
+            values = sorted(s[name] for s in busy if name in s)
+            if values:
+                out[name] = [round(values[0], 4), round(percentile(values, 50), 4), round(values[-1], 4)]
+        inside = [(t, cpu) for t, cpu in self.cpu if plateau[0] <= t <= plateau[1]]
+        if len(inside) >= 2:
+            (t0, first), (t1, last) = inside[0], inside[-1]
+            out["cpu_pct"] = {
+                role: round(100 * (last.get(role, 0.0) - first.get(role, 0.0)) / (t1 - t0), 1)
+                for role in sorted(last)
+            }
+        return out
+
+
+def cpu_by_role(roots: list[int]) -> dict[str, float]:
+    """CPU seconds used so far by `roots` and every process under them, summed by role; how much
+    of all that was in the kernel (system time: loopback TCP, mostly); and how long the daphnes'
+    event-loop threads were ready to run but waited for a core (the run queue)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    kernel: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        kernel[int(entry)] = int(fields[12]) / tick
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    totals: dict[str, float] = {}
+    todo = [pid for pid in roots if pid in used]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        role = next((name for key, name in ROLES if key in command), "other")
+        if pid == os.getpid():
+            role = "load client"
+        totals[role] = totals.get(role, 0.0) + used[pid]
+        if role == "daphne":
+            # The event loop's thread, ready to run but waiting for a core (schedstat's second
+            # field, in ns): what a busy machine adds to every token.
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/schedstat") as schedstat:
+                    waited = int(schedstat.read().split()[1]) / 1e9
+                totals[WAITED] = totals.get(WAITED, 0.0) + waited
+        totals["of which in the kernel"] = totals.get("of which in the kernel", 0.0) + kernel[pid]
+    return totals
+
+
+WAITED = "daphne loops waiting for a core"
+#: (a piece of the command line, the role it names), first match wins
+ROLES = (
+    ("quotes.server", "daphne"),
+    ("nginx", "nginx"),
+    ("redis-server", "redis"),
+    ("postgres", "postgres"),
+    ("spawn_main", "upstream"),
+)
+
+
+ADMISSION_GAUGES = (
+    "quotes_admission_limit",
+    "quotes_admission_open_streams",
+    "quotes_event_loop_lag_seconds",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,6 +418,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     print("\n".join(capacity_lines(reports, args.bound_ms)))
+    for r in reports:
+        print(
+            f"{r['processes']} daphnes, {r['streams']} streams: admission (min/median/max) {r['admission']}"
+        )
     out = ARTIFACTS / "scaleout-load.json"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(reports, indent=1) + "\n")

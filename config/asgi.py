@@ -25,6 +25,7 @@ from django.urls import get_resolver  # noqa: E402
 from quotes.ai.backends import get_backend  # noqa: E402
 from quotes.consumers import websocket_urlpatterns  # noqa: E402
 from quotes.forks import freeze_startup_heap  # noqa: E402
+from quotes.middleware import StreamAdmissionGate  # noqa: E402
 from quotes.security import SameOriginWebSocketMiddleware, TrustedProxyMiddleware  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL.preload:
@@ -35,7 +36,8 @@ if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL.preload:
 application = TrustedProxyMiddleware(
     ProtocolTypeRouter(
         {
-            "http": django_asgi_app,
+            # At the open-stream limit, a new stream is refused before Django's handler.
+            "http": StreamAdmissionGate(django_asgi_app),
             # Only this origin's pages may open a socket (the rule of the HTTP stream URLs): a page on
             # another site or a sibling subdomain cannot ride this site's session cookie or spend its quota.
             "websocket": SameOriginWebSocketMiddleware(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),

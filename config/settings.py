@@ -64,8 +64,6 @@ INSTALLED_APPS = [
 ]
 
 # No GZipMiddleware: it buffers streamed bodies, and text/event-stream must never be compressed.
-# Django's own middleware, subclassed to run on the event loop (see quotes/middleware.py): the
-# stock classes cost two thread hops each per request under ASGI.
 # Every entry is async-native: a sync-only one would put the SSE stream back on a thread.
 # Django's own middleware (and django-csp's) run their methods on the event loop, not in a thread
 # each: quotes.forks.inline_middleware, checked by the quotes.E001 system check.
@@ -75,10 +73,9 @@ MIDDLEWARE = [
     "quotes.middleware.ReleaseRequestThreadMiddleware",
     # Then, so every log line of the request (and its response) carries the request id.
     "quotes.logging.RequestIdMiddleware",
+    # At the open-stream limit the stream URLs' 503 comes before all of these, ahead of Django's
+    # handler (quotes.middleware.StreamAdmissionGate, config/asgi.py), behind these two alone.
     "django.middleware.security.SecurityMiddleware",
-    # At the open-stream cap, the stream URLs' 503 from here: before the session, CSRF, auth and
-    # message middleware (an overload is mostly refusals, each taken from the open streams).
-    "quotes.middleware.StreamAdmissionMiddleware",
     "csp.middleware.CSPMiddleware",
     # WhiteNoise with an async entry point: only static files touch a thread.
     "quotes.forks.StaticFilesMiddleware",
@@ -412,9 +409,14 @@ QUOTES_GATEWAY = GatewaySettings(
         "QUOTES_FEEDBACK_RATE_LIMIT", env.str("QUOTES_FEEDBACK_RATE_LIMIT", default="30/m")
     ),
     max_concurrent_streams=_env_or_error("QUOTES_MAX_CONCURRENT_STREAMS", int, 3),
-    # Per process, whoever asks: past it a stream is refused at once with 503 and Retry-After,
-    # so the streams a process already holds keep their pace (docs/benchmarks.md sizes it).
-    max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 100),
+    # Per process, whoever asks: past its limit a stream is refused at once with 503 and
+    # Retry-After, so the streams a process already holds keep their pace. The limit follows the
+    # event loop's lag (quotes.ai.gateway.capacity): it holds what this host holds, with no
+    # number to size per host. QUOTES_MAX_OPEN_STREAMS is an optional static ceiling on it (0:
+    # none); QUOTES_LOOP_LAG_TARGET_MS=0 turns the adaptive limit off (only the ceiling then).
+    max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 0),
+    loop_lag_target_ms=_env_or_error("QUOTES_LOOP_LAG_TARGET_MS", float, 5.0),
+    min_open_streams=_env_or_error("QUOTES_MIN_OPEN_STREAMS", int, 10),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts,
     # whatever the backend. One variable each: Cloudflare AI Gateway's own retries (above) are
     # another layer and set none of these.
@@ -440,10 +442,12 @@ QUOTES_GATEWAY = GatewaySettings(
 )
 for _name, _key in (
     ("QUOTES_MAX_CONCURRENT_STREAMS", "max_concurrent_streams"),
-    ("QUOTES_MAX_OPEN_STREAMS", "max_open_streams"),
+    ("QUOTES_MIN_OPEN_STREAMS", "min_open_streams"),
     ("QUOTES_MAX_ATTEMPTS", "max_attempts"),
 ):
     _positive(_name, getattr(QUOTES_GATEWAY, _key), low=1)
+_positive("QUOTES_MAX_OPEN_STREAMS", QUOTES_GATEWAY.max_open_streams, low=0)
+_positive("QUOTES_LOOP_LAG_TARGET_MS", QUOTES_GATEWAY.loop_lag_target_ms, low=0)
 for _name, _key in (
     ("QUOTES_TTFT_TIMEOUT", "ttft_timeout_s"),
     ("QUOTES_IDLE_TIMEOUT", "idle_timeout_s"),

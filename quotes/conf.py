@@ -34,8 +34,14 @@ class GatewaySettings:
     #: budget: whoever holds a /48 holds 65,536 of the per-client buckets
     network_rate_limit: tuple[int, int]
     max_concurrent_streams: int
-    #: per process, whoever asks: past it a stream is refused at once (503 over_capacity)
+    #: per process, whoever asks: a static ceiling on the streams it holds (0: none); past it a
+    #: stream is refused at once (503 over_capacity)
     max_open_streams: int
+    #: the event-loop lag, in ms, that the adaptive open-stream limit keeps the process under
+    #: (quotes.ai.gateway.capacity; 0: no adaptive limit, only the ceiling)
+    loop_lag_target_ms: float
+    #: the adaptive limit's floor: a process always takes this many streams
+    min_open_streams: int
     #: attempts at each model before the first token, and the delay between them (the app's own
     #: retries, around any backend; Cloudflare AI Gateway's are CloudflareGatewayRetries)
     max_attempts: int

@@ -37,6 +37,12 @@ A fork that bought less than about 10% of a figure was removed instead of kept h
    about once every 30 s. With what start-up loaded frozen (`gc.freeze`, documented, but a
    process-wide tuning that depends on the interpreter's collector) the same passes take 8-12 ms
    (17-54 ms). Pinned to the Python it was measured on (`PYTHON`).
+5. **A request made before Django's handler** (`asgi_request`). quotes.middleware's
+   StreamAdmissionGate refuses a new stream at the open-stream limit in front of Django's
+   handler, and needs an HttpRequest for the refusal's view: Django's `ASGIRequest`, made from
+   the ASGI scope and the body read, is undocumented. Through the handler a refusal cost about
+   twice the CPU (its thread hops, a request thread, the whole middleware chain;
+   docs/benchmarks.md, issue 22), and an overload is mostly refusals.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import gc
 import hashlib
 import importlib
 import inspect
+import io
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -64,6 +71,7 @@ from django.contrib.auth import middleware as auth
 from django.contrib.messages import middleware as messages
 from django.contrib.sessions import middleware as sessions
 from django.core import checks
+from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
 from django.utils.deprecation import MiddlewareMixin
@@ -296,6 +304,14 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+# -- 5. A request made before Django's handler --------------------------------------------------
+
+
+def asgi_request(scope: dict[str, Any], body: bytes) -> HttpRequest:
+    """The HttpRequest Django's ASGI handler would make of `scope` and its whole `body`."""
+    return ASGIRequest(scope, io.BytesIO(body))
+
+
 # -- the pins ------------------------------------------------------------------------------------
 
 #: The upstream code each piece relies on (its source's SHA-256; quotes.W002, tests/test_forks.py).
@@ -365,6 +381,8 @@ PINS: dict[str, str] = {
     "daphne.server.Server.run": "447c6bd42c62e98cda21fbd603a045ff72abbccabd2b234d8b40c18d366cb7db",
     "autobahn.websocket.protocol.WebSocketProtocol.sendClose": "6ccfd325e62723095869fe62379a4a7ef1d1ebff86a8381c402bb6f40251764b",
     "autobahn.websocket.protocol.WebSocketProtocol.sendCloseFrame": "a511406d6b0d711e81f5067e322de0f628437b9f9dac0c74a001bc19c482b9fc",
+    # 5: how asgi_request's ASGIRequest reads the scope and the body.
+    "django.core.handlers.asgi.ASGIRequest.__init__": "5ff1464df4bf995e78cfc6ca2590fe9166c6565dee93a37020dba88f2c9c7bc0",
     # close_redis_clients_without_their_loop: the pool's connection lists and a connection's
     # _writer/_reader (what disconnect() uses), asyncio's selector transport's _sock.
     "redis.asyncio.connection.ConnectionPool.disconnect": "16fe6bc22d97481216a032996ce8d1f81b5880793b0379fab8126a78bfb922fc",

@@ -258,6 +258,46 @@ class LocalModelCollector(Collector):
 REGISTRY.register(LocalModelCollector())
 
 
+class AdmissionCollector(Collector):
+    """What this process's admission goes by (quotes.ai.gateway.capacity), read when Prometheus
+    scrapes: the open-stream limit, the streams it counts against it, and the event loop's lag
+    that the limit follows."""
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        from .ai.gateway import capacity
+
+        limit, open_now, lag = self._families()
+        limit.add_metric([], capacity.current_limit(settings.QUOTES_GATEWAY))
+        open_now.add_metric([], capacity.open_streams.count)
+        lag.add_metric([], capacity.gradient.lag_s)
+        return limit, open_now, lag
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "quotes_admission_limit",
+                "Streams this process admits at once now: the adaptive limit that follows the event "
+                "loop's lag, within QUOTES_MAX_OPEN_STREAMS if set (+Inf: no limit).",
+            ),
+            GaugeMetricFamily(
+                "quotes_admission_open_streams",
+                "Streams open in this process, as admission counts them against its limit.",
+            ),
+            GaugeMetricFamily(
+                "quotes_event_loop_lag_seconds",
+                "How late this process's event loop runs a timer: the 90th percentile of the last "
+                "2 s of samples (one every 100 ms), the signal the admission limit follows.",
+            ),
+        )
+
+
+REGISTRY.register(AdmissionCollector())
+
+
 # --- the endpoint -------------------------------------------------------------------------------
 
 

@@ -2,24 +2,31 @@
 
 - `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread
   (quotes.request_threads).
-- `StreamAdmissionMiddleware`: at the process's open-stream cap, the stream URLs' 503 answered
-  before the session, CSRF, auth and message middleware run.
+- `StreamAdmissionGate` (ASGI, in front of Django's handler): at the process's open-stream limit,
+  the stream URLs' 503 answered before Django's handler and its middleware run.
 - `DatabaseOutageMiddleware`: a database outage escaping a view is a 503 in the request's
   dialect, not a 500 with its traceback.
 
 Django's own middleware run their methods on the event loop too, and WhiteNoise has an async
-entry point: both touch their library's internals, so they live in quotes.forks.
+entry point: both touch their library's internals, so they live in quotes.forks (as does the
+gate's request, made before Django's handler).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from asgiref.sync import markcoroutinefunction
-from django.http import HttpRequest, HttpResponseBase
+from django.conf import settings
+from django.core.exceptions import SuspiciousOperation
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.middleware.security import SecurityMiddleware
 from django.urls import reverse
 
 from .database import UNREACHABLE, outage
+from .forks import asgi_request
 from .request_threads import release_request_thread
 
 
@@ -46,35 +53,95 @@ class ReleaseRequestThreadMiddleware:
         return response
 
 
-class StreamAdmissionMiddleware:
-    """At the process's open-stream cap (or while it drains), a new stream (`/api/quotes/stream`,
-    and the persona page's form, `/quotes/stream`) is refused here (by
-    quotes.views.refuse_stream_when_full), early in the chain: Django's handler and the
-    middleware before this one have run, the session, CSRF, auth, message, clickjacking and CSP
-    middleware have not. Under an overload most requests are refusals (800 of 1,000 in
-    bench/scaleout_load.py), and what each costs is taken from the streams the process holds.
-    Anything this cannot answer (not at the cap, a request with a session, a bad request) goes
-    on through the whole chain to the view, which refuses it there if it must."""
+class NotRefused(Exception):
+    """Raised through StreamAdmissionGate's short chain when the request is not refused there."""
 
-    sync_capable = False
-    async_capable = True
 
-    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
-        self.get_response = get_response
-        self._paths: dict[str, bool] | None = None
-        markcoroutinefunction(self)
+class StreamAdmissionGate:
+    """ASGI, in front of Django's handler: while this process is at its open-stream limit (or
+    drains), a new stream on the stream URLs (`/api/quotes/stream`, and the persona page's form,
+    `/quotes/stream`) is refused here (by quotes.views.refuse_stream_when_full, behind the same
+    RequestIdMiddleware and SecurityMiddleware as in settings.MIDDLEWARE), with no thread, no
+    signal and no other middleware.
 
-    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        if self._paths is None:  # not in __init__: the URLconf may not load yet
-            self._paths = {reverse("quotes:stream"): False, reverse("quotes:stream-form"): True}
-        form = self._paths.get(request.path_info)
-        if form is not None:
-            from .views import refuse_stream_when_full  # the views import this module's neighbours
+    Under an overload most requests are refusals (800 of 1,000 in bench/scaleout_load.py, each
+    tried on both processes by nginx), and what each costs is taken from the event loop of the
+    streams the process holds. Through Django's handler a refusal cost about twice what it does
+    here (docs/benchmarks.md, issue 22): the handler's three thread hops (its `request_started`
+    receivers, the log line of every response >= 400, `response.close()`), a request thread
+    leased for them, and the middleware chain. Anything this does not refuse (not at the limit,
+    a request with a session, a resume, a bad request, a host not allowed) goes on to Django with
+    its body as it came, and the view answers it (refusing it there if it must)."""
 
-            response = await refuse_stream_when_full(request, form=form)
-            if response is not None:
-                return response
-        return await self.get_response(request)
+    def __init__(self, app: Callable[[dict[str, Any], Any, Any], Awaitable[None]]) -> None:
+        self.app = app
+        self._chains: dict[str, Callable[[HttpRequest], Awaitable[HttpResponseBase]]] | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        from .ai.gateway import admission  # the gateway imports Django's models: not before setup
+
+        if scope["type"] != "http" or not admission.at_capacity(settings.QUOTES_GATEWAY):
+            return await self.app(scope, receive, send)
+        if self._chains is None:  # not in __init__: the URLconf may not load yet
+            self._chains = {
+                reverse("quotes:stream"): _refusal_chain(form=False),
+                reverse("quotes:stream-form"): _refusal_chain(form=True),
+            }
+        chain = self._chains.get(scope["path"])
+        if chain is None:
+            return await self.app(scope, receive, send)
+        read: list[dict[str, Any]] = []
+        body = b""
+        while True:
+            message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":
+                break  # a disconnect: Django's handler sees it as it would have
+            body += message.get("body", b"")
+            if not message.get("more_body", False) or len(body) > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
+                break
+        response = None
+        if read[-1]["type"] == "http.request" and not read[-1].get("more_body", False):
+            # A host not allowed (get_host() raises for it): Django's handler answers its 400.
+            with contextlib.suppress(NotRefused, SuspiciousOperation):
+                response = await chain(asgi_request(scope, body))
+        if response is None:
+            await self.app(scope, _replay(read, receive), send)
+            return None
+        assert isinstance(response, HttpResponse)  # the refusals are whole responses, not streams
+        headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in response.items()]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": response.content})
+        return None
+
+
+def _refusal_chain(*, form: bool) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
+    """refuse_stream_when_full behind the middleware that come before the session's in
+    settings.MIDDLEWARE (but the thread release: no thread here)."""
+    from .logging import RequestIdMiddleware
+    from .views import refuse_stream_when_full
+
+    async def refuse(request: HttpRequest) -> HttpResponseBase:
+        response = await refuse_stream_when_full(request, form=form)
+        if response is None:
+            raise NotRefused
+        return response
+
+    security_headers = cast(Callable[[HttpRequest], Awaitable[HttpResponseBase]], SecurityMiddleware(refuse))
+    return RequestIdMiddleware(security_headers)
+
+
+def _replay(read: list[dict[str, Any]], receive: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """`receive`, with the messages already read given first."""
+    pending = list(read)
+
+    async def replayed() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        message: dict[str, Any] = await receive()
+        return message
+
+    return replayed
 
 
 class DatabaseOutageMiddleware:

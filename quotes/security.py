@@ -215,7 +215,8 @@ def refuse_cross_site(request: HttpRequest) -> None:
         fetch_site=request.headers.get("Sec-Fetch-Site"),
         origin=origin,
         # Only when there is an Origin to compare: get_host() raises for a host not allowed, and
-        # StreamAdmissionMiddleware asks before CommonMiddleware has answered that with its 400.
+        # StreamAdmissionGate asks before Django's handler (and its CommonMiddleware) has
+        # answered that with its 400: the gate then hands the request on to it.
         own_origin=f"{request.scheme}://{request.get_host()}" if origin is not None else None,
     ):
         raise _cross_site()

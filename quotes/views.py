@@ -288,14 +288,14 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
     """The over-capacity (or server-draining) 503 of `stream_quote` (`form`: of
     `stream_quote_form`), as the view gives it (Retry-After, the JSON envelope or the htmx error
     event, the refusal counted), or None when the view must answer: the process is not at its
-    cap, the request carries a session (a user's refusal is counted under their key, which only
+    limit, the request carries a session (a user's refusal is counted under their key, which only
     the session knows), or it is not a well-formed request for a persona this process knows.
 
-    Called by quotes.middleware.StreamAdmissionMiddleware before the session, CSRF, auth and
-    message middleware run: at the cap, refusals come by the hundred, and each one's cost is
-    taken from the streams the process holds. A refusal starts nothing, so answering the form's
-    before its CSRF check spends nothing on anyone's behalf; still, only a same-site post that
-    carries a CSRF cookie and token is answered here, and anything else meets Django's check."""
+    Called by quotes.middleware.StreamAdmissionGate before Django's handler runs: at the limit,
+    refusals come by the hundred, and each one's cost is taken from the streams the process
+    holds. A refusal starts nothing, so answering the form's before its CSRF check spends
+    nothing on anyone's behalf; still, only a same-site post that carries a CSRF cookie and
+    token is answered here, and anything else meets Django's check."""
     if not admission.at_capacity(settings.QUOTES_GATEWAY) or settings.SESSION_COOKIE_NAME in request.COOKIES:
         return None
     htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
@@ -345,7 +345,7 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
             return await _resume(last_event_id, encoder, request, params, "htmx" if htmx else "api")
         client = await client_of(request)
         # At the process's cap, refused before anything else is spent (see refuse_if_full; most
-        # requests without a session were refused by StreamAdmissionMiddleware already).
+        # requests without a session were refused by StreamAdmissionGate already).
         full = await refuse_if_full(
             slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
         )

@@ -47,6 +47,18 @@ def _no_resume_grace(settings: pytest.FixtureRequest) -> None:
     settings.QUOTES_GATEWAY = dataclasses.replace(settings.QUOTES_GATEWAY, resume_grace_s=0)  # type: ignore[attr-defined]
 
 
+@pytest.fixture(autouse=True)
+def _no_adaptive_admission(settings: pytest.FixtureRequest) -> Iterator[None]:
+    """Admission by the static ceiling only (QUOTES_LOOP_LAG_TARGET_MS=0): a loaded test machine's
+    event loop lags for reasons of its own, and a test refused for that would fail by chance.
+    tests/test_capacity.py turns the adaptive limit on; each test starts it afresh."""
+    settings.QUOTES_GATEWAY = dataclasses.replace(settings.QUOTES_GATEWAY, loop_lag_target_ms=0)  # type: ignore[attr-defined]
+    yield
+    from quotes.ai.gateway import capacity
+
+    capacity.reset()
+
+
 @pytest.fixture
 def unlimited(settings: Any) -> Any:
     """Many requests from one client in a row: raise the per-client limits out of the way."""

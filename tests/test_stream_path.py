@@ -153,11 +153,11 @@ async def test_open_stream_cap_for_htmx_is_a_503_error_event(
 async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_middleware(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    """At the cap most requests are refusals: StreamAdmissionMiddleware answers them early in
-    the chain. The answer is the view's (503, Retry-After, the JSON envelope, the refusal counted
+    """At the cap most requests are refusals: StreamAdmissionGate answers them before Django's
+    handler. The answer is the view's (503, Retry-After, the JSON envelope, the refusal counted
     in its row), but none of the later middleware left a mark on it: no session touched (no
-    `Vary: Cookie`, no cookie set), no Content-Security-Policy, no X-Frame-Options. The
-    middleware before it still did their part (the request id, nosniff)."""
+    `Vary: Cookie`, no cookie set), no Content-Security-Policy, no X-Frame-Options. The request
+    id and the security headers are there, as on every response."""
     held = await cap_of_one_held(settings, fake)
 
     refusals = [stream(f"refused {i}") for i in range(3)]
@@ -186,6 +186,49 @@ async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_
             break
         await asyncio.sleep(0.05)
     assert refusal.request_count == 3
+
+
+async def test_open_stream_cap_refuses_before_djangos_handler_and_its_threads(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """A refusal at the cap never reaches Django's handler (StreamAdmissionGate): no
+    request_started signal, whose receivers cost a thread hop per request, and no request
+    thread. A request the gate does not refuse (a Host not allowed) goes on to Django, which
+    answers it as ever."""
+    from django.core.signals import request_started
+
+    held = await cap_of_one_held(settings, fake)
+    started: list[object] = []
+
+    def count(**kwargs: Any) -> None:
+        started.append(kwargs)
+
+    request_started.connect(count)
+    try:
+        refusals = [stream(f"refused {i}") for i in range(3)]
+        answers = [await s.start() for s in refusals]
+        for s in refusals:
+            await s.read_all()
+        refused_started = len(started)
+        bad_host = AsgiStream(
+            "POST",
+            URL,
+            body=json.dumps({"persona": persona.slug, "topic": "t"}).encode(),
+            headers={
+                "content-type": "application/json",
+                "host": "evil.example",
+                "origin": "http://evil.example",
+            },
+        )
+        bad_host_answer = await bad_host.start()
+        await bad_host.read_all()
+    finally:
+        request_started.disconnect(count)
+
+    assert [a.status for a in answers] == [503, 503, 503]
+    assert refused_started == 0
+    assert bad_host_answer.status == 400 and len(started) == 1  # Django's handler, its own answer
+    await held.disconnect()
 
 
 async def test_open_stream_cap_refuses_the_page_form_early_but_csrf_still_meets_cross_site_posts(

@@ -66,9 +66,9 @@ async def record_refusal(
 ) -> None:
     """Count one refused request; the first of its window also writes the row. Never raises
     (but for cancellation): the visitor's 429 (or 503) must go out whatever the log's trouble.
-    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream cap).
+    `status`: rate-limited unless said otherwise (busy, for a process at its open-stream limit).
     `local`: counted in this process's memory, not the shared cache (a refusal by this process's
-    own open-stream cap: quick, with no round trip, when the process is at its busiest)."""
+    own open-stream limit: quick, with no round trip, when the process is at its busiest)."""
     try:
         await _record(
             key_parts=(client_key, persona.pk, code, int(preview)),
@@ -112,7 +112,7 @@ async def _record(
     public_id = _row_id(key)
     if count == 1:
         try:
-            await _save_new(row(public_id))
+            await _save_new(row(public_id), own_thread=local)
             return
         except IntegrityError:  # the count was lost (cache restarted), not the row
             pass
@@ -139,11 +139,19 @@ def _row_id(key: str) -> uuid.UUID:
     return uuid.UUID(bytes=digest[:16], version=4)
 
 
-async def _save_new(row: Generation) -> None:
+async def _save_new(row: Generation, *, own_thread: bool = False) -> None:
+    """Insert the window's row. `own_thread`: on a worker thread that sees to its own database
+    connection, as the flush does: a refusal of this process's own (its limit, its drain) may be
+    answered before Django's handler (quotes.middleware.StreamAdmissionGate), by no request and
+    on no request thread, so no request_finished would ever close that connection."""
+
     async def insert(attempts: int = 5) -> None:
         for attempt in range(attempts):
             try:
-                await row.asave(force_insert=True)
+                if own_thread:
+                    await sync_to_async(_insert, thread_sensitive=False)(row)
+                else:
+                    await row.asave(force_insert=True)
                 return
             except OperationalError:  # SQLite briefly locked by the rows of live streams
                 if attempt == attempts - 1:
@@ -151,6 +159,14 @@ async def _save_new(row: Generation) -> None:
                 await asyncio.sleep(0.05 * 2**attempt)
 
     await asyncio.shield(asyncio.ensure_future(insert()))  # a client leaving must not cost the row
+
+
+def _insert(row: Generation) -> None:
+    close_old_connections()
+    try:
+        row.save(force_insert=True)
+    finally:
+        close_old_connections()
 
 
 def _schedule_flush(key: str, public_id: uuid.UUID) -> None:

@@ -1,10 +1,11 @@
 """The path every generation takes, whatever the transport (HTTP, EventSource, WebSocket) and
-whatever the backend: admission (an open-stream cap per process, per-client rate limits), the
+whatever the backend: admission (an adaptive open-stream limit per process, per-client rate limits), the
 answer cache, coalescing, retries, fallbacks, timeouts, keep-alive, and one `Generation` log row
 on every outcome, a client disconnect included.
 
     stream_generation (generation.py): one request, from admission to its log row
-      admission.py   the process's open-stream cap, then the client's limits
+      admission.py   the process's open-stream limit, then the client's limits
+      capacity.py    that limit: it follows the event loop's lag (an optional static ceiling)
       answers.py     complete answers cached, and replayed as a stream
       flights.py     one generation shared by identical requests; a listener per request
       policy.py      retries and fallbacks before the first token; the three timeouts

@@ -1,9 +1,11 @@
 """Who may open a stream, checked before any work is done for it:
 
-1. the process's open-stream cap (`max_open_streams`, QUOTES_MAX_OPEN_STREAMS): a count in this
-   process's memory, whoever asks. Past it the answer is an immediate 503 with Retry-After, before
-   any header of a stream is sent, so the streams the process already holds keep their pace
-   instead of every stream slowing down together;
+1. the process's open-stream limit (quotes.ai.gateway.capacity): a count in this process's
+   memory, whoever asks, against a limit that follows the event loop's lag (within the static
+   ceiling QUOTES_MAX_OPEN_STREAMS, when set). Past it the answer is an immediate 503 with
+   Retry-After (when the open streams are likely to have made room), before any header of a
+   stream is sent, so the streams the process already holds keep their pace instead of every
+   stream slowing down together;
 2. the client's rate limit and concurrent-stream cap (quotes.ai.limits, in the shared cache, so
    they hold across processes): 429 with Retry-After.
 
@@ -35,66 +37,30 @@ from ...conf import GatewaySettings
 from .. import limits
 from ..errors import ErrorCode
 from ..events import Error
-from . import redis_clients
+from . import capacity, redis_clients
+from .capacity import open_streams
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a refused client is told to wait: about the time a short quote takes to stream.
-OVER_CAPACITY_RETRY_AFTER_S = 5
 #: Seconds a client refused by a draining process is told to wait: the other processes take it
 #: now (nginx retries there at once); a client of this one process alone finds it restarted.
 DRAINING_RETRY_AFTER_S = 1
 
 
-class OpenStreams:
-    """The streams open in this process (HTTP and WebSocket connections alike: what the cap
-    counts), and its live generations (a run goes on for its resume grace with no connection:
-    a drain waits for those too)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.runs = 0
-        #: set when both fall to 0 (made by a drain, which waits for it)
-        self.emptied: asyncio.Event | None = None
-
-    def try_open(self, cap: int) -> bool:
-        if self.count >= cap:
-            return False
-        self.count += 1
-        return True
-
-    def close(self) -> None:
-        self.count -= 1
-        self._check_empty()
-
-    def run_started(self) -> None:
-        self.runs += 1
-
-    def run_ended(self) -> None:
-        self.runs -= 1
-        self._check_empty()
-
-    def _check_empty(self) -> None:
-        if not self.count and not self.runs and self.emptied is not None:
-            self.emptied.set()
-
-
-open_streams = OpenStreams()
-
-
 def at_capacity(options: GatewaySettings) -> bool:
     """Whether a new stream would be refused now (checked before a request is even parsed; the
     admission itself checks again). `refusal()` says why."""
-    return drain.draining or open_streams.count >= options.max_open_streams
+    return drain.draining or open_streams.count >= capacity.limit_now(options)
 
 
 def refusal(options: GatewaySettings) -> Error | None:
-    """The Error that refuses a new stream in this process now (draining, or at its cap), else None."""
+    """The Error that refuses a new stream in this process now (draining, or at its limit), else None."""
     if drain.draining:
         return server_draining()
-    if open_streams.count >= options.max_open_streams:
-        return over_capacity()
+    limit = capacity.limit_now(options)
+    if open_streams.count >= limit:
+        return over_capacity(open_streams.retry_after_s(limit))
     return None
 
 
@@ -107,12 +73,12 @@ def server_draining() -> Error:
     )
 
 
-def over_capacity() -> Error:
+def over_capacity(retry_after: int = capacity.DEFAULT_RETRY_AFTER_S) -> Error:
     return Error(
         ErrorCode.OVER_CAPACITY,
         "The site is busy writing other quotes right now. Please try again in a few seconds.",
         503,
-        retry_after=OVER_CAPACITY_RETRY_AFTER_S,
+        retry_after=retry_after,
     )
 
 
@@ -233,8 +199,9 @@ class Ticket:
     client_key: str
     #: the lease id of the client's slot this connection holds ("" once given back)
     lease: str
-    #: still counted in this process's open streams
-    process_slot: bool = True
+    #: the slot of this process's open streams it holds (capacity.OpenStreams.try_open; 0 once
+    #: given back)
+    process_slot: int
 
     async def release_client_slot(self) -> None:
         """Give the client's slot back (before the client hears "done" and asks again). A
@@ -247,9 +214,9 @@ class Ticket:
             await _shielded(redis_clients.client().zrem(lease_key(self.client_key), lease))
 
     async def release(self) -> None:
-        if self.process_slot:
-            self.process_slot = False
-            open_streams.close()
+        slot, self.process_slot = self.process_slot, 0
+        if slot:
+            open_streams.close(slot)
         await self.release_client_slot()
 
 
@@ -268,8 +235,10 @@ async def admit(
     `while_draining`: a resume of a run this process holds, served while it drains."""
     if drain.draining and not while_draining:
         return server_draining()
-    if not open_streams.try_open(options.max_open_streams):
-        return over_capacity()
+    process_limit = capacity.limit_now(options)
+    slot = open_streams.try_open(process_limit)
+    if not slot:
+        return over_capacity(open_streams.retry_after_s(process_limit))
     limit, window = options.rate_limit
     lease = leases.new_id()
     try:
@@ -277,7 +246,7 @@ async def admit(
             client_key, lease, network_key=network_key, limit=limit, window=window, options=options, new=new
         )
     except BaseException:
-        open_streams.close()
+        open_streams.close(slot)
         raise
     if refused is None:
         if not shared:
@@ -285,8 +254,8 @@ async def admit(
         leases.add(client_key, lease)
         if shared:
             leases.keep_renewed()
-        return Ticket(client_key, lease)
-    open_streams.close()
+        return Ticket(client_key, lease, slot)
+    open_streams.close(slot)
     reason, retry_after, network = refused
     if reason == ErrorCode.RATE_LIMITED and network:
         message = f"Your network has asked for many quotes in a short while. Try again in {retry_after} s."

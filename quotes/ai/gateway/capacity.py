@@ -1,0 +1,236 @@
+"""How many streams this process takes at once: a limit that follows its own event loop's lag.
+
+Every token of every open stream passes through the process's one asyncio loop. When the loop
+has more to do than it can, each ready callback waits its turn, and the tokens of *all* the open
+streams arrive late together. How many streams a loop holds depends on the host (the core, the
+other tenants' CPU, the model's token rate), so a static cap right for one host is wrong for the
+next. Instead the process measures how late its loop runs and admits by that:
+
+- **The signal** (`LagProbe`): one timer on the running loop every `PROBE_INTERVAL_S`, which
+  notes how late it fired: how long a ready callback (a token's) waited for the loop. One timer
+  per process, nothing per token or per stream. The limit follows a high percentile of the
+  last two seconds of samples (the second-highest of `LAG_WINDOW`, about the 90th): what the
+  slowest tokens wait, not the typical one, is what the admitted streams feel. One stall (a
+  garbage collection, a first request's imports) moves nothing; a loop late one time in ten
+  does, within two late samples.
+- **The limit** (`GradientLimit`), hand-written in the manner of Netflix's concurrency-limits
+  (Gradient2) and Envoy's adaptive concurrency filter. The gradient is the target lag over the
+  measured lag (Envoy compares a sampled latency with a minimum plus a buffer; a loop's lag at
+  no load is about 0, so one target, QUOTES_LOOP_LAG_TARGET_MS, stands for both). At or under
+  the target, and while the limit is what holds streams back, the limit grows by its square
+  root per sample (Gradient2's queue allowance): quick from a small limit, careful near a large
+  one, and slower as the lag nears the target. Over the target, at each sample that is late
+  itself, it shrinks to what the process holds times the gradient, smoothed (at most a quarter
+  per sample); between late samples it holds. It never goes below
+  QUOTES_MIN_OPEN_STREAMS, nor above QUOTES_MAX_OPEN_STREAMS when that static ceiling is set.
+- **When to come back** (`OpenStreams.retry_after_s`): a refusal's Retry-After is when enough of
+  the open streams, oldest first, are expected to have ended (by the smoothed duration of the
+  streams that ended before) for the count to fall under the limit.
+
+quotes.ai.gateway.admission admits by `limit_now()`; /metrics shows the limit, the lag it follows
+and the open streams (quotes.metrics reads them when scraped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable
+
+from django.conf import settings
+
+from ...conf import GatewaySettings
+
+#: Seconds between two lag samples: each is one timer on the loop.
+PROBE_INTERVAL_S = 0.1
+#: The limit a process starts with, before its loop has said anything.
+INITIAL_LIMIT = 50
+#: The lag the limit follows is the second-highest of this many samples (two seconds): about
+#: their 90th percentile, with one stall (a garbage collection, a first request's imports) left
+#: out.
+LAG_WINDOW = 20
+#: Share of a shrink's gradient one sample applies (Gradient2's smoothing): a lag twice the
+#: target (or more) takes a quarter off per sample.
+SHRINK_SMOOTHING = 0.5
+#: Weight of an ended stream's duration in the expected duration (Retry-After).
+DURATION_SMOOTHING = 0.1
+#: Retry-After while no stream has ended yet: about the time a short quote takes to stream.
+DEFAULT_RETRY_AFTER_S = 5
+#: Retry-After never says more than this: a guess further out is no guess.
+MAX_RETRY_AFTER_S = 60
+
+
+class OpenStreams:
+    """The streams open in this process (HTTP and WebSocket connections alike: what admission
+    counts), when each opened, and its live generations (a run goes on for its resume grace with
+    no connection: a drain waits for those too)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.count = 0
+        self.runs = 0
+        #: set when both fall to 0 (made by a drain, which waits for it)
+        self.emptied: asyncio.Event | None = None
+        #: the most streams open or asked for since the limit's last sample
+        self.peak = 0
+        #: the smoothed duration of the streams that ended (None until one has)
+        self.expected_s: float | None = None
+        self._clock = clock
+        self._serial = 0
+        #: when each open stream opened, oldest first (a dict keeps its insertion order)
+        self._opened: dict[int, float] = {}
+
+    def try_open(self, limit: float) -> int:
+        """Take a slot if fewer than `limit` are open: its number (give it to `close`), else 0."""
+        if self.count + 1 > self.peak:
+            self.peak = self.count + 1
+        if self.count >= limit:
+            return 0
+        self.count += 1
+        self._serial += 1
+        self._opened[self._serial] = self._clock()
+        return self._serial
+
+    def close(self, slot: int) -> None:
+        self.count -= 1
+        opened = self._opened.pop(slot, None)
+        if opened is not None:
+            held = self._clock() - opened
+            if self.expected_s is None:
+                self.expected_s = held
+            else:
+                self.expected_s += DURATION_SMOOTHING * (held - self.expected_s)
+        self._check_empty()
+
+    def run_started(self) -> None:
+        self.runs += 1
+
+    def run_ended(self) -> None:
+        self.runs -= 1
+        self._check_empty()
+
+    def _check_empty(self) -> None:
+        if not self.count and not self.runs and self.emptied is not None:
+            self.emptied.set()
+
+    def retry_after_s(self, limit: float) -> int:
+        """Whole seconds until this process likely takes a new stream: until enough of its open
+        streams, oldest first, are expected to have ended for the count to fall under `limit`."""
+        if self.expected_s is None or not self._opened:
+            return DEFAULT_RETRY_AFTER_S
+        must_end = max(1, self.count - math.floor(limit) + 1)
+        index = min(must_end, len(self._opened)) - 1
+        opened = next(itertools.islice(self._opened.values(), index, None))
+        remaining = opened + self.expected_s - self._clock()
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(remaining)))
+
+
+class GradientLimit:
+    """The adaptive limit's arithmetic, fed one lag sample at a time (no clock, no loop)."""
+
+    def __init__(self, initial: float = INITIAL_LIMIT) -> None:
+        self.limit = float(initial)
+        #: the lag the limit follows (the second-highest of the last LAG_WINDOW samples), in seconds
+        self.lag_s = 0.0
+        self._recent = collections.deque([0.0] * LAG_WINDOW, maxlen=LAG_WINDOW)
+
+    def observe(self, lag_s: float) -> float:
+        """Add one lag sample to the window, and return the window's second-highest."""
+        self._recent.append(lag_s)
+        self.lag_s = heapq.nlargest(2, self._recent)[1]
+        return self.lag_s
+
+    def sample(self, lag_s: float, *, peak: int, target_s: float, floor: int, ceiling: int = 0) -> float:
+        """One lag sample (seconds). `peak`: the most streams open or asked for since the last
+        sample. `ceiling`: the static cap (0: none). Returns the new limit."""
+        lag = self.observe(lag_s)
+        limit = self.limit
+        headroom = math.sqrt(limit)
+        if lag <= target_s:
+            # Grow only while the limit is what holds streams back: a limit far above what was
+            # ever asked for says nothing about what the loop can hold.
+            if peak + headroom >= limit:
+                # Full steps while the loop is well under its target, smaller ones near it.
+                limit += headroom * min(1.0, 2.0 * (1.0 - lag / target_s))
+        elif lag_s > target_s:  # late lately, and now: each late sample shrinks it once
+            gradient = max(0.5, target_s / lag)
+            # From what is held, not from a limit never reached: streams are not taken back, so
+            # only a limit under the open count stops more of them joining.
+            held = min(limit, peak)
+            limit = held * (1.0 - SHRINK_SMOOTHING * (1.0 - gradient))
+        if ceiling:
+            limit = min(limit, ceiling)
+        self.limit = max(float(floor), limit)
+        return self.limit
+
+
+class LagProbe:
+    """A timer on the running loop every PROBE_INTERVAL_S, noting how late it fired and feeding
+    that to the limit. Started by the first admission in a loop; a new loop (a test's) starts
+    its own, and the old loop's timer stops at its next firing."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due = 0.0
+        #: the last sample, in seconds
+        self.last_s = 0.0
+
+    def ensure_running(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop = loop
+            self._due = loop.time() + PROBE_INTERVAL_S
+            loop.call_at(self._due, self._fire, loop)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:
+            return
+        now = loop.time()
+        self.last_s = max(0.0, now - self._due)
+        options: GatewaySettings = settings.QUOTES_GATEWAY
+        if options.loop_lag_target_ms > 0:
+            gradient.sample(
+                self.last_s,
+                peak=open_streams.peak,
+                target_s=options.loop_lag_target_ms / 1000,
+                floor=options.min_open_streams,
+                ceiling=options.max_open_streams,
+            )
+        else:
+            gradient.observe(self.last_s)  # shown in /metrics all the same
+        open_streams.peak = open_streams.count
+        self._due = now + PROBE_INTERVAL_S
+        loop.call_at(self._due, self._fire, loop)
+
+
+open_streams = OpenStreams()
+gradient = GradientLimit()
+probe = LagProbe()
+
+
+def limit_now(options: GatewaySettings) -> float:
+    """The number of streams this process admits now: the adaptive limit (within the static
+    ceiling, if one is set), or the ceiling alone with the adaptive limit off, or no limit
+    (infinity). Starts the lag probe in the running loop if it is not there yet (with the
+    adaptive limit off too: /metrics still shows the lag)."""
+    probe.ensure_running()
+    return current_limit(options)
+
+
+def current_limit(options: GatewaySettings) -> float:
+    """`limit_now`, read only (for /metrics)."""
+    ceiling = options.max_open_streams or math.inf
+    if options.loop_lag_target_ms <= 0:
+        return ceiling
+    return min(math.floor(gradient.limit), ceiling)
+
+
+def reset() -> None:
+    """Start over (a test's fresh process): the initial limit, no lag, no durations."""
+    global gradient
+    gradient = GradientLimit()
+    open_streams.expected_s = None
+    open_streams.peak = open_streams.count
