@@ -87,7 +87,7 @@ def _outbox_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _rows_before_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+def _rows_before_the_end(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A stream's terminal event waits for its log row at most log.ROW_WAIT_S, then goes out with
     the row still on its way. Tests read the row as soon as they have the event, and a busy test
     machine may take longer than that to commit it: here the event waits for the row.
@@ -95,6 +95,10 @@ def _rows_before_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
     from quotes.ai.gateway.log import writer
 
     monkeypatch.setattr(writer, "wait_s", 60.0)
+    yield
+    # A test that sent rows to the outbox (its database down) writes them before it ends: the
+    # next test's rows would queue behind them, and not be in its database when it reads them.
+    assert not writer.outbox.depth, "the test left rows in the log writer's outbox"
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ outage is one WARNING, not a traceback per request."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import socket
@@ -22,6 +23,7 @@ from django.test import override_settings
 
 from quotes import database, personas
 from quotes.ai.backends import reset_backends
+from quotes.ai.gateway.log import writer
 from quotes.logging import ClientErrorFilter, RequestIdFilter
 from quotes.models import Persona
 from quotes.services import persona_save
@@ -119,6 +121,9 @@ async def database_down(persona: Persona, tmp_path: Path) -> AsyncIterator[Datab
     yield down
     await down.restore()
     database.outage.recovered()  # the next test starts with no outage in this process
+    # The rows the outage sent to the outbox go in now, into this test's database: left there,
+    # the next test's rows would queue behind them (not in its database when it reads them).
+    assert await asyncio.to_thread(writer.flush, 30.0, outbox=True)
 
 
 @pytest.fixture
