@@ -52,7 +52,6 @@ from bench.common import (
     machine,
     nginx_attempts,
     parse_args,
-    percentile,
     settled_counts,
     table,
     workers_ai_env,
@@ -262,7 +261,9 @@ class AdmissionWatch(threading.Thread):
         for name in ADMISSION_GAUGES:
             values = sorted(s[name] for s in busy if name in s)
             if values:
-                out[name] = [round(values[0], 4), round(percentile(values, 50), 4), round(values[-1], 4)]
+                # The middle sample, not an interpolated median: with no limit the limit reads
+                # +Inf, and inf - inf is nan.
+                out[name] = [round(values[0], 4), round(values[len(values) // 2], 4), round(values[-1], 4)]
         inside = [(t, cpu) for t, cpu in self.cpu if plateau[0] <= t <= plateau[1]]
         if len(inside) >= 2:
             (t0, first), (t1, last) = inside[0], inside[-1]
