@@ -552,3 +552,38 @@ def test_shared_a_killed_process_runs_get_their_rows_from_a_live_one(
     assert {public_id: rows.get(public_id) for public_id in ids} == dict.fromkeys(
         ids, ("error", "generation_lost")
     )
+
+
+def test_shared_a_socket_that_resumed_a_run_held_elsewhere_stops_it_with_cancel(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A stream cut on A, resumed over a WebSocket on B: the socket's cancel stops the run on A
+    at once (its upstream closed, its row stopped), not after A's resume grace as abandoned."""
+    fake_workers_ai.script(Scenario(tokens=[" tick"] * 400, token_delay_s=0.05))  # 20 s unstopped
+    servers = pair(0)
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", servers.a.url + STREAM, json=QUOTE) as stream,
+    ):
+        head = lines_until_tokens(stream.iter_lines(), 3)
+    last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+
+    resume = json.dumps({"type": "resume", "last_event_id": last_id})
+    steps = [f"send:{resume}", "read:3", 'send:{"type": "cancel"}', "until:cancelled"]
+    socket_url = servers.b.url.replace("http", "ws") + "/ws/quotes/"
+    socket = subprocess.run(
+        [sys.executable, "-m", "tests.ws_client", socket_url, servers.b.url, *steps],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    frames = [json.loads(line) for line in socket.stdout.splitlines()]
+
+    assert socket.returncode == 0, (socket.stderr, frames)
+    assert [frame["type"] for frame in frames[:3]] == ["token"] * 3, frames
+    [upstream] = fake_workers_ai.requests
+    assert upstream.client_disconnected.wait(5)  # A closed the upstream (its grace is 10 s)
+    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
+    [(_, status, code, _)] = servers.rows()
+    assert (status, code) == ("cancelled", "stopped")
