@@ -41,7 +41,7 @@ from django.core.cache import cache
 
 from ...conf import GatewaySettings
 from ...models import Generation
-from ..errors import ErrorCode
+from ..errors import ErrorCode, stopped
 from ..events import Done, Error, Event, Meta, Ping, Token, Usage
 from ..limits import run_on_cache
 from ..redis_health import report
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 #: `<public_id>:<n>`: the generation's public id (a UUID) and an event's 1-based number.
 EVENT_ID = re.compile(r"([0-9a-fA-F-]{36}):(\d{1,9})")
 
-STOPPED = Error(ErrorCode.STOPPED, "The quote was stopped.", 409)
+STOPPED = stopped()
 ABANDONED = Error(ErrorCode.ABANDONED, "Nobody came back for this quote: it was stopped.", 410)
 
 
@@ -274,12 +274,13 @@ class Run:
         it was ending already."""
         if self.closing:
             return False
-        if self.publisher is not None and await shared_runs.has_readers(self.public_id):
+        if self.publisher is not None and await shared_runs.has_readers(self.public_id, followers=True):
             if self.closing:
                 return False
             self.stopped = True
             for listener in list(self.listeners):
                 listener.end(STOPPED)
+            self.publisher.stop_readers()  # the client's resumes on other processes end too
             return True
         if self.closing:
             return False
