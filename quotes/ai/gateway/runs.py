@@ -341,7 +341,7 @@ class Run:
     async def _finish(self, terminal: Event) -> None:
         try:
             self._detach()
-            self.record.parts = [self.log.text]
+            self.record.text = self.log.text
             # The row, before anyone hears the end (waited for at most log.ROW_WAIT_S).
             await write_row(self.record, self.row_facts)
             self._publish(terminal)

@@ -491,14 +491,6 @@ async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None
     return events, entries[-1][0].decode(), pickle.loads(facts) if facts else {}
 
 
-async def owner_alive(public_id: str) -> bool:
-    """Whether the process that holds run `public_id` still beats (True when Redis cannot say)."""
-    try:
-        return bool(await redis_clients.client().exists(owner_key(public_id)))
-    except Exception:
-        return True
-
-
 async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
     """Stop run `public_id`, live in another process, for the client that started it: True
     once its owner has taken the stop (it ended stopped, or goes on only for other readers),
