@@ -654,3 +654,24 @@ def test_shared_a_stop_ends_the_clients_own_resume_while_another_client_follows_
     assert bob_events[-1]["data"] == "[DONE]", bob_rest[-6:]
     assert text_of(bob_events) == "".join(tokens)
     assert len(fake_workers_ai.requests) == 1
+
+
+def test_shared_a_runs_events_in_redis_are_json_never_pickle(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """What a process reads from Redis is data (JSON), never pickle: whatever can write to Redis
+    must not be able to run code in the processes that read it."""
+    fake_workers_ai.script(Scenario(tokens=TOKENS[:5]))
+    servers = pair(0)
+
+    answer = httpx.post(servers.a.url + STREAM, json=QUOTE, timeout=30)
+
+    quote_id = answer.headers["X-Quote-Id"]
+    entries = redis.Redis.from_url(servers.redis_url).xrange(f"quotes:live:{quote_id}")
+    assert entries
+    events = [event for _, fields in entries for event in json.loads(fields[b"d"])]
+    assert events[0]["meta"]["generation_id"] == quote_id
+    assert [event for event in events if isinstance(event, str)] == TOKENS[:5]
+    assert events[-1] == {"done": None}
+    facts = json.loads(entries[0][1][b"r"])
+    assert (facts["topic"], facts["backend"]) == (QUOTE["topic"], "workers-ai")

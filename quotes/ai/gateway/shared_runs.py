@@ -6,7 +6,7 @@
 While a run is live, its process publishes its events to one Redis Stream per run and keeps a
 heartbeat key (`quotes:owner:<public_id>`, HEARTBEAT_TTL_S, refreshed every HEARTBEAT_EVERY_S)
 saying that it still holds it. Publishing is batched: this process's one sender sends what
-every run's log gained since the last send, one XADD per run (one pickled list of events,
+every run's log gained since the last send, one XADD per run (one JSON list of events,
 numbered from the index it starts at) in one pipeline per round trip.
 
 Another process reads a run it does not hold with `follow()`: what the stream has, then new
@@ -41,15 +41,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
-import pickle
 import time
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from ...models import Generation
 from ..errors import ErrorCode, stopped
-from ..events import Done, Error, Event, Ping, Token
+from ..events import Done, Error, Event, Ping, Token, from_json, to_json
 from . import redis_clients
 from .log import writer
 from .tasks import detached_task
@@ -233,10 +233,10 @@ class Publisher:
         if end > self.sent:
             fields = {
                 "i": self.sent,
-                "d": pickle.dumps([log.at(i) for i in range(self.sent, end)], protocol=5),
+                "d": to_json([log.at(i) for i in range(self.sent, end)]),
             }
             if not self.sent:
-                fields["r"] = pickle.dumps(run.facts, protocol=5)
+                fields["r"] = json.dumps(run.facts)
                 fields["c"] = run.client_key  # who may stop it from another process
             pipe.xadd(stream, fields)
             if not self.sent or ended:
@@ -463,13 +463,13 @@ async def claim(answer_key: str, public_id: str) -> str | None:
     return owner.decode() if isinstance(owner, bytes) else str(owner)
 
 
-_NO_EVENTS = pickle.dumps([], protocol=5)
+_NO_EVENTS = to_json([])
 
 
 def _new(fields: dict[bytes, bytes], seen: int) -> list[Event]:
     """The events of a stream entry that come after the first `seen` of the run (an entry sent
     again after a failed reply would repeat some: a client must never get a token twice)."""
-    batch: list[Event] = pickle.loads(fields[b"d"])
+    batch = from_json(fields[b"d"])
     return batch[max(0, seen - int(fields[b"i"])) :]
 
 
@@ -488,7 +488,7 @@ async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None
     for _, fields in entries:
         events.extend(_new(fields, len(events)))
     facts = entries[0][1].get(b"r")
-    return events, entries[-1][0].decode(), pickle.loads(facts) if facts else {}
+    return events, entries[-1][0].decode(), json.loads(facts) if facts else {}
 
 
 async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
