@@ -42,8 +42,8 @@ from django.urls import path
 
 from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error
-from .ai.gateway import Client, refuse_if_full, stream_generation
-from .ai.gateway.runs import Cursor, parse_event_id, resume
+from .ai.gateway import Client, refuse_if_full, runs, stream_generation
+from .ai.gateway.runs import parse_event_id, resume
 from .security import count_refused_start, frame_too_large
 from .transports import Opening, WebSocketEncoder, encode_stream
 from .views import QuoteInput, parse_quote_request
@@ -54,11 +54,12 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     # hold a Redis connection (and a receive loop) open for every visitor.
     channel_layer_alias = "quotes-none"
     task: asyncio.Task[None] | None = None
-    cursor: Cursor | None = None
+    #: the generation this socket reads (its id, from its first frame that has it): a cancel stops it
+    generation_id: str | None = None
 
     async def connect(self) -> None:
         self.task = None
-        self.cursor = None
+        self.generation_id = None
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
@@ -133,11 +134,10 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
                 )
             )
             return
-        self.cursor = resumed.cursor
+        self.generation_id = parsed[0]
+        opening = Opening(resumed.meta, None, resumed.after, resumed=True)
         self.task = asyncio.create_task(
-            self._send_frames(
-                encode_stream(resumed.events, WebSocketEncoder(), Opening(resumed.meta, None), resumed.cursor)
-            )
+            self._send_frames(encode_stream(resumed.events, WebSocketEncoder(), opening))
         )
 
     async def _start(self, content: dict[str, Any]) -> None:
@@ -170,7 +170,6 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         return Client.from_request(ip, user_id)
 
     async def _run(self, quote: QuoteInput, client: Client) -> None:
-        self.cursor = cursor = Cursor()
         events = stream_generation(
             persona=quote.persona,
             version=quote.version,
@@ -179,14 +178,15 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             client=client,
             bypass_cache=quote.fresh,
             transport="websocket",
-            cursor=cursor,
         )
-        await self._send_frames(encode_stream(events, WebSocketEncoder(), None, cursor))
+        await self._send_frames(encode_stream(events, WebSocketEncoder()))
 
     async def _send_frames(self, frames: AsyncGenerator[dict[str, Any], None]) -> None:
         # aclosing: a cancelled task closes the generation's reader here, in this task.
         async with aclosing(frames):
             async for frame in frames:
+                if frame["type"] == "meta" and self.generation_id is None:
+                    self.generation_id = frame["id"]
                 await self.send_json(frame)
                 if frame["type"] == "reconnect" or frame.get("code") == ErrorCode.SERVER_DRAINING:
                     # The process is draining: this socket ends so the client resumes on another.
@@ -196,12 +196,13 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         """Stop reading the running generation, if any; with `stop`, stop the generation too
         and wait until its log row is written."""
         task, self.task = self.task, None
-        cursor, self.cursor = self.cursor, None
+        generation_id, self.generation_id = self.generation_id, None
         if task is None or task.done():
             return False
         stopping = None
-        if stop and cursor is not None and cursor.run is not None:
-            stopping = asyncio.ensure_future(cursor.run.stop())  # the row says stopped, not abandoned
+        if stop and generation_id is not None:
+            # Wherever it runs (a resume may read another process's): the row says stopped.
+            stopping = asyncio.ensure_future(runs.stop(generation_id, self._client().key))
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -14,7 +14,9 @@ on its wire, and nothing else:
 
 Each also says how "resume elsewhere" looks (`reconnect`) when a draining process cuts a stream,
 and how an event carries its id (`identify`): every event of a generation is numbered
-(`<generation id>:<n>`, quotes.ai.gateway.runs), which a client sends back to resume.
+(`<generation id>:<n>`, quotes.ai.gateway.runs), which a client sends back to resume. The loop
+numbers them itself: a reader yields the generation's events in order from where it started
+(the Opening says where), pings aside, so the n-th event read is the generation's n-th.
 
 An HTTP response must choose its status before its first byte, so the views first `open_stream()`:
 everything up to the first token (or the error that came instead) is read, the status and the
@@ -34,7 +36,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from django.urls import reverse
 
@@ -43,9 +45,6 @@ from .ai.catalog import doc_url
 from .ai.errors import internal
 from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
 from .ai.gateway.admission import StreamWatch, drain, reconnect_retry_ms, server_draining
-
-if TYPE_CHECKING:
-    from .ai.gateway.runs import Cursor
 
 Out = TypeVar("Out")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -76,9 +75,20 @@ class Encoder(Protocol[Out_co]):
         ...
 
     # `out` is what this encoder made (Any: a covariant protocol takes no Out_co argument).
-    def identify(self, out: Any, cursor: Cursor, n: int) -> Out_co:
+    def identify(self, out: Any, ids: EventIds, n: int) -> Out_co:
         """`out` numbered as the generation's n-th event (its resume id, `<public_id>:<n>`)."""
         ...
+
+
+class EventIds:
+    """A generation's event ids (`<public_id>:<n>`), made once per stream: an SSE event's
+    `id:` line costs one concatenation per event."""
+
+    __slots__ = ("public_id", "sse_prefix")
+
+    def __init__(self, public_id: str) -> None:
+        self.public_id = public_id
+        self.sse_prefix = b"id: " + public_id.encode() + b":"
 
 
 #: The error when the events end without Done or Error (made once: never per token).
@@ -93,10 +103,17 @@ class Opening:
 
     meta: Meta
     first: Event | None
+    #: how many of the generation's events came before `first` (its Metas; pings are not
+    #: events), or, resumed, the number of the last event its client had
+    before: int = 0
+    #: a resume: it sends no opening of its own (the client had it), and may end without a
+    #: terminal event (the client had seen it)
+    resumed: bool = False
 
 
 async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
     meta = Meta()
+    before = 0
     watch = drain.watch()
     watch.waiting = True
     try:
@@ -104,6 +121,7 @@ async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
         while type(first) is Meta or type(first) is Ping:
             if type(first) is Meta:
                 meta = meta.merged(first)
+                before += 1
             first = await anext(events)
     except StopAsyncIteration:
         first = internal()
@@ -115,7 +133,7 @@ async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
         watch.waiting = False
     if type(first) is Error:
         drain.forget()
-    return Opening(meta, first)
+    return Opening(meta, first, before)
 
 
 def _was_cut(watch: StreamWatch) -> bool:
@@ -129,71 +147,69 @@ def _was_cut(watch: StreamWatch) -> bool:
 
 
 async def encode_stream(
-    events: AsyncGenerator[Event, None],
-    encoder: Encoder[Out],
-    opening: Opening | None = None,
-    cursor: Cursor | None = None,
+    events: AsyncGenerator[Event, None], encoder: Encoder[Out], opening: Opening | None = None
 ) -> AsyncGenerator[Out, None]:
     """Drive `events` into `encoder` until Done or Error (always one of them, last), or until the
     draining process cuts the stream (then the encoder's `reconnect` is last).
 
-    With a `cursor`, what each event makes carries the event's id (`<public_id>:<n>`); pings
-    carry none. A resumed stream (`cursor.resumed`) sends no opening of its own, and may end
-    without a terminal event (the client had seen it)."""
+    Once the generation's id is known (its first Meta says it), what each event makes carries
+    the event's id (`<public_id>:<n>`); pings carry none. A resumed stream sends no opening of
+    its own, and may end without a terminal event (the client had seen it)."""
     watch = drain.watch()
-    #: the number of the last event sent with its id: where a cut stream resumes
-    sent = 0
     meta = opening.meta if opening is not None else Meta()
+    resumed = opening is not None and opening.resumed
+    #: the number of the last event read (pings are not events)
+    n = opening.before if opening is not None else 0
+    #: the number of the last event sent with its id: where a cut stream resumes
+    sent = n if resumed else 0
+    ids = EventIds(meta.generation_id) if meta.generation_id else None
     try:
         async with aclosing(events):
-            if cursor is None or not cursor.resumed:
+            if not resumed:
                 out = encoder.start(meta)
                 if out is not None:
-                    if cursor is not None and cursor.position is not None:
-                        # It stands for the events read before the first one (its Meta).
-                        sent = cursor.position.index - 1
-                        out = encoder.identify(out, cursor, sent)
+                    if ids is not None:  # it stands for the events read before the first one
+                        sent = n
+                        out = encoder.identify(out, ids, n)
                     yield out
-            elif cursor.position is not None:
-                sent = cursor.position.index
             event: Event | None = opening.first if opening is not None else None
             if event is None:
                 event = await _next(events, watch)
             while event is not None:
-                if type(event) is Token:
-                    out = encoder.token(event.text)
-                elif type(event) is Ping:
+                if type(event) is Ping:
                     out = encoder.ping()
                     if out is not None:
                         yield out  # a comment, no event: no id
-                        out = None
+                    event = await _next(events, watch)
+                    continue
+                n += 1
+                if type(event) is Token:
+                    out = encoder.token(event.text)
                 elif type(event) is Usage:
                     out = encoder.usage(event)
                 elif type(event) is Meta:
                     merged = meta.merged(event)
                     out = encoder.meta(merged) if merged != meta else None
                     meta = merged
+                    if ids is None and meta.generation_id:
+                        ids = EventIds(meta.generation_id)
                 elif type(event) is Done:
                     out = encoder.done(meta)
                     if out is not None:
-                        if cursor is not None and cursor.position is not None:
-                            out = encoder.identify(out, cursor, cursor.position.index)
-                        yield out
+                        yield out if ids is None else encoder.identify(out, ids, n)
                     return
                 else:  # Error: after the first byte the status is sent, so the error is an event
                     assert type(event) is Error
-                    if event is _ENDED and cursor is not None and cursor.resumed:
+                    if event is _ENDED and resumed:
                         return  # resumed after the last event: nothing more to send
                     out = encoder.error(event)
-                    if out is not None:
-                        if cursor is not None and cursor.position is not None and event is not _ENDED:
-                            out = encoder.identify(out, cursor, cursor.position.index)
-                        yield out
+                    if out is not None:  # _ENDED is none of the generation's events: no id
+                        yield out if ids is None or event is _ENDED else encoder.identify(out, ids, n)
                     return
                 if out is not None:
-                    if cursor is not None and cursor.position is not None:
-                        sent = cursor.position.index
-                        out = encoder.identify(out, cursor, sent)
+                    if ids is not None:
+                        sent = n
+                        out = encoder.identify(out, ids, n)
                     yield out
                 # _next(), inlined: this is once per token.
                 if watch.cut:
@@ -210,8 +226,7 @@ async def encode_stream(
             # Cut by the drain: the generation is closed first (its upstream, its log row), then
             # the client hears where to go.
             await events.aclose()
-        generation_id = cursor.public_id if cursor is not None and cursor.public_id else meta.generation_id
-        last_event_id = f"{generation_id}:{sent}" if generation_id else None
+        last_event_id = f"{ids.public_id}:{sent}" if ids is not None else None
         out = encoder.reconnect(last_event_id, reconnect_retry_ms())
         if out is not None:
             yield out
@@ -269,9 +284,9 @@ def error_payload(error: Error) -> dict[str, Any]:
 # -- the encoders ---------------------------------------------------------------------------------
 
 
-def _sse_id(out: bytes, cursor: Cursor, n: int) -> bytes:
+def _sse_id(out: bytes, ids: EventIds, n: int) -> bytes:
     # `id:` first: an SSE event's fields may come in any order, and a line costs one concat.
-    return cursor.sse_prefix + b"%d\n" % n + out
+    return ids.sse_prefix + b"%d\n" % n + out
 
 
 #: How long EventSource waits before it reconnects (and resumes with Last-Event-ID), in ms.
@@ -411,6 +426,6 @@ class WebSocketEncoder:
         return {"type": "reconnect", "last_event_id": last_event_id, "retry_ms": retry_ms}
 
     @staticmethod
-    def identify(out: dict[str, Any], cursor: Cursor, n: int) -> dict[str, Any]:
-        out["event_id"] = f"{cursor.public_id}:{n}"  # "id" is the generation's, in meta and done
+    def identify(out: dict[str, Any], ids: EventIds, n: int) -> dict[str, Any]:
+        out["event_id"] = f"{ids.public_id}:{n}"  # "id" is the generation's, in meta and done
         return out

@@ -45,7 +45,7 @@ from .ai.conversation import check_context_window, clean_topic, parse_messages
 from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
 from .ai.gateway import Client, admission, refuse_if_full, stream_generation
-from .ai.gateway.runs import Cursor, parse_event_id, resume
+from .ai.gateway.runs import parse_event_id, resume
 from .ai.gateway.runs import stop as stop_run
 from .feedback import count_vote
 from .models import Generation, Persona, PersonaVersion
@@ -203,9 +203,7 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     )
 
 
-def _events_for(
-    quote: QuoteInput, client: Client, transport: str, cursor: Cursor
-) -> AsyncGenerator[Event, None]:
+def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
     return stream_generation(
         persona=quote.persona,
         version=quote.version,
@@ -214,7 +212,6 @@ def _events_for(
         client=client,
         bypass_cache=quote.fresh,
         transport=transport,
-        cursor=cursor,
     )
 
 
@@ -267,7 +264,7 @@ async def _resume(
         )
     release_request_thread()
     return StreamingHttpResponse(
-        encode_stream(resumed.events, encoder, Opening(resumed.meta, None), resumed.cursor),
+        encode_stream(resumed.events, encoder, Opening(resumed.meta, None, resumed.after, resumed=True)),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **_meta_headers(resumed.meta), "X-Generation-Id": parsed[0]},
     )
@@ -359,11 +356,10 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
             return _htmx_error_response(exc.as_event(), Meta(), headers)
         return error_response(exc, headers)
     transport = "htmx" if htmx else "eventsource" if eventsource else "api"
-    cursor = Cursor()
-    events = _events_for(quote, client, transport, cursor)
+    events = _events_for(quote, client, transport)
     if htmx:
-        return await _htmx_stream(events, cursor)
-    return await stream_response(events, EventSourceEncoder() if eventsource else None, cursor)
+        return await _htmx_stream(events)
+    return await stream_response(events, EventSourceEncoder() if eventsource else None)
 
 
 async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
@@ -393,8 +389,7 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     except QuoteError as exc:
         exc = await _counted(request, exc)
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
-    cursor = Cursor()
-    return await _htmx_stream(_events_for(quote, client, "htmx", cursor), cursor)
+    return await _htmx_stream(_events_for(quote, client, "htmx"))
 
 
 #: The refusals of a request's own input (bad JSON, an unknown persona, a body too large...):
@@ -520,7 +515,7 @@ def _meta_headers(meta: Meta) -> dict[str, str]:
 
 
 async def stream_response(
-    events: AsyncGenerator[Event, None], encoder: Encoder[bytes] | None = None, cursor: Cursor | None = None
+    events: AsyncGenerator[Event, None], encoder: Encoder[bytes] | None = None
 ) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error that happens before
     any text gets its real HTTP status (a refusal its 429 or 503 and Retry-After); then stream."""
@@ -536,7 +531,7 @@ async def stream_response(
     if opening.meta.generation_id:
         headers["X-Generation-Id"] = opening.meta.generation_id
     return StreamingHttpResponse(
-        encode_stream(events, encoder or WorkersAIEncoder(), opening, cursor),
+        encode_stream(events, encoder or WorkersAIEncoder(), opening),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )
@@ -557,7 +552,7 @@ def _htmx_error_response(error: Error, meta: Meta, headers: dict[str, str] | Non
     return HttpResponse(body, status=error.status, content_type="text/event-stream", headers=headers)
 
 
-async def _htmx_stream(events: AsyncGenerator[Event, None], cursor: Cursor) -> HttpResponseBase:
+async def _htmx_stream(events: AsyncGenerator[Event, None]) -> HttpResponseBase:
     release_request_thread()  # as in stream_response
     opening = await open_stream(events)
     headers = _meta_headers(opening.meta)
@@ -567,7 +562,7 @@ async def _htmx_stream(events: AsyncGenerator[Event, None], cursor: Cursor) -> H
     if opening.meta.generation_id:
         headers["X-Generation-Id"] = opening.meta.generation_id
     return StreamingHttpResponse(
-        encode_stream(events, HtmxEncoder(), opening, cursor),
+        encode_stream(events, HtmxEncoder(), opening),
         content_type="text/event-stream",
         headers={**SSE_HEADERS, **headers},
     )

@@ -555,3 +555,126 @@ def test_shared_a_killed_process_runs_get_their_rows_from_a_live_one(
     assert {public_id: rows.get(public_id) for public_id in ids} == dict.fromkeys(
         ids, ("error", "generation_lost")
     )
+
+
+def test_shared_a_socket_that_resumed_a_run_held_elsewhere_stops_it_with_cancel(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A stream cut on A, resumed over a WebSocket on B: the socket's cancel stops the run on A
+    at once (its upstream closed, its row stopped), not after A's resume grace as abandoned."""
+    fake_workers_ai.script(Scenario(tokens=[" tick"] * 400, token_delay_s=0.05))  # 20 s unstopped
+    servers = pair(0)
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", servers.a.url + STREAM, json=QUOTE) as stream,
+    ):
+        head = lines_until_tokens(stream.iter_lines(), 3)
+    last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+
+    resume = json.dumps({"type": "resume", "last_event_id": last_id})
+    steps = [f"send:{resume}", "read:3", 'send:{"type": "cancel"}', "until:cancelled"]
+    socket_url = servers.b.url.replace("http", "ws") + "/ws/quotes/"
+    socket = subprocess.run(
+        [sys.executable, "-m", "tests.ws_client", socket_url, servers.b.url, *steps],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    frames = [json.loads(line) for line in socket.stdout.splitlines()]
+
+    assert socket.returncode == 0, (socket.stderr, frames)
+    assert [frame["type"] for frame in frames[:3]] == ["token"] * 3, frames
+    [upstream] = fake_workers_ai.requests
+    assert upstream.client_disconnected.wait(5)  # A closed the upstream (its grace is 10 s)
+    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
+    [(_, status, code, _)] = servers.rows()
+    assert (status, code) == ("cancelled", "stopped")
+
+
+def test_shared_a_stop_ends_the_clients_own_resume_on_another_process(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """Alice's stream on A is cut; she resumes it on B, then presses Stop (the stop reaches
+    either process). Her resume on B is her own connection, not another reader: it ends with
+    `stopped`, A's upstream closes and A's row says stopped."""
+    fake_workers_ai.script(Scenario(tokens=[" tick"] * 400, token_delay_s=0.05))  # 20 s unstopped
+    servers = pair(0)
+
+    with client_at("127.0.0.2") as alice:
+        with alice.stream("POST", servers.a.url + STREAM, json=QUOTE) as on_a:
+            quote_id = on_a.headers["X-Quote-Id"]
+            head = lines_until_tokens(on_a.iter_lines(), 3)
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+        with alice.stream(
+            "POST", servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id}
+        ) as on_b:
+            resumed = on_b.iter_lines()
+            lines_until_tokens(resumed, 3)
+            stopped = alice.post(f"{servers.b.url}/api/quotes/{quote_id}/stop")
+            rest = list(resumed)
+
+    assert stopped.json() == {"id": quote_id, "stopped": True}
+    assert json.loads(events_of(rest)[-1]["data"])["error"]["code"] == "stopped", rest[-4:]
+    [upstream] = fake_workers_ai.requests
+    assert upstream.client_disconnected.wait(5)
+    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
+    [(_, status, code, _)] = servers.rows()
+    assert (status, code) == ("cancelled", "stopped")
+
+
+def test_shared_a_stop_ends_the_clients_own_resume_while_another_client_follows_the_run(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """As above, with Bob on B following the same run (an identical request): the run goes on
+    for Bob to its end, and Alice's resume on B ends with `stopped` all the same."""
+    tokens = [f" word{n}" for n in range(150)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.03))
+    servers = pair(3600)
+
+    with client_at("127.0.0.2") as alice, client_at("127.0.0.3") as bob:
+        with alice.stream("POST", servers.a.url + STREAM, json=QUOTE) as on_a:
+            quote_id = on_a.headers["X-Quote-Id"]
+            head = lines_until_tokens(on_a.iter_lines(), 3)
+        last_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+        with (
+            bob.stream("POST", servers.b.url + STREAM, json=QUOTE) as bobs,
+            alice.stream(
+                "POST", servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": last_id}
+            ) as on_b,
+        ):
+            bob_lines = bobs.iter_lines()
+            bob_head = lines_until_tokens(bob_lines, 5)  # B follows A's run
+            resumed = on_b.iter_lines()
+            lines_until_tokens(resumed, 3)
+            stopped = alice.post(f"{servers.a.url}/api/quotes/{quote_id}/stop")
+            rest = list(resumed)
+            bob_rest = list(bob_lines)
+
+    assert stopped.json() == {"id": quote_id, "stopped": True}
+    assert json.loads(events_of(rest)[-1]["data"])["error"]["code"] == "stopped", rest[-4:]
+    bob_events = events_of(bob_head + bob_rest)
+    assert bob_events[-1]["data"] == "[DONE]", bob_rest[-6:]
+    assert text_of(bob_events) == "".join(tokens)
+    assert len(fake_workers_ai.requests) == 1
+
+
+def test_shared_a_runs_events_in_redis_are_json_never_pickle(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """What a process reads from Redis is data (JSON), never pickle: whatever can write to Redis
+    must not be able to run code in the processes that read it."""
+    fake_workers_ai.script(Scenario(tokens=TOKENS[:5]))
+    servers = pair(0)
+
+    answer = httpx.post(servers.a.url + STREAM, json=QUOTE, timeout=30)
+
+    quote_id = answer.headers["X-Quote-Id"]
+    entries = redis.Redis.from_url(servers.redis_url).xrange(f"quotes:live:{quote_id}")
+    assert entries
+    events = [event for _, fields in entries for event in json.loads(fields[b"d"])]
+    assert events[0]["meta"]["generation_id"] == quote_id
+    assert [event for event in events if isinstance(event, str)] == TOKENS[:5]
+    assert events[-1] == {"done": None}
+    facts = json.loads(entries[0][1][b"r"])
+    assert (facts["topic"], facts["backend"]) == (QUOTE["topic"], "workers-ai")

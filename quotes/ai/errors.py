@@ -128,6 +128,11 @@ def busy(message: str = "The model is busy with other quotes. Please try again i
     return Error(code=ErrorCode.BUSY, message=message, status=503)
 
 
+def stopped() -> Error:
+    """The client stopped its quote (the Stop button, the stop endpoint, a WebSocket cancel)."""
+    return Error(code=ErrorCode.STOPPED, message="The quote was stopped.", status=409)
+
+
 def internal(message: str = "Something went wrong while writing the quote.") -> Error:
     return Error(code=ErrorCode.INTERNAL_ERROR, message=message, status=500)
 

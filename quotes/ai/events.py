@@ -7,10 +7,11 @@ A backend is an async iterator of these events. Only the view layer turns them i
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import Error  # an event too: defined with the error vocabulary it carries
+from .errors import Error, ErrorCode  # an event too: defined with the error vocabulary it carries
 
 Role = Literal["system", "user", "assistant"]
 
@@ -187,3 +188,51 @@ class Ping:
 
 
 Event = Token | Usage | Meta | Done | Error | Ping
+
+
+# -- events as JSON (a live run's events in Redis: quotes.ai.gateway.shared_runs) ---------------
+#
+# JSON, not pickle: whatever can write to Redis must not be able to run code in every process
+# that reads it. A Token is its text (most events are tokens); any other event is a one-key
+# object naming its kind.
+
+
+def to_json(events: list[Event]) -> bytes:
+    return json.dumps([_encoded(event) for event in events], separators=(",", ":")).encode()
+
+
+def from_json(data: bytes) -> list[Event]:
+    return [_decoded(item) for item in json.loads(data)]
+
+
+def _encoded(event: Event) -> Any:
+    match event:
+        case Token(text):
+            return text
+        case Usage(prompt_tokens, completion_tokens):
+            return {"usage": [prompt_tokens, completion_tokens]}
+        case Meta():
+            return {"meta": dataclasses.asdict(event)}
+        case Error(code, message, status, retry_after):
+            return {"error": [str(code), message, status, retry_after]}
+        case Done():
+            return {"done": None}
+    return {"ping": None}
+
+
+def _decoded(item: Any) -> Event:
+    if isinstance(item, str):
+        return Token(item)
+    [(kind, value)] = item.items()
+    if kind == "usage":
+        return Usage(*value)
+    if kind == "meta":
+        return Meta(**value)
+    if kind == "error":
+        code, message, status, retry_after = value
+        return Error(ErrorCode(code), message, status, retry_after)
+    if kind == "done":
+        return Done()
+    if kind == "ping":
+        return Ping()
+    raise ValueError(f"not an event: {kind!r}")

@@ -31,7 +31,7 @@ from . import admission, answers, shared_runs
 from .flights import Flight, flights
 from .log import Record, RowFacts, write_row
 from .policy import Plan
-from .runs import ABANDONED, Cursor, Run
+from .runs import ABANDONED, Run
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,6 @@ async def stream_generation(
     bypass_cache: bool = False,
     version: Any = ...,  # PersonaVersion | None, or ... for "look it up"
     transport: str = "other",
-    cursor: Cursor | None = None,
 ) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
 
@@ -149,8 +148,8 @@ async def stream_generation(
     `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
     persona's current version when the caller knows it (quotes.personas keeps it); looked up
     otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
-    "htmx", "websocket", ...). `cursor`, when given, is bound to the generation once it exists,
-    so the transport can number the events it sends (the resume ids).
+    "htmx", "websocket", ...). Its events are the generation's from the first, numbered as
+    they come (the resume ids: the transports count them).
 
     A client that stops reading does not stop the generation: its run keeps going for the
     resume grace (runs.py). `Run.stop()` stops it at once.
@@ -277,8 +276,6 @@ async def stream_generation(
             run.attach(flight)
         listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s)
         ticket = None  # the connection's now: given back when it ends
-        if cursor is not None:
-            cursor.bind(run.public_id, listener, run)
         async with aclosing(listener.events()) as events:
             try:
                 async for event in events:

@@ -98,11 +98,6 @@ _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 _Entry = tuple[Generation, _Waiter | None, bool]
 
 
-#: Tokens kept one by one before they are joined into one string (memory: a stream may run for
-#: minutes, and a str per token costs about 50 bytes besides its characters).
-JOIN_EVERY = 64
-
-
 @dataclass(frozen=True, slots=True)
 class RowFacts:
     """What a generation's row says besides how it went (its Record): who asked what of whom,
@@ -145,9 +140,8 @@ class Record:
     """What the log row needs, gathered while the stream flows (one append per token)."""
 
     started: float
-    #: the text so far: joined pieces of JOIN_EVERY tokens each, then the latest tokens
-    joined: list[str] = field(default_factory=list)
-    parts: list[str] = field(default_factory=list)
+    #: the generation's text (set at its end, from its run's event log)
+    text: str = ""
     ttft: float | None = None
     usage: Usage | None = None
     model: str = ""
@@ -157,17 +151,6 @@ class Record:
     error: Error | None = None
     cache_status: str = ""
     public_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-
-    def add_text(self, text: str) -> None:
-        parts = self.parts
-        parts.append(text)
-        if len(parts) >= JOIN_EVERY:
-            self.joined.append("".join(parts))
-            parts.clear()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.joined) + "".join(self.parts)
 
     def row(self, facts: RowFacts) -> Generation:
         usage = self.usage

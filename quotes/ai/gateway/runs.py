@@ -41,7 +41,7 @@ from django.core.cache import cache
 
 from ...conf import GatewaySettings
 from ...models import Generation
-from ..errors import ErrorCode
+from ..errors import ErrorCode, stopped
 from ..events import Done, Error, Event, Meta, Ping, Token, Usage
 from ..limits import run_on_cache
 from ..redis_health import report
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 #: `<public_id>:<n>`: the generation's public id (a UUID) and an event's 1-based number.
 EVENT_ID = re.compile(r"([0-9a-fA-F-]{36}):(\d{1,9})")
 
-STOPPED = Error(ErrorCode.STOPPED, "The quote was stopped.", 409)
+STOPPED = stopped()
 ABANDONED = Error(ErrorCode.ABANDONED, "Nobody came back for this quote: it was stopped.", 410)
 
 
@@ -274,12 +274,13 @@ class Run:
         it was ending already."""
         if self.closing:
             return False
-        if self.publisher is not None and await shared_runs.has_readers(self.public_id):
+        if self.publisher is not None and await shared_runs.has_readers(self.public_id, followers=True):
             if self.closing:
                 return False
             self.stopped = True
             for listener in list(self.listeners):
                 listener.end(STOPPED)
+            self.publisher.stop_readers()  # the client's resumes on other processes end too
             return True
         if self.closing:
             return False
@@ -340,7 +341,7 @@ class Run:
     async def _finish(self, terminal: Event) -> None:
         try:
             self._detach()
-            self.record.parts = [self.log.text]
+            self.record.text = self.log.text
             # The row, before anyone hears the end (waited for at most log.ROW_WAIT_S).
             await write_row(self.record, self.row_facts)
             self._publish(terminal)
@@ -500,27 +501,6 @@ class Listener:
 # -- resuming -------------------------------------------------------------------------------------
 
 
-class Cursor:
-    """Where a connection is in its generation, for the transports to number what they send:
-    after each event, `position.index` is that event's n. Set once the run exists."""
-
-    __slots__ = ("position", "public_id", "resumed", "run", "sse_prefix")
-
-    def __init__(self) -> None:
-        self.public_id = ""
-        self.sse_prefix = b""
-        self.position: Listener | Replayer | RemoteReader | None = None
-        self.run: Run | None = None
-        #: a resume: the transport sends no opening of its own (the client had it)
-        self.resumed = False
-
-    def bind(self, public_id: str, position: Listener | Replayer | RemoteReader, run: Run | None) -> None:
-        self.public_id = public_id
-        self.sse_prefix = b"id: " + public_id.encode() + b":"
-        self.position = position
-        self.run = run
-
-
 def _elsewhere(event: Event) -> Event:
     """An event of a run read back from outside the process that held it: a drain's cut, which
     told the client to resume elsewhere, is a lost generation there (the drained process has
@@ -542,86 +522,56 @@ async def _held(events: AsyncGenerator[Event, None], ticket: Ticket) -> AsyncGen
         await ticket.release()
 
 
-class Replayer:
+async def _replay(log: EventLog, index: int) -> AsyncGenerator[Event, None]:
     """A finished generation's events from the cache, from `index` on (a late resume)."""
-
-    __slots__ = ("index", "log")
-
-    def __init__(self, log: EventLog, index: int) -> None:
-        self.log = log
-        self.index = index
-
-    async def events(self) -> AsyncGenerator[Event, None]:
-        log = self.log
-        while self.index < len(log):
-            event = log.at(self.index)
-            self.index += 1
-            yield _elsewhere(event)
+    while index < len(log):
+        yield _elsewhere(log.at(index))
+        index += 1
 
 
-class RemoteReader:
-    """A generation live (or just ended) in another process: what Redis holds of it from
-    `index` on, then the live rest (shared_runs.follow) until its terminal event. A resume that
-    ends with `generation_lost` (the owner died, or drained it) writes the generation's row,
-    under its own id, if nobody has: the owner may never write it, and however many resumes
-    find it lost, it has one row."""
+async def _read_elsewhere(
+    public_id: str,
+    log: EventLog,
+    last: str,
+    index: int,
+    *,
+    keepalive_s: float,
+    facts: dict[str, object],
+) -> AsyncGenerator[Event, None]:
+    """A generation live (or just ended) in another process: what Redis held of it (`log`, up
+    to entry `last`) from `index` on, then the live rest (shared_runs.follow) until its terminal
+    event. A resume that ends with `generation_lost` (the owner died, or drained it) writes the
+    generation's row, under its own id, if nobody has: the owner may never write it, and however
+    many resumes find it lost, it has one row."""
+    for i in range(index, len(log)):
+        event = _elsewhere(log.at(i))
+        await _row_if_lost(public_id, event, facts, log)
+        yield event
+    if len(log) and type(log.at(len(log) - 1)) in (Done, Error):
+        return  # it had ended
+    async for event in shared_runs.follow(public_id, last=last, keepalive_s=keepalive_s, seen=len(log)):
+        event = _elsewhere(event)
+        await _row_if_lost(public_id, event, facts, log)
+        yield event
 
-    __slots__ = ("facts", "index", "keepalive_s", "last", "log", "public_id")
 
-    def __init__(
-        self,
-        public_id: str,
-        log: EventLog,
-        last: str,
-        index: int,
-        *,
-        keepalive_s: float,
-        facts: dict[str, object],
-    ) -> None:
-        self.public_id = public_id
-        self.log = log
-        self.last = last
-        self.index = index
-        self.keepalive_s = keepalive_s
-        self.facts = facts
-
-    async def events(self) -> AsyncGenerator[Event, None]:
-        log = self.log
-        while self.index < len(log):
-            event = _elsewhere(log.at(self.index))
-            self.index += 1
-            await self._log_if_lost(event)
-            yield event
-            if type(event) is Done or type(event) is Error:
-                return
-        if len(log) and type(log.at(len(log) - 1)) in (Done, Error):
-            return  # resumed at the last event: nothing more to say
-        async for event in shared_runs.follow(
-            self.public_id, last=self.last, keepalive_s=self.keepalive_s, seen=len(log)
-        ):
-            if type(event) is not Ping:
-                self.index += 1
-            event = _elsewhere(event)
-            await self._log_if_lost(event)
-            yield event
-
-    async def _log_if_lost(self, event: Event) -> None:
-        if type(event) is not Error or event.code is not ErrorCode.GENERATION_LOST or not self.facts:
-            return
-        row = Generation(
-            **self.facts,
-            public_id=self.public_id,
-            status=Generation.Status.ERROR,
-            error_code=event.code,
-            error_message=event.message,
-            text=self.log.text,
-        )
-        try:
-            await writer.write(row)
-        except asyncio.CancelledError:
-            raise  # the row is queued: it is written all the same
-        except Exception:
-            logger.exception("could not write the log row of a resume")
+async def _row_if_lost(public_id: str, event: Event, facts: dict[str, object], log: EventLog) -> None:
+    if type(event) is not Error or event.code is not ErrorCode.GENERATION_LOST or not facts:
+        return
+    row = Generation(
+        **facts,
+        public_id=public_id,
+        status=Generation.Status.ERROR,
+        error_code=event.code,
+        error_message=event.message,
+        text=log.text,
+    )
+    try:
+        await writer.write(row)
+    except asyncio.CancelledError:
+        raise  # the row is queued: it is written all the same
+    except Exception:
+        logger.exception("could not write the log row of a resume")
 
 
 def parse_event_id(value: object) -> tuple[str, int] | None:
@@ -635,9 +585,16 @@ def parse_event_id(value: object) -> tuple[str, int] | None:
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
+    """A resume: the facts its client had (the generation's id among them), the number of the
+    last event it had, and the events after it."""
+
     meta: Meta
+    after: int
     events: AsyncGenerator[Event, None]
-    cursor: Cursor
+
+    @classmethod
+    def of(cls, public_id: str, log: EventLog, after: int, events: AsyncGenerator[Event, None]) -> Resumed:
+        return cls(log.meta_until(after).merged(Meta(generation_id=public_id)), after, events)
 
 
 async def resume(
@@ -673,13 +630,10 @@ async def resume(
 async def _resume(
     public_id: str, after: int, *, ticket: Ticket, keepalive_s: float
 ) -> Resumed | Error | None:
-    cursor = Cursor()
-    cursor.resumed = True
     run = runs.get(public_id)
     if run is not None and after <= len(run.log):
         listener = run.subscribe(after, ticket=ticket, keepalive_s=keepalive_s)
-        cursor.bind(public_id, listener, run)
-        return Resumed(run.log.meta_until(after), listener.events(), cursor)
+        return Resumed.of(public_id, run.log, after, listener.events())
     if drain.draining:
         return server_draining()
     if shared_runs.available():
@@ -694,9 +648,7 @@ async def _resume(
     log = finished[1]
     if after > len(log):
         return None
-    replayer = Replayer(log, after)
-    cursor.bind(public_id, replayer, None)
-    return Resumed(log.meta_until(after), _held(replayer.events(), ticket), cursor)
+    return Resumed.of(public_id, log, after, _held(_replay(log, after), ticket))
 
 
 async def _resume_elsewhere(
@@ -705,17 +657,14 @@ async def _resume_elsewhere(
     found = await shared_runs.read(public_id)
     if found is None:
         return None
-    events, last, facts = found
-    if after > len(events):
+    held, last, facts = found
+    if after > len(held):
         return None
     log = EventLog()
-    for event in events:
+    for event in held:
         log.append(event)
-    reader = RemoteReader(public_id, log, last, after, keepalive_s=keepalive_s, facts=facts)
-    cursor = Cursor()
-    cursor.resumed = True
-    cursor.bind(public_id, reader, None)
-    return Resumed(log.meta_until(after), _held(reader.events(), ticket), cursor)
+    events = _read_elsewhere(public_id, log, last, after, keepalive_s=keepalive_s, facts=facts)
+    return Resumed.of(public_id, log, after, _held(events, ticket))
 
 
 async def stop(public_id: str, client_key: str) -> bool | None:

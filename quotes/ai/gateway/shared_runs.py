@@ -6,14 +6,18 @@
 While a run is live, its process publishes its events to one Redis Stream per run and keeps a
 heartbeat key (`quotes:owner:<public_id>`, HEARTBEAT_TTL_S, refreshed every HEARTBEAT_EVERY_S)
 saying that it still holds it. Publishing is batched: this process's one sender sends what
-every run's log gained since the last send, one XADD per run (one pickled list of events,
+every run's log gained since the last send, one XADD per run (one JSON list of events,
 numbered from the index it starts at) in one pipeline per round trip.
 
 Another process reads a run it does not hold with `follow()`: what the stream has, then new
 entries as they come (XREAD BLOCK), until the terminal event. While it reads, it holds a reader
 lease on the run (`quotes:readers:<public_id>`, a sorted set of lease ids by expiry, renewed
-every READER_RENEW_S), so the owner knows that someone still reads the run: a run ends early
-(its client stopped it, or left it) only when nobody reads it on any process (`has_readers`).
+every READER_RENEW_S), so the owner knows that someone still reads the run: a run its client
+left ends only when nobody reads it on any process (`has_readers`). A run its client stopped
+ends unless a *follower* reads it (another client's identical request, whose generation feeds
+on this one; its lease says so): the client's own resumes on other processes are its client's
+connections, which a stop ends (the owner adds a stop entry, `x`, to the stream: a resume
+reading it ends with `stopped`).
 When the heartbeat key has expired and nothing more comes (the owner was killed), the reader
 ends with `generation_lost` (retryable) instead of waiting forever.
 
@@ -37,15 +41,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
-import pickle
 import time
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from ...models import Generation
-from ..errors import ErrorCode
-from ..events import Done, Error, Event, Ping, Token
+from ..errors import ErrorCode, stopped
+from ..events import Done, Error, Event, Ping, Token, from_json, to_json
 from . import redis_clients
 from .log import writer
 from .tasks import detached_task
@@ -195,7 +199,7 @@ class Publisher:
     """A run's place in this process's one sender: what of its log is in Redis (`sent`), its
     heartbeat, the answer key it claimed. `poke()` (a run's event, synchronous) marks it."""
 
-    __slots__ = ("beat_due", "claim", "run", "sent")
+    __slots__ = ("beat_due", "claim", "run", "sent", "stop_due")
 
     def __init__(self, run: Shared) -> None:
         self.run = run
@@ -204,7 +208,13 @@ class Publisher:
         #: the answer key this run claimed for its upstream call (renewed with the heartbeat,
         #: released at its end)
         self.claim = ""
+        #: the run's client stopped it, and it goes on for followers: its resumes elsewhere end
+        self.stop_due = False
         publishers[run.public_id] = self
+        self.poke()
+
+    def stop_readers(self) -> None:
+        self.stop_due = True
         self.poke()
 
     def poke(self) -> None:
@@ -223,10 +233,10 @@ class Publisher:
         if end > self.sent:
             fields = {
                 "i": self.sent,
-                "d": pickle.dumps([log.at(i) for i in range(self.sent, end)], protocol=5),
+                "d": to_json([log.at(i) for i in range(self.sent, end)]),
             }
             if not self.sent:
-                fields["r"] = pickle.dumps(run.facts, protocol=5)
+                fields["r"] = json.dumps(run.facts)
                 fields["c"] = run.client_key  # who may stop it from another process
             pipe.xadd(stream, fields)
             if not self.sent or ended:
@@ -235,6 +245,9 @@ class Publisher:
                 pipe.expire(stream, STREAM_TTL_S if ended else LIVE_TTL_S)
             if not self.sent and not ended:
                 pipe.sadd(LIVE_RUNS, run.public_id)
+        if self.stop_due:
+            self.stop_due = False
+            pipe.xadd(stream, {"i": end, "d": _NO_EVENTS, "x": 1})
         if ended:
             pipe.delete(owner_key(run.public_id))
             pipe.srem(LIVE_RUNS, run.public_id)
@@ -339,18 +352,20 @@ def _cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-async def has_readers(public_id: str) -> bool:
-    """Whether a process other than this one reads run `public_id` now (a follower, a resume):
-    then the run must not end early. False when Redis cannot say (the run ends as it would
-    without other processes)."""
+async def has_readers(public_id: str, *, followers: bool = False) -> bool:
+    """Whether a process other than this one reads run `public_id` now (a follower, a resume;
+    with `followers`, a follower): then the run must not end early. False when Redis cannot
+    say (the run ends as it would without other processes)."""
     if not available():
         return False
     try:
-        count = await redis_clients.client().zcount(readers_key(public_id), time.time() * 1000, "+inf")
+        leases: Any = await redis_clients.client().zrangebyscore(
+            readers_key(public_id), time.time() * 1000, "+inf"
+        )
     except Exception as exc:
         redis_clients.failed(exc)
         return False
-    return bool(count)
+    return any(lease.startswith(b"f:") for lease in leases) if followers else bool(leases)
 
 
 # -- the runs of dead processes ----------------------------------------------------------------
@@ -448,10 +463,13 @@ async def claim(answer_key: str, public_id: str) -> str | None:
     return owner.decode() if isinstance(owner, bytes) else str(owner)
 
 
+_NO_EVENTS = to_json([])
+
+
 def _new(fields: dict[bytes, bytes], seen: int) -> list[Event]:
     """The events of a stream entry that come after the first `seen` of the run (an entry sent
     again after a failed reply would repeat some: a client must never get a token twice)."""
-    batch: list[Event] = pickle.loads(fields[b"d"])
+    batch = from_json(fields[b"d"])
     return batch[max(0, seen - int(fields[b"i"])) :]
 
 
@@ -470,15 +488,7 @@ async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None
     for _, fields in entries:
         events.extend(_new(fields, len(events)))
     facts = entries[0][1].get(b"r")
-    return events, entries[-1][0].decode(), pickle.loads(facts) if facts else {}
-
-
-async def owner_alive(public_id: str) -> bool:
-    """Whether the process that holds run `public_id` still beats (True when Redis cannot say)."""
-    try:
-        return bool(await redis_clients.client().exists(owner_key(public_id)))
-    except Exception:
-        return True
+    return events, entries[-1][0].decode(), json.loads(facts) if facts else {}
 
 
 async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
@@ -501,8 +511,9 @@ async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
     except Exception as exc:
         redis_clients.failed(exc)
         return None
-    # The stop is taken within a round trip of the owner's sender; a run that other processes
-    # still read goes on for them, so its end is not waited for: only a Done that came first.
+    # The stop is taken within a round trip of the owner's sender: the run ends stopped, or,
+    # when followers read it, goes on for them with a stop entry in its stream (read here as a
+    # stopped Error too). A Done that came first means it had ended.
     try:
         async with (
             asyncio.timeout(STOP_WAIT_S),
@@ -541,7 +552,7 @@ async def follow(
     lease on the run while reading (every reader but a stop's own look)."""
     redis = redis_clients.reader()
     stream, owner, readers = stream_key(public_id), owner_key(public_id), readers_key(public_id)
-    me = f"{redis_clients.PROCESS}:{next(_reader_ids)}"
+    me = f"{'f' if for_run else 'r'}:{redis_clients.PROCESS}:{next(_reader_ids)}"
     wait = redis_clients.block_ms()
     quiet_since = time.monotonic()
     renew_at = 0.0
@@ -579,6 +590,9 @@ async def follow(
                         yield event
                         if kind is Done or kind is Error:
                             return
+                    if b"x" in fields and not for_run:
+                        yield stopped()  # its client stopped it (it goes on for followers)
+                        return
                 quiet_since = time.monotonic()
                 continue
             try:
