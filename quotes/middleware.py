@@ -80,7 +80,7 @@ class StreamAdmissionGate:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         from .ai.gateway import admission  # the gateway imports Django's models: not before setup
 
-        if scope["type"] != "http" or not admission.at_capacity(settings.QUOTES_GATEWAY):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._chains is None:  # not in __init__: the URLconf may not load yet
             self._chains = {
@@ -90,29 +90,52 @@ class StreamAdmissionGate:
         chain = self._chains.get(scope["path"])
         if chain is None:
             return await self.app(scope, receive, send)
-        read: list[dict[str, Any]] = []
-        body = b""
-        while True:
-            message = await receive()
-            read.append(message)
-            if message["type"] != "http.request":
-                break  # a disconnect: Django's handler sees it as it would have
-            body += message.get("body", b"")
-            if not message.get("more_body", False) or len(body) > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
-                break
-        response = None
-        if read[-1]["type"] == "http.request" and not read[-1].get("more_body", False):
-            # A host not allowed (get_host() raises for it): Django's handler answers its 400.
-            with contextlib.suppress(NotRefused, SuspiciousOperation):
-                response = await chain(asgi_request(scope, body))
-        if response is None:
-            await self.app(scope, _replay(read, receive), send)
+        # The requests passed on and not yet admitted count as held here (admission.Entry).
+        counting = admission.counting_entering.set(True)
+        try:
+            read, response = await _refused(scope, receive, chain)
+        finally:
+            admission.counting_entering.reset(counting)
+        if response is not None:
+            assert isinstance(response, HttpResponse)  # the refusals are whole responses, not streams
+            headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in response.items()]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+            await send({"type": "http.response.body", "body": response.content})
             return None
-        assert isinstance(response, HttpResponse)  # the refusals are whole responses, not streams
-        headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in response.items()]
-        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": response.content})
+        entered = admission.Entry()
+        token = admission.entry.set(entered)  # Django's handler's tasks inherit it: admit() closes it
+        try:
+            await self.app(scope, _replay(read, receive) if read else receive, send)
+        finally:
+            entered.close()
+            admission.entry.reset(token)
         return None
+
+
+async def _refused(
+    scope: dict[str, Any], receive: Any, chain: Callable[[HttpRequest], Awaitable[HttpResponseBase]]
+) -> tuple[list[dict[str, Any]], HttpResponseBase | None]:
+    """At the limit, the request's body read and its refusal, if the chain refuses it (else
+    None, with what was read of the body for Django's handler)."""
+    from .ai.gateway import admission
+
+    if not admission.at_capacity(settings.QUOTES_GATEWAY):
+        return [], None
+    read: list[dict[str, Any]] = []
+    body = b""
+    while True:
+        message = await receive()
+        read.append(message)
+        if message["type"] != "http.request":
+            break  # a disconnect: Django's handler sees it as it would have
+        body += message.get("body", b"")
+        if not message.get("more_body", False) or len(body) > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
+            break
+    if read[-1]["type"] == "http.request" and not read[-1].get("more_body", False):
+        # A host not allowed (get_host() raises for it): Django's handler answers its 400.
+        with contextlib.suppress(NotRefused, SuspiciousOperation):
+            return read, await chain(asgi_request(scope, body))
+    return read, None
 
 
 def _refusal_chain(*, form: bool) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:

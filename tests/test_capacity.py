@@ -19,7 +19,7 @@ from quotes.ai.backends import reset_backends
 from quotes.ai.gateway import capacity
 from quotes.ai.gateway.capacity import GradientLimit, OpenStreams
 from quotes.models import Persona
-from tests.asgi import AsgiStream, post_stream, request
+from tests.asgi import AsgiStream, post_quote, post_stream, request
 from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 TARGET_S = 0.010  # 10 ms
@@ -251,3 +251,34 @@ async def test_the_static_ceiling_still_caps_the_adaptive_limit(
     assert response.status == 503 and int(response.headers["retry-after"]) >= 1
     assert (await metrics())["quotes_admission_limit"] == 1
     await held.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_stream_request_still_in_djangos_handler_counts_at_the_gate(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """A burst: a stream request the gate passed on is still in Django's handler (its body is
+    still coming) when the next one comes. With room for one stream, the next is refused at the
+    gate, and the first, once its body is in, is admitted (not refused behind the other)."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1, cache_ttl=0)
+    fake.default = Scenario(tokens=["tick"] * 3)
+    # A persona this process has served (the gate refuses only those: the refusal counts on it).
+    assert (await post_quote({"persona": persona.slug, "topic": "earlier"})).status == 200
+    body = json.dumps({"persona": persona.slug, "topic": "first"}).encode()
+    first = post_stream(body)
+    await first.communicator.send_input({"type": "http.request", "body": body[:5], "more_body": True})
+    await until(lambda: capacity.open_streams.entering == 1, "the first is in Django's handler")
+
+    second = post_stream({"persona": persona.slug, "topic": "second"})
+    refused = await second.start()
+    refused_body = json.loads((await second.read_all()).body)
+    first.sent = True
+    await first.communicator.send_input({"type": "http.request", "body": body[5:], "more_body": False})
+    admitted = await first.start()
+    await first.read_all()
+
+    assert (refused.status, refused_body["error"]["code"]) == (503, "over_capacity")
+    assert int(refused.headers["retry-after"]) >= 1
+    assert admitted.status == 200
+    assert capacity.open_streams.entering == 0
+    assert len(fake.requests) == 2  # the earlier one and the first: the second never got there

@@ -72,6 +72,9 @@ class OpenStreams:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.count = 0
         self.runs = 0
+        #: stream requests passed on to Django's handler and neither admitted nor answered yet
+        #: (quotes.ai.gateway.admission.Entry)
+        self.entering = 0
         #: set when both fall to 0 (made by a drain, which waits for it)
         self.emptied: asyncio.Event | None = None
         #: the most streams open or asked for since the limit's last sample
