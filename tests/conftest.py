@@ -96,6 +96,8 @@ def _rows_before_the_end(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     monkeypatch.setattr(writer, "wait_s", 60.0)
     yield
+    # The writer keeps its connection while rows keep coming: the test's database may go now.
+    assert writer.flush(10.0, close=True)
     # A test that sent rows to the outbox (its database down) writes them before it ends: the
     # next test's rows would queue behind them, and not be in its database when it reads them.
     assert not writer.outbox.depth, "the test left rows in the log writer's outbox"

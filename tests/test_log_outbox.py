@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import os
 import sqlite3
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from django.db import connection, connections
 from prometheus_client.parser import text_string_to_metric_families
 
 from quotes.ai.backends import reset_backends
-from quotes.ai.gateway.log import ROW_WAIT_S, writer
+from quotes.ai.gateway.log import IDLE_CLOSE_S, ROW_WAIT_S, writer
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, post_stream, request
 from tests.deployed import environment, start_daphne, wait_until_healthy
@@ -85,8 +86,10 @@ async def outbox_left_empty() -> AsyncIterator[None]:
 def database_fault(kind: str, tmp_path: Path) -> Iterator[None]:
     """Every connection opened from now on (the log writer's, the ORM's) finds the database
     read-only or unreachable, until the block ends. Django's connections of all threads share
-    one settings dict: it is changed in place, and put back as it was. (The log writer opens a
-    connection for each batch: CONN_MAX_AGE is 0 in the tests.)"""
+    one settings dict: it is changed in place, and put back as it was. The log writer's own
+    connection (kept while rows keep coming) is closed first: it opens its next one with the
+    fault."""
+    assert writer.flush(30.0, close=True)
     database = connection.settings_dict
     saved = copy.deepcopy(database)
     sqlite = database["ENGINE"] == "django.db.backends.sqlite3"
@@ -318,3 +321,50 @@ def test_the_outbox_of_a_process_that_is_gone_is_written_once_by_the_next_to_sta
     assert not list(outbox.rglob("*.jsonl"))
     logs = "".join(log.read_text() for _, _, log in daphnes)
     assert logs.count("took over 5 log rows") == 2, "\n".join(tail(log) for _, _, log in daphnes)
+
+
+def _open_database_connections() -> int:
+    """Connections of this process to the test database: on SQLite, its file descriptors open on
+    the database file; on PostgreSQL, the server's sessions on the database but this one's."""
+    database = connection.settings_dict
+    if database["ENGINE"] == "django.db.backends.sqlite3":
+        target = os.path.realpath(database["NAME"])
+        fds = Path("/proc/self/fd")
+        return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == target)
+    import psycopg
+
+    with psycopg.connect(
+        dbname=database["NAME"],
+        user=database["USER"],
+        password=database["PASSWORD"],
+        host=database["HOST"],
+        port=database["PORT"] or None,
+    ) as admin:
+        [(count,)] = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            [database["NAME"]],
+        ).fetchall()
+    return int(count)
+
+
+async def test_the_log_writer_keeps_its_connection_while_rows_come_and_closes_it_when_idle(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    """A connect per row cost a third of a daphne's CPU per quote (docs/benchmarks.md): the
+    writer keeps its connection between rows, and an idle process still holds none."""
+    await close_orm_connections()
+    before = await asyncio.to_thread(_open_database_connections)  # the test thread's own
+    for topic in ("one", "two"):
+        assert (await quote(topic)).endswith(DONE)
+    await close_orm_connections()  # the test's own queries' connection
+
+    kept = await asyncio.to_thread(_open_database_connections)
+    for _ in range(int(10 * IDLE_CLOSE_S / 0.1)):
+        left = await asyncio.to_thread(_open_database_connections)
+        if left == before:
+            break
+        await asyncio.sleep(0.1)
+
+    assert kept >= before + 1  # the writer's, between the rows
+    assert left == before  # closed once idle
+    assert [row.topic for row in await rows()] == ["one", "two"]

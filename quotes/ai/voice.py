@@ -13,6 +13,7 @@ run, and ends the quote before such a word.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
@@ -39,8 +40,10 @@ _APOSTROPHES = ("'", "\u2019")
 _WORD = re.compile(r"[^\W_]+(?:['\u2019][^\W_]+)*")  # "don't" is one word
 
 
+@functools.lru_cache(maxsize=256)
 def parse_examples(text: str) -> tuple[VoiceExample, ...]:
-    """The examples in the admin's text, in its order (see the module's docstring)."""
+    """The examples in the admin's text, in its order (see the module's docstring). Kept per
+    text: every request of a persona parses the same one."""
     examples = []
     for raw in text.splitlines():
         line = " ".join(raw.split())
@@ -116,14 +119,7 @@ class CopyGuard:
 
     def __init__(self, examples: Iterable[VoiceExample], *, run: int = COPY_RUN_WORDS) -> None:
         self.run = run
-        self._copies: set[tuple[str, ...]] = set()
-        self._leads: set[tuple[str, ...]] = set()  # the first run - 1 words of each copy
-        for example in examples:
-            seq = words(example.text)
-            for start in range(len(seq) - run + 1):
-                gram = tuple(seq[start : start + run])
-                self._copies.add(gram)
-                self._leads.add(gram[:-1])
+        self._copies, self._leads = _runs_of(tuple(examples), run)
         self._words: list[str] = []  # the quote's whole words so far
         self._text = ""  # everything received
         self._sent = 0  # how much of it went out
@@ -179,6 +175,19 @@ class CopyGuard:
             out = out.rstrip(" \t,;:/(-\u2013\u2014")
         self._sent = len(self._text)
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _runs_of(
+    examples: tuple[VoiceExample, ...], run: int
+) -> tuple[frozenset[tuple[str, ...]], frozenset[tuple[str, ...]]]:
+    """Every run of `run` words of the examples, and the first `run - 1` words of each: made
+    once per persona's examples, not per quote."""
+    copies: set[tuple[str, ...]] = set()
+    for example in examples:
+        seq = words(example.text)
+        copies.update(tuple(seq[start : start + run]) for start in range(len(seq) - run + 1))
+    return frozenset(copies), frozenset(gram[:-1] for gram in copies)
 
 
 def guard_copies(

@@ -32,9 +32,11 @@ under that file's lock, it appends the file's rows to its own outbox and deletes
 live processes never replay the same file. The files are kept per database (a subdirectory named
 after it), so a row is only ever replayed into the database it was meant for.
 
-The writer thread opens its database connection on demand and, like a request, closes it when
-there is nothing left to write (per CONN_MAX_AGE), so an idle process holds no connection. At
-interpreter exit the queue is drained (to the outbox, if the database is down) before the
+The writer thread opens its database connection on demand and keeps it while rows keep coming:
+once nothing has come for IDLE_CLOSE_S it closes it like a request would (per CONN_MAX_AGE), so
+an idle process holds no connection. (Closing it after every batch cost a connect per row: on
+SQLite, Django's connection set-up is about a third of the daphne's CPU per quote on the TTFT
+bench; on PostgreSQL, a round trip or three.) At interpreter exit the queue is drained (to the outbox, if the database is down) before the
 process ends.
 """
 
@@ -85,6 +87,8 @@ ROW_WAIT_S = 0.5
 #: While the database cannot take rows, the outbox is replayed after RETRY_MIN_S, then after
 #: twice as long each time it fails again, up to RETRY_MAX_S.
 RETRY_MIN_S = 0.25
+#: How long the writer keeps its database connection with nothing to write.
+IDLE_CLOSE_S = 1.0
 RETRY_MAX_S = 5.0
 #: PostgreSQL SQLSTATEs, and classes of them, that say the database cannot take writes now but
 #: will: a connection exception (08), a read-only transaction (25006: a hot standby, or
@@ -392,6 +396,9 @@ class LogWriter:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._busy = False  # a batch is being written
+        #: the writer thread has written since it last closed its connection
+        self._connected = False
+        self._close_now = False
         #: rows written since the process started
         self.written = 0
         #: how long a stream waits for its row (ROW_WAIT_S; the test suite waits longer)
@@ -423,15 +430,25 @@ class LogWriter:
         with self._lock:
             self._ensure_thread()
 
-    def flush(self, timeout: float = 30.0, *, outbox: bool = False) -> bool:
+    def flush(self, timeout: float = 30.0, *, outbox: bool = False, close: bool = False) -> bool:
         """Block until every queued row is written or in the outbox (tests, shutdown); with
-        `outbox`, until the outbox is written too, retrying it now. True if done in time."""
+        `outbox`, until the outbox is written too, retrying it now; with `close`, until the
+        writer has closed its database connection too (a test's database is about to go). True
+        if done in time."""
         deadline = time.monotonic() + timeout
         if outbox:
             self._retry_at = 0.0
+        self._close_now = close
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._pending and not self._busy and not (outbox and self.outbox.depth):
+                if (
+                    not self._pending
+                    and not self._busy
+                    and not (outbox and self.outbox.depth)
+                    and not (
+                        close and self._connected and self._thread is not None and self._thread.is_alive()
+                    )
+                ):
                     return True
             self._wake.set()
             time.sleep(0.01)
@@ -463,7 +480,16 @@ class LogWriter:
         self._take_over()
         while True:
             if not self._stopping:
-                self._wake.wait(self._until_retry())
+                wait = self._until_retry()
+                if self._connected:
+                    wait = IDLE_CLOSE_S if wait is None else min(wait, IDLE_CLOSE_S)
+                woken = self._wake.wait(wait)
+                if self._connected and (self._close_now or not woken) and not self._pending:
+                    if self._close_now:
+                        connections[DEFAULT_DB_ALIAS].close()
+                    else:
+                        close_old_connections()  # idle: like the end of a request (per CONN_MAX_AGE)
+                    self._connected = self._close_now = False
             with self._lock:
                 self._wake.clear()
                 batch, self._pending = self._pending[:BATCH_SIZE], self._pending[BATCH_SIZE:]
@@ -472,15 +498,10 @@ class LogWriter:
                     self._wake.set()
             if self.outbox.depth and not self._stopping and time.monotonic() >= self._retry_at:
                 self._replay()
+                self._connected = True
             if batch:
                 lost = self._write(batch)
-                with self._lock:
-                    idle = not self._pending
-                if idle:
-                    # Like the end of a request: drop the connection unless CONN_MAX_AGE keeps it,
-                    # before the streams hear their rows are in (so a finished test, or an idle
-                    # process, holds no connection).
-                    close_old_connections()
+                self._connected = True
                 self._resolve(batch, lost)
                 with self._lock:
                     self._busy = False
