@@ -3,6 +3,7 @@ embedded model's frame, the rule that a quote never copies an example, and the v
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.test import Client
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import FRAME_HEADER, LocalBackend, completion_prompt
@@ -352,6 +355,36 @@ def test_copy_guard_ends_a_quote_before_its_eighth_copied_word(
     text, stop = stream_through(CopyGuard(EXAMPLE), pieces)
     assert (text, stop) == (expected, stopped)
     assert longest_copied_run(text, EXAMPLE) < COPY_RUN_WORDS
+
+
+_PIECE_TEXT = st.lists(
+    st.sampled_from(
+        [
+            *("time", "Time", "is", "like", "a", "river", "made", "up", "of", "the", "events"),
+            *("which", "happen", "don't", "n't", "7" * 40, "riv", "er", " ", ", ", "'", "\u2019", "-", "."),
+        ]
+    ),
+    max_size=40,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_PIECE_TEXT, cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=20))
+def test_copy_guard_says_the_same_however_the_stream_is_cut(text: str, cuts: list[int]) -> None:
+    points = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    pieces = [text[a:b] for a, b in itertools.pairwise(points)]
+    assert stream_through(CopyGuard(EXAMPLE), pieces) == stream_through(CopyGuard(EXAMPLE), [text])
+    assert longest_copied_run(stream_through(CopyGuard(EXAMPLE), pieces)[0], EXAMPLE) < COPY_RUN_WORDS
+
+
+@pytest.mark.parametrize("piece", ["1732456789012345678", " word", "-"])
+def test_copy_guard_keeps_little_of_a_long_stream(piece: str) -> None:
+    # A model that writes one endless word (digits, no space) or many words: each piece costs
+    # its own length, because the guard keeps only what it has not yet sent or counted.
+    guard = CopyGuard(EXAMPLE)
+    sent = [guard.feed(piece)[0] for _ in range(2000)]
+    assert "".join(sent) + guard.finish() == piece * 2000
+    assert len(guard._text) <= 2 * len(piece)
 
 
 async def test_guard_copies_closes_the_backend_stream_when_it_cuts() -> None:

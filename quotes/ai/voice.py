@@ -115,48 +115,64 @@ class CopyGuard:
     goes out as it comes, except a word still being written when the words before it match the
     first `run - 1` words of a copy: that one waits until it is whole (so a copy is never sent,
     not even in part). `finish()` returns what is left when the stream ends.
+
+    Each piece costs time in its own length, not the quote's: only text not yet sent or not yet
+    counted is kept, and a word longer than any example's (it cannot be copied) is followed by
+    its last letter alone.
     """
 
     def __init__(self, examples: Iterable[VoiceExample], *, run: int = COPY_RUN_WORDS) -> None:
         self.run = run
-        self._copies, self._leads = _runs_of(tuple(examples), run)
+        self._copies, self._leads, self._longest = _runs_of(tuple(examples), run)
         self._words: list[str] = []  # the quote's whole words so far
-        self._text = ""  # everything received
+        self._text = ""  # what was received, from offset _base on
+        self._base = 0  # offsets below count from the quote's start
         self._sent = 0  # how much of it went out
         self._scan = 0  # where the next word not yet counted starts
         self._last_end = 0  # where the last word counted ends
+        self._long = False  # the word being written is longer than any example's
         self.stopped = False
 
     def feed(self, piece: str) -> tuple[str, bool]:
         if self.stopped:
             return "", True
         self._text += piece
+        base = self._base
         tail = None  # the last word, if it may go on in the next piece
-        for match in _WORD.finditer(self._text, self._scan):
+        for match in _WORD.finditer(self._text, self._scan - base):
             if self._unfinished(match):
                 tail = match
                 break
             if self._copied(match):
-                return self._stop(match.start()), True
-            self._scan = self._last_end = match.end()
+                return self._stop(base + match.start()), True
+            self._scan = self._last_end = base + match.end()
         if tail is not None:
-            self._scan = tail.start()
-        until = len(self._text)
-        if tuple(self._words[-(self.run - 1) :]) in self._leads:
+            self._scan = base + tail.start()
+            self._long = self._long or len(_normal(tail.group())) > self._longest
+            if self._long:  # keep its last letter only, to see where it ends
+                self._scan = base + tail.end() - 1
+        else:  # no word starts in what is left
+            self._scan = base + len(self._text)
+        until = base + len(self._text)
+        if not self._long and tuple(self._words[-(self.run - 1) :]) in self._leads:
             # The next word could complete a copy: hold back all that follows the last whole
             # word (a comma, a space, a word half written) until that word is known.
             until = max(self._sent, self._last_end)
-        out, self._sent = self._text[self._sent : until], max(self._sent, until)
+        out = self._text[self._sent - base : until - base]
+        self._sent = max(self._sent, until)
+        cut = min(self._sent, self._scan)
+        self._text, self._base = self._text[cut - base :], cut
         return out, False
 
     def finish(self) -> str:
         """What is left to send once the stream has ended (its last word is whole now)."""
         if self.stopped:
             return ""
-        for match in _WORD.finditer(self._text, self._scan):
+        for match in _WORD.finditer(self._text, self._scan - self._base):
             if self._copied(match):
-                return self._stop(match.start())
-        out, self._sent = self._text[self._sent :], len(self._text)
+                return self._stop(self._base + match.start())
+        out = self._text[self._sent - self._base :]
+        self._sent = self._base + len(self._text)
         return out
 
     def _unfinished(self, match: re.Match[str]) -> bool:
@@ -165,29 +181,31 @@ class CopyGuard:
 
     def _copied(self, match: re.Match[str]) -> bool:
         """Count the word; True when it completes a copied run."""
-        self._words.append(_normal(match.group()))
+        self._words.append("" if self._long else _normal(match.group()))  # "" is in no example
+        self._long = False
         return tuple(self._words[-self.run :]) in self._copies
 
     def _stop(self, at: int) -> str:
         self.stopped = True
-        out = self._text[self._sent : max(self._sent, at)]
+        out = self._text[self._sent - self._base : max(self._sent, at) - self._base]
         if self._sent + len(out) == at:  # the quote ends here: no dangling comma or dash
             out = out.rstrip(" \t,;:/(-\u2013\u2014")
-        self._sent = len(self._text)
+        self._sent = self._base + len(self._text)
         return out
 
 
 @functools.lru_cache(maxsize=256)
 def _runs_of(
     examples: tuple[VoiceExample, ...], run: int
-) -> tuple[frozenset[tuple[str, ...]], frozenset[tuple[str, ...]]]:
-    """Every run of `run` words of the examples, and the first `run - 1` words of each: made
-    once per persona's examples, not per quote."""
+) -> tuple[frozenset[tuple[str, ...]], frozenset[tuple[str, ...]], int]:
+    """Every run of `run` words of the examples, the first `run - 1` words of each, and the
+    longest word's length: made once per persona's examples, not per quote."""
     copies: set[tuple[str, ...]] = set()
     for example in examples:
         seq = words(example.text)
         copies.update(tuple(seq[start : start + run]) for start in range(len(seq) - run + 1))
-    return frozenset(copies), frozenset(gram[:-1] for gram in copies)
+    longest = max((len(word) for gram in copies for word in gram), default=0)
+    return frozenset(copies), frozenset(gram[:-1] for gram in copies), longest
 
 
 def guard_copies(
