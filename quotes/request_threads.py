@@ -40,6 +40,8 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler as DjangoASGIHandler
 from django.db import close_old_connections, reset_queries
 
+from .forks import InlineViewMiddleware
+
 #: At most this many request threads: a request that finds them all leased waits for one to be
 #: given back (under overload, requests queue instead of threads piling up).
 MAX_THREADS = 32
@@ -129,7 +131,7 @@ def release_request_thread() -> bool:
     return True
 
 
-class ASGIHandler(DjangoASGIHandler):
+class ASGIHandler(InlineViewMiddleware, DjangoASGIHandler):
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)  # Django's own refusal
