@@ -416,7 +416,10 @@ QUOTES_GATEWAY = GatewaySettings(
     # none); QUOTES_LOOP_LAG_TARGET_MS=0 turns the adaptive limit off (only the ceiling then).
     max_open_streams=_env_or_error("QUOTES_MAX_OPEN_STREAMS", int, 0),
     loop_lag_target_ms=_env_or_error("QUOTES_LOOP_LAG_TARGET_MS", float, 5.0),
-    min_open_streams=_env_or_error("QUOTES_MIN_OPEN_STREAMS", int, 10),
+    # The floor: a burst of new streams lags the loop by their set-up (4-5 ms of loop time each),
+    # not by the tokens of what it holds, so a limit that followed the lag alone refused a
+    # 50-stream burst on one process; 50 streams cost a 2-core host's loop a fraction of a core.
+    min_open_streams=_env_or_error("QUOTES_MIN_OPEN_STREAMS", int, 50),
     # Retries before the first token, for connection errors, 5xx, 3040 and first-token timeouts,
     # whatever the backend. One variable each: Cloudflare AI Gateway's own retries (above) are
     # another layer and set none of these.

@@ -14,8 +14,7 @@ A fork that bought less than about 10% of a figure was removed instead of kept h
    more to the first token (2.2-2.7 times what the naive proxy adds, instead of 1.3-1.6).
    Their methods do no I/O (Django's own `csrf_protect` decorator calls them on the loop for an
    async view), so their `__acall__` is replaced by one that calls them inline; only a session
-   that must be saved keeps its hop. (CSRF's `process_view` keeps Django's hop: it is one, and
-   taking it out bought under 5%.)
+   that must be saved keeps its hop. (CSRF's `process_view` is the handler's: see 6.)
    They stay in MIDDLEWARE under Django's own dotted paths, so Django's deploy checks
    (W001-W003 and the HSTS, SSL and cookie checks that depend on them) run unsilenced, and
    `check_inline_middleware` (`quotes.E001`) runs a few requests through both Django's
