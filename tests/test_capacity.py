@@ -96,6 +96,15 @@ def test_gradient_limit_stays_within_the_static_ceiling() -> None:
     assert limit.limit == 80
 
 
+def test_the_limit_is_never_under_its_floor_nor_over_its_ceiling_even_before_a_sample(settings: Any) -> None:
+    capacity.reset()  # the initial limit, no sample yet
+    assert capacity.INITIAL_LIMIT < 80
+    on = replace(settings.QUOTES_GATEWAY, loop_lag_target_ms=5.0, min_open_streams=80, max_open_streams=0)
+    assert capacity.current_limit(on) == 80
+    assert capacity.current_limit(replace(on, max_open_streams=60)) == 60  # the ceiling wins
+    assert capacity.current_limit(replace(on, min_open_streams=10)) == capacity.INITIAL_LIMIT
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0

@@ -228,7 +228,8 @@ def current_limit(options: GatewaySettings) -> float:
     ceiling = options.max_open_streams or math.inf
     if options.loop_lag_target_ms <= 0:
         return ceiling
-    return min(math.floor(gradient.limit), ceiling)
+    # The floor holds before the first sample too (the limit starts at INITIAL_LIMIT).
+    return min(max(options.min_open_streams, math.floor(gradient.limit)), ceiling)
 
 
 def reset() -> None:
