@@ -109,6 +109,15 @@ def pair(
         context.__exit__(None, None, None)
 
 
+def assert_stopped_on_a(servers: Pair, fake_workers_ai: FakeWorkersAI) -> None:
+    """The run's one upstream call was closed, and its one row (A's) says its client stopped it."""
+    [upstream] = fake_workers_ai.requests
+    assert upstream.client_disconnected.wait(5)
+    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
+    [(_, status, code, _)] = servers.rows()
+    assert (status, code) == ("cancelled", "stopped")
+
+
 def ask_in_background(url: str) -> Callable[[], str]:
     """POST the quote request to `url` from a thread of its own; call the result for the body."""
     bodies: list[str] = []
@@ -204,12 +213,8 @@ def test_relay_a_stop_sent_to_the_other_process_stops_the_stream_at_once(
     assert (someone_else.status_code, someone_else.json()["error"]["code"]) == (404, "unknown_stream")
     assert (stopped.status_code, stopped.json()) == (200, {"id": quote_id, "stopped": True})
     assert any('"code": "stopped"' in line or '"code":"stopped"' in line for line in rest), rest[-4:]
-    [upstream] = fake_workers_ai.requests
-    assert upstream.client_disconnected.wait(5)  # A closed the upstream
     assert (again.status_code, again.json()) == (200, {"id": quote_id, "stopped": False})
-    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
-    [(_, status, code, _)] = servers.rows()
-    assert (status, code) == ("cancelled", "stopped")
+    assert_stopped_on_a(servers, fake_workers_ai)
 
 
 def test_relay_a_stop_before_a_token_leaves_the_call_going_for_the_other_process(
@@ -585,11 +590,7 @@ def test_shared_a_socket_that_resumed_a_run_held_elsewhere_stops_it_with_cancel(
 
     assert socket.returncode == 0, (socket.stderr, frames)
     assert [frame["type"] for frame in frames[:3]] == ["token"] * 3, frames
-    [upstream] = fake_workers_ai.requests
-    assert upstream.client_disconnected.wait(5)  # A closed the upstream (its grace is 10 s)
-    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
-    [(_, status, code, _)] = servers.rows()
-    assert (status, code) == ("cancelled", "stopped")
+    assert_stopped_on_a(servers, fake_workers_ai)  # within 5 s: A's grace is 10 s
 
 
 def test_shared_a_stop_ends_the_clients_own_resume_on_another_process(
@@ -616,11 +617,7 @@ def test_shared_a_stop_ends_the_clients_own_resume_on_another_process(
 
     assert stopped.json() == {"id": quote_id, "stopped": True}
     assert json.loads(events_of(rest)[-1]["data"])["error"]["code"] == "stopped", rest[-4:]
-    [upstream] = fake_workers_ai.requests
-    assert upstream.client_disconnected.wait(5)
-    wait_for(lambda: len(servers.rows()) == 1, "A writes the row")
-    [(_, status, code, _)] = servers.rows()
-    assert (status, code) == ("cancelled", "stopped")
+    assert_stopped_on_a(servers, fake_workers_ai)
 
 
 def test_shared_a_stop_ends_the_clients_own_resume_while_another_client_follows_the_run(

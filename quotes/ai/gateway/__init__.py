@@ -1,7 +1,7 @@
 """The path every generation takes, whatever the transport (HTTP, EventSource, WebSocket) and
-whatever the backend: admission (an adaptive open-stream limit per process, per-client rate limits), the
-answer cache, coalescing, retries, fallbacks, timeouts, keep-alive, and one `Generation` log row
-on every outcome, a client disconnect included.
+whatever the backend: admission (an adaptive open-stream limit per process, per-client rate
+limits), the answer cache, coalescing, retries, fallbacks, timeouts, keep-alive, and one
+`Generation` log row on every outcome, a client disconnect included.
 
     stream_generation (generation.py): one request, from admission to its log row
       admission.py   the process's open-stream limit, then the client's limits

@@ -36,8 +36,8 @@ The writer thread opens its database connection on demand and keeps it while row
 once nothing has come for IDLE_CLOSE_S it closes it like a request would (per CONN_MAX_AGE), so
 an idle process holds no connection. (Closing it after every batch cost a connect per row: on
 SQLite, Django's connection set-up is about a third of the daphne's CPU per quote on the TTFT
-bench; on PostgreSQL, a round trip or three.) At interpreter exit the queue is drained (to the outbox, if the database is down) before the
-process ends.
+bench; on PostgreSQL, a round trip or three.) At interpreter exit the queue is drained (to the
+outbox, if the database is down) before the process ends.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ ROW_WAIT_S = 0.5
 #: While the database cannot take rows, the outbox is replayed after RETRY_MIN_S, then after
 #: twice as long each time it fails again, up to RETRY_MAX_S.
 RETRY_MIN_S = 0.25
+RETRY_MAX_S = 5.0
 #: How long the writer keeps its database connection with nothing to write.
 IDLE_CLOSE_S = 1.0
-RETRY_MAX_S = 5.0
 #: PostgreSQL SQLSTATEs, and classes of them, that say the database cannot take writes now but
 #: will: a connection exception (08), a read-only transaction (25006: a hot standby, or
 #: default_transaction_read_only), a serialization failure or deadlock (40001, 40P01),
