@@ -491,6 +491,70 @@ def score(directory: Path, guesses_file: Path) -> None:
     print(f"{right} of {total} right ({right / total:.0%}); chance 1 in {len(set(key.values()))}")
 
 
+#: What a coherence reader is asked, at the head of the sheet.
+COHERENCE_RULE = """\
+For each quote, answer y or n: is it coherent and on topic? y only when all of these hold:
+- it reads as sensible English from start to end: no sentence that contradicts itself, trails off
+  or means nothing, no confusion of who or what is spoken of;
+- it says something about the topic named (a metaphor about it counts; a passing mention does not);
+- it would pass as a quote a reader could accept, whoever said it (style does not matter, nor
+  whether you agree with it).
+Write one line per quote, `number y` or `number n`, in a text file."""
+
+
+def coherence_sheet(out: Path, runs: list[Path], seed: int) -> None:
+    """One blind sheet of all the runs' quotes, shuffled together (topic and text only), for a
+    reader to judge coherent and on topic; the key (number: run and persona) apart."""
+    rows = []
+    for run_dir in runs:
+        for line in (run_dir / "quotes.jsonl").read_text().splitlines():
+            quote = json.loads(line)
+            if quote["text"] and not quote["error"]:
+                rows.append((run_dir.name, quote))
+    random.Random(seed).shuffle(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    sheet = ["# Coherence sheet", "", COHERENCE_RULE, ""]
+    sheet += [f"{n}. *{q['topic']}*: {q['text']}" for n, (_, q) in enumerate(rows, 1)]
+    (out / "coherence-sheet.md").write_text("\n".join(sheet) + "\n")
+    key = {str(n): {"run": run, "persona": q["persona"]} for n, (run, q) in enumerate(rows, 1)}
+    (out / "coherence-key.json").write_text(json.dumps(key, indent=1) + "\n")
+    print(f"{len(rows)} quotes from {len(runs)} runs: {out / 'coherence-sheet.md'}")
+
+
+def coherence_score(out: Path, verdict_files: list[Path]) -> None:
+    """Each run's share judged coherent and on topic, per reader and by all readers together."""
+    key = json.loads((out / "coherence-key.json").read_text())
+    runs = sorted({row["run"] for row in key.values()})
+    verdicts = []
+    for path in verdict_files:
+        marks = {}
+        for line in path.read_text().splitlines():
+            number, _, mark = line.strip().partition(" ")
+            if number in key and mark.strip()[:1].lower() in ("y", "n"):
+                marks[number] = mark.strip()[:1].lower() == "y"
+        missing = len(key) - len(marks)
+        if missing:
+            print(f"{path}: {missing} quotes without a verdict (left out)")
+        verdicts.append(marks)
+    header = ["run", *(p.stem for p in verdict_files), "all readers say y", "mean"]
+    rows = []
+    for run in runs:
+        numbers = [n for n, row in key.items() if row["run"] == run]
+        cells = [run]
+        for marks in verdicts:
+            judged = [marks[n] for n in numbers if n in marks]
+            cells.append(f"{sum(judged)} of {len(judged)} ({_share(judged):.0%})")
+        both = [all(m[n] for m in verdicts) for n in numbers if all(n in m for m in verdicts)]
+        cells.append(f"{sum(both)} of {len(both)} ({_share(both):.0%})")
+        cells.append(f"{_mean([_share(m[n] for n in numbers if n in m) for m in verdicts]):.0%}")
+        rows.append(cells)
+    print(table(header, rows))
+    if len(verdicts) > 1:
+        common = [n for n in key if all(n in m for m in verdicts)]
+        agree = sum(len({m[n] for m in verdicts}) == 1 for n in common)
+        print(f"readers agree on {agree} of {len(common)} ({agree / len(common):.0%})")
+
+
 def remeasure(directory: Path, examples_from: Path) -> dict[str, Any]:
     """The text figures of an earlier run again, from its quotes.jsonl (its timings kept), with
     the examples of the seed migration: after a change to the measures, or for old code's runs."""
@@ -519,6 +583,14 @@ def main() -> None:
     parser.add_argument("--max-sentences", type=int, help="end a quote after this many sentences (0: never)")
     parser.add_argument("--topic-bias", type=float, help="raise the topic's words by this much (logit bias)")
     parser.add_argument(
+        "--lead", type=int, choices=(0, 1), help="open each quote with its topic's words (1) or not (0)"
+    )
+    parser.add_argument(
+        "--semicolon-ends",
+        action="store_true",
+        help="a semicolon ends a sentence (the quote ends on a full stop)",
+    )
+    parser.add_argument(
         "--enough-words", type=int, help="end a quote after a sentence reaching this many words"
     )
     parser.add_argument(
@@ -536,7 +608,24 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--score", nargs=2, metavar=("RUN_DIR", "GUESSES"), help="score a reader's guesses")
     parser.add_argument("--measure", metavar="RUN_DIR", help="recompute an earlier run's text figures")
+    parser.add_argument(
+        "--coherence-sheet",
+        nargs="+",
+        metavar=("OUT", "RUN_DIR"),
+        help="one blind sheet of these runs' quotes shuffled together, to judge coherent and on topic",
+    )
+    parser.add_argument(
+        "--coherence-score", nargs="+", metavar=("OUT", "VERDICTS"), help="score readers' y/n verdicts"
+    )
     args = parser.parse_args()
+    if args.coherence_sheet:
+        out, *runs = args.coherence_sheet
+        coherence_sheet(Path(out), [Path(run) for run in runs], args.seed)
+        return
+    if args.coherence_score:
+        out, *files = args.coherence_score
+        coherence_score(Path(out), [Path(f) for f in files])
+        return
     if args.score:
         score(Path(args.score[0]), Path(args.score[1]))
         return
@@ -552,6 +641,10 @@ def main() -> None:
         local.TOPIC_BIAS = args.topic_bias
     if args.enough_words is not None:
         local.ENOUGH_WORDS = args.enough_words
+    if args.lead is not None:
+        local.TOPIC_LEAD = bool(args.lead)
+    if args.semicolon_ends:
+        local._SENTENCE_END = re.compile(r"(?:[.!?;]+|\u2026)['\u2019)\]]*(?=\s|$)")
     if args.sampling:
         for item in args.sampling.split(","):
             name, _, value = item.partition("=")

@@ -196,7 +196,8 @@ def check_local_model(output: str) -> None:
     for r in speed:
         for column in ("tokens/s p50 (request to last token)", "ratio to raw", "TTFT p50 ms"):
             positive(r[column])
-        assert 0 < number(r["tokens p50"]) <= 4, r  # the smoke run's budget
+        # the smoke run's budget, and the mark that ends a quote cut short by it
+        assert 0 < number(r["tokens p50"]) <= 4 + 1, r
     slots = table_with(output, "aggregate tokens/s")
     assert [r["requests at once"] for r in slots] == ["1", "2", "4"], slots
     for r in slots:

@@ -17,7 +17,14 @@ import httpx
 import pytest
 from django.conf import settings
 
-from quotes.ai.backends.local import LocalBackend, completion_body, completion_prompt, persona_sketch
+from quotes.ai.backends.local import (
+    LocalBackend,
+    clean_ending,
+    completion_body,
+    completion_prompt,
+    persona_sketch,
+    quote_lead,
+)
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Token, Usage
 from tests.conftest import LONG_COMPLETION, slots_held
 
@@ -69,7 +76,9 @@ def test_local_prompt_credits_the_persona_with_its_description_and_system_prompt
     assert persona_sketch(request) == (
         "The old master of the Tao: soft water, hard stone; author of the Tao Te Ching, speaking in 'short' paradoxes"
     )
-    assert completion_prompt(request).endswith(f'Lao Tzu ({persona_sketch(request)}), on letting go: "')
+    assert completion_prompt(request).endswith(
+        f'Lao Tzu ({persona_sketch(request)}), on letting go: "Letting go'
+    )
     # A bare "You are <name>" adds nothing beyond the name.
     assert persona_sketch(quote_request(messages=persona_messages("You are Lao Tzu"))) == ""
 
@@ -122,6 +131,86 @@ async def test_local_stream_yields_tokens_usage_then_done(local_backend: LocalBa
     assert '"' not in text and "\n" not in text  # the frame's closing quote is not part of the quote
     assert 0 < usage.completion_tokens == local_backend.jobs[-1].generated_tokens <= 24
     assert usage.prompt_tokens > 50  # the whole frame was read
+
+
+async def test_local_quote_opens_with_its_topic_sent_with_the_models_first_piece(
+    local_backend: LocalBackend,
+) -> None:
+    """A short topic's words open the quote: the frame ends on them, and they reach the stream
+    joined to the model's first piece (never ahead of it: the first token is the model's)."""
+    request = quote_request(topic="old friends", max_tokens=8)
+    assert completion_prompt(request).endswith(', on old friends: "Old friends')
+
+    events = await collect(local_backend, request)
+
+    pieces = [e.text for e in events if isinstance(e, Token)]
+    assert pieces[0].startswith("Old friends") and len(pieces[0]) > len("Old friends"), pieces
+    assert text_of(events).count("Old friends") == 1
+
+
+@pytest.mark.parametrize(
+    ("topic", "lead"),
+    [
+        ("rain", "Rain"),
+        ("the sea", "The sea"),
+        ("don't panic", "Don't panic"),
+        ("the year 1999", ""),  # not plain words
+        ("how to stay calm at work", ""),  # more than three words: a question, not a subject
+        ("rain?", ""),
+        ("", ""),
+    ],
+)
+def test_local_quote_lead_is_a_short_plain_topic(topic: str, lead: str) -> None:
+    assert quote_lead(quote_request(topic=topic)) == lead
+
+
+def test_local_quote_lead_is_left_out_of_a_conversations_answer() -> None:
+    request = quote_request(
+        topic="rain",
+        messages=(
+            *persona_messages("You are Lao Tzu"),
+            Message("assistant", "Rain falls."),
+            Message("user", "And?"),
+        ),
+    )
+    assert request.conversation and quote_lead(request) == ""
+    assert completion_prompt(request).endswith('replied: "')
+
+
+@pytest.mark.parametrize(
+    ("text", "cut_short", "ending"),
+    [
+        ("It ends.", False, ""),
+        ("It ends?", True, ""),
+        ("It ends (as it began.)", False, ""),
+        ("It stops", False, "."),
+        ("It was cut", True, "\u2026"),
+        ("", False, ""),
+    ],
+)
+def test_local_clean_ending(text: str, cut_short: bool, ending: str) -> None:
+    assert clean_ending(text, cut_short=cut_short) == ending
+
+
+async def test_local_quote_never_ends_on_a_comma(local_backend: LocalBackend) -> None:
+    """A comma (or semicolon, or dash) waits for the text after it; a quote that stops there ends
+    on a full stop instead, and one the token budget cuts short on an ellipsis."""
+    counting = {
+        "prompt": 'Counting: "one, two, three, four, five',
+        "max_tokens": 20,
+        "stream": True,
+        "temperature": 0.0,
+        "stop": [" eight", '"', "\n"],  # the model writes ", six, seven, eight": it stops on a comma
+    }
+    async with contextlib.aclosing(local_backend.stream_completion(counting)) as events:
+        text = text_of([event async for event in events])
+    assert text == ", six, seven."
+
+    cut = {"prompt": 'A long sentence: "The', "max_tokens": 3, "stream": True, "temperature": 0.0}
+    async with contextlib.aclosing(local_backend.stream_completion(cut)) as events:
+        text = text_of([event async for event in events])
+    assert local_backend.jobs[-1].stop_reason == "max_tokens"
+    assert text.endswith("\u2026") and text.count("\u2026") == 1 and "," not in text[-2:]
 
 
 async def test_local_persona_words_steer_the_model(local_backend: LocalBackend) -> None:

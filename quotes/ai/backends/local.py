@@ -75,16 +75,31 @@ FRAME_HEADER = (
 # The quote ends at its closing quote mark or at the end of the line.
 STOP_STRINGS = ('"', "\u201d", "\n")
 
-#: A quote ends after this many sentences: a base model, once started, rambles on. It may also
-#: end after its first sentence when that one has ENOUGH_WORDS words; measured and left off (0):
-#: the shorter quotes read no more coherent on unseen topics and carried less of the voice
-#: (docs/benchmarks.md, "Voices").
-MAX_SENTENCES = 2
+#: A quote ends after this many sentences: a base model, once started, rambles on, and a 270M
+#: one loses the thread within a sentence or two. Blind readers found one sentence coherent
+#: and on topic 2-4 times as often as two (docs/benchmarks.md, "Voices"). A rule ending a quote
+#: after a first sentence of ENOUGH_WORDS words (two sentences when the first is short) was
+#: measured too, and is off (0).
+MAX_SENTENCES = 1
 ENOUGH_WORDS = 0
 # The end of a sentence: its mark (an ellipsis counts once), any closing marks after it, then a
 # space or the end of the text so far (so "3." ends one if "5" has not arrived yet: rare in a
 # quote, and the price of never holding text back).
 _SENTENCE_END = re.compile(r"(?:[.!?]+|\u2026)['\u2019)\]]*(?=\s|$)")
+
+# What a quote may not end on: it is held back until more text follows it.
+_SOFT_END = " \t,;:-\u2013\u2014"
+_CLEAN_END = re.compile(r"(?:[.!?]|\u2026)['\u2019)\]]*$")
+
+
+def clean_ending(text: str, *, cut_short: bool) -> str:
+    """What a finished quote needs at its end to read as ended: nothing when it ends on a
+    sentence's mark; else a full stop, or an ellipsis when the token budget cut it short. (A
+    comma, semicolon or dash it stopped on was never sent.)"""
+    if not text or _CLEAN_END.search(text):
+        return ""
+    return "\u2026" if cut_short else "."
+
 
 #: The longest sketch of a persona the frame takes (characters): the prompt stays small.
 MAX_SKETCH_CHARS = 300
@@ -119,7 +134,24 @@ def completion_prompt(request: GenerationRequest) -> str:
             prompt += f'"{_inline(turn.content)}"\n'
         else:
             prompt += f'Asked "{_inline(turn.content)}", {speaker} replied: '
-    return prompt + '"'
+    return prompt + '"' + quote_lead(request)
+
+
+#: A quote on a short topic opens with the topic's own words ("Winter ..."): they are written
+#: into the frame after the open quote mark and sent with the model's first piece. Every quote
+#: is then on its topic (71-85% named it before), and opens as a statement about it, which a
+#: small model keeps to more often than to a line it opens itself (docs/benchmarks.md, "Voices").
+TOPIC_LEAD = True
+_PLAIN_TOPIC = re.compile(r"[^\W\d_]+(?:[ '\u2019-][^\W\d_]+){0,2}")
+
+
+def quote_lead(request: GenerationRequest) -> str:
+    """The words the quote opens with: the topic, capitalised, when it is one to three plain
+    words and the quote is not an answer in a conversation; else none."""
+    topic = _inline(request.topic)
+    if not TOPIC_LEAD or request.conversation or not _PLAIN_TOPIC.fullmatch(topic):
+        return ""
+    return topic[0].upper() + topic[1:]
 
 
 def voice_header(speaker: str, sketch: str) -> str:
@@ -172,6 +204,8 @@ class _Job:
     #: sentence that brings it to `enough_words` words (0: no such rule)
     max_sentences: int | None = None
     enough_words: int = 0
+    #: the text the prompt ends with, inside the quote: sent with the first piece
+    lead: str = ""
     stop: threading.Event = field(default_factory=threading.Event)
     stats: JobStats = field(default_factory=JobStats)
 
@@ -281,11 +315,19 @@ class LocalBackend:
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         return self.stream_completion(
-            completion_body(request), max_sentences=MAX_SENTENCES, enough_words=ENOUGH_WORDS
+            completion_body(request),
+            max_sentences=MAX_SENTENCES,
+            enough_words=ENOUGH_WORDS,
+            lead=quote_lead(request),
         )
 
     async def stream_completion(
-        self, body: dict[str, Any], *, max_sentences: int | None = None, enough_words: int = 0
+        self,
+        body: dict[str, Any],
+        *,
+        max_sentences: int | None = None,
+        enough_words: int = 0,
+        lead: str = "",
     ) -> AsyncGenerator[Event, None]:
         """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot,
         ended after `max_sentences` sentences if given (or a sentence reaching `enough_words`)."""
@@ -300,7 +342,7 @@ class LocalBackend:
         def put(item: object) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        job = _Job(body=body, put=put, max_sentences=max_sentences, enough_words=enough_words)
+        job = _Job(body=body, put=put, max_sentences=max_sentences, enough_words=enough_words, lead=lead)
         self._live.add(job)
         self.jobs = [*self.jobs[-49:], job.stats]
         self._executor.submit(self._run, job)
@@ -408,11 +450,12 @@ class LocalBackend:
         server = self._load()
         stats = job.stats
         outcome: dict[str, Any] = {}
-        written = ""  # the quote so far
+        written = ""  # the quote so far, as sent
+        held = ""  # a comma, semicolon or dash (and spaces) it ended on, sent when more text follows
 
         def on_chunk(chunk: dict[str, Any]) -> bool:
             """Called by llama.cpp for each piece; returning True ends the request and frees the slot."""
-            nonlocal written
+            nonlocal written, held
             if job.stop.is_set():
                 stats.stop_reason = "stopped"
                 return True
@@ -427,14 +470,18 @@ class LocalBackend:
             text = choice.get("text") or ""
             if text:
                 stats.generated_tokens += 1
-                if not written:
-                    text = text.lstrip()  # the quote starts right after the open quote mark
+                if not written and not held:
+                    # The quote starts right after the open quote mark, or after its lead.
+                    text = job.lead + text if job.lead else text.lstrip()
+                text, held = held + text, ""
                 if job.max_sentences:
                     end = quote_end(written + text, job.max_sentences, job.enough_words)
                     if end is not None:
                         # The last sentence the quote may have ends in this piece: stop there.
                         text = text[: end - len(written)]
                         outcome["finish_reason"] = "sentences"
+                kept = len(text.rstrip(_SOFT_END))
+                text, held = text[:kept], text[kept:]
                 if text:
                     written += text
                     job.put(Token(text))
@@ -459,6 +506,9 @@ class LocalBackend:
         stats.generated_tokens = int(usage.get("completion_tokens") or stats.generated_tokens)
         finish = outcome.get("finish_reason")
         stats.stop_reason = {"length": "max_tokens", "sentences": "sentences"}.get(finish or "", "quote_end")
+        ending = clean_ending(written, cut_short=finish == "length")
+        if ending:
+            job.put(Token(ending))
         job.put(Usage(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated_tokens))
         job.put(Done())
 
@@ -483,7 +533,8 @@ SAMPLING_DEFAULTS: dict[str, float | int] = {
 
 #: How much the topic's own words are favoured (added to their tokens' logits; 0: not at all).
 #: Measured: 0 -> 45-54% of quotes name their topic, 2 -> 74-81%, 4 -> 97% but repetitive
-#: ("Ladders are my ladder"); docs/benchmarks.md, "Voices".
+#: ("Ladders are my ladder"); docs/benchmarks.md, "Voices". Only for a topic the quote does not
+#: open with (see TOPIC_LEAD).
 TOPIC_BIAS = 2.0
 _TOPIC_WORD = re.compile(r"[^\W\d_]{3,}")
 _STOP_WORDS = frozenset(
@@ -523,7 +574,8 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         **{name: value for name, value in persona.items() if value is not None},
         "frequency_penalty": request.frequency_penalty or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
-        "logit_bias": topic_bias(request.topic, TOPIC_BIAS),
+        # The lead names the topic already; raising its words as well makes the model repeat them.
+        "logit_bias": [] if quote_lead(request) else topic_bias(request.topic, TOPIC_BIAS),
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
         # A slot reuses the frame it has already read, which saves most of the prompt's time to
         # first token; but logits then differ in the last bits, so a greedy quote can change. A
