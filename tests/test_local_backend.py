@@ -148,14 +148,37 @@ async def test_local_quote_opens_with_its_topic_sent_with_the_models_first_piece
     assert text_of(events).count("Old friends") == 1
 
 
+async def test_local_quote_closed_right_after_its_lead_is_asked_again_without_it(
+    local_backend: LocalBackend,
+) -> None:
+    """A model that closes the quote on its lead (the topic, nothing said of it) is asked once
+    more without the lead: the visitor gets a quote, never the topic alone or nothing."""
+    body = {
+        "prompt": 'Words: "apple" "pear" "plum" "fig',  # greedy, the model closes "fig" at once
+        "max_tokens": 8,
+        "stream": True,
+        "temperature": 0.0,
+        "stop": ['"', "\n"],
+    }
+    async with contextlib.aclosing(local_backend.stream_completion(body)) as events:
+        assert text_of([event async for event in events]) == ""  # as the model closes it
+
+    async with contextlib.aclosing(local_backend.stream_completion(body, lead="fig")) as events:
+        got = [event async for event in events]
+    assert isinstance(got[-1], Done)
+    text = text_of(got)
+    assert text.strip(" .") and not text.startswith("fig"), text
+
+
 @pytest.mark.parametrize(
     ("topic", "lead"),
     [
         ("rain", "Rain"),
         ("the sea", "The sea"),
         ("don't panic", "Don't panic"),
+        ("the obstacle in the way", "The obstacle in the way"),
         ("the year 1999", ""),  # not plain words
-        ("how to stay calm at work", ""),  # more than three words: a question, not a subject
+        ("how to stay calm at work", ""),  # more than five words: a question, not a subject
         ("rain?", ""),
         ("", ""),
     ],

@@ -59,9 +59,18 @@ def test_browser_quote_starts_at_once_and_streams_in_token_by_token(
     if transport == "htmx":
         page.screenshot(path=screenshot_dir / "persona-done-desktop.png")
 
-    growing = assert_streamed_in_steps(page.evaluate("window.__changes"), 3)
+    # A quote of a few words may come in one network read, and so in one step: the steps are
+    # looked for in the first quote of ten words or more (another quote is asked for until then).
     final = page.get_by_test_id("quote-text").text_content() or ""
-    assert final.startswith(growing[-1]) and len(final) > 10
+    for _ in range(5):
+        if len(final.split()) >= 10:
+            break
+        page.evaluate("window.__changes = []")
+        page.get_by_test_id("generate").click()
+        expect(card).to_have_attribute("data-state", "done", timeout=30_000)
+        final = page.get_by_test_id("quote-text").text_content() or ""
+    growing = assert_streamed_in_steps(page.evaluate("window.__changes"), 3)
+    assert final.startswith(growing[-1]) and len(final.split()) >= 10
 
     credit = page.get_by_test_id("credit")
     expect(credit).to_be_visible()

@@ -142,12 +142,12 @@ def completion_prompt(request: GenerationRequest) -> str:
 #: is then on its topic (71-85% named it before), and opens as a statement about it, which a
 #: small model keeps to more often than to a line it opens itself (docs/benchmarks.md, "Voices").
 TOPIC_LEAD = True
-_PLAIN_TOPIC = re.compile(r"[^\W\d_]+(?:[ '\u2019-][^\W\d_]+){0,2}")
+_PLAIN_TOPIC = re.compile(r"[^\W\d_]+(?:[ '\u2019-][^\W\d_]+){0,4}")
 
 
 def quote_lead(request: GenerationRequest) -> str:
-    """The words the quote opens with: the topic, capitalised, when it is one to three plain
-    words and the quote is not an answer in a conversation; else none."""
+    """The words the quote opens with: the topic, capitalised, when it is one to five plain words
+    ("the obstacle in the way") and the quote is not an answer in a conversation; else none."""
     topic = _inline(request.topic)
     if not TOPIC_LEAD or request.conversation or not _PLAIN_TOPIC.fullmatch(topic):
         return ""
@@ -494,6 +494,19 @@ class LocalBackend:
             return False
 
         server.handle_completions(job.body, on_chunk)
+        if (
+            job.lead
+            and not written
+            and not held
+            and "error" not in outcome
+            and stats.stop_reason != "stopped"
+        ):
+            # The model closed the quote right after its lead (the topic alone, nothing said of
+            # it): ask once more without the lead, rather than send the topic as the quote.
+            job.body = {**job.body, "prompt": job.body["prompt"].removesuffix(job.lead)}
+            job.lead = ""
+            outcome.clear()
+            server.handle_completions(job.body, on_chunk)
         if stats.stop_reason == "stopped":
             return
         if "error" in outcome:
