@@ -506,3 +506,38 @@ def test_voice_bench_tiny_run_prints_sane_figures_and_a_blind_sheet(tmp_path: Pa
     assert set(key.values()) == SEEDED  # one quote each, and who wrote which only in the key
     assert all(f"{n}. *rain*: " in sheet for n in range(1, 7))
     assert len((tmp_path / "quotes.jsonl").read_text().splitlines()) == 6
+
+    # A blind coherence sheet of two runs (this one, and a copy of it under another name),
+    # and readers' verdicts scored back per run.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "quotes.jsonl").write_text((tmp_path / "quotes.jsonl").read_text())
+    out = tmp_path / "coherence"
+    bench = [sys.executable, "-m", "bench.voice"]
+    made = subprocess.run(
+        [*bench, "--coherence-sheet", str(out), str(tmp_path), str(other)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    coherence_sheet = (out / "coherence-sheet.md").read_text()
+    coherence_key = json.loads((out / "coherence-key.json").read_text())
+    assert "coherent and on topic" in coherence_sheet and "persona" not in coherence_sheet.lower()
+    assert len([line for line in coherence_sheet.splitlines() if line[:1].isdigit()]) == 12
+    first = {tmp_path.name: "y", "other": "n"}
+    (out / "r1.txt").write_text("".join(f"{n} {first[row['run']]}\n" for n, row in coherence_key.items()))
+    (out / "r2.txt").write_text("".join(f"{n} {'y' if int(n) % 2 else 'n'}\n" for n in coherence_key))
+    scored = subprocess.run(
+        [*bench, "--coherence-score", str(out), str(out / "r1.txt"), str(out / "r2.txt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert scored.returncode == 0, scored.stderr
+    rows = {line.split("|")[1].strip(): line for line in scored.stdout.splitlines() if line.startswith("| ")}
+    assert "| 6 of 6 (100%)" in rows[tmp_path.name] and "| 0 of 6 (0%)" in rows["other"]
+    agree = sum(first[row["run"]] == ("y" if int(n) % 2 else "n") for n, row in coherence_key.items())
+    assert f"readers agree on {agree} of 12 ({agree / 12:.0%})" in scored.stdout
