@@ -644,7 +644,10 @@ def main() -> None:
     if args.lead is not None:
         local.TOPIC_LEAD = bool(args.lead)
     if args.semicolon_ends:
-        local._SENTENCE_END = re.compile(r"(?:[.!?;]+|\u2026)['\u2019)\]]*(?=\s|$)")
+        pattern = local._SENTENCE_END.pattern
+        if "[.!?]" not in pattern:
+            parser.error("--semicolon-ends: the sentence's end is no longer written [.!?]")
+        local._SENTENCE_END = re.compile(pattern.replace("[.!?]", "[.!?;]", 1))
     if args.sampling:
         for item in args.sampling.split(","):
             name, _, value = item.partition("=")

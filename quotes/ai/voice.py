@@ -27,6 +27,10 @@ MAX_EXAMPLE_CHARS = 400
 MAX_TOPIC_CHARS = 60
 #: A run of this many words in common with an example is a copy.
 COPY_RUN_WORDS = 8
+#: What a quote may not end on: a comma, colon, dash, slash (a line break in verse) or open
+#: bracket, and the spaces after it. A quote the copy rule ends drops them; the embedded model
+#: holds them back until more text follows, and ends a quote that stops on them on a full stop.
+DANGLING = " \t,;:/(-\u2013\u2014"
 
 # `Topic: line`, where the topic is a few plain words (no sentence punctuation), so a line such
 # as "Remember this: ..." reads as a topic only when it is that short. A leading "on " is
@@ -189,7 +193,7 @@ class CopyGuard:
         self.stopped = True
         out = self._text[self._sent - self._base : max(self._sent, at) - self._base]
         if self._sent + len(out) == at:  # the quote ends here: no dangling comma or dash
-            out = out.rstrip(" \t,;:/(-\u2013\u2014")
+            out = out.rstrip(DANGLING)
         self._sent = self._base + len(self._text)
         return out
 

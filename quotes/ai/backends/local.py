@@ -42,6 +42,7 @@ import httpx
 from ...conf import LocalModelSettings
 from ..errors import ErrorCode, busy
 from ..events import Done, Error, Event, GenerationRequest, Token, Usage
+from ..voice import DANGLING
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +88,13 @@ ENOUGH_WORDS = 0
 # quote, and the price of never holding text back).
 _SENTENCE_END = re.compile(r"(?:[.!?]+|\u2026)['\u2019)\]]*(?=\s|$)")
 
-# What a quote may not end on: it is held back until more text follows it.
-_SOFT_END = " \t,;:-\u2013\u2014"
 _CLEAN_END = re.compile(r"(?:[.!?]|\u2026)['\u2019)\]]*$")
 
 
 def clean_ending(text: str, *, cut_short: bool) -> str:
     """What a finished quote needs at its end to read as ended: nothing when it ends on a
     sentence's mark; else a full stop, or an ellipsis when the token budget cut it short. (A
-    comma, semicolon or dash it stopped on was never sent.)"""
+    comma or dash it stopped on, voice.DANGLING, was never sent.)"""
     if not text or _CLEAN_END.search(text):
         return ""
     return "\u2026" if cut_short else "."
@@ -114,9 +113,10 @@ def quote_end(text: str, max_sentences: int, enough_words: int = 0) -> int | Non
     return None
 
 
-def completion_prompt(request: GenerationRequest) -> str:
-    """The frame for this request. A conversation continues it: the persona's earlier answers
-    become its lines, and the visitor's latest question opens the next one."""
+def completion_prompt(request: GenerationRequest, lead: str | None = None) -> str:
+    """The frame for this request, ending on the quote's `lead` (`quote_lead(request)` unless
+    given). A conversation continues it: the persona's earlier answers become its lines, and the
+    visitor's latest question opens the next one."""
     speaker = request.speaker
     sketch = persona_sketch(request)
     topic = _inline(request.topic)
@@ -134,7 +134,7 @@ def completion_prompt(request: GenerationRequest) -> str:
             prompt += f'"{_inline(turn.content)}"\n'
         else:
             prompt += f'Asked "{_inline(turn.content)}", {speaker} replied: '
-    return prompt + '"' + quote_lead(request)
+    return prompt + '"' + (quote_lead(request) if lead is None else lead)
 
 
 #: A quote on a short topic opens with the topic's own words ("Winter ..."): they are written
@@ -314,11 +314,12 @@ class LocalBackend:
         self._server = None  # the C++ destructor stops llama.cpp's loop and frees the model
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
+        lead = quote_lead(request)
         return self.stream_completion(
-            completion_body(request),
+            completion_body(request, lead),
             max_sentences=MAX_SENTENCES,
             enough_words=ENOUGH_WORDS,
-            lead=quote_lead(request),
+            lead=lead,
         )
 
     async def stream_completion(
@@ -451,7 +452,7 @@ class LocalBackend:
         stats = job.stats
         outcome: dict[str, Any] = {}
         written = ""  # the quote so far, as sent
-        held = ""  # a comma, semicolon or dash (and spaces) it ended on, sent when more text follows
+        held = ""  # what it ended on that a quote may not end on (DANGLING), sent when more follows
 
         def on_chunk(chunk: dict[str, Any]) -> bool:
             """Called by llama.cpp for each piece; returning True ends the request and frees the slot."""
@@ -480,7 +481,7 @@ class LocalBackend:
                         # The last sentence the quote may have ends in this piece: stop there.
                         text = text[: end - len(written)]
                         outcome["finish_reason"] = "sentences"
-                kept = len(text.rstrip(_SOFT_END))
+                kept = len(text.rstrip(DANGLING))
                 text, held = text[:kept], text[kept:]
                 if text:
                     written += text
@@ -566,8 +567,11 @@ def topic_bias(topic: str, bias: float) -> list[list[str | float]]:
     ]
 
 
-def completion_body(request: GenerationRequest) -> dict[str, Any]:
-    """The OpenAI-style completion request llama.cpp gets: the frame, the sampling, the stops."""
+def completion_body(request: GenerationRequest, lead: str | None = None) -> dict[str, Any]:
+    """The OpenAI-style completion request llama.cpp gets: the frame (ending on `lead`, as in
+    `completion_prompt`), the sampling, the stops."""
+    if lead is None:
+        lead = quote_lead(request)
     persona = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -575,7 +579,7 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         "repeat_penalty": request.repetition_penalty or None,
     }
     return {
-        "prompt": completion_prompt(request),
+        "prompt": completion_prompt(request, lead),
         "max_tokens": request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -588,7 +592,7 @@ def completion_body(request: GenerationRequest) -> dict[str, Any]:
         "frequency_penalty": request.frequency_penalty or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
         # The lead names the topic already; raising its words as well makes the model repeat them.
-        "logit_bias": [] if quote_lead(request) else topic_bias(request.topic, TOPIC_BIAS),
+        "logit_bias": [] if lead else topic_bias(request.topic, TOPIC_BIAS),
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
         # A slot reuses the frame it has already read, which saves most of the prompt's time to
         # first token; but logits then differ in the last bits, so a greedy quote can change. A
