@@ -31,7 +31,7 @@ from bench.common import (
     workers_ai_env,
 )
 from bench.load import serve_daphne
-from tests.fakes.workers_ai import Scenario
+from harness.workers_ai import Scenario
 
 TOKENS = 32
 

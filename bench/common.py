@@ -18,7 +18,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import sqlite3
 import ssl
 import statistics
@@ -27,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +34,11 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import httpx
+
+from harness.daphne import APP, SINGLE_UNIT, daphne_command, environment, migrate, running
+from harness.services import deploy_site, free_port
+from harness.sse import Reader
+from harness.workers_ai import FakeWorkersAI, KeepAliveUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Raw outputs and logs; BENCH_ARTIFACTS moves them (the smoke test keeps a tiny run's away from
@@ -122,12 +125,6 @@ def parse_args(
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def rss_kib(pid: int) -> dict[str, int]:
     """VmRSS and its split (anonymous memory vs mapped files such as the GGUF), in KiB; Threads."""
     values: dict[str, int] = {}
@@ -172,35 +169,28 @@ class StreamTiming:
 
 
 class SSETimer:
-    """Incremental parser for the Workers AI wire format (LF line ends, as the fake and the app
-    send): counts events whose `response` is non-empty and stamps the first, the last and
-    `[DONE]`. The same code reads both paths, so its own cost cancels out of the ratios."""
+    """Times a Workers AI stream as harness.sse.Reader reads it: counts events whose `response`
+    is non-empty and stamps the first, the last and `[DONE]`. The same code reads both paths,
+    so its own cost cancels out of the ratios."""
 
-    __slots__ = ("_buffer", "finished", "timing")
+    __slots__ = ("_reader", "finished", "timing")
 
     def __init__(self, timing: StreamTiming) -> None:
         self.timing = timing
-        self._buffer = b""
+        self._reader = Reader()
         self.finished = False
 
     def feed(self, chunk: bytes) -> None:
-        self._buffer += chunk
-        while (end := self._buffer.find(b"\n\n")) >= 0:
-            block, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
-            for line in block.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    self.timing.done = time.perf_counter()
-                    self.finished = True
-                    continue
-                if json.loads(data).get("response"):
-                    now = time.perf_counter()
-                    if not self.timing.tokens:
-                        self.timing.first_token = now
-                    self.timing.last_token = now
-                    self.timing.tokens += 1
+        for event in self._reader.feed(chunk):
+            if event["data"] == "[DONE]":
+                self.timing.done = time.perf_counter()
+                self.finished = True
+            elif json.loads(event["data"]).get("response"):
+                now = time.perf_counter()
+                if not self.timing.tokens:
+                    self.timing.first_token = now
+                self.timing.last_token = now
+                self.timing.tokens += 1
 
 
 def read_stream(client: httpx.Client, url: str, *, content: bytes, headers: dict[str, str]) -> StreamTiming:
@@ -317,18 +307,11 @@ async def stream_in_process(application: Callable[..., Awaitable[None]], body: b
     return timing
 
 
-from tests.deployed import daphne_command, environment  # noqa: E402
-from tests.fakes.keepalive import KeepAliveUpstream  # noqa: E402
-
 # -- upstreams in their own process ------------------------------------------------------------------
 
 
 def _upstream_main(conn: Connection, kind: UpstreamKind, scenario: Any, tls: tuple[str, str] | None) -> None:
     """The upstream process: serve, and answer the driver's commands on `conn`."""
-    import asyncio
-
-    from tests.fakes.workers_ai import FakeWorkersAI
-
     if kind == "fake":
         fake = FakeWorkersAI().start()
         fake.default = scenario
@@ -480,7 +463,7 @@ MACHINE_SETTINGS = ("QUOTES_CACHE_DIR", "LOCAL_MODEL_PATH")
 
 
 def app_env(db_path: Path, **extra: str) -> dict[str, str]:
-    """Production settings as the deploy tests give daphne (tests.deployed.environment: this
+    """Production settings as the deploy tests give daphne (harness.daphne.environment: this
     shell's own app settings dropped, so none changes a figure unseen; pass them with --env
     where a bench takes it), on the SQLite file `db_path`, logging at WARNING."""
     settings = {
@@ -531,12 +514,12 @@ def serve_app(
     with tempfile.TemporaryDirectory(prefix=f"bench-{server}-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         env = app_env(db_path, **extra_env)
-        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=root, env=env, check=True)
+        migrate(env, cwd=root)
         with sqlite3.connect(db_path) as connection:
             for statement in migrate_sql:
                 connection.execute(statement)
         log_name = f"{server}-{name}" if name else server
-        with serve_asgi(server, "config.asgi:application", env, log_name, cwd=root) as (
+        with serve_asgi(server, APP, env, log_name, cwd=root) as (
             process,
             url,
             log_path,
@@ -575,82 +558,25 @@ def serve_naive(upstream_url: str, headers: dict[str, str], server: Server = "da
         yield AppServer(server, url, process, Path(os.devnull), log_path, env)
 
 
-#: The unit a single daphne process runs as (a TCP port, no nginx in front).
-SINGLE_UNIT = "systemd/persona-quotes.service"
-APP = "config.asgi:application"
-
-
-def daphne_args(application: str, port: int) -> list[str]:
-    """daphne's command line as deploy/systemd/persona-quotes.service runs it (its flags, read
-    from the unit by tests.deployed.daphne_command), on 127.0.0.1:`port`, serving
-    `application`. The app runs under `quotes.server` (daphne, draining on SIGTERM) as
-    deployed; another application (the naive proxy) under plain daphne with the same flags,
-    so both pay for the same server."""
-    command = daphne_command(SINGLE_UNIT, port)
-    assert command[-1] == APP, command
-    if application != APP:
-        command[-1] = application
-        command[command.index("quotes.server")] = "daphne"
-    return command
-
-
 @contextlib.contextmanager
 def serve_asgi(
     server: Server, application: str, env: dict[str, str], name: str, *, cwd: Path = ROOT
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """`application` under daphne (bench.common.daphne_args: as deployed) or uvicorn (no deploy
-    file runs it: a comparison row) on a free port, logging to artifacts/bench/`name`.log (the
-    latest server of each name): (the process, its URL, the log)."""
+    """`application` under daphne (as deploy/systemd/persona-quotes.service runs it:
+    harness.daphne.daphne_command) or uvicorn (no deploy file runs it: a comparison row) on a
+    free port, logging to artifacts/bench/`name`.log (the latest server of each name): (the
+    process, its URL, the log)."""
     port = free_port()
     if server == "daphne":
-        command = daphne_args(application, port)
+        command = daphne_command(SINGLE_UNIT, port, application)
     else:
         command = [PYTHON, "-m", "uvicorn", application, "--host", "127.0.0.1"]
         command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
     log_path = ARTIFACTS / f"{name}.log"
+    log_path.unlink(missing_ok=True)
     # /healthz, not /: the home page needs collected static files.
-    with running_server(command, port=port, env=env, log_path=log_path, name=name, cwd=cwd) as (process, url):
+    with running(command, port, env, log_path, cwd=cwd) as (process, url):
         yield process, url, log_path
-
-
-@contextlib.contextmanager
-def running_server(
-    command: Sequence[str],
-    *,
-    port: int,
-    env: dict[str, str],
-    log_path: Path,
-    name: str,
-    health_path: str = "/healthz",
-    cwd: Path | str = ROOT,
-    timeout_s: float = 60.0,
-    poll_s: float = 0.1,
-) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """Run `command`, a server listening on 127.0.0.1:`port`, its output to `log_path`; yield
-    (the process, its URL) once GET `health_path` answers, and stop it on the way out
-    (SIGTERM, SIGKILL after 15 s)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(list(command), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    urllib.request.urlopen(url + health_path, timeout=2).close()
-                    break
-                except OSError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{name} did not start; see {log_path}") from None
-                    time.sleep(poll_s)
-            yield process, url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 # -- the log ---------------------------------------------------------------------------------------
@@ -708,6 +634,20 @@ NGINX_ATTEMPTS_FORMAT = (
     "                    '\"$upstream_bytes_received\" $request_time $msec';"
 )
 _ATTEMPT_LINE = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\S+) (\S+)$')
+
+
+def attempts_site(port: int, addresses: list[str], access_log: Path, *, server: str = "") -> str:
+    """deploy/nginx's site (harness.services.deploy_site: its upstream block, max_fails and all,
+    and its locations) in front of `addresses`, with a backlog for the load, logging each
+    attempt on a daphne to `access_log` for the row count (`nginx_attempts`); `server`: more
+    directives for the server block."""
+    return deploy_site(
+        port,
+        addresses,
+        listen="backlog=4096",
+        http=NGINX_ATTEMPTS_FORMAT,
+        server=f"access_log {access_log} attempts;{server}",
+    )
 
 
 def nginx_attempts(access_log: Path, path: str = STREAM_PATH) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Faults under load (issue 21), longer than CI runs them: the production layout of
-tests/faults (two daphnes behind nginx with the deploy rules, PostgreSQL, Redis, the fake
+harness/faults (two daphnes behind nginx with the deploy rules, PostgreSQL, Redis, the fake
 Workers AI upstream), N clients each on its own loopback address asking for one quote after
 another, and each fault injected in turn for --fault-seconds:
 
@@ -7,7 +7,7 @@ another, and each fault injected in turn for --fault-seconds:
     .venv/bin/python -m bench.faults --faults postgres-stopped --fault-seconds 35
     .venv/bin/python -m bench.faults --smoke       # a few seconds each: the smoke test's run
 
-Faults (tests/faults/faults.py): baseline (none), postgres-stopped, database-read-only,
+Faults (harness/faults/faults.py): baseline (none), postgres-stopped, database-read-only,
 redis-stopped, redis-hung, daphne-killed, upstream-hung. Prints, per fault, its figures (quotes
 and their outcomes, the quotes started during the fault and how many completed, the longest
 silence per request, generations and their rows, refusals, client slots left, /healthz during
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from bench.common import ARTIFACTS, machine, table
-from tests.faults import faults
-from tests.faults.layout import Layout, Settings, started
+from harness.faults import faults
+from harness.faults.layout import Layout, Settings, started
 
 #: --smoke: the faults it runs, and their length (what the smoke test in tests/test_faults.py runs).
 TINY_FAULTS = ("baseline", "upstream-hung")

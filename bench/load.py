@@ -8,7 +8,7 @@ and daphne's RSS per open stream.
     .venv/bin/python -m bench.load --streams 100 --duration 20 --paths app --relay both   # Redis relay's cost
 
 The upstream (in its own process, like every bench upstream) speaks the Workers AI wire format
-the fake in tests/fakes/workers_ai.py speaks (chunked SSE, `{"response": ...}` events, usage,
+the fake in harness/workers_ai.py speaks (chunked SSE, `{"response": ...}` events, usage,
 `[DONE]`, Connection: close), with one difference: each token's text is the upstream's
 `time.monotonic_ns()` at the moment it is written, in decimal. The client reads the same clock
 (CLOCK_MONOTONIC, one clock for the machine), so every token's *added delay* is exact: arrival
@@ -17,9 +17,8 @@ gateway, httpx) plus two loopback transfers. No "gap minus nominal 20 ms" estima
 
 Why not the tests' fake with Scenario(token_delay_s=0.02): it sleeps per stream and per token
 (one timer, one write and one drain per token per stream), 50,000 of each per second at 1,000
-streams; `--upstream fake --direct` measures what it manages on this machine (see
-docs/benchmarks.md). This upstream schedules all streams from one 1 ms ticker, spread over 20
-phases so the writes do not arrive in one burst every 20 ms.
+streams, more than one core here. This upstream schedules all streams from one 1 ms ticker,
+spread over 20 phases so the writes do not arrive in one burst every 20 ms.
 
 The load client is one asyncio loop with raw sockets (no HTTP library: its own cost must stay
 small next to the app's); it measures its own event-loop lag so a slow client is visible.
@@ -67,6 +66,7 @@ from bench.common import (
     trees,
     workers_ai_env,
 )
+from harness.daphne import migrate
 
 # -- the stamping upstream (its own process) ----------------------------------------------------------
 
@@ -226,9 +226,8 @@ def serve_daphne(
     application: str = "config.asgi:application", root: Path = ROOT, **extra_env: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """Like bench.common.serve_app("daphne"), but DJANGO_SETTINGS_MODULE may be chosen (app_env
-    drops it): bench.load_settings raises the upstream connection pool for --pool. The naive
-    proxy (`bench.naive.asgi:application`) has no database: nothing is migrated for it. `root`:
-    the source tree served (`--tree`)."""
+    drops it): the naive proxy (`bench.naive.asgi:application`) has settings of its own and no
+    database, so nothing is migrated for it. `root`: the source tree served (`--tree`)."""
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         settings_module = extra_env.pop("DJANGO_SETTINGS_MODULE", "")
@@ -237,9 +236,7 @@ def serve_daphne(
         if settings_module:
             env["DJANGO_SETTINGS_MODULE"] = settings_module
         if application.startswith("config."):
-            subprocess.run(
-                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=root, env=env, check=True
-            )
+            migrate(env, cwd=root)
         with serve_asgi("daphne", application, env, "load-daphne", cwd=root) as (process, url, _log):
             yield process, url, db_path
 
@@ -475,7 +472,7 @@ def one_run(
     """One run; `relay`: with a real redis-server and REDIS_URL set (the cache, the limits and
     the live runs shared for other processes, quotes.ai.gateway.shared_runs, all in Redis)."""
     if relay:
-        from tests.scaleout.services import redis
+        from harness.services import redis
 
         with tempfile.TemporaryDirectory() as workdir, redis(Path(workdir)) as redis_url:
             report = _app_run(streams, args, path, metrics=metrics, redis_url=redis_url)
@@ -509,9 +506,6 @@ def _app_run(
     }
     if redis_url:
         env["REDIS_URL"] = redis_url
-    if args.pool:
-        env["DJANGO_SETTINGS_MODULE"] = "bench.load_settings"
-        env["BENCH_MAX_CONNECTIONS"] = str(args.pool)
     for item in args.env:
         name, _, value = item.partition("=")
         env[name] = value
@@ -762,13 +756,6 @@ def main(argv: list[str] | None = None) -> None:
         help="run the --paths this many times per stream count, the order rotating each time",
     )
     parser.add_argument(
-        "--pool",
-        type=int,
-        default=0,
-        help="set the app's upstream connection pool through bench.load_settings (default: "
-        "AI_MAX_CONNECTIONS as configured)",
-    )
-    parser.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for the app"
     )
     parser.add_argument("--bound-ms", type=float, default=50.0, help="the p99 bound for the capacity line")
@@ -811,7 +798,7 @@ def main(argv: list[str] | None = None) -> None:
     print(summary_table(reports))
     print("\n".join(capacity_lines(reports, args.bound_ms)))
     out = ARTIFACTS / "load.json"
-    out.write_text(json.dumps({"pool": args.pool, "reports": reports}, indent=1) + "\n")
+    out.write_text(json.dumps({"reports": reports}, indent=1) + "\n")
     if args.metrics == "both":
         for streams in counts:
             by, off, on = cpu_off_on(reports, streams, "metrics")

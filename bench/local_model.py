@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from tests.fakes.workers_ai import Scenario
+from harness.workers_ai import Scenario
 
 from .common import (
     PERSONA,
@@ -85,6 +85,7 @@ class Series:
 
 def setup_django() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    os.environ.setdefault("DJANGO_DEBUG", "true")  # in-process, on the development settings
     os.environ.setdefault("AI_BACKEND", "local")
     os.environ.setdefault("DJANGO_LOG_LEVEL", "WARNING")
     import django

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv, smoke={"iterations": 200, "rounds": 1})
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    os.environ.setdefault("DJANGO_DEBUG", "true")  # in-process, on the development settings
     import django
 
     django.setup()

@@ -5,7 +5,7 @@
 
 One run, side by side, requests interleaved (the order rotates every round):
 
-1. TTFT: the fake upstream (tests/fakes/workers_ai.py, in its own process, 32 padded tokens, no
+1. TTFT: the fake upstream (harness/workers_ai.py, in its own process, 32 padded tokens, no
    delay) read directly -- same URL, body and headers the app sends, replayed from what the fake
    recorded -- and through the app under daphne and under uvicorn (`POST /api/quotes/stream`).
    Fairness: the fake answers `Connection: close`, so the direct client opens one TCP connection
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.fakes.workers_ai import Scenario
+from harness.workers_ai import Scenario
 
 from .common import (
     ARTIFACTS,

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.daphne import migrate
+
 from .common import (
     ARTIFACTS,
     PERSONA,
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         tempfile.TemporaryDirectory(prefix="bench-cost-") as tmp,
     ):
         env = app_env(Path(tmp) / "db.sqlite3", **workers_ai_env(fake))
-        subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+        migrate(env)
         # One request through the app teaches the fake what the app sends (the direct reference).
         probe = subprocess.run(
             [PYTHON, "-c", WORKER],

@@ -58,11 +58,9 @@ from typing import Any
 
 from bench.common import (
     ARTIFACTS,
-    NGINX_ATTEMPTS_FORMAT,
     PERSONA,
-    PYTHON,
-    ROOT,
     STREAM_PATH,
+    attempts_site,
     machine,
     nginx_attempts,
     parse_args,
@@ -72,22 +70,13 @@ from bench.common import (
 )
 from bench.load import StampingUpstream, numbered_text, raise_fd_limit, response_texts, whole_events
 from bench.scaleout_load import StampingUpstreamStub, count_rows, production_env, truncate
-from tests.deployed import deploy_site, start_daphne, wait_until_healthy
-from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process, tail
+from harness.daphne import migrate, start_daphne, wait_until_healthy
+from harness.services import free_port, nginx, postgres, redis, stop_process, tail
 
 # -- the layout ---------------------------------------------------------------------------------------
 
-
-def nginx_site(port: int, addresses: list[str], access_log: Path) -> str:
-    """deploy/nginx's site (tests.deployed.deploy_site) in front of `addresses`, logging every
-    attempt on a daphne, for the row count; and telling the client which daphne answered."""
-    return deploy_site(
-        port,
-        addresses,
-        listen="backlog=4096",
-        http=NGINX_ATTEMPTS_FORMAT,
-        server=f"access_log {access_log} attempts;\n        add_header X-Upstream-Addr $upstream_addr always;",
-    )
+#: nginx tells the client which daphne answered.
+UPSTREAM_HEADER = "\n        add_header X-Upstream-Addr $upstream_addr always;"
 
 
 @dataclass
@@ -562,9 +551,7 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp)
         with postgres(workdir) as pg, redis(workdir) as redis_url:
             migrate_env = production_env(pg.url, redis_url, StampingUpstreamStub(), extra)
-            subprocess.run(
-                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=migrate_env, check=True
-            )
+            migrate(migrate_env)
             truncate(pg.url)
             upstream = StampingUpstream(tokens, args.tokens_per_second, numbered=True)
             processes: list[Process] = []
@@ -578,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
                     wait_until_healthy(process.url, process.popen, process.log)
                 port = free_port()
                 access_log = workdir / "nginx-attempts.log"
-                site = nginx_site(port, [p.address for p in processes], access_log)
+                site = attempts_site(port, [p.address for p in processes], access_log, server=UPSTREAM_HEADER)
                 nginx_dir = workdir / "nginx-run"
                 nginx_dir.mkdir()
                 load_before = os.getloadavg()

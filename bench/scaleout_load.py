@@ -1,12 +1,12 @@
 """bench/load.py in the production layout: daphne processes behind nginx, sharing PostgreSQL and
-Redis, as docs/deployment.md runs them (tests/scaleout starts the same servers).
+Redis, as docs/deployment.md runs them (harness/services.py starts the same servers).
 
     .venv/bin/python -m bench.scaleout_load --processes 1,2 --ladder 200,300,400 --duration 20
     .venv/bin/python -m bench.scaleout_load --processes 2 --streams 1000 --duration 60   # graceful
 
 Each run starts fresh servers (one to N daphne processes as deploy/systemd/persona-quotes@.service
 starts them, and nginx in front of them with deploy/nginx's upstream block and locations:
-tests.deployed) against one PostgreSQL and one Redis for the whole invocation, and the stamping
+harness.daphne) against one PostgreSQL and one Redis for the whole invocation, and the stamping
 upstream of bench/load.py (50 tokens/s per stream, each token stamped with the time it left).
 The load client is load.py's: one asyncio loop, raw sockets, 200 new streams/s, all through
 nginx. Figures as in load.py, summed over the daphne processes. Log rows are counted in
@@ -44,11 +44,9 @@ import httpx
 
 from bench.common import (
     ARTIFACTS,
-    NGINX_ATTEMPTS_FORMAT,
-    PYTHON,
-    ROOT,
     ROWS_BY_STATUS,
     HasApiBaseUrl,
+    attempts_site,
     machine,
     nginx_attempts,
     parse_args,
@@ -57,9 +55,8 @@ from bench.common import (
     workers_ai_env,
 )
 from bench.load import StampingUpstream, build_report, capacity_lines, drive, raise_fd_limit
-from tests.deployed import deploy_site, start_daphne, wait_until_healthy
-from tests.scaleout.run import production_base_env
-from tests.scaleout.services import free_port, nginx, postgres, redis, stop_process
+from harness.daphne import migrate, production_base_env, start_daphne, wait_until_healthy
+from harness.services import free_port, nginx, postgres, redis, stop_process
 
 if TYPE_CHECKING:
     import psycopg
@@ -90,7 +87,7 @@ def daphnes(
     count: int, env: dict[str, str], workdir: Path
 ) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
     """`count` daphne processes started as deploy/systemd/persona-quotes@.service starts them
-    (`python -m quotes.server`, tests/deployed.py), each on its own 127.0.0.1 port."""
+    (`python -m quotes.server`, harness/daphne.py), each on its own 127.0.0.1 port."""
     started: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     try:
         for index in range(count):
@@ -103,19 +100,6 @@ def daphnes(
     finally:
         for process, _, _ in started:
             stop_process(process)
-
-
-def nginx_site(port: int, addresses: list[str], access_log: Path) -> str:
-    """deploy/nginx's site (tests.deployed.deploy_site: its upstream block, max_fails and all,
-    and its locations) in front of `addresses`, logging each attempt on a daphne to
-    `access_log` for the row count (bench.common.nginx_attempts)."""
-    return deploy_site(
-        port,
-        addresses,
-        listen="backlog=4096",
-        http=NGINX_ATTEMPTS_FORMAT,
-        server=f"access_log {access_log} attempts;",
-    )
 
 
 def _connect(database_url: str) -> psycopg.Connection[Any]:
@@ -153,7 +137,7 @@ def one_run(
             nginx_dir = workdir / f"nginx-{processes}-{streams}-{time.time_ns()}"
             nginx_dir.mkdir()
             access_log = nginx_dir / "attempts.log"
-            site = nginx_site(port, [address for _, address in servers], access_log)
+            site = attempts_site(port, [address for _, address in servers], access_log)
             with (
                 nginx(
                     nginx_dir,
@@ -364,9 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp)
         with postgres(workdir) as pg, redis(workdir) as redis_url:
             env = production_env(pg.url, redis_url, StampingUpstreamStub(), args.env)
-            subprocess.run(
-                [PYTHON, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-            )
+            migrate(env)
             for processes in process_counts:
                 for streams in counts:
                     report = one_run(processes, streams, args, pg.url, redis_url, workdir)

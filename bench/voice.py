@@ -154,6 +154,7 @@ class Timing:
 
 def setup_django(database: str | None) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    os.environ.setdefault("DJANGO_DEBUG", "true")  # in-process, on the development settings
     os.environ["AI_BACKEND"] = "local"
     os.environ.setdefault("DJANGO_LOG_LEVEL", "WARNING")
     os.environ["QUOTES_CACHE_TTL"] = "0"
@@ -222,7 +223,7 @@ def prepare(personas: list[Any], args: argparse.Namespace, rng: random.Random) -
 async def generate(persona: Any, topic: str) -> Quote:
     from quotes.ai.backends import get_backend
     from quotes.ai.events import Error, Token, Usage
-    from quotes.ai.gateway import Client, stream_generation
+    from quotes.ai.gateway.generation import Client, stream_generation
 
     quote = Quote(persona=persona.slug, name=persona.name, topic=topic)
     backend: Any = get_backend("local")

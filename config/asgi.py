@@ -9,13 +9,13 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 # Django must be set up before anything imports models.
-get_asgi_application()
+djangos_asgi_app = get_asgi_application()
 
-from quotes.request_threads import ASGIHandler  # noqa: E402
+from quotes.request_threads import RequestThreads  # noqa: E402
 
 # Django's handler, with each request's thread leased from a pool and given back once a stream's
 # view has answered (quotes/request_threads.py): an open stream holds no thread.
-django_asgi_app = ASGIHandler()
+django_asgi_app = RequestThreads(djangos_asgi_app)
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import django_stubs_ext
 import environ
@@ -33,14 +33,18 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
 
-DEBUG = env.bool("DJANGO_DEBUG", default=True)
+# Off unless asked for: `make run` and `make test` (and the tests' settings) set DJANGO_DEBUG=true.
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
 
-if DEBUG:
-    SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="dev-only-insecure-key-change-me-0123456789abcdef")
-else:
-    SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="")
-    if not SECRET_KEY:
-        raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set when DJANGO_DEBUG is false.")
+#: Known to anyone who reads this file: for development only, refused in production.
+DEV_SECRET_KEY = "dev-only-insecure-key-change-me-0123456789abcdef"
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default=DEV_SECRET_KEY if DEBUG else "")
+if not DEBUG and SECRET_KEY in ("", DEV_SECRET_KEY):
+    raise ImproperlyConfigured(
+        "DJANGO_SECRET_KEY must be set to a secret of your own: DJANGO_DEBUG is off (its default), "
+        "and production refuses to start without one or with the development key. For development, "
+        "run `make run`, or set DJANGO_DEBUG=true."
+    )
 
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"] if DEBUG else [])
 if not DEBUG and not ALLOWED_HOSTS:
@@ -107,6 +111,10 @@ ROOT_URLCONF = "config.urls"
 # A failed CSRF check on the persona page's form (posted by htmx) is answered as an error event
 # the page can show; any other request gets Django's own page.
 CSRF_FAILURE_VIEW = "quotes.views.csrf_failure"
+# Messages (the admin's) in their cookie only: Django's default falls back to the session for
+# what does not fit, a database write that would put MessageMiddleware back on a thread hop per
+# request (quotes.forks.steps_aside). Messages past the cookie's 4 kB are dropped.
+MESSAGE_STORAGE = "django.contrib.messages.storage.cookie.CookieStorage"
 
 TEMPLATES = [
     {
@@ -219,6 +227,10 @@ QUOTES_CACHE_DIR = Path(env.str("QUOTES_CACHE_DIR", default=str(Path.home() / ".
 # process locks its own file, and the files of processes that died are taken over by the next
 # process (on the same database) that starts.
 QUOTES_OUTBOX_DIR = Path(env.str("QUOTES_OUTBOX_DIR", default=str(QUOTES_CACHE_DIR / "outbox")))
+# The most a process's outbox file holds (a row is about 1-2 KiB): past it, new rows are dropped
+# with an ERROR (and counted in quotes_log_rows_lost), so an outage that outlasts it costs rows
+# rather than the disk or the memory.
+QUOTES_OUTBOX_MAX_BYTES = env.int("QUOTES_OUTBOX_MAX_BYTES", default=64 * 1024 * 1024)
 
 QUOTES_MAX_TOPIC_CHARS = env.int("QUOTES_MAX_TOPIC_CHARS", default=200)
 QUOTES_MAX_BODY_BYTES = env.int("QUOTES_MAX_BODY_BYTES", default=64 * 1024)
@@ -354,12 +366,16 @@ if AI_BACKEND == "openai" and not OPENAI_COMPAT.base_url:
 REDIS_URL = env.str("REDIS_URL", default="")
 # Every Redis call is bounded: a Redis that hangs must fail a request in seconds, not hold one of
 # the worker threads that cache calls run on (and every request waiting behind it) forever.
-REDIS_OPTIONS = {
-    "socket_connect_timeout": cast(float, _env_or_error("REDIS_CONNECT_TIMEOUT", float, 2.0)),
-    "socket_timeout": cast(float, _env_or_error("REDIS_SOCKET_TIMEOUT", float, 2.0)),
+_REDIS_CONNECT_TIMEOUT = cast(float, _env_or_error("REDIS_CONNECT_TIMEOUT", float, 2.0))
+_REDIS_SOCKET_TIMEOUT = cast(float, _env_or_error("REDIS_SOCKET_TIMEOUT", float, 2.0))
+_positive("REDIS_CONNECT_TIMEOUT", _REDIS_CONNECT_TIMEOUT, low=0.001)
+_positive("REDIS_SOCKET_TIMEOUT", _REDIS_SOCKET_TIMEOUT, low=0.001)
+REDIS_OPTIONS: dict[str, Any] = {
+    "socket_connect_timeout": _REDIS_CONNECT_TIMEOUT,
+    "socket_timeout": _REDIS_SOCKET_TIMEOUT,
+    # JSON, not Django's pickle: whoever can write to Redis must not run code in every process.
+    "serializer": "quotes.ai.cache.JSONSerializer",
 }
-_positive("REDIS_CONNECT_TIMEOUT", REDIS_OPTIONS["socket_connect_timeout"], low=0.001)
-_positive("REDIS_SOCKET_TIMEOUT", REDIS_OPTIONS["socket_timeout"], low=0.001)
 CACHES = {
     "default": (
         {

@@ -10,7 +10,7 @@ from django.http import HttpRequest, HttpResponseBase, JsonResponse, QueryDict
 from .ai.backends import backend_for
 from .ai.conversation import check_context_window
 from .ai.errors import ErrorCode, QuoteError, envelope
-from .ai.gateway import stream_generation
+from .ai.gateway.generation import stream_generation
 from .forms import PersonaForm
 from .models import Persona
 

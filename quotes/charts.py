@@ -338,10 +338,16 @@ def _ms(value: float) -> str:
     return f"{value / 1000:.1f} s" if value >= 10_000 else f"{value:,.0f} ms"
 
 
-def _usd(value: float) -> str:
-    if value == 0:
+def usd(value: Number) -> str:
+    """`$0`, `$1.23`, and under a dollar three significant digits (`$0.50`, `$0.0004`): a
+    quote costs hundredths of a cent, and an axis's ticks (1-2-2.5-5 steps) stay apart."""
+    value = float(value)
+    if not value:
         return "$0"
-    return f"${value:,.2f}" if value >= 1 else f"${value:.4f}".rstrip("0")
+    if abs(value) >= 1:
+        return f"${value:,.2f}"
+    whole, fraction = f"{value:.{max(2, 2 - math.floor(math.log10(abs(value))))}f}".split(".")
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
 
 def _peak(values: Iterable[Number | None], fmt: Formatter) -> str:
@@ -392,12 +398,12 @@ def stats_charts(stats: Stats) -> dict[str, SafeString]:
         ),
         "cost": time_chart(
             title=f"Estimated cost per {per} (USD)",
-            desc=f"Bars, {span}: {_usd(float(stats.cost_usd))} in all; the most in one {per} "
-            f"{_peak((b.cost_usd for b in stats.buckets), _usd)}.",
+            desc=f"Bars, {span}: {usd(stats.cost_usd)} in all; the most in one {per} "
+            f"{_peak((b.cost_usd for b in stats.buckets), usd)}.",
             starts=starts,
             bucket=stats.bucket,
             series=[Series("estimated cost", [b.cost_usd for b in stats.buckets], "cost")],
-            fmt=_usd,
+            fmt=usd,
         ),
         "ttft": time_chart(
             title=f"Time to first token per {per}",
@@ -449,10 +455,6 @@ def pct(value: float | None) -> str:
 
 def ms(value: float | None) -> str:
     return "-" if value is None else _ms(value)
-
-
-def usd(value: Decimal | float) -> str:
-    return _usd(float(value))
 
 
 def _ms_pair(low: float | None, high: float | None) -> str:

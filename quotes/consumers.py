@@ -2,9 +2,10 @@
 
 Client -> server:
     {"type": "start", "persona": slug, "topic": "...", "messages": [...], "fresh": false}
-    {"type": "resume", "last_event_id": "<generation id>:<n>"}   (after a dropped socket)
+    {"type": "resume", "last_event_id": "<generation id>.<key>:<n>"}   (after a dropped socket)
     {"type": "cancel"}
-Server -> client (each frame of a generation with its `event_id`, "<generation id>:<n>"):
+Server -> client (each frame of a generation with its `event_id`, "<generation id>.<key>:<n>",
+the key a secret of this stream's own: quotes.ai.gateway.runs.resume_key):
     {"type": "meta", "model", "model_url", "cache_status", "id", "permalink"}  (may repeat)
     {"type": "token", "text": "..."}
     {"type": "done", "usage": {...} | null, "id", "permalink"}
@@ -20,9 +21,10 @@ expired id gets an error frame, `resume_unavailable`). A `cancel` stops it at on
 A `start` on a process that is restarting gets an error frame (`server_draining`), then the
 socket is closed with code 1012, so the client reconnects (through nginx, to another process).
 One generation at a time per socket: a `start` while one runs gets an error frame with code
-`busy_socket` (cancel first). Every `start` counts against the client's rate limit, refused ones
-included. A frame over QUOTES_MAX_FRAME_BYTES gets an error frame (`frame_too_large`), and the
-socket is closed with code 1009. The socket reads its generation in a task of its own
+`busy_socket` (cancel first). Every `start` counts against the client's rate limit (and its
+network's), refused ones included, and so does every refused frame (malformed, a failed resume).
+A frame over QUOTES_MAX_FRAME_BYTES gets an error frame (`frame_too_large`), and the socket is
+closed with code 1009. The socket reads its generation in a task of its own
 (Channels handles one message at a time); a `cancel` stops the generation at once, and the
 gateway logs the row as cancelled (`stopped`) and closes the upstream or stops the model.
 """
@@ -42,11 +44,14 @@ from django.urls import path
 
 from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error
-from .ai.gateway import Client, refuse_if_full, runs, stream_generation
+from .ai.gateway import runs
+from .ai.gateway.generation import Client, refuse_if_full
 from .ai.gateway.runs import parse_event_id, resume
-from .security import count_refused_start, frame_too_large
+from .security import frame_too_large
 from .transports import Opening, WebSocketEncoder, encode_stream
-from .views import QuoteInput, parse_quote_request
+from .views import bad_event_id, count_refused, events_for, parse_quote_request, resume_unavailable
+
+BUSY = QuoteError(ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409)
 
 
 class QuoteConsumer(AsyncJsonWebsocketConsumer):
@@ -70,16 +75,16 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
     ) -> None:
         if (too_large := frame_too_large(text_data, bytes_data)) is not None:
-            await self._send_error(too_large)
+            await self._refuse(too_large)
             await self.close(code=1009)  # "message too big"
             return
         if text_data is None:
-            await self._send_error(QuoteError(ErrorCode.INVALID_FRAME, "Send JSON text frames.", 400))
+            await self._refuse(QuoteError(ErrorCode.INVALID_FRAME, "Send JSON text frames.", 400))
             return
         try:
             content = json.loads(text_data)
         except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
-            await self._send_error(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
+            await self._refuse(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
             return
         await self.receive_json(content)
 
@@ -93,7 +98,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             if await self._cancel(stop=True):
                 await self.send_json({"type": "cancelled"})
         else:
-            await self._send_error(
+            await self._refuse(
                 QuoteError(
                     ErrorCode.INVALID_FRAME,
                     'A frame must be {"type": "start", ...}, {"type": "resume", ...} or {"type": "cancel"}.',
@@ -103,38 +108,23 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
 
     async def _resume(self, last_event_id: object) -> None:
         if self.task is not None and not self.task.done():
-            await self._send_error(
-                QuoteError(
-                    ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409
-                )
-            )
+            await self._refuse(BUSY)
             return
         parsed = parse_event_id(last_event_id)
         if parsed is None:
-            await self._send_error(
-                QuoteError(
-                    ErrorCode.INVALID_LAST_EVENT_ID,
-                    "`last_event_id` must be an event id this site sent: <generation id>:<number>.",
-                    400,
-                )
-            )
+            await self._refuse(bad_event_id())
             return
+        public_id, key, after = parsed
         resumed = await resume(
-            parsed[0], parsed[1], client_key=self._client().key, options=settings.QUOTES_GATEWAY
+            public_id, key, after, client_key=self._client().key, options=settings.QUOTES_GATEWAY
         )
         if isinstance(resumed, Error):
             await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
             return
         if resumed is None:
-            await self._send_error(
-                QuoteError(
-                    ErrorCode.RESUME_UNAVAILABLE,
-                    "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one.",
-                    404,
-                )
-            )
+            await self._refuse(resume_unavailable())
             return
-        self.generation_id = parsed[0]
+        self.generation_id = public_id
         opening = Opening(resumed.meta, None, resumed.after, resumed=True)
         self.task = asyncio.create_task(
             self._send_frames(encode_stream(resumed.events, WebSocketEncoder(), opening))
@@ -142,13 +132,10 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
 
     async def _start(self, content: dict[str, Any]) -> None:
         # Every start counts against the rate limit: the gateway counts those it runs, and
-        # count_refused_start those refused here.
+        # `_refuse` those refused here.
         client = self._client()
         if self.task is not None and not self.task.done():
-            busy = QuoteError(
-                ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409
-            )
-            await self._send_error(await count_refused_start(client.key) or busy)
+            await self._refuse(BUSY)
             return
         full = await refuse_if_full(slug=content.get("persona"), client=client, transport="websocket")
         if full is not None:
@@ -159,27 +146,16 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         try:
             quote = await parse_quote_request(content)
         except QuoteError as exc:
-            await self._send_error(await count_refused_start(client.key) or exc)
+            await self._refuse(exc)
             return
-        self.task = asyncio.create_task(self._run(quote, client))
+        events = events_for(quote, client, "websocket")
+        self.task = asyncio.create_task(self._send_frames(encode_stream(events, WebSocketEncoder())))
 
     def _client(self) -> Client:
         ip = (self.scope.get("client") or ("",))[0] or ""
         user = self.scope.get("user")
         user_id = user.pk if user is not None and user.is_authenticated else None
         return Client.from_request(ip, user_id)
-
-    async def _run(self, quote: QuoteInput, client: Client) -> None:
-        events = stream_generation(
-            persona=quote.persona,
-            version=quote.version,
-            topic=quote.topic,
-            messages=quote.messages,
-            client=client,
-            bypass_cache=quote.fresh,
-            transport="websocket",
-        )
-        await self._send_frames(encode_stream(events, WebSocketEncoder()))
 
     async def _send_frames(self, frames: AsyncGenerator[dict[str, Any], None]) -> None:
         # aclosing: a cancelled task closes the generation's reader here, in this task.
@@ -209,6 +185,11 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if stopping is not None:
             await asyncio.shield(stopping)
         return True
+
+    async def _refuse(self, error: QuoteError) -> None:
+        """Answer a refused frame, counted as the HTTP endpoint counts its refused requests."""
+        error = await count_refused(self._client()) or error
+        await self._send_error(error)
 
     async def _send_error(self, error: QuoteError | Error) -> None:
         await self.send_json(

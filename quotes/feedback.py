@@ -1,7 +1,6 @@
-"""The rate limit on visitors' thumbs up or down (the vote itself is
-quotes.services.generation_feedback_set): one vote per client per quote (the client as rate
-limits count it: the user, else the address's network), which that client may change and no
-one else can.
+"""The rate limit on what a visitor does to a quote it has: its thumbs up or down (the vote
+itself is quotes.services.generation_feedback_set: one vote per client per quote, the client as
+rate limits count it, the user, else the address's network), sharing it, and stopping it.
 
 `Generation.feedback` stays the quote's verdict, the sign of its votes' sum, so the admin's
 column and the analytics' per-persona thumbs (which count quotes by their verdict) need no
@@ -15,15 +14,17 @@ from django.conf import settings
 from .ai import limits
 from .security import RateLimited
 
+#: What each action's 429 says the client did too often.
+ACTIONS = {"feedback": "rated", "share": "shared", "stop": "stopped"}
 
-async def count_vote(client_key: str) -> None:
-    """Count one feedback request of this client; RateLimited (429) once it is over
-    QUOTES_FEEDBACK_RATE_LIMIT."""
+
+async def count_action(action: str, client_key: str) -> None:
+    """Count one `action` (of ACTIONS) of this client before anything is looked up for it;
+    RateLimited (429) once over QUOTES_FEEDBACK_RATE_LIMIT, each action in a window of its own."""
     limit, window = settings.QUOTES_GATEWAY.feedback_rate_limit
-    retry_after = await limits.run_on_cache(
-        limits.count_request, "feedback", client_key, limit=limit, window=window
-    )
+    retry_after = await limits.count_request(action, client_key, limit=limit, window=window)
     if retry_after is not None:
         raise RateLimited(
-            f"You have rated {limit} quotes in a short while. Try again in {retry_after} s.", retry_after
+            f"You have {ACTIONS[action]} {limit} quotes in a short while. Try again in {retry_after} s.",
+            retry_after,
         )

@@ -12,13 +12,14 @@ A fork that bought less than about 10% of a figure was removed instead of kept h
    (a `sync_to_async` hop to the request's thread and back, ~0.4 ms each on these machines):
    with the eight middleware below that is a dozen hops per request, and the app added 72-82%
    more to the first token (2.2-2.7 times what the naive proxy adds, instead of 1.3-1.6).
-   Their methods do no I/O (Django's own `csrf_protect` decorator calls them on the loop for an
-   async view), so their `__acall__` is replaced by one that calls them inline; only a session
-   that must be saved keeps its hop. (CSRF's `process_view` is the handler's: see 6.)
+   On these settings their methods do no I/O, so their `__acall__` is replaced by one that
+   calls them inline; a session that must be saved keeps its hop, and so does a middleware that
+   a setting makes touch a store (`steps_aside`: CSRF_USE_SESSIONS and the like). CSRF's
+   `process_view` is the handler's, with its hop (on the loop it bought 9%, under the bar).
    They stay in MIDDLEWARE under Django's own dotted paths, so Django's deploy checks
    (W001-W003 and the HSTS, SSL and cookie checks that depend on them) run unsilenced, and
    `check_inline_middleware` (`quotes.E001`) runs a few requests through both Django's
-   `__acall__` and ours and compares what comes out.
+   `__acall__` and ours (with a session cookie) and compares what comes out.
 2. **WhiteNoise with an async entry** (`StaticFilesMiddleware`). WhiteNoise's middleware is
    sync-only, and one sync middleware makes Django run the rest of the chain through a thread
    (two hops per request, and the request's thread held while a stream waits for its first
@@ -42,10 +43,6 @@ A fork that bought less than about 10% of a figure was removed instead of kept h
    the ASGI scope and the body read, is undocumented. Through the handler a refusal cost about
    twice the CPU (its thread hops, a request thread, the whole middleware chain;
    docs/benchmarks.md, issue 22), and an overload is mostly refusals.
-6. **CSRF's view check on the loop** (`InlineViewMiddleware`). Django's handler runs
-   `CsrfViewMiddleware.process_view` through a thread hop on the async path; it does no I/O
-   unless CSRF_USE_SESSIONS, so it is called on the loop: about a tenth of what the app adds to
-   the first token.
 """
 
 from __future__ import annotations
@@ -99,8 +96,29 @@ INLINED: tuple[type[MiddlewareMixin], ...] = (
 )
 
 
+#: The message storage whose methods touch nothing but the request and response (settings.py).
+COOKIE_STORAGE = "django.contrib.messages.storage.cookie.CookieStorage"
+
+
+def steps_aside(middleware: object) -> bool:
+    """Whether, under the current settings, this middleware's methods may read or write a store
+    (the database, a cache, files): then it keeps Django's `__acall__`, hops and all. CSRF's
+    secret in the session (CSRF_USE_SESSIONS), messages anywhere but their cookie
+    (MESSAGE_STORAGE: Django's default falls back to the session), a session engine not
+    Django's (whose SessionStore() may connect)."""
+    if isinstance(middleware, csrf.CsrfViewMiddleware):
+        return bool(settings.CSRF_USE_SESSIONS)
+    if isinstance(middleware, messages.MessageMiddleware):
+        return bool(settings.MESSAGE_STORAGE != COOKIE_STORAGE)
+    if isinstance(middleware, sessions.SessionMiddleware):
+        return not settings.SESSION_ENGINE.startswith("django.contrib.sessions.backends.")
+    return False
+
+
 async def inline_acall(self: Any, request: HttpRequest) -> HttpResponseBase:
     """`MiddlewareMixin.__acall__` with its two `sync_to_async` hops taken out."""
+    if steps_aside(self):
+        return await MiddlewareMixin.__acall__(self, request)
     response = None
     if hasattr(self, "process_request"):
         response = self.process_request(request)
@@ -113,6 +131,8 @@ async def inline_acall(self: Any, request: HttpRequest) -> HttpResponseBase:
 async def session_acall(self: Any, request: HttpRequest) -> HttpResponseBase:
     """`inline_acall` for the session, whose `process_response` saves a modified session: that
     write goes to the session store (the database), so it keeps Django's hop to a thread."""
+    if steps_aside(self):
+        return await MiddlewareMixin.__acall__(self, request)
     self.process_request(request)
     response = await self.get_response(request)
     session = getattr(request, "session", None)
@@ -169,6 +189,9 @@ def _requests() -> list[HttpRequest]:
 
     allowed = [host.lstrip(".") for host in settings.ALLOWED_HOSTS if host != "*"]
     factory = RequestFactory(HTTP_HOST=(allowed or ["localhost"])[0])
+    # A session cookie naming a session: a middleware that loads it inline (the database's
+    # SynchronousOnlyOperation on the loop) comes out differently from Django's, in a thread.
+    factory.cookies[settings.SESSION_COOKIE_NAME] = "checking-the-inline-middleware"
     return [
         factory.get("/", secure=True),
         factory.get("/", {"message": "1"}, secure=True),
@@ -315,40 +338,6 @@ def asgi_request(scope: dict[str, Any], body: bytes) -> HttpRequest:
     return ASGIRequest(scope, io.BytesIO(body))
 
 
-# -- 6. CSRF's view check on the event loop ----------------------------------------------------
-
-
-class InlineViewMiddleware:
-    """Mixed into the app's ASGI handler (quotes.request_threads): Django's handler adapts each
-    view middleware's `process_view` to the async path with a `sync_to_async` hop, and
-    CsrfViewMiddleware's is the only one. It reads the request's headers, cookies and form (already
-    in memory) and nothing else, as long as its secret is not in the session (CSRF_USE_SESSIONS),
-    so it is called on the loop instead: one thread hop less before every first token (0.17 ms of
-    1.8 ms added in-process, docs/benchmarks.md). Django's `csrf_protect` decorator does the same
-    for an async view."""
-
-    def adapt_method_mode(self, is_async: bool, method: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_async and _is_csrf_view_check(method) and not settings.CSRF_USE_SESSIONS:
-            return _on_the_loop(method)
-        return super().adapt_method_mode(is_async, method, *args, **kwargs)  # type: ignore[misc]
-
-
-def _is_csrf_view_check(method: Any) -> bool:
-    return (
-        isinstance(getattr(method, "__self__", None), csrf.CsrfViewMiddleware)
-        and method.__name__ == "process_view"
-    )
-
-
-def _on_the_loop(
-    method: Callable[..., HttpResponseBase | None],
-) -> Callable[..., Awaitable[HttpResponseBase | None]]:
-    async def process_view(*args: Any) -> HttpResponseBase | None:
-        return method(*args)
-
-    return process_view
-
-
 # -- the pins ------------------------------------------------------------------------------------
 
 #: The upstream code each piece relies on (its source's SHA-256; quotes.W002, tests/test_forks.py).
@@ -418,11 +407,6 @@ PINS: dict[str, str] = {
     "daphne.server.Server.run": "447c6bd42c62e98cda21fbd603a045ff72abbccabd2b234d8b40c18d366cb7db",
     "autobahn.websocket.protocol.WebSocketProtocol.sendClose": "6ccfd325e62723095869fe62379a4a7ef1d1ebff86a8381c402bb6f40251764b",
     "autobahn.websocket.protocol.WebSocketProtocol.sendCloseFrame": "a511406d6b0d711e81f5067e322de0f628437b9f9dac0c74a001bc19c482b9fc",
-    # 6: where Django adapts a view middleware, and CSRF's view check and how it finds its secret.
-    "django.core.handlers.base.BaseHandler.load_middleware": "a1fb7ee5f8586195da2174d1bbc2bbfc7ca19b9d26ea66412cb434f45bf6d467",
-    "django.core.handlers.base.BaseHandler.adapt_method_mode": "1f6383b647ac29590cd04274e8e5e2b356397ee26f8ea81d9a83ac905277283f",
-    "django.middleware.csrf.CsrfViewMiddleware.process_view": "cdbdabe04318fc2f1d7196480b258c9d486a79011947772c54320a5ea7d16c1f",
-    "django.middleware.csrf.CsrfViewMiddleware._get_secret": "b3a608af97a839cc7aca22b50bd17e13c3a33d08487a99fc3c7a811518d176a5",
     # 5: how asgi_request's ASGIRequest reads the scope and the body.
     "django.core.handlers.asgi.ASGIRequest.__init__": "5ff1464df4bf995e78cfc6ca2590fe9166c6565dee93a37020dba88f2c9c7bc0",
     # close_redis_clients_without_their_loop: the pool's connection lists and a connection's

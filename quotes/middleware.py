@@ -27,7 +27,7 @@ from django.urls import reverse
 
 from .database import UNREACHABLE, outage
 from .forks import asgi_request
-from .request_threads import release_request_thread
+from .request_threads import read_body, release_request_thread, replay
 
 
 class ReleaseRequestThreadMiddleware:
@@ -105,7 +105,7 @@ class StreamAdmissionGate:
         entered = admission.Entry()
         token = admission.entry.set(entered)  # Django's handler's tasks inherit it: admit() closes it
         try:
-            await self.app(scope, _replay(read, receive) if read else receive, send)
+            await self.app(scope, replay(read, receive) if read else receive, send)
         finally:
             entered.close()
             admission.entry.reset(token)
@@ -121,16 +121,7 @@ async def _refused(
 
     if not admission.at_capacity(settings.QUOTES_GATEWAY):
         return [], None
-    read: list[dict[str, Any]] = []
-    body = b""
-    while True:
-        message = await receive()
-        read.append(message)
-        if message["type"] != "http.request":
-            break  # a disconnect: Django's handler sees it as it would have
-        body += message.get("body", b"")
-        if not message.get("more_body", False) or len(body) > settings.DATA_UPLOAD_MAX_MEMORY_SIZE:
-            break
+    read, body = await read_body(receive)  # a disconnect: Django's handler sees it as it would have
     if read[-1]["type"] == "http.request" and not read[-1].get("more_body", False):
         # A host not allowed (get_host() raises for it): Django's handler answers its 400.
         with contextlib.suppress(NotRefused, SuspiciousOperation):
@@ -152,19 +143,6 @@ def _refusal_chain(*, form: bool) -> Callable[[HttpRequest], Awaitable[HttpRespo
 
     security_headers = cast(Callable[[HttpRequest], Awaitable[HttpResponseBase]], SecurityMiddleware(refuse))
     return RequestIdMiddleware(security_headers)
-
-
-def _replay(read: list[dict[str, Any]], receive: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
-    """`receive`, with the messages already read given first."""
-    pending = list(read)
-
-    async def replayed() -> dict[str, Any]:
-        if pending:
-            return pending.pop(0)
-        message: dict[str, Any] = await receive()
-        return message
-
-    return replayed
 
 
 class DatabaseOutageMiddleware:

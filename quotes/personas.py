@@ -15,8 +15,9 @@ admin), so each process keeps them in memory, checked against one value in Djang
   (several processes on the in-memory cache) or a change made behind the ORM's back (raw SQL)
   is never stale for long.
 
-An unknown slug is remembered for MISS_TTL_S (each would otherwise cost a query), in a bounded
-table that is emptied when full (a stranger cannot fill the memory with them).
+The active personas' slugs are loaded together, in one query, under the same value (and at most
+MAX_AGE_S old): a slug that is not among them is answered from memory, so made-up slugs cost no
+query of their own, however many a stranger sends, counted or not.
 
 While the database cannot be reached (quotes.database), a persona this process has loaded before
 is served as it was last loaded, however old (personas rarely change, and a quote from a
@@ -42,6 +43,7 @@ from django.core.cache import cache
 from django.db import close_old_connections
 from django.db.models.signals import post_delete, post_migrate, post_save
 
+from .ai.cache import misfit
 from .ai.limits import run_on_cache
 from .ai.redis_health import report
 from .database import UNREACHABLE, outage
@@ -53,9 +55,6 @@ logger = logging.getLogger(__name__)
 VERSION_KEY = "quotes:personas:version"
 #: The longest an entry is trusted without reading the database again.
 MAX_AGE_S = 30.0
-#: How long an unknown slug is known to be unknown, and how many are remembered at most.
-MISS_TTL_S = 10.0
-MAX_MISSES = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +68,10 @@ class ActivePersona:
 _entries: dict[str, ActivePersona] = {}
 #: each persona as it was last loaded, kept across invalidations: what an outage is served from
 _known: dict[str, ActivePersona] = {}
-_misses: dict[str, float] = {}  # unknown slugs, by when they were looked up
+#: the active personas' slugs, and when they were loaded (None: not loaded under this value)
+_slugs: tuple[frozenset[str], float] | None = None
+#: the load of the slugs under way, and the value it started under
+_slugs_loading: tuple[str | None, asyncio.Future[frozenset[str]]] | None = None
 _loading: dict[str, asyncio.Future[ActivePersona | None]] = {}
 _under: str | None = None  # the version value the entries were loaded under (None: none yet)
 
@@ -77,26 +79,35 @@ _under: str | None = None  # the version value the entries were loaded under (No
 async def get_active(slug: str) -> ActivePersona | None:
     """The active persona called `slug` and its current version, or None. Raises the 503
     QuoteError when the database cannot be reached and this process has never loaded it."""
-    global _under
+    global _under, _slugs
     try:
         # A read only (never a write on the request path): a missing value is a value too.
-        current = str(await run_on_cache(cache.get, VERSION_KEY, ""))
+        current = await run_on_cache(cache.get, VERSION_KEY, "")
+        if not isinstance(current, str):
+            misfit("the persona version value", current)
+            current = ""
     except Exception as exc:  # the shared cache is down: memory cannot be trusted, the database can
         report(logger, "could not read the persona version value; reading the database", exc)
         current = None
     if current is None or current != _under:
         _entries.clear()
-        _misses.clear()
+        _slugs = None
         _under = current
     entry = _entries.get(slug)
     now = time.monotonic()
-    missed = _misses.get(slug)
-    if entry is None and missed is not None and now - missed < MISS_TTL_S:
-        return None
     if entry is not None and now - entry.loaded_at <= MAX_AGE_S:
         return entry
     if outage.waiting:  # it failed a moment ago: not asked again before its backoff ends
         return _last_known(slug)
+    try:
+        slugs = await _active_slugs(now, current)
+    except UNREACHABLE as exc:
+        outage.failed(exc)
+        return _last_known(slug)
+    if slug not in slugs:
+        _entries.pop(slug, None)
+        _known.pop(slug, None)
+        return None
     # One load per slug at a time: a burst of requests for a persona not in memory (a process
     # that just started) waits for one query instead of sending one each.
     loading = _loading.get(slug)
@@ -113,14 +124,35 @@ async def get_active(slug: str) -> ActivePersona | None:
     if entry is None:
         _entries.pop(slug, None)
         _known.pop(slug, None)
-        if len(_misses) >= MAX_MISSES:
-            _misses.clear()
-        _misses[slug] = now
         return None
     _known[slug] = entry
     if current is not None and _under == current:  # nothing changed while it loaded
         _entries[slug] = entry
     return entry
+
+
+async def _active_slugs(now: float, current: str | None) -> frozenset[str]:
+    """The active personas' slugs, loaded in one query when not loaded under `current` or older
+    than MAX_AGE_S (one load at a time, whoever asks)."""
+    global _slugs, _slugs_loading
+    if _slugs is not None and now - _slugs[1] <= MAX_AGE_S:
+        return _slugs[0]
+    if _slugs_loading is None or _slugs_loading[1].done() or _slugs_loading[0] != current:
+        loading = asyncio.ensure_future(sync_to_async(_load_slugs, thread_sensitive=False)())
+        # A failure is seen (not logged as never retrieved) when every waiter has left.
+        loading.add_done_callback(lambda done: done.cancelled() or done.exception())
+        _slugs_loading = (current, loading)
+    slugs = await asyncio.shield(_slugs_loading[1])
+    if current is not None and _under == current:  # nothing changed while it loaded
+        _slugs = (slugs, now)
+    return slugs
+
+
+def _load_slugs() -> frozenset[str]:
+    try:
+        return frozenset(Persona.objects.active().values_list("slug", flat=True))
+    finally:
+        close_old_connections()
 
 
 def _last_known(slug: str) -> ActivePersona:
@@ -148,13 +180,13 @@ def peek(slug: str) -> ActivePersona | None:
 def bump(*, signal: object = None, instance: object = None, **_: Any) -> None:
     """Persona data changed: forget it here, and tell every process through the shared cache.
     A persona this process deleted or deactivated is forgotten for outages too."""
-    global _under
+    global _under, _slugs
     if isinstance(instance, Persona) and (signal is post_delete or not instance.is_active):
         for slug, known in list(_known.items()):
             if known.persona.pk == instance.pk or slug == instance.slug:
                 del _known[slug]
     _entries.clear()
-    _misses.clear()
+    _slugs = None
     _under = None
     cache.set(VERSION_KEY, uuid.uuid4().hex, timeout=None)
 

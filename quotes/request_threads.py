@@ -10,19 +10,24 @@ database connection if the request queried anything). Starting that thread was a
 single cost on the way to the first token (about 1.7 ms of a loaded 2-core machine), and a second
 thread was started at the end of every request only to join the first.
 
-`ASGIHandler` is Django's handler with one change: the request's thread-sensitive context is given
-an executor of its own (asgiref's documented `ThreadSensitiveContext(executor=...)`), a `Lease`
-that runs each call on a single-thread executor leased from `pool`, one that served earlier
-requests (at most MAX_THREADS of them: past that, a request waits for one, so overload queues
-requests instead of piling up threads). The stream views (and `ReleaseRequestThreadMiddleware`,
-quotes.middleware, for any other streaming response) give it back once the view has answered;
-the lease then sends the rest of that request's thread-sensitive calls (Django's
-`response.close()` at the very end) to one shared thread, `tail`. Everything else about the
-request (middleware, URLs, views, signals) is Django's. Only documented interfaces are used:
-asgiref's executor argument and `concurrent.futures.Executor`.
+`RequestThreads` wraps Django's ASGI application with one change: each HTTP request runs in a
+thread-sensitive context with an executor of its own (asgiref's documented
+`ThreadSensitiveContext(executor=...)`; Django's handler enters a context too, and only the
+outermost one counts), a `Lease` that runs each call on a single-thread executor leased from
+`pool`, one that served earlier requests (at most MAX_THREADS of them: past that, a request waits
+for one, so overload queues requests instead of piling up threads). The stream views (and
+`ReleaseRequestThreadMiddleware`, quotes.middleware, for any other streaming response) give it
+back once the view has answered; the lease then sends the rest of that request's
+thread-sensitive calls (Django's `response.close()` at the very end) to one shared thread,
+`tail`. Everything else about the request (middleware, URLs, views, signals) is Django's. Only
+documented interfaces are used: asgiref's context and `concurrent.futures.Executor`.
 
 Database connections stay per thread, as Django expects: a pooled thread closes its obsolete ones
 (per CONN_MAX_AGE) when it is given back, as `request_finished` would have on a thread of its own.
+
+The thread is leased once the request's body is in (`read_body`), not before: Django's handler
+reads the body after its context is entered, so under a server that streams bodies (daphne buffers
+them, others do not), MAX_THREADS clients that never finish theirs would hold every thread.
 
 """
 
@@ -31,16 +36,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import ThreadSensitiveContext
 from django.conf import settings
-from django.core.handlers.asgi import ASGIHandler as DjangoASGIHandler
 from django.db import close_old_connections, reset_queries
-
-from .forks import InlineViewMiddleware
 
 #: At most this many request threads: a request that finds them all leased waits for one to be
 #: given back (under overload, requests queue instead of threads piling up).
@@ -123,7 +125,7 @@ _lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("request_t
 
 def release_request_thread() -> bool:
     """Give the current request's thread back now (its view has answered). False outside a
-    request served by `ASGIHandler`."""
+    request served through `RequestThreads`."""
     lease = _lease.get()
     if lease is None:
         return False
@@ -131,16 +133,54 @@ def release_request_thread() -> bool:
     return True
 
 
-class ASGIHandler(InlineViewMiddleware, DjangoASGIHandler):
+async def read_body(receive: Any) -> tuple[list[dict[str, Any]], bytes]:
+    """The request's messages up to its body's last (or a disconnect), and the body. Past
+    DATA_UPLOAD_MAX_MEMORY_SIZE (a body Django refuses anyway) the rest is left unread."""
+    read: list[dict[str, Any]] = []
+    body = b""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    while True:
+        message = await receive()
+        read.append(message)
+        if message["type"] != "http.request":
+            return read, body  # a disconnect
+        body += message.get("body", b"")
+        if not message.get("more_body", False) or (limit is not None and len(body) > limit):
+            return read, body
+
+
+def replay(read: list[dict[str, Any]], receive: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """`receive`, with the messages already read given first."""
+    pending = list(read)
+
+    async def replayed() -> dict[str, Any]:
+        if pending:
+            return pending.pop(0)
+        message: dict[str, Any] = await receive()
+        return message
+
+    return replayed
+
+
+class RequestThreads:
+    """An ASGI application: `app` (Django's) with each HTTP request's thread leased."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            return await super().__call__(scope, receive, send)  # Django's own refusal
+            return await self.app(scope, receive, send)  # Django's own refusal
+        read, _ = await read_body(receive)  # before the thread: a body that never ends holds none
+        if read[-1]["type"] != "http.request":
+            return  # the client left during its body: Django's handler would do nothing either
+        receive = replay(read, receive)
         lease = Lease(await pool.lease())
         token = _lease.set(lease)
         finished = False
         try:
             async with ThreadSensitiveContext(executor=lease):
-                await self.handle(scope, receive, send)
+                await self.app(scope, receive, send)
             # Django's handler ends every request it served with response.close() (which sends
             # request_finished) on the request's thread: its connections are seen to already.
             finished = True

@@ -7,8 +7,7 @@
   the whole ASGI app (config/asgi.py), so HTTP and the WebSocket see the same client.
 - `refuse_cross_site`, `SameOriginWebSocketMiddleware`: a page of another origin (another site,
   or a sibling subdomain) must not start a paid generation, over HTTP or the WebSocket.
-- `frame_too_large`, `count_refused_start`: the WebSocket's frame cap, and the rate limit for
-  `start` frames refused before they reach the gateway (which counts the others).
+- `frame_too_large`: the WebSocket's frame cap.
 - `LoginThrottleBackend`, `LoginFailureHandler`, `login_client_address`, `login_locked_out`:
   django-axes for the admin login.
 """
@@ -34,7 +33,6 @@ from django.http.request import split_domain_port, validate_host
 from django.shortcuts import render
 from django.utils.http import is_same_domain
 
-from .ai import limits
 from .ai.errors import ErrorCode, QuoteError
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -316,22 +314,6 @@ def frame_too_large(text_data: str | None, bytes_data: bytes | None) -> QuoteErr
     if size <= cap:
         return None
     return QuoteError(ErrorCode.FRAME_TOO_LARGE, f"A frame may be at most {cap} bytes (UTF-8).", 413)
-
-
-async def count_refused_start(client_key: str) -> RateLimited | None:
-    """Count a quote request that is refused before the gateway (invalid, or its socket busy)
-    against the client's rate limit, as the gateway counts the rest: otherwise invalid requests
-    are free, and each can cost a database query. The RateLimited to answer instead of the
-    request's own error once the client is over the limit; None until then."""
-    limit, window = settings.QUOTES_GATEWAY.rate_limit
-    retry_after = await limits.run_on_cache(
-        limits.count_request, "rate", client_key, limit=limit, window=window
-    )
-    if retry_after is None:
-        return None
-    return RateLimited(
-        f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s.", retry_after
-    )
 
 
 # --- the admin login (django-axes hooks, named in config/settings.py) -------------------------

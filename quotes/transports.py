@@ -14,9 +14,9 @@ on its wire, and nothing else:
 
 Each also says how "resume elsewhere" looks (`reconnect`) when a draining process cuts a stream,
 and how an event carries its id (`identify`): every event of a generation is numbered
-(`<generation id>:<n>`, quotes.ai.gateway.runs), which a client sends back to resume. The loop
-numbers them itself: a reader yields the generation's events in order from where it started
-(the Opening says where), pings aside, so the n-th event read is the generation's n-th.
+(`<generation id>.<resume key>:<n>`, quotes.ai.gateway.runs), which a client sends back to
+resume. The loop numbers them itself: a reader yields the generation's events in order from where
+it started (the Opening says where), pings aside, so the n-th event read is the generation's n-th.
 
 An HTTP response must choose its status before its first byte, so the views first `open_stream()`:
 everything up to the first token (or the error that came instead) is read, the status and the
@@ -45,6 +45,7 @@ from .ai.catalog import doc_url
 from .ai.errors import internal
 from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
 from .ai.gateway.admission import StreamWatch, drain, reconnect_retry_ms, server_draining
+from .ai.gateway.runs import resume_key
 
 Out = TypeVar("Out")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -76,19 +77,19 @@ class Encoder(Protocol[Out_co]):
 
     # `out` is what this encoder made (Any: a covariant protocol takes no Out_co argument).
     def identify(self, out: Any, ids: EventIds, n: int) -> Out_co:
-        """`out` numbered as the generation's n-th event (its resume id, `<public_id>:<n>`)."""
+        """`out` numbered as the generation's n-th event (its resume id: see EventIds)."""
         ...
 
 
 class EventIds:
-    """A generation's event ids (`<public_id>:<n>`), made once per stream: an SSE event's
-    `id:` line costs one concatenation per event."""
+    """A generation's event ids (`<public_id>.<resume key>:<n>`), made once per stream: an SSE
+    event's `id:` line costs one concatenation per event."""
 
-    __slots__ = ("public_id", "sse_prefix")
+    __slots__ = ("prefix", "sse_prefix")
 
     def __init__(self, public_id: str) -> None:
-        self.public_id = public_id
-        self.sse_prefix = b"id: " + public_id.encode() + b":"
+        self.prefix = f"{public_id}.{resume_key(public_id)}:"
+        self.sse_prefix = b"id: " + self.prefix.encode()
 
 
 #: The error when the events end without Done or Error (made once: never per token).
@@ -153,7 +154,7 @@ async def encode_stream(
     draining process cuts the stream (then the encoder's `reconnect` is last).
 
     Once the generation's id is known (its first Meta says it), what each event makes carries
-    the event's id (`<public_id>:<n>`); pings carry none. A resumed stream sends no opening of
+    the event's id (EventIds); pings carry none. A resumed stream sends no opening of
     its own, and may end without a terminal event (the client had seen it)."""
     watch = drain.watch()
     meta = opening.meta if opening is not None else Meta()
@@ -226,7 +227,7 @@ async def encode_stream(
             # Cut by the drain: the generation is closed first (its upstream, its log row), then
             # the client hears where to go.
             await events.aclose()
-        last_event_id = f"{ids.public_id}:{sent}" if ids is not None else None
+        last_event_id = f"{ids.prefix}{sent}" if ids is not None else None
         out = encoder.reconnect(last_event_id, reconnect_retry_ms())
         if out is not None:
             yield out
@@ -427,5 +428,5 @@ class WebSocketEncoder:
 
     @staticmethod
     def identify(out: dict[str, Any], ids: EventIds, n: int) -> dict[str, Any]:
-        out["event_id"] = f"{ids.public_id}:{n}"  # "id" is the generation's, in meta and done
+        out["event_id"] = f"{ids.prefix}{n}"  # "id" is the generation's, in meta and done
         return out

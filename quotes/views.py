@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
+from csp.decorators import csp_exempt
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import (
@@ -44,13 +45,14 @@ from .ai.catalog import doc_url
 from .ai.conversation import check_context_window, clean_topic, parse_messages
 from .ai.errors import ErrorCode, QuoteError, envelope
 from .ai.events import Error, Event, Message, Meta
-from .ai.gateway import Client, admission, refuse_if_full, stream_generation
+from .ai.gateway import admission
+from .ai.gateway.generation import Client, refuse_if_full, stream_generation
 from .ai.gateway.runs import parse_event_id, resume
 from .ai.gateway.runs import stop as stop_run
-from .feedback import count_vote
+from .feedback import count_action
 from .models import Generation, Persona, PersonaVersion
 from .request_threads import release_request_thread
-from .security import count_refused_start, refuse_cross_site
+from .security import RateLimited, refuse_cross_site
 from .transports import (
     Encoder,
     EventSourceEncoder,
@@ -165,11 +167,15 @@ async def client_of(request: HttpRequest) -> Client:
 
 def not_a_document(response: HttpResponseBase) -> HttpResponseBase:
     """Mark a response that no browser renders as a page (an SSE stream, a JSON error, an htmx
-    event): django-csp leaves it without a Content-Security-Policy. (Its `csp_exempt` decorator
-    sets the same marks, but cannot wrap an async view.)"""
-    response._csp_exempt = True  # type: ignore[attr-defined]  # django-csp's own marks
-    response._csp_exempt_ro = True  # type: ignore[attr-defined]
-    return response
+    event): django-csp leaves it without a Content-Security-Policy."""
+    return _csp_exempt(response)
+
+
+# django-csp's `csp_exempt` marks what the function it wraps returns, and cannot wrap an async
+# view: around the identity, it marks a response.
+_csp_exempt: Callable[[HttpResponseBase], HttpResponseBase] = cast(
+    Any, csp_exempt()(csp_exempt(REPORT_ONLY=True)(cast(Any, lambda response: response)))
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +209,7 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     )
 
 
-def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
+def events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
     return stream_generation(
         persona=quote.persona,
         version=quote.version,
@@ -215,6 +221,13 @@ def _events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGener
     )
 
 
+async def count_refused(client: Client) -> RateLimited | None:
+    """Count a quote request refused before admission (invalid, its socket busy...) against the
+    client's and its network's limits: the 429 to answer instead of its own error once over."""
+    refused = await admission.count(client.key, settings.QUOTES_GATEWAY, network_key=client.network_key)
+    return None if refused is None else RateLimited(refused.message, refused.retry_after or 1)
+
+
 def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> str | None:
     """The event a reconnecting client saw last: EventSource's own header, else the
     `last_event_id` parameter (the fetch and htmx clients)."""
@@ -222,16 +235,18 @@ def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> str | None:
     if value is None or value == "":
         return None
     if not isinstance(value, str):
-        raise _bad_event_id()
+        raise bad_event_id()
     return value
 
 
-def _bad_event_id() -> QuoteError:
-    return QuoteError(
-        ErrorCode.INVALID_LAST_EVENT_ID,
-        "`last_event_id` must be an event id this site sent: <generation id>:<number>.",
-        400,
-    )
+def bad_event_id() -> QuoteError:
+    message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
+    return QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
+
+
+def resume_unavailable() -> QuoteError:
+    message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
+    return QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)
 
 
 async def _resume(
@@ -245,9 +260,10 @@ async def _resume(
     200 and a stream, whatever those events are (the client has had the stream's beginning)."""
     parsed = parse_event_id(last_event_id)
     if parsed is None:
-        raise _bad_event_id()
+        raise bad_event_id()
     client = await client_of(request)
-    resumed = await resume(parsed[0], parsed[1], client_key=client.key, options=settings.QUOTES_GATEWAY)
+    public_id, key, after = parsed
+    resumed = await resume(public_id, key, after, client_key=client.key, options=settings.QUOTES_GATEWAY)
     if isinstance(resumed, Error):
         # Refused like a new stream (the client's slots, the process's cap, a draining process:
         # 503, nginx asks another one), and counted like one when the process refuses it (when
@@ -257,16 +273,12 @@ async def _resume(
             return _htmx_error_response(resumed, Meta())
         return error_response(resumed)
     if resumed is None:
-        raise QuoteError(
-            ErrorCode.RESUME_UNAVAILABLE,
-            "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one.",
-            404,
-        )
+        raise resume_unavailable()
     release_request_thread()
     return StreamingHttpResponse(
         encode_stream(resumed.events, encoder, Opening(resumed.meta, None, resumed.after, resumed=True)),
         content_type="text/event-stream",
-        headers={**SSE_HEADERS, **_meta_headers(resumed.meta), "X-Generation-Id": parsed[0]},
+        headers={**SSE_HEADERS, **_meta_headers(resumed.meta), "X-Generation-Id": public_id},
     )
 
 
@@ -356,7 +368,7 @@ async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
             return _htmx_error_response(exc.as_event(), Meta(), headers)
         return error_response(exc, headers)
     transport = "htmx" if htmx else "eventsource" if eventsource else "api"
-    events = _events_for(quote, client, transport)
+    events = events_for(quote, client, transport)
     if htmx:
         return await _htmx_stream(events)
     return await stream_response(events, EventSourceEncoder() if eventsource else None)
@@ -389,14 +401,14 @@ async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     except QuoteError as exc:
         exc = await _counted(request, exc)
         return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
-    return await _htmx_stream(_events_for(quote, client, "htmx"))
+    return await _htmx_stream(events_for(quote, client, "htmx"))
 
 
 #: The refusals of a request's own input (bad JSON, an unknown persona, a body too large...):
 #: each counts against the client's rate limit, as a quote it asked for would, so that invalid
 #: requests are not free (each may cost a look-up). A cross-site refusal (403) does not: another
 #: site's page would spend its visitor's budget.
-_COUNTED_STATUSES = frozenset({400, 404, 405, 413, 415})
+_COUNTED_STATUSES = frozenset({400, 404, 405, 406, 413, 415})
 
 
 async def _counted(request: HttpRequest, error: QuoteError) -> QuoteError:
@@ -404,7 +416,7 @@ async def _counted(request: HttpRequest, error: QuoteError) -> QuoteError:
     over its limit, else the request's own error."""
     if error.status not in _COUNTED_STATUSES:
         return error
-    return await count_refused_start((await client_of(request)).key) or error
+    return await count_refused(await client_of(request)) or error
 
 
 def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
@@ -444,6 +456,14 @@ def _check_body_size(request: HttpRequest) -> None:
 
 def _read_params(request: HttpRequest) -> dict[str, Any]:
     if request.method == "GET":
+        # An <img> or <link> of another site's page must not start a quote: browsers without
+        # fetch metadata (Safari before 16.4) send no Sec-Fetch-Site to refuse it by, but an
+        # EventSource always asks for text/event-stream, and a fetch() says Sec-Fetch-Dest: empty.
+        if "text/event-stream" not in request.headers.get("Accept", "") and (
+            request.headers.get("Sec-Fetch-Dest") != "empty"
+        ):
+            message = "A GET must accept the stream: send Accept: text/event-stream (EventSource does)."
+            raise QuoteError(ErrorCode.NOT_ACCEPTABLE, message, 406)
         return request.GET.dict()
     if request.method != "POST":
         raise QuoteError(
@@ -582,6 +602,7 @@ async def stop_quote(request: HttpRequest, public_id: uuid.UUID) -> HttpResponse
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
         refuse_cross_site(request)
         client = await client_of(request)
+        await count_action("stop", client.key)
         stopped = await stop_run(str(public_id), client.key)
         if stopped is None:
             raise QuoteError(ErrorCode.UNKNOWN_STREAM, "You have no quote with this id.", 404)
@@ -630,6 +651,7 @@ async def share_quote(request: HttpRequest, public_id: uuid.UUID) -> HttpRespons
     try:
         if request.method != "POST":
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
+        await count_action("share", (await client_of(request)).key)
         if not await services.generation_share(public_id=public_id):
             raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404)
     except QuoteError as exc:
@@ -648,7 +670,7 @@ async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResp
         if request.method != "POST":
             raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body.", 405)
         client = await client_of(request)
-        await count_vote(client.key)
+        await count_action("feedback", client.key)
         params = _read_params(request)
         value = params.get("value")
         if type(value) is not int or value not in (1, -1):

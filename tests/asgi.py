@@ -12,8 +12,8 @@ from urllib.parse import urlencode
 
 from asgiref.testing import ApplicationCommunicator
 
-#: `<generation id>:<n>`, the `id:` of every event of a generation stream
-EVENT_ID = re.compile(r"[0-9a-f-]{36}:\d+")
+#: `<generation id>.<resume key>:<n>`, the `id:` of every event of a generation stream
+EVENT_ID = re.compile(r"[0-9a-f-]{36}\.[0-9a-f]{16}:\d+")
 STREAM_URL = "/api/quotes/stream"
 CSRF = "a" * 32  # an unmasked secret: valid as both the cookie and the form token
 FORM_URL = "/quotes/stream"  # the persona page's form (Django's CSRF); the JSON API takes no forms
@@ -197,7 +197,7 @@ async def htmx_form_post(
 
 def without_ids(body: bytes) -> bytes:
     """`body` without its `id:` lines: two generations of the same answer differ only there."""
-    return re.sub(rb"(?m)^id: [0-9a-f-]{36}:\d+\n", b"", body)
+    return re.sub(rb"(?m)^id: [0-9a-f-]{36}\.[0-9a-f]{16}:\d+\n", b"", body)
 
 
 def parse_sse(body: bytes) -> list[dict[str, str]]:

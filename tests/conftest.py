@@ -4,6 +4,8 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import socket
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -19,19 +21,55 @@ from quotes.models import Persona
 from quotes.services import persona_save
 from tests.limits import configure
 
-pytest_plugins = ["tests.fakes.fixtures", "tests.llama_server", "tests.redis_server"]
+pytest_plugins = ["tests.fixtures", "tests.llama_server", "tests.redis_server"]
+
+
+#: The suite's layers (pyproject.toml registers them; README.md, "Contributing", says which
+#: command runs which). Each test is in exactly one.
+LAYERS = {"unit", "integration", "system"}
+UNPLACED = pytest.StashKey[list[str]]()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Note every test without exactly one layer marker, before `-m` deselects any."""
+    layers = {mark.name for mark in item.iter_markers() if mark.name in LAYERS}
+    if len(layers) != 1 or ("unit" in layers and item.get_closest_marker("django_db")):
+        item.config.stash.setdefault(UNPLACED, []).append(f"{item.nodeid}: {sorted(layers) or 'none'}")
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the browser tests last. Playwright's sync API keeps an event loop running in the main
-    thread for the rest of the session, and async tests cannot start while it does."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a test that is in no layer (or two), or a unit test on the database. Then run the
+    browser tests last: Playwright's sync API keeps an event loop running in the main thread for
+    the rest of the session, and async tests cannot start while it does."""
+    if unplaced := config.stash.get(UNPLACED, []):
+        raise pytest.UsageError(
+            "each test needs exactly one layer marker, unit, integration or system, by what it really "
+            "uses (a unit test no database): pyproject.toml, README.md 'Contributing'.\n  "
+            + "\n  ".join(unplaced)
+        )
     items.sort(key=lambda item: "browser" in item.path.parts)
     for item in items:
         # An async test's Redis pool (quotes.ai.gateway.shared_runs) is closed in the test's own loop,
         # and its ORM thread's database connection closed.
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.function):
             item.fixturenames.append("_end_of_async_test")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit test that connects a socket or starts a process fails, saying where it belongs."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(
+            "a unit test opens no socket and starts no process: mark it integration or system"
+        )
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +159,7 @@ def _fresh_cache() -> Iterator[None]:
 @pytest.fixture
 async def _end_of_async_test() -> AsyncIterator[None]:
     yield
-    from quotes.ai.gateway import admission, runs, shared_runs
+    from quotes.ai.gateway import admission, runs, shared_runs, tasks
     from quotes.ai.gateway.log import writer
 
     # Generations the test left going (a run in its resume grace, a follower waiting on Redis)
@@ -134,6 +172,7 @@ async def _end_of_async_test() -> AsyncIterator[None]:
     # An async test's ORM calls run on asgiref's thread, whose connection outlives the test (and,
     # on PostgreSQL, kept the test database from being dropped at the end of the session).
     await sync_to_async(connections.close_all)()
+    await asyncio.wrap_future(tasks.detached_thread.submit(connections.close_all))  # detached tasks'
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -26,8 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.services import free_port, stop_process, tail
+
 READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -38,19 +38,6 @@ class LlamaServer:
     log_path: Path
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 def _wait_ready(process: subprocess.Popen[bytes], base_url: str, api_key: str, log_path: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     headers = {"Authorization": f"Bearer {api_key}"}
@@ -58,7 +45,7 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, api_key: str, l
         while True:
             if process.poll() is not None:
                 code = process.returncode
-                log = _log_tail(log_path)
+                log = tail(log_path)
                 raise RuntimeError(f"the llama.cpp server exited with {code} during start-up:\n{log}")
             try:
                 if client.get(f"{base_url}/models", headers=headers).status_code == 200:
@@ -67,19 +54,9 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, api_key: str, l
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"the llama.cpp server not ready after {READY_TIMEOUT_S:.0f} s:\n{_log_tail(log_path)}"
+                    f"the llama.cpp server not ready after {READY_TIMEOUT_S:.0f} s:\n{tail(log_path)}"
                 )
             time.sleep(0.2)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")
@@ -117,7 +94,7 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServ
         _wait_ready(process, base_url, api_key, log_path)
         yield LlamaServer(base_url=base_url, api_key=api_key, model_path=model_path, log_path=log_path)
     finally:
-        _stop(process)
+        stop_process(process)
 
 
 @pytest.fixture(scope="session")

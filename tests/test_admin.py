@@ -15,6 +15,8 @@ from quotes.models import Generation, Persona, PersonaVersion
 
 from .asgi import parse_sse, request
 
+pytestmark = pytest.mark.integration
+
 CHANGE = "/admin/quotes/persona/{pk}/change/"
 VERSIONS = "/admin/quotes/persona/{pk}/history-versions/"
 
@@ -198,6 +200,7 @@ def test_admin_display_order_or_active_change_makes_no_version(admin_client: Cli
     assert persona.versions.count() == before
 
 
+@pytest.mark.services
 @pytest.mark.django_db
 def test_admin_rollback_makes_a_new_version_with_the_old_config(
     admin_client: Client, admin_user: User
@@ -242,6 +245,7 @@ def test_admin_rollback_needs_change_permission(db: None) -> None:
     assert client.post(f"{VERSIONS.format(pk=persona.pk)}1/rollback/").status_code == 403
 
 
+@pytest.mark.services
 @pytest.mark.django_db
 def test_admin_history_lists_versions_newest_first_with_an_escaped_diff(admin_client: Client) -> None:
     persona = watts()
@@ -272,6 +276,7 @@ def test_admin_history_lists_versions_newest_first_with_an_escaped_diff(admin_cl
 # --- deleting ----------------------------------------------------------------------------------
 
 
+@pytest.mark.services
 @pytest.mark.django_db
 def test_admin_delete_of_a_persona_with_generations_deactivates_it(admin_client: Client) -> None:
     persona = watts()
@@ -295,6 +300,7 @@ def test_admin_delete_of_an_unused_persona_deletes_it(admin_client: Client) -> N
     assert not Persona.objects.filter(slug="mark-twain").exists()
 
 
+@pytest.mark.services
 @pytest.mark.django_db
 def test_admin_bulk_delete_deactivates_the_logged_and_deletes_the_rest(admin_client: Client) -> None:
     used, unused = watts(), Persona.objects.get(slug="mark-twain")

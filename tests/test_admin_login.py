@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from django.contrib.auth.models import User
 from django.test import AsyncClient
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration, pytest.mark.services]
 
 LOGIN = "/admin/login/"
 PASSWORD = "a-long-admin-password-for-tests-42"

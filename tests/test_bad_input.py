@@ -23,17 +23,21 @@ from hypothesis import HealthCheck, event, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import _backends
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse
-from tests.fakes.fixtures import TEST_API_TOKEN
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.fixtures import TEST_API_TOKEN
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 STREAM_URL = "/api/quotes/stream"
 FORM_URL = "/quotes/stream"  # the persona page's form
 JSON = {"content-type": "application/json"}
+#: What an EventSource sends: a GET of the stream must accept the stream (or be a fetch()).
+ES = {"accept": "text/event-stream"}
+#: An id of a quote nobody is writing, and a resume key that is not its own.
+UNKNOWN_ID = "00000000-0000-4000-8000-000000000000"
 #: a CSRF cookie, so Django's CSRF check reads a form's fields (and meets what is wrong with them)
 FORM = {"content-type": "application/x-www-form-urlencoded", "cookie": "csrftoken=" + "a" * 32}
 MAX_BODY = django_settings.QUOTES_MAX_BODY_BYTES
@@ -272,21 +276,60 @@ BATTERY = [
     pytest.param(Bad("PUT", STREAM_URL, b"{}", JSON, status=405, code="method_not_allowed"), id="put"),
     pytest.param(Bad("DELETE", STREAM_URL, status=405, code="method_not_allowed"), id="delete"),
     pytest.param(Bad("PATCH", STREAM_URL, b"{}", JSON, status=405, code="method_not_allowed"), id="patch"),
-    pytest.param(Bad("GET", STREAM_URL, code="missing_persona"), id="get-no-persona"),
+    pytest.param(Bad("GET", STREAM_URL, headers=ES, code="missing_persona"), id="get-no-persona"),
     pytest.param(
-        Bad("GET", STREAM_URL, query="persona=nobody", status=404, code="unknown_persona"),
+        Bad("GET", STREAM_URL, headers=ES, query="persona=nobody", status=404, code="unknown_persona"),
         id="get-unknown-persona",
     ),
     pytest.param(
-        Bad("GET", STREAM_URL, query=f"persona=test-watts&topic={TOO_LONG_TOPIC}", code="topic_too_long"),
+        Bad(
+            "GET",
+            STREAM_URL,
+            headers=ES,
+            query=f"persona=test-watts&topic={TOO_LONG_TOPIC}",
+            code="topic_too_long",
+        ),
         id="get-topic-too-long",
     ),
     pytest.param(
-        Bad("GET", STREAM_URL, query="persona=%ff%fe", status=404, code="unknown_persona"),
+        Bad("GET", STREAM_URL, headers=ES, query="persona=%ff%fe", status=404, code="unknown_persona"),
         id="get-invalid-utf8-query",
     ),
     pytest.param(
-        Bad("GET", STREAM_URL, query="persona=%00", status=404, code="unknown_persona"), id="get-nul-query"
+        Bad("GET", STREAM_URL, headers=ES, query="persona=%00", status=404, code="unknown_persona"),
+        id="get-nul-query",
+    ),
+    # -- issue 29: a GET that is no EventSource nor fetch() (an <img>, a link), and resume ids
+    pytest.param(
+        Bad(
+            "GET",
+            STREAM_URL,
+            headers={"accept": "image/avif,image/webp,*/*"},
+            query="persona=test-watts",
+            status=406,
+            code="not_acceptable",
+        ),
+        id="get-as-an-image",
+    ),
+    pytest.param(
+        Bad("GET", STREAM_URL, query="persona=test-watts", status=406, code="not_acceptable"),
+        id="get-without-accept",
+    ),
+    pytest.param(
+        Bad(
+            "GET", STREAM_URL, headers=ES, query=f"last_event_id={UNKNOWN_ID}:0", code="invalid_last_event_id"
+        ),
+        id="resume-by-the-id-alone",
+    ),
+    pytest.param(
+        Bad(
+            "GET",
+            STREAM_URL,
+            headers={**ES, "last-event-id": f"{UNKNOWN_ID}.{'0' * 16}:0"},
+            status=404,
+            code="resume_unavailable",
+        ),
+        id="resume-with-a-key-not-its-own",
     ),
     # -- the HTML endpoints
     pytest.param(Bad("GET", "/personas/nobody/", status=404), id="persona-page-unknown"),
@@ -333,7 +376,14 @@ BATTERY = [
         id="admin-login-2000-fields",
     ),
     pytest.param(
-        Bad("GET", STREAM_URL, query="persona=nobody&topic=it's'>x", status=404, code="unknown_persona"),
+        Bad(
+            "GET",
+            STREAM_URL,
+            headers=ES,
+            query="persona=nobody&topic=it's'>x",
+            status=404,
+            code="unknown_persona",
+        ),
         id="get-raw-quotes-in-query",
     ),
     pytest.param(
@@ -601,6 +651,7 @@ FEEDBACK_AND_PERMALINK = [
 ]
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("bad", FEEDBACK_AND_PERMALINK)
 async def test_bad_input_feedback_and_permalink_get_their_4xx(
     persona: Persona, log_output: io.StringIO, bad: Bad

@@ -10,20 +10,14 @@ with its reason: `test_every_bench_is_smoked_or_excused` fails for a new bench u
 or the other.
 
 Excused, and why:
-- bench/peer_litellm.py: it installs LiteLLM's proxy from PyPI into a venv of its own
-  (`.venv-bench-litellm`, requirements-bench.txt says why not .venv) on its first run, and the
-  suite runs with no network beyond 127.0.0.1.
-- bench/dashboard.py: it needs Debian's `prometheus` (not installed by scripts/bootstrap, nor on
-  this machine) and renders a screenshot for docs/ through Playwright's browser.
-- bench/sse_decode.py, bench/faults.py and bench/voice.py: smoked by their own modules
-  (tests/test_bench_sse_decode.py, tests/test_faults.py on its production layout,
-  tests/test_voice.py on the embedded model).
+- bench/faults.py and bench/voice.py: smoked by their own modules (tests/test_faults.py on its
+  production layout, tests/test_voice.py on the embedded model).
 
 Parts skipped where their tool is missing (requirements-bench.txt, not installed into .venv by
 scripts/bootstrap): bench/proxy_overhead.py's uvicorn row (uvicorn) and its profile (py-spy).
 
 The benches start their own servers (daphne, and for the production-layout ones PostgreSQL,
-Redis and nginx), so scripts/test runs this module in its first pass only. They write their raw
+Redis and nginx): system layer, run once, not again on PostgreSQL + Redis. They write their raw
 outputs under BENCH_ARTIFACTS (here a temporary directory, not artifacts/bench/).
 """
 
@@ -39,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(sys.executable)
@@ -236,17 +232,14 @@ SMOKED: dict[str, tuple[Callable[[], list[str]], Callable[[str], None]]] = {
 
 #: bench module -> why it is not smoked (the module's docstring says more)
 EXCUSED = {
-    "peer_litellm": "installs LiteLLM into a venv of its own from PyPI: no network here",
-    "dashboard": "needs Debian's prometheus, which is not installed, and a browser for its screenshot",
-    "sse_decode": "smoked by tests/test_bench_sse_decode.py (its table, and a decoder that decodes wrongly refused)",
     "voice": "smoked by tests/test_voice.py (one quote per persona, small max_tokens)",
     "faults": "smoked by tests/test_faults.py (test_faults_bench_tiny_mode_prints_a_table_per_fault), on that module's layout",
 }
 
 
 def bench_modules() -> set[str]:
-    """bench/*.py modules with a command line (`if __name__ == "__main__":`); the others
-    (common, load_settings) are helpers."""
+    """bench/*.py modules with a command line (`if __name__ == "__main__":`); bench/common.py is
+    their helpers."""
     return {
         path.stem
         for path in (ROOT / "bench").glob("*.py")

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
 from quotes.ai.gateway import capacity
 from quotes.ai.gateway.capacity import GradientLimit, OpenStreams
 from quotes.models import Persona
 from tests.asgi import AsgiStream, post_quote, post_stream, request
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 TARGET_S = 0.010  # 10 ms
 
@@ -28,6 +28,7 @@ TARGET_S = 0.010  # 10 ms
 # -- the arithmetic, fed a controlled signal --------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_gradient_limit_shrinks_while_the_loop_lags_and_never_below_its_floor() -> None:
     limit = GradientLimit(initial=200)
     for _ in range(capacity.LAG_WINDOW):
@@ -39,6 +40,7 @@ def test_gradient_limit_shrinks_while_the_loop_lags_and_never_below_its_floor() 
     assert min(seen) == 12 and seen[-1] == 12
 
 
+@pytest.mark.unit
 def test_gradient_limit_shrinks_from_what_is_held_not_from_a_limit_never_reached() -> None:
     limit = GradientLimit(initial=500)  # grown once, but only 40 streams are open now
     for _ in range(capacity.LAG_WINDOW - 1):
@@ -47,6 +49,7 @@ def test_gradient_limit_shrinks_from_what_is_held_not_from_a_limit_never_reached
     assert limit.sample(0.200, peak=40, target_s=TARGET_S, floor=5) < 40
 
 
+@pytest.mark.unit
 def test_gradient_limit_one_stall_moves_nothing_a_late_loop_a_lot() -> None:
     limit = GradientLimit(initial=100)
     limit.sample(0.5, peak=50, target_s=TARGET_S, floor=1)  # one stall: a garbage collection, say
@@ -59,6 +62,7 @@ def test_gradient_limit_one_stall_moves_nothing_a_late_loop_a_lot() -> None:
     assert limit.limit < 60
 
 
+@pytest.mark.unit
 def test_gradient_limit_holds_between_late_samples() -> None:
     limit = GradientLimit(initial=100)
     limit.sample(0.5, peak=100, target_s=TARGET_S, floor=1)
@@ -69,6 +73,7 @@ def test_gradient_limit_holds_between_late_samples() -> None:
     assert limit.sample(0.001, peak=100, target_s=TARGET_S, floor=1) == shrunk
 
 
+@pytest.mark.unit
 def test_gradient_limit_grows_back_while_the_loop_keeps_up_and_streams_are_turned_away() -> None:
     limit = GradientLimit(initial=10)
     seen = []
@@ -80,6 +85,7 @@ def test_gradient_limit_grows_back_while_the_loop_keeps_up_and_streams_are_turne
     assert seen[-1] > 100
 
 
+@pytest.mark.unit
 def test_gradient_limit_does_not_grow_past_what_is_asked_for() -> None:
     limit = GradientLimit(initial=50)
     for _ in range(100):
@@ -88,6 +94,7 @@ def test_gradient_limit_does_not_grow_past_what_is_asked_for() -> None:
     assert limit.limit == 50
 
 
+@pytest.mark.unit
 def test_gradient_limit_stays_within_the_static_ceiling() -> None:
     limit = GradientLimit(initial=50)
     for _ in range(100):
@@ -96,6 +103,7 @@ def test_gradient_limit_stays_within_the_static_ceiling() -> None:
     assert limit.limit == 80
 
 
+@pytest.mark.unit
 def test_the_limit_is_never_under_its_floor_nor_over_its_ceiling_even_before_a_sample(settings: Any) -> None:
     capacity.reset()  # the initial limit, no sample yet
     assert capacity.INITIAL_LIMIT < 80
@@ -113,6 +121,7 @@ class Clock:
         return self.now
 
 
+@pytest.mark.unit
 def test_retry_after_is_when_enough_open_streams_are_expected_to_have_ended() -> None:
     clock = Clock()
     streams = OpenStreams(clock)
@@ -209,6 +218,7 @@ async def until(condition: Any, what: str, timeout_s: float = 30) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.integration
 @pytest.mark.django_db(transaction=True)
 async def test_a_busy_loop_lowers_the_limit_and_refuses_with_503_and_retry_after(
     persona: Persona, fake: FakeWorkersAI, settings: Any, adaptive: None
@@ -244,6 +254,7 @@ async def test_a_busy_loop_lowers_the_limit_and_refuses_with_503_and_retry_after
         await stream.disconnect()
 
 
+@pytest.mark.integration
 @pytest.mark.django_db(transaction=True)
 async def test_the_static_ceiling_still_caps_the_adaptive_limit(
     persona: Persona, fake: FakeWorkersAI, settings: Any, adaptive: None
@@ -262,6 +273,7 @@ async def test_the_static_ceiling_still_caps_the_adaptive_limit(
     await held.disconnect()
 
 
+@pytest.mark.integration
 @pytest.mark.django_db(transaction=True)
 async def test_a_stream_request_still_in_djangos_handler_counts_at_the_gate(
     persona: Persona, fake: FakeWorkersAI, settings: Any

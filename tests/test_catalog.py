@@ -15,6 +15,8 @@ from quotes.ai.catalog import (
     validate_generation_settings,
 )
 
+pytestmark = pytest.mark.unit
+
 DEMO = "@cf/google/gemma-2b-it-lora"
 LLAMA_31 = "@cf/meta/llama-3.1-8b-instruct"
 LLAMA_33 = "@cf/meta/llama-3.3-70b-instruct-fp8-fast"

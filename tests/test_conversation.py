@@ -7,7 +7,7 @@ import pytest
 from quotes.models import Generation, Persona
 from tests.asgi import parse_sse, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
 async def test_conversation_continues_with_the_persona(persona: Persona) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,8 @@ from channels.testing import WebsocketCommunicator
 from django.db import connection, connections
 from django.test import override_settings
 
+from harness.services import free_port
+from harness.workers_ai import FakeWorkersAI
 from quotes import database, personas
 from quotes.ai.backends import reset_backends
 from quotes.ai.gateway.log import writer
@@ -28,10 +29,9 @@ from quotes.logging import ClientErrorFilter, RequestIdFilter
 from quotes.models import Persona
 from quotes.services import persona_save
 from tests.asgi import htmx_form_post, parse_sse, post_quote, request
-from tests.fakes.workers_ai import FakeWorkersAI
 from tests.redis_server import REDIS_CACHE_BACKEND
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration, pytest.mark.services]
 
 UNSEEN = "never-loaded"  # a persona slug this process has never loaded
 #: a session cookie with a well-formed key: reading it (the visitor's user) is a query
@@ -95,10 +95,7 @@ class DatabaseDown:
             self.settings["NAME"] = str(gone / "db.sqlite3")
             shutil.rmtree(gone)
         else:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            self.settings.update(HOST="127.0.0.1", PORT=str(port))
+            self.settings.update(HOST="127.0.0.1", PORT=str(free_port()))
         self.down = True
         await _close_connections()
 

@@ -56,6 +56,7 @@ def _settings(*names: str, **env: str | None) -> dict[str, object]:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("missing", "extra"),
     [
@@ -84,6 +85,7 @@ def _check_deploy(**env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.system
 def test_check_deploy_passes_clean_under_production_settings_with_nothing_silenced() -> None:
     """Django's deploy checks all run (its security, clickjacking and CSRF middleware are in
     MIDDLEWARE under their own names, so the HSTS, SSL and cookie checks that depend on them run
@@ -95,6 +97,7 @@ def test_check_deploy_passes_clean_under_production_settings_with_nothing_silenc
     assert "System check identified no issues (0 silenced)." in result.stdout
 
 
+@pytest.mark.system
 def test_check_deploy_asks_the_domains_owner_about_hsts_preload() -> None:
     """Preloading is a commitment for the whole domain: not made by default, and not silenced."""
     result = _check_deploy()
@@ -102,6 +105,7 @@ def test_check_deploy_asks_the_domains_owner_about_hsts_preload() -> None:
     assert "security.W021" in result.stderr and "1 issue (0 silenced)" in result.stderr
 
 
+@pytest.mark.system
 def test_check_deploy_sees_a_missing_security_middleware(tmp_path: Path) -> None:
     """Unsilenced, Django's W001 fires when its SecurityMiddleware is not in MIDDLEWARE."""
     (tmp_path / "without_security.py").write_text(
@@ -123,6 +127,7 @@ def test_check_deploy_sees_a_missing_security_middleware(tmp_path: Path) -> None
     assert result.returncode != 0 and "security.W001" in result.stderr, result.stdout + result.stderr
 
 
+@pytest.mark.system
 def test_production_settings_are_secure_by_default() -> None:
     values = _settings(
         "SECURE_SSL_REDIRECT",
@@ -150,6 +155,7 @@ def test_production_settings_are_secure_by_default() -> None:
     assert values["CHANNEL_LAYERS"] == {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
 
+@pytest.mark.system
 def test_proxy_origins_and_redis_come_from_the_environment() -> None:
     values = _settings(
         "SECURE_PROXY_SSL_HEADER",
@@ -175,8 +181,10 @@ def test_proxy_origins_and_redis_come_from_the_environment() -> None:
     caches = values["CACHES"]
     assert isinstance(caches, dict)
     assert caches["default"]["BACKEND"] == "django.core.cache.backends.redis.RedisCache"
+    assert caches["default"]["OPTIONS"]["serializer"] == "quotes.ai.cache.JSONSerializer"  # never pickle
 
 
+@pytest.mark.system
 def test_csrf_trusted_origins_need_a_scheme() -> None:
     result = _run(
         "import django; django.setup()", **PRODUCTION, DJANGO_CSRF_TRUSTED_ORIGINS="quotes.example.com"
@@ -184,6 +192,7 @@ def test_csrf_trusted_origins_need_a_scheme() -> None:
     assert result.returncode != 0 and "DJANGO_CSRF_TRUSTED_ORIGINS" in result.stderr
 
 
+@pytest.mark.system
 def test_collectstatic_writes_hashed_compressed_files(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],
@@ -199,6 +208,7 @@ def test_collectstatic_writes_hashed_compressed_files(tmp_path: Path) -> None:
     assert (tmp_path / hashed).exists() and (tmp_path / f"{hashed}.gz").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_pages_carry_csp_without_unsafe_inline_and_security_headers(client: Client) -> None:
     response = client.get("/")
@@ -224,6 +234,8 @@ def _database_url() -> str:
     return f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
 
 
+@pytest.mark.system
+@pytest.mark.services
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "allowed_hosts",
@@ -234,8 +246,8 @@ def test_docker_healthcheck_passes_with_production_allowed_hosts(allowed_hosts: 
     under production settings whose ALLOWED_HOSTS do not list 127.0.0.1 (the address the probe
     connects to): it must report healthy out of the box. The old probe sent Host 127.0.0.1 and
     got a 400."""
-    from tests.deployed import command_args, environment, instruction, running_daphne
-    from tests.scaleout.services import free_port
+    from harness.daphne import command_args, environment, instruction, running_daphne
+    from harness.services import free_port
 
     port = free_port()
     env = environment(DJANGO_ALLOWED_HOSTS=allowed_hosts, DATABASE_URL=_database_url())
@@ -255,9 +267,10 @@ def test_docker_healthcheck_passes_with_production_allowed_hosts(allowed_hosts: 
     assert unhealthy.returncode != 0 and "503" in unhealthy.stderr, unhealthy.stdout + unhealthy.stderr
 
 
+@pytest.mark.system
 @pytest.mark.django_db
 def test_healthcheck_command_reports_an_unreachable_server() -> None:
-    from tests.scaleout.services import free_port
+    from harness.services import free_port
 
     result = subprocess.run(
         [sys.executable, "manage.py", "healthcheck", "--url", f"http://127.0.0.1:{free_port()}/healthz"],

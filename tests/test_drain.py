@@ -1,5 +1,5 @@
 """Drain on deploy: a real daphne process, started with the systemd unit's own command
-(`python -m quotes.server`, tests/deployed.py), streaming from the fake Workers AI, gets SIGTERM
+(`python -m quotes.server`, harness/daphne.py), streaming from the fake Workers AI, gets SIGTERM
 mid-stream.
 
 - It takes no new stream (503 server_draining with Retry-After) and /healthz says "draining".
@@ -21,7 +21,6 @@ import socket
 import sqlite3
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,20 +30,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.deployed import (
-    ROOT,
-    deploy_site,
+from harness.daphne import (
     environment,
-    events_of,
+    migrate,
     running_daphne,
     start_daphne,
-    text_of,
     wait_for,
     wait_until_healthy,
 )
-from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.scaleout.services import free_port, nginx, stop_process, tail
+from harness.services import deploy_site, free_port, nginx, stop_process, tail
+from harness.sse import events_of, text_of
+from harness.workers_ai import FakeWorkersAI, Scenario
+from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
+
+pytestmark = pytest.mark.system
 
 UNIT = "systemd/persona-quotes@.service"
 STREAM = "/api/quotes/stream"
@@ -90,9 +89,7 @@ def serve(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterator[Callable[[
             QUOTES_DRAIN_TIMEOUT_S=str(drain_s),
         )
         if not database.exists():
-            subprocess.run(
-                [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-            )
+            migrate(env)
         port = free_port()
         log = tmp_path / f"daphne-{len(started)}.log"
         context = running_daphne(UNIT, port, env, log)
@@ -117,9 +114,7 @@ def serve_local(tmp_path: Path) -> Iterator[Server]:
         QUOTES_CACHE_TTL="0",
         QUOTES_DRAIN_TIMEOUT_S="0",
     )
-    subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-    )
+    migrate(env)
     port, log = free_port(), tmp_path / "daphne.log"
     with running_daphne(UNIT, port, env, log) as process:
         yield Server(f"http://127.0.0.1:{port}", process, database, log)
@@ -270,7 +265,7 @@ def test_a_stream_open_at_the_drain_deadline_is_told_to_reconnect(
     assert last["retry"].isdigit()
     reconnect = json.loads(last["data"])
     assert reconnect["retry_ms"] == int(last["retry"])
-    assert reconnect["last_event_id"].startswith(f"{quote_id}:")
+    assert reconnect["last_event_id"].startswith(f"{quote_id}.")
     # Resume from the last event the client got (its id: line), never a later or another one.
     ids = [line.removeprefix("id: ") for line in head + rest if line.startswith("id: ")]
     assert reconnect["last_event_id"] == ids[-1]
@@ -366,7 +361,7 @@ def test_a_websocket_stream_open_at_the_drain_deadline_gets_reconnect_then_close
     last = frames[-1]
     assert last["type"] == "reconnect", frames[-3:]
     assert isinstance(last["retry_ms"], int)
-    assert str(last["last_event_id"]).startswith(f"{meta['id']}:")
+    assert str(last["last_event_id"]).startswith(f"{meta['id']}.")
     assert not any(frame["type"] == "done" for frame in frames)
     assert fake_workers_ai.requests[0].client_disconnected.wait(5)
 

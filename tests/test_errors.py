@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from quotes.ai import sse
 from quotes.ai.errors import ErrorCode, QuoteError, envelope, upstream_timeout
+
+pytestmark = pytest.mark.unit
 
 
 def test_error_code_members_are_the_strings_clients_see():

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario, render_body
+from harness.workers_ai import FakeWorkersAI, Scenario, render_body
 
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 
@@ -23,6 +23,7 @@ def post(fake: FakeWorkersAI, url: str | None = None, **kwargs) -> httpx.Respons
     return httpx.post(url or run_url(fake), json={"messages": [], "stream": True}, timeout=5, **kwargs)
 
 
+@pytest.mark.integration
 def test_fake_answers_the_default_scenario_in_the_documented_format(fake_workers_ai):
     response = post(fake_workers_ai)
 
@@ -36,6 +37,7 @@ def test_fake_answers_the_default_scenario_in_the_documented_format(fake_workers
     )
 
 
+@pytest.mark.integration
 def test_fake_records_both_routes(fake_workers_ai):
     post(fake_workers_ai, headers={"Authorization": "Bearer t", "cf-aig-skip-cache": "true"})
     post(fake_workers_ai, f"{fake_workers_ai.gateway_base_url}/acct-test/gw-1/workers-ai/{MODEL}")
@@ -54,6 +56,7 @@ def test_fake_records_both_routes(fake_workers_ai):
     assert run.received_at <= gateway.received_at
 
 
+@pytest.mark.integration
 def test_fake_answers_404_and_405_in_the_v4_envelope(fake_workers_ai):
     missing = post(fake_workers_ai, f"{fake_workers_ai.base_url}/client/v4/nowhere")
     wrong_method = httpx.get(run_url(fake_workers_ai), timeout=5)
@@ -68,6 +71,7 @@ def test_fake_answers_404_and_405_in_the_v4_envelope(fake_workers_ai):
     assert wrong_method.status_code == 405
 
 
+@pytest.mark.integration
 def test_fake_consumes_scripted_scenarios_in_order_then_the_default(fake_workers_ai):
     fake_workers_ai.script(Scenario.out_of_capacity(), Scenario(tokens=["x"], usage=None))
 
@@ -82,6 +86,7 @@ def test_fake_consumes_scripted_scenarios_in_order_then_the_default(fake_workers
     assert fake_workers_ai.pending == 0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("scenario", "status", "code"),
     [
@@ -107,6 +112,7 @@ def test_fake_error_constructors_use_the_documented_status(fake_workers_ai, scen
     assert response.json()["errors"][0]["code"] == code
 
 
+@pytest.mark.integration
 def test_fake_sends_html_error_pages(fake_workers_ai):
     fake_workers_ai.script(Scenario.server_error(502, html=True))
 
@@ -117,6 +123,7 @@ def test_fake_sends_html_error_pages(fake_workers_ai):
     assert b"<h1>502 Bad Gateway</h1>" in response.content
 
 
+@pytest.mark.integration
 def test_fake_sends_each_split_piece_as_its_own_chunk(fake_workers_ai):
     fake_workers_ai.script(Scenario(tokens=["日本"], usage=None, split=[3, 10, 11]))
 
@@ -127,6 +134,7 @@ def test_fake_sends_each_split_piece_as_its_own_chunk(fake_workers_ai):
     assert chunks == [body[:3], body[3:10], body[10:11], body[11:]]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("options", "eol"), [({}, b"\n"), ({"crlf": True}, b"\r\n"), ({"cr_only": True}, b"\r")]
 )
@@ -150,6 +158,7 @@ def test_fake_uses_the_line_ending_asked(options, eol):
     )
 
 
+@pytest.mark.unit
 def test_fake_pads_every_event():
     body = render_body(Scenario(tokens=["a", "b"], padding=True, seed=1))
 
@@ -157,6 +166,7 @@ def test_fake_pads_every_event():
     assert all("p" in event for event in events)
 
 
+@pytest.mark.integration
 def test_fake_drops_the_connection_mid_stream(fake_workers_ai):
     fake_workers_ai.script(Scenario(drop_after_tokens=2))
 
@@ -164,6 +174,7 @@ def test_fake_drops_the_connection_mid_stream(fake_workers_ai):
         post(fake_workers_ai)
 
 
+@pytest.mark.integration
 def test_fake_rejects_a_wrong_token_when_told_to_check(fake_workers_ai):
     fake_workers_ai.expected_token = "right"
 
@@ -173,6 +184,7 @@ def test_fake_rejects_a_wrong_token_when_told_to_check(fake_workers_ai):
     assert (wrong.status_code, right.status_code) == (401, 200)
 
 
+@pytest.mark.integration
 def test_fake_notices_a_client_that_goes_away(fake_workers_ai):
     fake_workers_ai.script(Scenario(stall_before_s=30))
     host, port = fake_workers_ai.host, fake_workers_ai.port
@@ -188,6 +200,7 @@ def test_fake_notices_a_client_that_goes_away(fake_workers_ai):
     assert request.disconnected_at - closed_at < 1.0
 
 
+@pytest.mark.integration
 def test_fake_records_concurrent_requests_from_many_threads(fake_workers_ai):
     threads = [threading.Thread(target=post, args=(fake_workers_ai,)) for _ in range(16)]
     for thread in threads:
@@ -198,6 +211,7 @@ def test_fake_records_concurrent_requests_from_many_threads(fake_workers_ai):
     assert len(fake_workers_ai.requests) == 16
 
 
+@pytest.mark.integration
 def test_fake_reset_clears_script_and_records(fake_workers_ai):
     fake_workers_ai.script(Scenario.out_of_capacity())
     post(fake_workers_ai)

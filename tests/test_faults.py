@@ -1,14 +1,14 @@
 """The fault suite (issue 21) in CI: the production layout (two daphnes behind nginx with the
-deploy rules, a real PostgreSQL and Redis, the fake Workers AI upstream; tests/faults/layout.py),
+deploy rules, a real PostgreSQL and Redis, the fake Workers AI upstream; harness/faults/layout.py),
 30 clients each on its own loopback address, and each fault injected for a few seconds under
 their load: PostgreSQL stopped, the database read-only, Redis stopped, Redis hung, a daphne
 killed, the upstream hung before its first token. After each: every generation has exactly one
 row, no 500 and no HTML from the API, no request silent for more than a few seconds, no client
 slot left in Redis, and with Redis down 90% of the quotes started meanwhile complete
-(tests/faults/faults.py says how each is checked). bench/faults.py runs the same longer.
+(harness/faults/faults.py says how each is checked). bench/faults.py runs the same longer.
 
 Needs the Debian packages nginx, postgresql and redis-server (scripts/bootstrap --dev installs
-them); it starts its own servers, so scripts/test runs it in the first pass only. One layout
+them); it starts its own servers: system layer, run once, not again on PostgreSQL + Redis. One layout
 serves every fault (each ends with the layout whole again, and each run waits until it is).
 """
 
@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 
 from bench import faults as bench_faults
-from tests.faults import faults
-from tests.faults.layout import Layout, Settings, started
+from harness.faults import faults
+from harness.faults.layout import Layout, Settings, started
+
+pytestmark = pytest.mark.system
 
 #: Short runs: CI's budget is a couple of minutes for the whole module.
 CLIENTS = 30

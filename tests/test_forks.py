@@ -5,22 +5,26 @@ Django's own code does."""
 from __future__ import annotations
 
 import gc
+import re
 import threading
 from typing import Any
 
 import pytest
 from django.conf import settings
+from django.contrib.auth.models import User
 from django.contrib.sessions.middleware import SessionMiddleware
 from django.core.checks.registry import registry
 from django.http import HttpRequest, HttpResponseBase
 from django.middleware import clickjacking, csrf, security
+from django.test import AsyncClient
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.module_loading import import_string
 
 from quotes import forks
-from tests.asgi import AsgiStream
+from tests.asgi import AsgiStream, request
 
 
+@pytest.mark.unit
 def test_the_upstream_code_each_fork_relies_on_is_unchanged() -> None:
     """Fails when an upgrade of Django, django-csp, WhiteNoise, daphne or autobahn changes a
     function a fork replaces, overrides or calls: read the new code, check the fork still holds
@@ -28,6 +32,7 @@ def test_the_upstream_code_each_fork_relies_on_is_unchanged() -> None:
     assert forks.changed_pins() == {}
 
 
+@pytest.mark.unit
 def test_a_changed_pin_is_reported_by_the_test_and_the_system_check(monkeypatch: pytest.MonkeyPatch) -> None:
     dotted = "django.utils.deprecation.MiddlewareMixin.__acall__"
     monkeypatch.setitem(forks.PINS, dotted, "0" * 64)  # as if Django's code had changed under it
@@ -37,24 +42,28 @@ def test_a_changed_pin_is_reported_by_the_test_and_the_system_check(monkeypatch:
     assert warning.id == "quotes.W002" and dotted in warning.msg
 
 
+@pytest.mark.unit
 def test_another_python_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """The freeze's gain was measured on one interpreter's collector."""
     monkeypatch.setattr(forks, "PYTHON", (3, 99))
     assert "python" in forks.changed_pins()
 
 
+@pytest.mark.integration
 def test_the_served_app_freezes_its_start_up_heap() -> None:
     import config.asgi  # noqa: F401  (the app as daphne loads it)
 
     assert gc.get_freeze_count() > 0
 
 
+@pytest.mark.unit
 def test_source_hash_follows_the_source() -> None:
     assert forks.source_hash("quotes.forks.inline_acall") != forks.source_hash("quotes.forks.session_acall")
     with pytest.raises(AttributeError):
         forks.source_hash("quotes.forks.no_such_function")
 
 
+@pytest.mark.unit
 def test_every_middleware_runs_on_the_event_loop() -> None:
     """A sync-capable MiddlewareMixin that is not inlined would cost two thread hops a request,
     the SSE stream's included."""
@@ -68,6 +77,7 @@ def test_every_middleware_runs_on_the_event_loop() -> None:
         assert inlined or async_only or dual, dotted
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 async def test_djangos_middleware_methods_run_on_the_event_loops_thread(
     monkeypatch: pytest.MonkeyPatch,
@@ -89,7 +99,6 @@ async def test_djangos_middleware_methods_run_on_the_event_loops_thread(
     recording(SessionMiddleware, "process_response")
     recording(csrf.CsrfViewMiddleware, "process_response")
     recording(clickjacking.XFrameOptionsMiddleware, "process_response")
-    recording(csrf.CsrfViewMiddleware, "_accept")  # process_view's, for a GET
     page = AsgiStream("GET", "/")
     response = await page.start()
     await page.read_all()
@@ -99,16 +108,19 @@ async def test_djangos_middleware_methods_run_on_the_event_loops_thread(
     assert seen and set(seen.values()) == {threading.current_thread().name}, seen
 
 
+@pytest.mark.integration
 def test_the_inline_middleware_check_passes_on_this_app() -> None:
     assert forks.check_inline_middleware() == []
 
 
+@pytest.mark.unit
 async def test_the_inline_middleware_check_says_so_when_it_cannot_compare() -> None:
     """Inside an event loop async_to_sync cannot drive the two chains: no silent pass."""
     [info] = forks.check_inline_middleware()
     assert info.id == "quotes.I001"
 
 
+@pytest.mark.unit
 def test_the_inline_middleware_check_catches_middleware_left_to_hop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(security.SecurityMiddleware, "__acall__", MiddlewareMixin.__acall__)
 
@@ -116,6 +128,7 @@ def test_the_inline_middleware_check_catches_middleware_left_to_hop(monkeypatch:
     assert error.id == "quotes.E001" and "SecurityMiddleware is not run inline" in error.msg
 
 
+@pytest.mark.integration
 def test_the_inline_middleware_check_catches_a_replacement_that_does_not_do_what_djangos_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -137,6 +150,57 @@ def test_the_inline_middleware_check_catches_a_replacement_that_does_not_do_what
     assert "differently inline than through Django's MiddlewareMixin.__acall__" in errors[0].msg
 
 
+@pytest.mark.integration
+@pytest.mark.django_db(transaction=True)
+async def test_signed_in_pages_work_with_the_csrf_secret_in_the_session(settings: Any) -> None:
+    """Issue 29, point 5: with CSRF_USE_SESSIONS, CSRF's middleware reads and writes the session
+    (the database); run on the event loop it raised SynchronousOnlyOperation, and every signed-in
+    page answered 500. It keeps Django's thread hops then, and a form's token works."""
+    settings.CSRF_USE_SESSIONS = True
+    user = await User.objects.acreate_superuser("boss", "boss@example.com", "boss-password-123")
+    browser = AsyncClient()
+    await browser.aforce_login(user)
+    cookie = {"cookie": f"sessionid={browser.cookies['sessionid'].value}"}
+
+    assert (await request("GET", "/admin/", headers=cookie)).status == 200
+    form = await request("GET", "/admin/password_change/", headers=cookie)
+    assert form.status == 200 and "csrftoken" not in form.headers.get("set-cookie", "")
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.body.decode())
+    assert token
+    posted = {**cookie, "content-type": "application/x-www-form-urlencoded"}
+    forged = await request("POST", "/admin/logout/", body=b"csrfmiddlewaretoken=" + b"a" * 64, headers=posted)
+    logout = await request(
+        "POST", "/admin/logout/", body=f"csrfmiddlewaretoken={token[1]}".encode(), headers=posted
+    )
+
+    assert forged.status == 403
+    assert logout.status == 200 and b"Logged out" in logout.body
+    assert (await request("GET", "/admin/", headers=cookie)).status == 302  # the session is gone
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("CSRF_USE_SESSIONS", True),
+        ("MESSAGE_STORAGE", "django.contrib.messages.storage.session.SessionStorage"),
+    ],
+)
+def test_the_inline_middleware_check_catches_a_fork_that_touches_the_session_on_the_loop(
+    settings: Any, monkeypatch: pytest.MonkeyPatch, name: str, value: object
+) -> None:
+    """The check's requests carry a session cookie: a middleware that loads the session inline
+    (CSRF's secret, or messages stored there, without stepping aside) comes out differently."""
+    setattr(settings, name, value)
+    assert forks.check_inline_middleware() == []
+    monkeypatch.setattr(forks, "steps_aside", lambda middleware: False)
+
+    errors = forks.check_inline_middleware()
+    assert errors and {e.id for e in errors} == {"quotes.E001"}
+    assert "SynchronousOnlyOperation" in errors[0].msg
+
+
+@pytest.mark.unit
 def test_the_checks_are_registered() -> None:
     registered = registry.get_checks(include_deployment_checks=True)
     assert forks.check_inline_middleware in registered and forks.check_pins in registered

@@ -15,7 +15,6 @@ import itertools
 import json
 import logging
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,10 +28,15 @@ from django.conf import settings as django_settings
 from django.core.cache import cache
 from django.utils import timezone
 
-from quotes.ai import gateway
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.ai.catalog import estimate_cost
+from quotes.ai.events import Token
+from quotes.ai.gateway import admission
+from quotes.ai.gateway.flights import flights
+from quotes.ai.gateway.log import Record, RowFacts
+from quotes.ai.gateway.runs import STOPPED, Run
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
 from tests.asgi import (
@@ -45,8 +49,7 @@ from tests.asgi import (
     without_ids,
 )
 from tests.conftest import slots_held
-from tests.fakes.fixtures import upstream_configs
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.fixtures import upstream_configs
 from tests.limits import at_start_of_window, configure
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -76,14 +79,14 @@ async def _no_flight_left_behind() -> AsyncIterator[None]:
     """Every flight (a generation shared by listeners) must be gone once its requests are."""
     yield
     for _ in range(100):
-        if not gateway._flights:
+        if not flights:
             break
         await asyncio.sleep(0.02)
-    left = dict(gateway._flights)
+    left = dict(flights)
     for flight in left.values():
         if flight.task is not None:
             flight.task.cancel()
-    gateway._flights.clear()
+    flights.clear()
     assert not left, f"flights still registered after the test: {list(left)}"
 
 
@@ -120,13 +123,6 @@ def upstream(request: pytest.FixtureRequest) -> Upstream:
         return Upstream("workers-ai", MODEL, lambda: len(fake_server.requests), fake_server)
     backend: LocalBackend = request.getfixturevalue("local_backend")
     return Upstream("local", LOCAL_MODEL, local_calls(backend))
-
-
-@pytest.fixture
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -240,6 +236,8 @@ async def five_identical_at_once(settings: Any, fake: FakeWorkersAI) -> list[Str
 # -- 1. the request log --------------------------------------------------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_log_ok_row_has_every_field_by_the_time_done_is_read(
     persona: Persona, upstream: Upstream
 ) -> None:
@@ -279,6 +277,8 @@ async def test_log_ok_row_has_every_field_by_the_time_done_is_read(
     assert (row.error_code, row.error_message) == ("", "")
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_log_error_row_has_the_code_and_message(persona: Persona, fake: FakeWorkersAI) -> None:
     fake.script(Scenario.server_error(503))
 
@@ -295,6 +295,8 @@ async def test_log_error_row_has_the_code_and_message(persona: Persona, fake: Fa
     assert HEX32.fullmatch(row.client_hash)
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_log_cancelled_row_keeps_the_partial_text_and_closes_the_upstream(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -318,6 +320,7 @@ async def test_log_cancelled_row_keeps_the_partial_text_and_closes_the_upstream(
     assert row.ttft_ms is not None and row.duration_ms is not None and row.ttft_ms <= row.duration_ms
 
 
+@pytest.mark.integration
 async def test_log_busy_row_on_the_embedded_model(
     persona: Persona, local_backend: LocalBackend, settings: Any
 ) -> None:
@@ -343,6 +346,8 @@ async def test_log_busy_row_on_the_embedded_model(
 # -- 2. the answer cache ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_cache_second_identical_request_is_a_hit_replayed_as_the_same_stream(
     persona: Persona, upstream: Upstream
 ) -> None:
@@ -368,6 +373,8 @@ async def test_cache_second_identical_request_is_a_hit_replayed_as_the_same_stre
     assert hit.persona_version_id == miss.persona_version_id
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_cache_fresh_true_bypasses_the_cache(persona: Persona, upstream: Upstream) -> None:
     first = await post_quote()
     fresh = await post_quote({"persona": persona.slug, "fresh": True})
@@ -379,6 +386,8 @@ async def test_cache_fresh_true_bypasses_the_cache(persona: Persona, upstream: U
     assert [row.cache_status for row in await rows()] == ["miss", "bypass"]
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.parametrize("how", ["persona-ttl-0", "skip_cache"])
 async def test_cache_can_be_turned_off(
     persona: Persona, fake: FakeWorkersAI, settings: Any, how: str
@@ -400,6 +409,8 @@ async def test_cache_can_be_turned_off(
     assert [row.cache_status for row in await rows()] == ["bypass", "bypass"]
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_cache_uses_the_persona_ttl_override(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -418,6 +429,8 @@ async def test_cache_uses_the_persona_ttl_override(
     assert (await post_quote()).headers["cf-aig-cache-status"] == "HIT"
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.parametrize("fault", ["upstream-drop", "client-disconnect", "upstream-error"])
 async def test_cache_stores_only_complete_answers(persona: Persona, fake: FakeWorkersAI, fault: str) -> None:
     if fault == "upstream-drop":
@@ -443,6 +456,8 @@ async def test_cache_stores_only_complete_answers(persona: Persona, fake: FakeWo
     assert [row.cache_status for row in await rows()] == ["miss", "miss"]
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_cache_local_disconnect_is_not_stored(persona: Persona, local_backend: LocalBackend) -> None:
     await Persona.objects.filter(pk=persona.pk).aupdate(max_tokens=200)
     calls = local_calls(local_backend)
@@ -459,6 +474,8 @@ async def test_cache_local_disconnect_is_not_stored(persona: Persona, local_back
     assert calls() == 2
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.parametrize("change", ["system-prompt", "fallback-models"])
 async def test_cache_a_new_persona_version_is_a_miss(
     persona: Persona, fake: FakeWorkersAI, change: str
@@ -479,6 +496,8 @@ async def test_cache_a_new_persona_version_is_a_miss(
     assert (await post_quote()).headers["cf-aig-cache-status"] == "HIT"  # the new version is cached in turn
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_cache_hit_is_replayed_with_pacing(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -498,6 +517,8 @@ async def test_cache_hit_is_replayed_with_pacing(
 # -- 3. coalescing --------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_coalescing_identical_concurrent_requests_share_one_upstream_call(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -515,6 +536,8 @@ async def test_coalescing_identical_concurrent_requests_share_one_upstream_call(
     assert all(row.cost_usd == 0 for row in logged if row.cache_status == "hit")
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_log_every_coalesced_listener_leaves_its_row(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -529,6 +552,8 @@ async def test_log_every_coalesced_listener_leaves_its_row(
     assert len(await rows()) == 10
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_coalescing_a_late_joiner_gets_the_whole_text_from_the_start(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -547,6 +572,8 @@ async def test_coalescing_a_late_joiner_gets_the_whole_text_from_the_start(
     assert sorted(row.cache_status for row in await rows()) == ["hit", "miss"]
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_coalescing_all_listeners_gone_closes_the_upstream(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -571,6 +598,8 @@ async def test_coalescing_all_listeners_gone_closes_the_upstream(
     assert len(fake.requests) == 1
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_coalescing_one_listener_leaving_does_not_stop_the_other(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -596,6 +625,8 @@ async def test_coalescing_one_listener_leaving_does_not_stop_the_other(
     assert len(fake.requests) == 1
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_coalescing_requests_arriving_as_their_flight_is_cancelled_get_an_answer(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -659,6 +690,8 @@ def assert_rate_limited(response: StreamedResponse, code: str = "rate_limited") 
     return int(retry_after)
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_rate_limit_fourth_request_from_a_client_is_429(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -681,6 +714,8 @@ async def test_rate_limit_fourth_request_from_a_client_is_429(
     assert len(fake.requests) == 1  # the rest were hits; the limited request never got that far
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_rate_limit_a_logged_in_user_is_limited_across_ips(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -708,6 +743,8 @@ async def test_rate_limit_a_logged_in_user_is_limited_across_ips(
     assert logged[3].client_hash == ip_hash("192.0.2.9")
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_rate_limit_concurrent_streams_are_capped(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -747,6 +784,8 @@ async def wait_for_request_count(row: Generation, count: int, timeout_s: float =
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_rate_limit_refusals_share_one_small_row_and_the_analytics_count_each(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -810,6 +849,7 @@ async def test_rate_limit_refusals_share_one_small_row_and_the_analytics_count_e
 # -- 5. retries (before the first token only) ------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_retry_503_then_3040_then_success(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
     configure(settings, max_attempts=3, retry_delay_ms=10)
     fake.script(Scenario.server_error(503), Scenario.out_of_capacity())
@@ -824,6 +864,7 @@ async def test_retry_503_then_3040_then_success(persona: Persona, fake: FakeWork
     assert (row.status, row.model, row.fallback_step) == ("ok", MODEL, 0)
 
 
+@pytest.mark.integration
 async def test_retry_a_connection_dropped_before_the_first_token(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -838,6 +879,7 @@ async def test_retry_a_connection_dropped_before_the_first_token(
     assert len(fake.requests) == 2
 
 
+@pytest.mark.integration
 async def test_retry_model_not_found_is_not_retried(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -853,6 +895,7 @@ async def test_retry_model_not_found_is_not_retried(
     assert (row.status, row.error_code) == ("error", "model_not_found")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("backoff", "minimum_gaps"),
     [
@@ -882,6 +925,7 @@ async def test_retry_backoff(
 # -- 6. fallbacks ----------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("where", ["persona", "settings"])
 async def test_fallback_model_answers_when_the_primary_is_out_of_capacity(
     persona: Persona, fake: FakeWorkersAI, settings: Any, where: str
@@ -908,6 +952,7 @@ async def test_fallback_model_answers_when_the_primary_is_out_of_capacity(
     assert row.persona_version_id == await latest_version_id(persona)
 
 
+@pytest.mark.integration
 async def test_fallback_never_after_the_first_token(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -924,6 +969,7 @@ async def test_fallback_never_after_the_first_token(
     assert (row.status, row.error_code, row.text) == ("error", "upstream_dropped", "Stay hungry")
 
 
+@pytest.mark.integration
 async def test_fallback_not_for_an_auth_error(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
     configure(settings, max_attempts=3, retry_delay_ms=10, fallback_models=[FALLBACK])
     fake.script(Scenario.unauthorized())
@@ -938,6 +984,7 @@ async def test_fallback_not_for_an_auth_error(persona: Persona, fake: FakeWorker
 # -- 7. timeouts ----------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_timeout_connect_is_retried_then_504(
     persona: Persona, fake: FakeWorkersAI, settings: Any, unaccepting_port: int
 ) -> None:
@@ -960,6 +1007,7 @@ async def test_timeout_connect_is_retried_then_504(
     assert (row.status, row.error_code) == ("error", "upstream_timeout")
 
 
+@pytest.mark.integration
 async def test_timeout_unreachable_is_retried_then_502(
     persona: Persona, fake: FakeWorkersAI, settings: Any, closed_port: int
 ) -> None:
@@ -974,6 +1022,7 @@ async def test_timeout_unreachable_is_retried_then_502(
     assert fake.requests == []
 
 
+@pytest.mark.integration
 async def test_timeout_first_token_is_retried_then_504(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -992,6 +1041,7 @@ async def test_timeout_first_token_is_retried_then_504(
     assert (row.status, row.error_code) == ("error", "upstream_timeout")
 
 
+@pytest.mark.integration
 async def test_timeout_first_token_budget_is_the_total_across_attempts(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -1012,6 +1062,7 @@ async def test_timeout_first_token_budget_is_the_total_across_attempts(
     assert (row.status, row.error_code) == ("error", "upstream_timeout")
 
 
+@pytest.mark.integration
 async def test_timeout_an_upstream_timeout_is_logged_as_a_warning_not_an_error(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -1037,6 +1088,7 @@ async def test_timeout_an_upstream_timeout_is_logged_as_a_warning_not_an_error(
     assert "ERROR" not in buffer.getvalue() and "Traceback" not in buffer.getvalue()
 
 
+@pytest.mark.integration
 async def test_timeout_idle_mid_stream_ends_with_an_error_event(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -1056,6 +1108,7 @@ async def test_timeout_idle_mid_stream_ends_with_an_error_event(
     assert (row.status, row.error_code, row.text) == ("error", "idle_timeout", "Stay hungry")
 
 
+@pytest.mark.integration
 async def test_timeout_total_deadline_mid_stream(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -1077,6 +1130,7 @@ async def test_timeout_total_deadline_mid_stream(
 # -- 8. keep-alive ---------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_keepalive_pings_during_a_stall_and_the_stream_completes(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -1097,6 +1151,7 @@ async def test_keepalive_pings_during_a_stall_and_the_stream_completes(
     assert (row.status, row.text) == ("ok", DEFAULT_TEXT)
 
 
+@pytest.mark.integration
 async def test_keepalive_before_the_first_token_keeps_the_error_status(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -1111,6 +1166,7 @@ async def test_keepalive_before_the_first_token_keeps_the_error_status(
     assert_json_error(response, 504, "upstream_timeout")
 
 
+@pytest.mark.integration
 async def test_keepalive_before_the_first_token_keeps_the_fallback_headers(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -1132,6 +1188,7 @@ def redis_keys(client: Any, pattern: str) -> list[bytes]:
     return sorted(client.scan_iter(match=pattern))
 
 
+@pytest.mark.system
 async def test_redis_cache_hit_lives_in_redis(
     persona: Persona, fake: FakeWorkersAI, redis_cache: Any
 ) -> None:
@@ -1156,6 +1213,7 @@ async def test_redis_cache_hit_lives_in_redis(
     assert len(fake.requests) == 2
 
 
+@pytest.mark.system
 async def test_redis_coalescing_then_cached(
     persona: Persona, fake: FakeWorkersAI, settings: Any, redis_cache: Any
 ) -> None:
@@ -1168,6 +1226,7 @@ async def test_redis_coalescing_then_cached(
     assert len(fake.requests) == 1
 
 
+@pytest.mark.system
 async def test_redis_rate_limit_counts_in_redis(
     persona: Persona, fake: FakeWorkersAI, settings: Any, redis_cache: Any
 ) -> None:
@@ -1186,3 +1245,32 @@ async def test_redis_rate_limit_counts_in_redis(
     redis_cache.delete(rate_key)
     assert_complete(await post_quote())
     assert [row.status for row in await rows()] == ["ok", "ok", "ok", "rate_limited", "ok"]
+
+
+@pytest.mark.integration
+async def test_a_stop_ends_a_connection_before_the_events_it_has_not_sent(persona: Persona) -> None:
+    """`Run.stop()` ends its connections now: one that has not yet sent what the run holds (a
+    slow client, a resume from far behind) hears `stopped` next, not the rest first."""
+    facts = RowFacts(
+        persona=persona,
+        version=None,
+        backend="local",
+        topic="stop",
+        request=persona.build_request(topic="stop"),
+        client_hash="",
+        preview=False,
+        transport="other",
+    )
+    run = Run(record=Record(started=time.perf_counter()), facts=facts, client_key="k", grace_s=0, ttl=0)
+    for n in range(10):
+        run.feed(Token(f" w{n}"))
+    ticket = await admission.admit("k", django_settings.QUOTES_GATEWAY)
+    assert isinstance(ticket, admission.Ticket)
+    events = run.subscribe(0, ticket=ticket, keepalive_s=30).events()
+    assert await anext(events) == Token(" w0")
+
+    assert await run.stop()
+
+    assert [event async for event in events] == [STOPPED]
+    [row] = await sync_to_async(list)(Generation.objects.filter(public_id=run.public_id))
+    assert (row.status, row.error_code) == ("cancelled", "stopped")

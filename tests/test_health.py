@@ -9,7 +9,7 @@ import pytest
 from quotes.conf import OpenAICompatSettings
 from tests.asgi import request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
 async def session_of(*, is_staff: bool) -> dict[str, str]:
@@ -45,6 +45,7 @@ def cache_down(settings: Any) -> None:
     }
 
 
+@pytest.mark.services
 async def test_healthz_reports_ok_with_each_check(staff: dict[str, str]) -> None:
     response = await request("GET", "/healthz", headers=staff)
     assert response.status == 200
@@ -69,6 +70,7 @@ async def test_healthz_workers_ai_is_ready_when_configured(
     }
 
 
+@pytest.mark.services
 async def test_healthz_is_degraded_not_down_when_the_cache_is_down(
     settings: Any, staff: dict[str, str]
 ) -> None:

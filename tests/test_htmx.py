@@ -12,13 +12,14 @@ from urllib.parse import urlencode
 
 import pytest
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
+from quotes.ai.gateway.runs import resume_key
 from quotes.models import Generation, Persona
 from tests.asgi import CSRF, AsgiStream, htmx_form_post, parse_sse, request
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 from tests.limits import at_start_of_window
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
 @pytest.fixture(autouse=True)
@@ -218,9 +219,10 @@ async def test_htmx_client_disconnect_logs_cancelled_and_closes_the_upstream(
     await stream.start()
     meta, _ = await stream.next_chunk()
     generation_id = stream.response.headers["x-generation-id"]
-    assert meta.startswith(f"id: {generation_id}:2\nevent: meta\n".encode())  # our Meta, the upstream's
+    ids = f"id: {generation_id}.{resume_key(generation_id)}"
+    assert meta.startswith(f"{ids}:2\nevent: meta\n".encode())  # our Meta, the upstream's
     token, _ = await stream.next_chunk()
-    assert token == f"id: {generation_id}:3\ndata: tick\n\n".encode()
+    assert token == f"{ids}:3\ndata: tick\n\n".encode()
 
     await stream.disconnect()
 

@@ -14,7 +14,7 @@ from django.core.management.base import CommandError
 from quotes.management.commands.export_personas import persona_fields
 from quotes.models import Persona
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.integration]
 
 
 def export(**options: Any) -> str:
@@ -80,6 +80,7 @@ def test_export_writes_every_field_in_a_stable_order(tmp_path: Path) -> None:
     assert path.read_text(encoding="utf-8") == text
 
 
+@pytest.mark.services
 def test_import_round_trips_every_field(tmp_path: Path) -> None:
     Persona.objects.create(**every_field_set())
     path = tmp_path / "personas.json"
@@ -225,6 +226,7 @@ def test_import_rejects_a_file_that_is_not_a_list(tmp_path: Path) -> None:
     assert err.getvalue().strip() == f"{path}:2: the file must hold a JSON list of persona objects"
 
 
+@pytest.mark.services
 def test_import_rolls_back_when_a_save_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = json.loads(export())
     for persona in data:
@@ -289,6 +291,7 @@ def test_import_reports_a_deeply_nested_file(tmp_path: Path, depth: int) -> None
     assert err.startswith(f"{path}:1: ") and "nested too deeply" in err, err
 
 
+@pytest.mark.services
 def test_import_reports_a_deeply_nested_value(tmp_path: Path) -> None:
     """A list inside a field's list is no persona value: it is named as such, before the type
     checks and the model's validation, which would each recurse into it (at any depth)."""
@@ -302,6 +305,7 @@ def test_import_reports_a_deeply_nested_value(tmp_path: Path) -> None:
     assert err.startswith(f"{path}:3: alan-watts.fallback_models: ") and "nested too deeply" in err, err
 
 
+@pytest.mark.services
 @pytest.mark.parametrize(
     ("entry", "line", "problem"),
     [

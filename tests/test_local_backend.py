@@ -57,15 +57,29 @@ async def until_done(backend: LocalBackend, stats_index: int = -1, limit_s: floa
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.unit
+async def test_local_backend_closed_answers_busy_and_keeps_no_job() -> None:
+    """A request after the backend closed (a process going away) gets an error, and leaves no
+    waiting count or live job behind (they were taken before the thread pool refused it)."""
+    backend = LocalBackend.from_settings(replace(settings.LOCAL_MODEL, preload=False))
+    await backend.aclose()
+    events = [event async for event in backend.stream(quote_request())]
+    assert [type(event) for event in events] == [Error]
+    assert backend.waiting == 0
+    assert backend.jobs == []
+
+
 # --- the frame -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_local_prompt_is_a_few_shot_frame_ending_on_an_open_quote() -> None:
     prompt = completion_prompt(quote_request(topic='the "sea"'))
     assert prompt.endswith("Lao Tzu, on the 'sea': \"")
     assert prompt.count("\n") >= 4  # a header and example lines before the open line
 
 
+@pytest.mark.unit
 def test_local_prompt_credits_the_persona_with_its_description_and_system_prompt() -> None:
     request = quote_request(
         description="The old master of the Tao: soft water, hard stone.",
@@ -83,6 +97,7 @@ def test_local_prompt_credits_the_persona_with_its_description_and_system_prompt
     assert persona_sketch(quote_request(messages=persona_messages("You are Lao Tzu"))) == ""
 
 
+@pytest.mark.unit
 def test_local_prompt_continues_a_conversation() -> None:
     request = quote_request(
         messages=(
@@ -99,6 +114,7 @@ def test_local_prompt_continues_a_conversation() -> None:
     )
 
 
+@pytest.mark.unit
 def test_local_body_reads_the_whole_frame_when_the_persona_fixes_a_seed() -> None:
     """Reusing a slot's cached frame changes the logits' last bits: fine for a sampled quote, but
     a persona with a seed asks for the same quote every time."""
@@ -119,6 +135,7 @@ def text_of(events: list[Event]) -> str:
     return "".join(e.text for e in events if isinstance(e, Token))
 
 
+@pytest.mark.integration
 async def test_local_stream_yields_tokens_usage_then_done(local_backend: LocalBackend) -> None:
     events = await collect(local_backend, quote_request())
 
@@ -133,6 +150,7 @@ async def test_local_stream_yields_tokens_usage_then_done(local_backend: LocalBa
     assert usage.prompt_tokens > 50  # the whole frame was read
 
 
+@pytest.mark.integration
 async def test_local_quote_opens_with_its_topic_sent_with_the_models_first_piece(
     local_backend: LocalBackend,
 ) -> None:
@@ -148,6 +166,7 @@ async def test_local_quote_opens_with_its_topic_sent_with_the_models_first_piece
     assert text_of(events).count("Old friends") == 1
 
 
+@pytest.mark.integration
 async def test_local_quote_closed_right_after_its_lead_is_asked_again_without_it(
     local_backend: LocalBackend,
 ) -> None:
@@ -170,6 +189,7 @@ async def test_local_quote_closed_right_after_its_lead_is_asked_again_without_it
     assert text.strip(" .") and not text.startswith("fig"), text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("topic", "lead"),
     [
@@ -187,6 +207,7 @@ def test_local_quote_lead_is_a_short_plain_topic(topic: str, lead: str) -> None:
     assert quote_lead(quote_request(topic=topic)) == lead
 
 
+@pytest.mark.unit
 def test_local_quote_lead_is_left_out_of_a_conversations_answer() -> None:
     request = quote_request(
         topic="rain",
@@ -200,6 +221,7 @@ def test_local_quote_lead_is_left_out_of_a_conversations_answer() -> None:
     assert completion_prompt(request).endswith('replied: "')
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "cut_short", "ending"),
     [
@@ -215,6 +237,7 @@ def test_local_clean_ending(text: str, cut_short: bool, ending: str) -> None:
     assert clean_ending(text, cut_short=cut_short) == ending
 
 
+@pytest.mark.integration
 async def test_local_quote_never_ends_on_a_comma(local_backend: LocalBackend) -> None:
     """A comma (or semicolon, or dash) waits for the text after it; a quote that stops there ends
     on a full stop instead, and one the token budget cuts short on an ellipsis."""
@@ -236,6 +259,7 @@ async def test_local_quote_never_ends_on_a_comma(local_backend: LocalBackend) ->
     assert text.endswith("\u2026") and text.count("\u2026") == 1 and "," not in text[-2:]
 
 
+@pytest.mark.integration
 async def test_local_persona_words_steer_the_model(local_backend: LocalBackend) -> None:
     """What an admin writes in the system prompt reaches the model: greedy decoding, same seed,
     two system prompts, two different quotes."""
@@ -255,6 +279,7 @@ async def test_local_persona_words_steer_the_model(local_backend: LocalBackend) 
     assert text_of(await collect(local_backend, sailor)) == text_of(first)
 
 
+@pytest.mark.integration
 async def test_local_characters_split_across_tokens_arrive_whole(local_backend: LocalBackend) -> None:
     """U+1D518, U+A66E and U+10348 are byte-fallback tokens in Gemma's vocabulary (several tokens per character).
     A conversation that repeats them makes the greedy model write them, and each piece that
@@ -274,6 +299,7 @@ async def test_local_characters_split_across_tokens_arrive_whole(local_backend: 
     assert usage.completion_tokens > len(pieces)
 
 
+@pytest.mark.integration
 async def test_local_stop_ends_generation_within_one_token(local_backend: LocalBackend) -> None:
     stream = local_backend.stream(quote_request(max_tokens=200, topic="the long road home"))
     received = 0
@@ -313,6 +339,7 @@ async def opened(
         await stream.aclose()
 
 
+@pytest.mark.integration
 async def test_local_streams_share_the_model_in_parallel_slots(local_backend: LocalBackend) -> None:
     topics = ["rivers", "mountains", "bread", "lanterns"]
     assert local_backend.slots >= len(topics)
@@ -329,6 +356,7 @@ async def test_local_streams_share_the_model_in_parallel_slots(local_backend: Lo
     assert max(j.started_at for j in jobs if j.started_at) < min(j.finished_at for j in jobs if j.finished_at)
 
 
+@pytest.mark.integration
 async def test_local_cancelling_one_stream_leaves_the_others_whole(local_backend: LocalBackend) -> None:
     async def leave_early() -> None:
         async with opened(local_backend, quote_request(topic="waves", max_tokens=200)):
@@ -344,6 +372,7 @@ async def test_local_cancelling_one_stream_leaves_the_others_whole(local_backend
     assert len(stopped) == 1
 
 
+@pytest.mark.integration
 async def test_local_waits_only_when_every_slot_is_taken(local_backend: LocalBackend) -> None:
     local_backend.queue_timeout_s = 0.2
     async with slots_held(local_backend, local_backend.slots - 1):
@@ -360,6 +389,7 @@ async def test_local_waits_only_when_every_slot_is_taken(local_backend: LocalBac
         assert isinstance((await collect(local_backend, quote_request(max_tokens=4)))[-1], Done)
 
 
+@pytest.mark.integration
 async def test_local_too_many_waiting_is_busy_at_once(local_backend: LocalBackend) -> None:
     max_waiting = local_backend.max_waiting
     local_backend.max_waiting = 0
@@ -373,6 +403,7 @@ async def test_local_too_many_waiting_is_busy_at_once(local_backend: LocalBacken
 # --- closed to others, and safe on any host ----------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_local_model_listener_is_loopback_only_and_needs_its_key(local_backend: LocalBackend) -> None:
     await collect(local_backend, quote_request(max_tokens=2))  # loaded
     address = local_backend.listening_address
@@ -386,6 +417,7 @@ async def test_local_model_listener_is_loopback_only_and_needs_its_key(local_bac
     assert (anonymous.status_code, guessed.status_code) == (401, 401)
 
 
+@pytest.mark.system
 def test_local_model_writes_a_quote_in_a_fresh_process() -> None:
     """The crash this runtime replaced: a native llama.cpp build segfaulted in decode on some
     x86-64 hosts and took the whole server down. In a subprocess, a crash is a signal to report
@@ -424,6 +456,7 @@ def test_local_model_writes_a_quote_in_a_fresh_process() -> None:
     assert "SIGTERM handled by Python" in done.stdout
 
 
+@pytest.mark.integration
 async def test_local_closing_the_backend_stops_its_generations() -> None:
     """A process that shuts down (or a test that resets backends) does not wait for every open
     quote to be written to its end."""

@@ -6,7 +6,7 @@ Faults through the real drivers: the writer's database made read-only (SQLite op
 that does not exist; PostgreSQL on a port nothing listens on), or hung (another connection holds
 the table's write lock). Streams go through the real ASGI app and the fake Workers AI upstream;
 /healthz and /metrics are read the same way. A process that dies with rows in its outbox is a
-real subprocess, and the processes that take its file over are real daphnes (tests/deployed.py).
+real subprocess, and the processes that take its file over are real daphnes (harness/daphne.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import copy
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -23,21 +24,24 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.core import serializers
 from django.db import connection, connections
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.daphne import environment, migrate, start_daphne, wait_until_healthy
+from harness.services import free_port, stop_process, tail
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
-from quotes.ai.gateway.log import IDLE_CLOSE_S, ROW_WAIT_S, writer
+from quotes.ai.gateway import log as log_module
+from quotes.ai.gateway.log import IDLE_CLOSE_S, ROW_WAIT_S, LogWriter, Outbox, writer
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, post_stream, request
-from tests.deployed import environment, start_daphne, wait_until_healthy
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.scaleout.services import free_port, stop_process, tail
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -148,6 +152,8 @@ async def rows() -> list[Generation]:
     return [row async for row in Generation.objects.order_by("id")]
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.parametrize("fault", ["read-only", "unreachable"])
 async def test_log_rows_of_streams_during_a_database_fault_are_written_once_it_is_back(
     persona: Persona, fake: FakeWorkersAI, tmp_path: Path, outbox_left_empty: None, fault: str
@@ -218,6 +224,8 @@ def hold_the_write_lock(locked: threading.Event, release: threading.Event, gave_
         connections.close_all()
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_done_does_not_wait_for_a_database_that_hangs(
     persona: Persona, fake: FakeWorkersAI, outbox_left_empty: None
 ) -> None:
@@ -264,6 +272,7 @@ assert writer.outbox.depth == len(public_ids), writer.outbox.depth
 """
 
 
+@pytest.mark.system
 def test_the_outbox_of_a_process_that_is_gone_is_written_once_by_the_next_to_start(tmp_path: Path) -> None:
     """A process logs five rows while its database is away (its directory moved), and exits:
     they wait in its spool file (and in a copy of it). The database comes back, and two daphnes
@@ -279,9 +288,7 @@ def test_the_outbox_of_a_process_that_is_gone_is_written_once_by_the_next_to_sta
         DJANGO_SETTINGS_MODULE="config.settings",
         QUOTES_OUTBOX_DIR=str(outbox),
     )
-    subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-    )
+    migrate(env)
     with sqlite3.connect(database) as db:
         (persona_id,) = db.execute("SELECT id FROM quotes_persona ORDER BY id LIMIT 1").fetchone()
 
@@ -347,6 +354,8 @@ def _open_database_connections() -> int:
     return int(count)
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_the_log_writer_keeps_its_connection_while_rows_come_and_closes_it_when_idle(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -368,3 +377,234 @@ async def test_the_log_writer_keeps_its_connection_while_rows_come_and_closes_it
     assert kept >= before + 1  # the writer's, between the rows
     assert left == before  # closed once idle
     assert [row.topic for row in await rows()] == ["one", "two"]
+
+
+@pytest.mark.integration
+async def test_a_flush_without_close_does_not_undo_a_pending_close(
+    persona: Persona, fake: FakeWorkersAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One caller waits for the writer to close its connection (a test's database is about to
+    go) while the writer is busy; another flushes meanwhile, without `close`. The close still
+    happens: it was overwritten, and the first caller waited in vain while the writer kept its
+    connection. SQLite's own lock keeps the writer busy for as long as the test needs."""
+    monkeypatch.setattr(log_module, "IDLE_CLOSE_S", 60.0)  # no idle close during the test
+    assert (await quote("one")).endswith(DONE)  # the writer holds its connection now
+    lock = sqlite3.connect(connection.settings_dict["NAME"], timeout=0, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    writer.submit(Generation(persona=persona, backend="workers-ai", model="m", status="ok", topic="two"))
+    closing = asyncio.ensure_future(asyncio.to_thread(writer.flush, 10.0, close=True))
+    await asyncio.sleep(0.3)  # the writer waits on the lock; the first caller on the writer
+
+    assert await asyncio.to_thread(writer.flush, 0) is False  # another caller's flush
+    lock.rollback()
+    lock.close()
+
+    assert await closing
+    assert [row.topic for row in await rows()] == ["one", "two"]
+
+
+# -- what the outbox trusts (issue 29) ------------------------------------------------------------
+
+
+def logged_row(persona_id: int, text: str, **fields: Any) -> Generation:
+    fields = {"public_id": uuid.uuid4(), "backend": "local", "model": "m", "status": "ok", **fields}
+    return Generation(persona_id=persona_id, text=text, **fields)
+
+
+def dead_process_file(rows: list[Generation], name: str = "4000000-0badc0de.jsonl") -> Path:
+    """The spool file a process that is gone left with `rows`, written as the writer writes them:
+    a copy of a live outbox's file (unlocked), whose own file is then removed."""
+    outbox = Outbox()
+    outbox.append(rows)
+    (spooled,) = outbox.directory().glob("*.jsonl")
+    dead = spooled.with_name(name)
+    shutil.copyfile(spooled, dead)
+    outbox.clear()
+    return dead
+
+
+@pytest.mark.integration
+async def test_a_line_planted_in_the_outbox_is_never_replayed(
+    persona: Persona, settings: Any, tmp_path: Path
+) -> None:
+    """A process that is gone left one row; someone who could write to its file added a copy of
+    that line with other text (its signature no longer matches) and a line of their own (no
+    signature) that claims an `ok`, shared quote. The next writer replays the row and neither
+    of theirs: no row, no permalink page. The old writer replayed whatever it found."""
+    settings.QUOTES_OUTBOX_DIR = tmp_path / "outbox"
+    genuine = logged_row(persona.pk, "genuine")
+    dead = dead_process_file([genuine])
+    line = dead.read_bytes()
+    forged_id, planted_id = uuid.uuid4(), uuid.uuid4()
+    forged = line.replace(str(genuine.public_id).encode(), str(forged_id).encode()).replace(
+        b"genuine", b"forged"
+    )
+    planted = logged_row(persona.pk, "planted", public_id=planted_id, shared_at=datetime.now(UTC))
+    with dead.open("ab") as file:
+        file.write(forged + serializers.serialize("json", [planted]).encode() + b"\n")
+
+    fresh = LogWriter()
+    fresh.start()  # takes the file over at once, then replays it
+    try:
+        await until(lambda: asyncio.to_thread(lambda: not dead.exists()))
+        assert await asyncio.to_thread(fresh.flush, 30.0, outbox=True, close=True)
+    finally:
+        await asyncio.to_thread(fresh.stop)
+
+    assert [(row.public_id, row.text) async for row in Generation.objects.all()] == [
+        (genuine.public_id, "genuine")
+    ]
+    assert (await request("GET", f"/q/{genuine.public_id}/")).status == 200
+    for public_id in (forged_id, planted_id):
+        assert (await request("GET", f"/q/{public_id}/")).status == 404
+
+
+#: Plants, in a process's outbox directory, what a take-over must never read (a FIFO, links, a
+#: file of another user's) beside a dead process's file, and takes them over: the count taken.
+#: Its own process, with its address space capped: the old take-over read /dev/zero until memory
+#: ran out (and blocked on the FIFO first).
+PLANTED = """
+import os, resource, shutil
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+import django
+
+django.setup()
+from quotes.ai.gateway.log import Outbox
+from quotes.models import Generation
+
+outbox = Outbox()
+outbox.append([Generation(persona_id=1, backend="local", model="m", status="ok", text="genuine")])
+(spooled,) = outbox.directory().glob("*.jsonl")
+shutil.copyfile(spooled, spooled.with_name("9-dead.jsonl"))
+shutil.copyfile(spooled, spooled.parent.parent / "elsewhere.jsonl")
+outbox.clear()
+os.mkfifo(spooled.with_name("1-fifo.jsonl"))
+os.symlink("/dev/zero", spooled.with_name("2-zero.jsonl"))
+os.symlink(spooled.parent.parent / "elsewhere.jsonl", spooled.with_name("3-link.jsonl"))
+if os.geteuid() == 0:  # as root, a file of another user's too
+    shutil.copyfile(spooled.with_name("9-dead.jsonl"), spooled.with_name("4-nobody.jsonl"))
+    os.chown(spooled.with_name("4-nobody.jsonl"), 65534, 65534)
+print(Outbox().take_over())
+"""
+
+
+@pytest.mark.system
+def test_a_fifo_a_link_or_another_users_file_in_the_outbox_is_left_alone(tmp_path: Path) -> None:
+    """A FIFO, a link to /dev/zero, a link to a file of rows and (as root) another user's file
+    of rows, beside a dead process's file: only that file is taken over, at once, and the rest is
+    left as it was. The old take-over followed links, opened the FIFO blocking (the writer hung)
+    and read /dev/zero whole."""
+    env = environment(
+        DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        DJANGO_ALLOWED_HOSTS="127.0.0.1",
+        DJANGO_SETTINGS_MODULE="config.settings",
+        QUOTES_OUTBOX_DIR=str(tmp_path / "outbox"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", PLANTED], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1"]
+    left = sorted(path.name for path in (tmp_path / "outbox").glob("*/*.jsonl"))
+    planted = ["1-fifo.jsonl", "2-zero.jsonl", "3-link.jsonl"] + (
+        ["4-nobody.jsonl"] if os.geteuid() == 0 else []
+    )
+    assert set(planted) < set(left) and len(left) == len(planted) + 1  # and the taker's own file
+    assert "in the outbox is left alone" in done.stderr
+
+
+@pytest.mark.integration
+def test_the_outbox_is_0700_at_every_level_and_refuses_a_folder_that_is_a_link(
+    tmp_path: Path, settings: Any
+) -> None:
+    """Under the units' UMask=0007 a new outbox, its parent and its folder are 0700, and an
+    older version's 0770 levels are tightened: the group (nginx's www-data) may not enter. A
+    folder replaced by a link is not written through. The old outbox made its levels 0770 and
+    followed the link."""
+    old = os.umask(0o007)
+    try:
+        settings.QUOTES_OUTBOX_DIR = tmp_path / "state" / "outbox"
+        fresh = Outbox()
+        fresh.append([logged_row(1, "new")])
+        older = tmp_path / "older"
+        settings.QUOTES_OUTBOX_DIR = older
+        (older / Outbox().directory().name).mkdir(mode=0o770, parents=True)
+        older.chmod(0o770)
+        tightened = Outbox()
+        tightened.append([logged_row(1, "older")])
+    finally:
+        os.umask(old)
+    levels = [tmp_path / "state", *(tightened.directory(), tightened.directory().parent)]
+    levels += [fresh.directory(), fresh.directory().parent]
+    assert {oct(level.stat().st_mode & 0o777) for level in levels} == {"0o700"}
+    assert {oct(path.stat().st_mode & 0o777) for path in tmp_path.rglob("*.jsonl")} == {"0o600"}
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    settings.QUOTES_OUTBOX_DIR = tmp_path / "linked"
+    linked = Outbox()
+    linked.directory().parent.mkdir(mode=0o700)
+    linked.directory().symlink_to(elsewhere)
+    linked.append([logged_row(1, "through the link")])
+    assert not list(elsewhere.iterdir())
+    for outbox in (fresh, tightened, linked):
+        outbox.clear()
+
+
+@pytest.mark.integration
+def test_two_connections_that_differ_only_by_user_have_outboxes_of_their_own() -> None:
+    """Two deployments on one host, one database name, two database users: each replays only
+    its own rows. The old folder name left the user out."""
+    database = connection.settings_dict
+    saved = database.get("USER")
+    try:
+        database["USER"] = "alice"
+        alice = Outbox().directory()
+        database["USER"] = "bob"
+        bob = Outbox().directory()
+    finally:
+        database["USER"] = saved
+    assert alice != bob
+
+
+@pytest.mark.integration
+def test_the_outbox_holds_at_most_its_cap(tmp_path: Path, settings: Any) -> None:
+    """With room for five rows, a sixth and more are dropped (their indices returned: the writer
+    counts them lost), and a dead process's file of ten rows is taken over five rows deep. The
+    old outbox grew without end and read a file whole, however large."""
+    settings.QUOTES_OUTBOX_DIR = tmp_path / "outbox"
+    rows = [logged_row(1, f"row {index:02}") for index in range(10)]
+    dead = dead_process_file(rows)
+    line = len(dead.read_bytes()) // 10  # the rows' lines are of one length
+    settings.QUOTES_OUTBOX_MAX_BYTES = line * 5 + line // 2
+
+    writing = Outbox()
+    lost = writing.append([logged_row(1, f"new {index:02}") for index in range(10)])
+    writing.clear()
+    taking = Outbox()
+    taken = taking.take_over()
+    (own,) = taking.directory().glob("*.jsonl")
+
+    assert lost == set(range(5, 10)) and writing.depth == 0
+    assert taken == 5 and own.stat().st_size == line * 5 and not dead.exists()
+    taking.clear()
+
+
+@pytest.mark.integration
+def test_take_over_deletes_the_files_of_other_databases_past_the_log_retention(
+    tmp_path: Path, settings: Any
+) -> None:
+    """A file in another connection's folder (a database since dropped) that nobody took over
+    within QUOTES_LOG_RETENTION_DAYS is deleted; a younger one is kept for its database. The old
+    take-over never looked at them."""
+    settings.QUOTES_OUTBOX_DIR = tmp_path / "outbox"
+    settings.QUOTES_LOG_RETENTION_DAYS = 90
+    other = tmp_path / "outbox" / "sqlite3-0123456789abcdef"
+    other.mkdir(mode=0o700, parents=True)
+    old, young = other / "1-old.jsonl", other / "2-young.jsonl"
+    for path, days in ((old, 91), (young, 89)):
+        path.write_bytes(b"")
+        stamp = time.time() - days * 86400
+        os.utime(path, (stamp, stamp))
+    Outbox().take_over()
+    assert not old.exists() and young.exists()

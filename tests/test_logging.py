@@ -11,7 +11,7 @@ import pytest
 
 from quotes.logging import JsonFormatter, RequestIdFilter, TextFormatter
 from tests.asgi import request
-from tests.fakes.fixtures import TEST_API_TOKEN
+from tests.fixtures import TEST_API_TOKEN
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -38,6 +38,7 @@ def captured() -> Any:
     root.removeHandler(handler)
 
 
+@pytest.mark.integration
 async def test_request_id_is_taken_from_the_proxy_returned_and_logged(captured: Capture) -> None:
     response = await request("GET", "/", headers={"x-request-id": "edge-1234.abc"})
     assert response.headers["x-request-id"] == "edge-1234.abc"
@@ -46,6 +47,7 @@ async def test_request_id_is_taken_from_the_proxy_returned_and_logged(captured: 
     assert access[-1].status == 200  # type: ignore[attr-defined]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("incoming", ["", "has space", "x" * 200, "new\nline", 'quote"'])
 async def test_a_missing_or_odd_request_id_is_replaced(incoming: str) -> None:
     headers = {"x-request-id": incoming} if incoming and "\n" not in incoming else {}
@@ -54,10 +56,11 @@ async def test_a_missing_or_odd_request_id_is_replaced(incoming: str) -> None:
     assert made != incoming and len(made) == 32 and made.isalnum()
 
 
+@pytest.mark.integration
 async def test_stream_log_lines_carry_the_request_id(
     captured: Capture, workers_ai_settings: Any, fake_workers_ai: Any, persona: Any
 ) -> None:
-    from tests.fakes.workers_ai import Scenario
+    from harness.workers_ai import Scenario
 
     fake_workers_ai.script(Scenario.out_of_capacity())
     response = await request(
@@ -68,6 +71,7 @@ async def test_stream_log_lines_carry_the_request_id(
     assert backend_lines and all(r.request_id == "rid-42" for r in backend_lines)  # type: ignore[attr-defined]
 
 
+@pytest.mark.integration
 async def test_access_line_drops_the_query_unless_content_logging_is_on(
     captured: Capture, settings: Any
 ) -> None:
@@ -84,6 +88,7 @@ def _record(message: str, *args: object) -> logging.LogRecord:
     return record
 
 
+@pytest.mark.integration
 def test_json_formatter_writes_one_object_per_line_with_the_request_id() -> None:
     formatter = JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s")
     # A fresh context: outside any request there is no request id, whatever ran before.
@@ -93,6 +98,7 @@ def test_json_formatter_writes_one_object_per_line_with_the_request_id() -> None
     assert data["request_id"] == "-" and "timestamp" in data
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("formatter", [JsonFormatter("%(message)s"), TextFormatter("%(message)s")])
 def test_formatters_never_write_the_api_token(formatter: logging.Formatter, settings: Any) -> None:
     settings.CLOUDFLARE_API_TOKEN = TEST_API_TOKEN
@@ -100,6 +106,7 @@ def test_formatters_never_write_the_api_token(formatter: logging.Formatter, sett
     assert TEST_API_TOKEN not in line and "[redacted]" in line
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("formatter", [JsonFormatter("%(message)s"), TextFormatter("%(message)s")])
 def test_formatters_never_write_the_metrics_token(formatter: logging.Formatter, settings: Any) -> None:
     settings.QUOTES_METRICS_TOKEN = "metrics-token-5b1e9c0d7a"
@@ -110,6 +117,8 @@ def test_formatters_never_write_the_metrics_token(formatter: logging.Formatter, 
 # --- visitors' topics stay out of every log the project configures (issue 13) -----------------
 
 SECRET_TOPIC = "my-secret-topic-4711"
+#: What an EventSource sends: a GET of the stream without it is refused (406) before its query is read.
+EVENTSOURCE = {"accept": "text/event-stream"}
 
 
 @pytest.fixture(params=["json", "text"])
@@ -132,6 +141,7 @@ def console(request: pytest.FixtureRequest, settings: Any) -> Any:
     root.removeHandler(handler)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("path", "query", "status"),
     [
@@ -146,7 +156,7 @@ async def test_django_request_log_has_no_query_string(
     """django.request logs every 4xx with the request on the record, whose repr has the query."""
     settings.QUOTES_LOG_CONTENT = False
 
-    response = await request("GET", path, query=query)
+    response = await request("GET", path, query=query, headers=EVENTSOURCE)
 
     assert response.status == status
     output = console.getvalue()
@@ -154,6 +164,7 @@ async def test_django_request_log_has_no_query_string(
     assert SECRET_TOPIC not in output
 
 
+@pytest.mark.integration
 async def test_django_request_log_keeps_the_query_when_content_logging_is_on(
     console: Any, settings: Any
 ) -> None:
@@ -162,6 +173,7 @@ async def test_django_request_log_keeps_the_query_when_content_logging_is_on(
     assert SECRET_TOPIC in console.getvalue()
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     "source", ["systemd/persona-quotes@.service", "systemd/persona-quotes.service", "Dockerfile"]
 )
@@ -170,30 +182,23 @@ def test_deployed_nginx_and_daphne_log_no_topic(source: str, tmp_path: Any) -> N
     front of daphne started with the flags of `source` under production settings (the
     Dockerfile's CMD is run here without Docker). A topic in a query string, or in the Referer,
     reaches neither nginx's access log nor daphne's output (its access log, the app's logs)."""
-    from pathlib import Path
 
     import httpx
 
-    from tests.deployed import environment, running_daphne
-    from tests.scaleout.services import free_port, nginx
+    from harness.daphne import ROOT, environment, running_daphne
+    from harness.services import deploy_site, free_port, nginx
 
-    root = Path(__file__).resolve().parents[1]
     app_port, proxy_port = free_port(), free_port()
     env = environment(
         DJANGO_ALLOWED_HOSTS="127.0.0.1",
         DATABASE_URL=f"sqlite:///{tmp_path / 'unused.sqlite3'}",  # the requests below need none
     )
-    site = f"""
-    include {root / "deploy/nginx/persona-quotes-log.conf"};
-    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
-    upstream persona_quotes {{ server 127.0.0.1:{app_port}; }}
-    server {{
-        listen 127.0.0.1:{proxy_port};
-        server_name 127.0.0.1;
-        access_log {tmp_path / "nginx-access.log"} persona_quotes;
-        include {root / "deploy/nginx/persona-quotes-locations.conf"};
-    }}
-"""
+    site = deploy_site(
+        proxy_port,
+        [f"127.0.0.1:{app_port}"],
+        http=f"include {ROOT / 'deploy/nginx/persona-quotes-log.conf'};",
+        server=f"access_log {tmp_path / 'nginx-access.log'} persona_quotes;",
+    )
     # JSON answers (the HTML error pages would need collectstatic's manifest), each logged by
     # django.request: the stream API's 404 for an unknown persona, and the feedback API's 405.
     paths = [
@@ -202,7 +207,7 @@ def test_deployed_nginx_and_daphne_log_no_topic(source: str, tmp_path: Any) -> N
     ]
     app_log = tmp_path / "daphne.log"
     with running_daphne(source, app_port, env, app_log), nginx(tmp_path, site=site, port=proxy_port) as proxy:
-        headers = {"Referer": f"http://127.0.0.1/personas/alan-watts/?topic={SECRET_TOPIC}"}
+        headers = {"Referer": f"http://127.0.0.1/personas/alan-watts/?topic={SECRET_TOPIC}", **EVENTSOURCE}
         for path, query, status in paths:
             response = httpx.get(f"{proxy.url}{path}?{query}", headers=headers, timeout=10)
             assert response.status_code == status, response.text
@@ -218,6 +223,7 @@ def test_deployed_nginx_and_daphne_log_no_topic(source: str, tmp_path: Any) -> N
     assert SECRET_TOPIC not in app_output
 
 
+@pytest.mark.integration
 def test_nginx_site_logs_every_server_in_the_query_free_format() -> None:
     from pathlib import Path
 
@@ -231,6 +237,7 @@ def test_nginx_site_logs_every_server_in_the_query_free_format() -> None:
 # --- issue 20: a developer's server, and a raw quote in a query string ----------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "query",
     [
@@ -245,7 +252,7 @@ async def test_django_request_log_has_no_query_string_with_quotes_in_it(
 ) -> None:
     settings.QUOTES_LOG_CONTENT = False
 
-    response = await request("GET", "/api/quotes/stream", query=query)
+    response = await request("GET", "/api/quotes/stream", query=query, headers=EVENTSOURCE)
 
     assert response.status in (400, 404)
     output = console.getvalue()
@@ -279,12 +286,11 @@ def served_output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     daphne's access log on) writes for visitors' topics in query strings and for clients'
     mistakes, in development (DEBUG, text lines) and under production settings (JSON lines).
     Returns (each request's status, the output)."""
-    import subprocess
 
     import httpx
 
-    from tests.deployed import environment, make_command, wait_until_answering
-    from tests.scaleout.services import free_port, stop_process
+    from harness.daphne import environment, make_command, running
+    from harness.services import free_port
 
     tmp = tmp_path_factory.mktemp(f"served-{request.param}")
     env = environment(
@@ -294,16 +300,14 @@ def served_output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     if request.param == "development":
         env["DJANGO_DEBUG"] = "true"
     port, log = free_port(), tmp / "server.log"
-    with log.open("ab") as out:
-        process = subprocess.Popen(make_command("serve", port), env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     statuses: dict[str, int] = {}
-    try:
-        wait_until_answering(url + "/api/quotes/stream", process, log)
+    serve = make_command("serve", port)
+    with running(serve, port, env, log, path="/api/quotes/stream", any_status=True) as (_, url):
         stream = "/api/quotes/stream?persona=Not+A+Slug&topic="
-        statuses["topic"] = httpx.get(f"{url}{stream}{SECRET_TOPIC}").status_code
-        statuses["quote"] = _raw_get(url, f"{stream}it's-{SECRET_TOPIC}")
-        statuses["quote-bracket"] = _raw_get(url, f"{stream}x'>{SECRET_TOPIC}")
+        statuses["topic"] = httpx.get(f"{url}{stream}{SECRET_TOPIC}", headers=EVENTSOURCE).status_code
+        accept = "Accept: text/event-stream\r\n"
+        statuses["quote"] = _raw_get(url, f"{stream}it's-{SECRET_TOPIC}", accept)
+        statuses["quote-bracket"] = _raw_get(url, f"{stream}x'>{SECRET_TOPIC}", accept)
         feedback = f"/api/quotes/00000000-0000-4000-8000-000000000000/feedback?topic={SECRET_TOPIC}"
         statuses["feedback"] = httpx.get(url + feedback).status_code
         statuses["bad-host"] = httpx.get(url + "/", headers={"host": "evil.example"}).status_code
@@ -311,8 +315,6 @@ def served_output(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         statuses["10-mb-form"] = httpx.post(url + "/admin/login/", content=big, headers=FORM).status_code
         fields = "&".join(f"f{n}=1" for n in range(2000)).encode()
         statuses["2000-fields"] = httpx.post(url + "/admin/login/", content=fields, headers=FORM).status_code
-    finally:
-        stop_process(process)
     return statuses, log.read_text()
 
 
@@ -332,6 +334,7 @@ def _lines(output: str) -> list[tuple[str, str, str]]:
     return found
 
 
+@pytest.mark.system
 def test_served_output_has_no_topic_in_any_line(served_output: Any) -> None:
     statuses, output = served_output
     assert statuses["topic"] == statuses["quote"] == statuses["quote-bracket"] == 404, statuses
@@ -343,6 +346,7 @@ def test_served_output_has_no_topic_in_any_line(served_output: Any) -> None:
     assert SECRET_TOPIC not in output, output
 
 
+@pytest.mark.system
 def test_served_output_logs_clients_mistakes_below_error_without_a_traceback(served_output: Any) -> None:
     statuses, output = served_output
     assert statuses["bad-host"] == statuses["10-mb-form"] == statuses["2000-fields"] == 400, statuses

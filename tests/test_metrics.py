@@ -20,14 +20,14 @@ from channels.testing import WebsocketCommunicator
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.models import Generation, Persona
 from tests.asgi import post_quote, post_stream, request
 from tests.conftest import slots_held
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 TOKEN = "metrics-test-token-3f9a1c"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -379,7 +379,7 @@ async def test_metrics_a_row_that_cannot_be_written_is_counted_lost(
     [
         ("eventsource", "GET", {"accept": "text/event-stream"}),
         ("htmx", "POST", {"hx-request": "true", "content-type": "application/json"}),
-        ("api", "GET", {}),
+        ("api", "GET", {"sec-fetch-dest": "empty"}),  # a fetch()
     ],
 )
 async def test_metrics_requests_by_http_transport(

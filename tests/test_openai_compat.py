@@ -1,6 +1,6 @@
 """OpenAICompatBackend against a real server (llama.cpp's own, running Gemma 3 270M; fixtures
 in tests/llama_server.py) and, for what that server cannot be made to do (usage chunks, broken
-JSON, a stall), against a scripted HTTP/1.1 upstream on 127.0.0.1 written with asyncio.
+JSON, a stall), against the scripted OpenAI-compatible upstream (harness/openai.py).
 """
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from harness.openai import Reply, ScriptedUpstream
+from harness.services import free_port
 from quotes.ai.backends import get_backend, reset_backends
 from quotes.ai.backends.openai_compat import OpenAICompatBackend
 from quotes.ai.errors import upstream_auth
@@ -21,7 +23,7 @@ from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Met
 from quotes.conf import OpenAICompatSettings, UpstreamHTTPSettings
 from quotes.models import Persona
 from tests.asgi import request
-from tests.llama_server import LlamaServer, free_port
+from tests.llama_server import LlamaServer
 
 TIMEOUTS = UpstreamHTTPSettings(
     connect_timeout_s=2.0, read_timeout_s=20.0, total_timeout_s=60.0, max_connections=100
@@ -69,6 +71,7 @@ async def llama_backend(llama_server: LlamaServer) -> AsyncIterator[OpenAICompat
 # --- against the real llama.cpp server ----------------------------------------------------------
 
 
+@pytest.mark.system
 async def test_openai_compat_streams_a_quote_from_llama_cpp(llama_backend: OpenAICompatBackend) -> None:
     events = await collect(llama_backend)
 
@@ -86,6 +89,7 @@ async def test_openai_compat_streams_a_quote_from_llama_cpp(llama_backend: OpenA
     assert not any(isinstance(e, Error) for e in events)
 
 
+@pytest.mark.system
 async def test_openai_compat_stopping_early_closes_the_stream(
     llama_server: LlamaServer, llama_backend: OpenAICompatBackend
 ) -> None:
@@ -109,6 +113,7 @@ async def test_openai_compat_stopping_early_closes_the_stream(
     assert sum(isinstance(e, Token) for e in again) == 16
 
 
+@pytest.mark.system
 async def test_openai_compat_cancelled_task_closes_the_stream(llama_backend: OpenAICompatBackend) -> None:
     first_token = asyncio.Event()
 
@@ -126,6 +131,7 @@ async def test_openai_compat_cancelled_task_closes_the_stream(llama_backend: Ope
     assert (await collect(llama_backend))[-1] == Done()
 
 
+@pytest.mark.integration
 async def test_openai_compat_unreachable_port() -> None:
     backend = OpenAICompatBackend(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="", http=TIMEOUTS)
     try:
@@ -137,6 +143,7 @@ async def test_openai_compat_unreachable_port() -> None:
     assert (events[0].code, events[0].status) == ("upstream_unreachable", 502)
 
 
+@pytest.mark.system
 async def test_openai_compat_wrong_api_key_is_upstream_auth(
     llama_server: LlamaServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -156,6 +163,7 @@ async def test_openai_compat_wrong_api_key_is_upstream_auth(
     assert wrong not in line
 
 
+@pytest.mark.system
 async def test_openai_compat_base_url_of_no_api_is_rejected_with_404(
     llama_server: LlamaServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -172,6 +180,7 @@ async def test_openai_compat_base_url_of_no_api_is_rejected_with_404(
     assert "Not Found" in logged  # what the server said: for the operator
 
 
+@pytest.mark.system
 async def test_openai_compat_prompt_over_the_context_window_is_rejected(
     llama_backend: OpenAICompatBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -187,90 +196,6 @@ async def test_openai_compat_prompt_over_the_context_window_is_rejected(
 # --- against a scripted upstream ----------------------------------------------------------------
 
 
-@dataclass
-class Reply:
-    """What the scripted upstream answers: a status, headers, then body pieces sent as HTTP
-    chunks. A piece may be an asyncio.Event (wait for it) or a float (sleep that long)."""
-
-    status: int = 200
-    content_type: str = "text/event-stream"
-    pieces: list[bytes | asyncio.Event | float] = field(default_factory=list)
-    finish: bool = True  # False: close the connection mid-body (no terminating chunk)
-
-
-class ScriptedUpstream:
-    def __init__(self) -> None:
-        self.reply = Reply()
-        self.requests: list[tuple[str, dict[str, str], bytes]] = []
-        self.client_gone = asyncio.Event()
-        self._writers: list[asyncio.StreamWriter] = []
-        self._handlers: set[asyncio.Task[None]] = set()
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}/v1"
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/v1"
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._handlers:
-            task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
-        for writer in self._writers:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-        await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.append(writer)
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        head = await reader.readuntil(b"\r\n\r\n")
-        line, *header_lines = head.decode("latin-1").split("\r\n")
-        headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
-        body = await reader.readexactly(int(headers.get("content-length", "0")))
-        self.requests.append((line, headers, body))
-        watcher = asyncio.create_task(self._watch_eof(reader))
-        reply = self.reply
-        try:
-            writer.write(
-                f"HTTP/1.1 {reply.status} X\r\ncontent-type: {reply.content_type}\r\n"
-                "transfer-encoding: chunked\r\nx-request-id: req-1\r\n\r\n".encode()
-            )
-            for piece in reply.pieces:
-                if isinstance(piece, asyncio.Event):
-                    await piece.wait()
-                elif isinstance(piece, float):
-                    await asyncio.sleep(piece)
-                else:
-                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                    await writer.drain()
-            if reply.finish:
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
-                await watcher
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            watcher.cancel()
-            writer.close()
-
-    async def _watch_eof(self, reader: asyncio.StreamReader) -> None:
-        with contextlib.suppress(ConnectionError):
-            while await reader.read(4096):
-                pass
-        self.client_gone.set()
-
-
 @pytest.fixture
 async def upstream() -> AsyncIterator[ScriptedUpstream]:
     server = ScriptedUpstream()
@@ -281,11 +206,7 @@ async def upstream() -> AsyncIterator[ScriptedUpstream]:
 
 @pytest.fixture
 async def scripted_backend(upstream: ScriptedUpstream) -> AsyncIterator[OpenAICompatBackend]:
-    assert upstream._server is not None
-    port = upstream._server.sockets[0].getsockname()[1]
-    backend = OpenAICompatBackend(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-secret-123", http=TIMEOUTS
-    )
+    backend = OpenAICompatBackend(base_url=upstream.url, api_key="sk-secret-123", http=TIMEOUTS)
     yield backend
     await backend.aclose()
 
@@ -305,6 +226,7 @@ def chunk(
     return sse(body)
 
 
+@pytest.mark.integration
 async def test_openai_compat_sends_openai_request(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -328,9 +250,10 @@ async def test_openai_compat_sends_openai_request(
     }
 
 
+@pytest.mark.integration
 async def test_openai_compat_no_key_no_authorization_header(upstream: ScriptedUpstream) -> None:
     upstream.reply = Reply(pieces=[sse("[DONE]")])
-    base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    base_url = upstream.url
     backend = OpenAICompatBackend(base_url=base_url, api_key="", http=TIMEOUTS)
     try:
         events = await collect(backend)
@@ -340,6 +263,7 @@ async def test_openai_compat_no_key_no_authorization_header(upstream: ScriptedUp
     assert events == [Meta(model="gemma-3-270m", headers={"x-request-id": "req-1"}), Done()]
 
 
+@pytest.mark.integration
 async def test_openai_compat_usage_in_final_chunk_with_empty_choices(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -363,6 +287,7 @@ async def test_openai_compat_usage_in_final_chunk_with_empty_choices(
     ]
 
 
+@pytest.mark.integration
 async def test_openai_compat_tokens_are_yielded_as_they_arrive(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -376,6 +301,7 @@ async def test_openai_compat_tokens_are_yielded_as_they_arrive(
         assert [e async for e in events] == [Token("second"), Done()]
 
 
+@pytest.mark.integration
 async def test_openai_compat_stopping_early_closes_the_connection(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -388,6 +314,7 @@ async def test_openai_compat_stopping_early_closes_the_connection(
     await asyncio.wait_for(upstream.client_gone.wait(), 2)
 
 
+@pytest.mark.integration
 async def test_openai_compat_stream_without_done_is_dropped(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -399,6 +326,7 @@ async def test_openai_compat_stream_without_done_is_dropped(
     assert (events[-1].code, events[-1].status) == ("upstream_dropped", 502)
 
 
+@pytest.mark.integration
 async def test_openai_compat_connection_cut_mid_body_is_dropped(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -412,6 +340,7 @@ async def test_openai_compat_connection_cut_mid_body_is_dropped(
     ]
 
 
+@pytest.mark.integration
 async def test_openai_compat_invalid_json_is_malformed(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -422,6 +351,7 @@ async def test_openai_compat_invalid_json_is_malformed(
     assert (events[-1].code, events[-1].status) == ("upstream_malformed", 502)
 
 
+@pytest.mark.integration
 async def test_openai_compat_json_instead_of_event_stream_is_malformed(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -431,6 +361,7 @@ async def test_openai_compat_json_instead_of_event_stream_is_malformed(
     assert error.code == "upstream_malformed"
 
 
+@pytest.mark.integration
 async def test_openai_compat_error_event_mid_stream(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -443,6 +374,7 @@ async def test_openai_compat_error_event_mid_stream(
     assert "mid-stream: model crashed" in logged
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("status", "code", "answered"),
     [
@@ -473,6 +405,7 @@ async def test_openai_compat_http_errors(
     assert "sk-secret-123" not in logged
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("status", [401, 403])
 async def test_openai_compat_refused_credentials_reach_the_log_not_the_visitor(
     upstream: ScriptedUpstream,
@@ -505,6 +438,7 @@ async def test_openai_compat_refused_credentials_reach_the_log_not_the_visitor(
     assert "sk-secret-123" not in line
 
 
+@pytest.mark.integration
 async def test_openai_compat_huge_error_body_is_bounded(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:
@@ -515,10 +449,11 @@ async def test_openai_compat_huge_error_body_is_bounded(
     assert len(error.message) < 400
 
 
+@pytest.mark.integration
 async def test_openai_compat_read_stall_times_out(upstream: ScriptedUpstream) -> None:
     upstream.reply = Reply(pieces=[chunk("a"), asyncio.Event()])
     timeouts = replace(TIMEOUTS, read_timeout_s=0.3)
-    base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    base_url = upstream.url
     backend = OpenAICompatBackend(base_url=base_url, api_key="", http=timeouts)
     try:
         events = await collect(backend)
@@ -529,11 +464,12 @@ async def test_openai_compat_read_stall_times_out(upstream: ScriptedUpstream) ->
     assert (events[-1].code, events[-1].status) == ("upstream_timeout", 504)
 
 
+@pytest.mark.integration
 async def test_openai_compat_total_deadline_covers_a_trickling_stream(upstream: ScriptedUpstream) -> None:
     # Every read is quick, but the whole answer would take 5 s: the 0.5 s deadline ends it.
     upstream.reply = Reply(pieces=[piece for _ in range(50) for piece in (chunk("."), 0.1)])
     timeouts = replace(TIMEOUTS, read_timeout_s=1.0, total_timeout_s=0.5)
-    base_url = f"http://127.0.0.1:{upstream._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    base_url = upstream.url
     backend = OpenAICompatBackend(base_url=base_url, api_key="", http=timeouts)
     try:
         loop = asyncio.get_running_loop()
@@ -548,6 +484,7 @@ async def test_openai_compat_total_deadline_covers_a_trickling_stream(upstream: 
     assert elapsed < 2
 
 
+@pytest.mark.integration
 async def test_openai_compat_backend_takes_its_timeouts_from_ai_http(
     settings: Any, upstream: ScriptedUpstream
 ) -> None:
@@ -567,6 +504,7 @@ async def test_openai_compat_backend_takes_its_timeouts_from_ai_http(
     assert events[-1].code == "upstream_timeout"
 
 
+@pytest.mark.integration
 async def test_openai_compat_backend_holds_at_most_ai_max_connections(
     settings: Any, upstream: ScriptedUpstream
 ) -> None:
@@ -594,6 +532,7 @@ async def test_openai_compat_backend_holds_at_most_ai_max_connections(
     assert isinstance(rest[-1], Done)
 
 
+@pytest.mark.integration
 async def test_openai_compat_one_client_per_backend_and_aclose(
     upstream: ScriptedUpstream, scripted_backend: OpenAICompatBackend
 ) -> None:

@@ -13,7 +13,7 @@ from django.test import Client
 from quotes.models import Generation, Persona
 from tests.asgi import request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
 def test_index_lists_only_active_personas(persona: Persona, client: Client) -> None:

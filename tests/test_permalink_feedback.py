@@ -19,7 +19,7 @@ from django.utils import timezone
 from quotes.models import Generation, Persona, Vote
 from tests.asgi import StreamedResponse, request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
 def make_generation(persona: Persona, **fields: object) -> Generation:
@@ -150,6 +150,7 @@ async def post_feedback(
     return response.status, response.json()
 
 
+@pytest.mark.services
 async def test_feedback_is_stored_and_idempotent(persona: Persona) -> None:
     generation = await Generation.objects.acreate(
         persona=persona, backend="local", model="gemma-3-270m", status="ok", text="Be."
@@ -210,6 +211,7 @@ async def votes_of(generation: Generation) -> list[int]:
     return sorted([v.value async for v in Vote.objects.filter(generation=generation)])
 
 
+@pytest.mark.services
 async def test_feedback_one_vote_per_client_and_the_verdict_is_their_sum(persona: Persona) -> None:
     generation = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
 
@@ -247,6 +249,7 @@ async def test_feedback_addresses_in_one_ipv6_64_are_one_voter(persona: Persona)
     assert await votes_of(generation) == [1]
 
 
+@pytest.mark.services
 async def test_feedback_is_rate_limited_per_client(persona: Persona, settings: Any) -> None:
     settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, feedback_rate_limit=(3, 3600))
     remaining = 3600 - time.time() % 3600

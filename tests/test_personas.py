@@ -25,10 +25,12 @@ def make_persona(**overrides: object) -> Persona:
     return Persona(**fields)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_persona_valid_settings_pass() -> None:
     make_persona().full_clean(validate_unique=False)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
@@ -48,6 +50,7 @@ def test_persona_rejects_bad_settings(overrides: dict[str, object], field: str) 
     assert field in caught.value.message_dict
 
 
+@pytest.mark.unit
 def test_persona_lora_allowed_on_a_lora_model_and_sent_raw() -> None:
     persona = make_persona(model="@cf/google/gemma-2b-it-lora", lora="my-adapter")
     persona.full_clean(validate_unique=False)
@@ -55,10 +58,12 @@ def test_persona_lora_allowed_on_a_lora_model_and_sent_raw() -> None:
     assert request.lora == "my-adapter"
 
 
+@pytest.mark.unit
 def test_persona_user_prompt_keeps_braces_in_the_topic() -> None:
     assert make_persona().user_prompt("{topic} {x}") == "Say something about {topic} {x}"
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_seeded_personas_include_the_original_demo() -> None:
     watts = Persona.objects.get(slug="alan-watts")
@@ -71,6 +76,7 @@ def test_seeded_personas_include_the_original_demo() -> None:
         persona.full_clean()
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_admin_edits_personas_and_rejects_a_bad_template(admin_client: Client) -> None:
     watts = Persona.objects.get(slug="alan-watts")
@@ -100,12 +106,15 @@ def test_admin_edits_personas_and_rejects_a_bad_template(admin_client: Client) -
     assert (watts.user_prompt_template, watts.max_tokens) == ("Tell me about {topic}", 80)
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_admin_generation_log_is_read_only(admin_client: Client) -> None:
     assert admin_client.get("/admin/quotes/generation/").status_code == 200
     assert admin_client.get("/admin/quotes/generation/add/").status_code == 403
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.django_db
 def test_persona_with_generations_is_deactivated_not_deleted() -> None:
     from quotes.models import Generation
@@ -121,6 +130,8 @@ def test_persona_with_generations_is_deactivated_not_deleted() -> None:
     assert not Persona.objects.filter(slug="lonely").exists()
 
 
+@pytest.mark.integration
+@pytest.mark.services
 @pytest.mark.django_db
 def test_persona_save_records_the_version_author_and_note(django_user_model: type) -> None:
     editor = django_user_model.objects.create_user("ed", password="x")

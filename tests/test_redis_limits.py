@@ -26,11 +26,12 @@ from typing import Any
 import pytest
 import redis
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
-from quotes.ai.gateway import Client, admission
+from quotes.ai.gateway import admission
+from quotes.ai.gateway.generation import Client
 from quotes.models import Generation, Persona
 from tests.asgi import post_quote, post_stream
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 from tests.limits import configure
 from tests.redis_server import REDIS_CACHE_BACKEND
 
@@ -81,6 +82,7 @@ def leases(store: redis.Redis) -> dict[bytes, float]:
     return dict(store.zrange(lease_key(), 0, -1, withscores=True))
 
 
+@pytest.mark.system
 async def test_redis_a_stream_slot_is_a_lease_that_expires_within_seconds(
     persona: Persona, fake: FakeWorkersAI, shared: redis.Redis
 ) -> None:
@@ -96,6 +98,7 @@ async def test_redis_a_stream_slot_is_a_lease_that_expires_within_seconds(
     assert not shared.exists(lease_key())  # given back at the end
 
 
+@pytest.mark.system
 async def test_redis_a_dead_process_lease_does_not_count_and_a_refusal_extends_none(
     persona: Persona, fake: FakeWorkersAI, shared: redis.Redis, settings: Any
 ) -> None:
@@ -113,6 +116,7 @@ async def test_redis_a_dead_process_lease_does_not_count_and_a_refusal_extends_n
     assert leases(shared) == {b"dying:1": now_ms + 2000}  # not extended by the refusal
 
 
+@pytest.mark.system
 async def test_redis_a_request_cancelled_during_admit_leaves_no_lease_renewed(
     persona: Persona, fake: FakeWorkersAI, shared: redis.Redis
 ) -> None:
@@ -143,6 +147,7 @@ async def test_redis_a_request_cancelled_during_admit_leaves_no_lease_renewed(
     assert fake.requests == []
 
 
+@pytest.mark.system
 def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path: Path) -> None:
     """A fresh interpreter configured from the environment, as production starts: the Redis
     clients behind the cache and the admission have the configured timeouts (redis-py's own
@@ -174,6 +179,7 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "AI_", "REDIS_", "QUOTES_"))}
     env.update(
+        DJANGO_DEBUG="true",
         DJANGO_SETTINGS_MODULE="config.settings",
         DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
         REDIS_URL=hung_redis,
@@ -194,6 +200,7 @@ def test_redis_socket_timeouts_come_from_the_settings(hung_redis: str, tmp_path:
     assert found["seconds"] < 5, found  # the configured timeout, not redis-py's default
 
 
+@pytest.mark.integration
 async def test_redis_that_hangs_costs_one_timeout_and_the_quotes_are_served(
     persona: Persona, fake: FakeWorkersAI, settings: Any, hung_redis: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -234,6 +241,7 @@ def logged(*names: str) -> Iterator[list[logging.LogRecord]]:
             logging.getLogger(name).removeHandler(handler)
 
 
+@pytest.mark.integration
 async def test_redis_url_down_streams_are_served_by_the_process_alone(
     persona: Persona, fake: FakeWorkersAI, settings: Any, closed_port: int
 ) -> None:
@@ -256,12 +264,13 @@ async def test_redis_url_down_streams_are_served_by_the_process_alone(
     assert not [r for r in records if r.levelname == "ERROR" or r.exc_info], [r.getMessage() for r in records]
 
 
+@pytest.mark.integration
 async def test_redis_down_when_a_slot_is_given_back_logs_no_traceback(settings: Any, tmp_path: Path) -> None:
     """A slot taken in Redis, given back once Redis is gone (issue 21's fault suite found one
     WARNING with a traceback per Redis outage, from this release): the lease expires by itself,
     the outage is the breaker's one WARNING, and nothing is logged with a traceback."""
+    from harness.services import redis_server
     from quotes.ai.redis_health import breaker
-    from tests.scaleout.services import redis_server
 
     with redis_server(tmp_path) as server:
         settings.REDIS_URL = server.url

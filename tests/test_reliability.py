@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import random
-import socket
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -27,15 +26,16 @@ from typing import Any
 
 import pytest
 
-from quotes.ai import gateway
+from harness.services import free_port
+from harness.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, Scenario
 from quotes.ai.backends import _backends, reset_backends
 from quotes.ai.backends.local import LocalBackend
+from quotes.ai.gateway.flights import flights
 from quotes.models import Generation, Persona
 from tests.asgi import StreamedResponse, parse_sse, post_stream, read_events
-from tests.fakes.fixtures import upstream_configs
-from tests.fakes.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, Scenario
+from tests.fixtures import upstream_configs
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 FALLBACK = "@cf/meta/llama-3.2-3b-instruct"
@@ -55,10 +55,10 @@ async def _close_backends_on_this_loop() -> AsyncIterator[None]:
     workers_ai = _backends.pop("workers-ai", None)
     if workers_ai is not None:
         await workers_ai.aclose()
-    for flight in list(gateway._flights.values()):
+    for flight in list(flights.values()):
         if flight.task is not None:
             flight.task.cancel()
-    gateway._flights.clear()
+    flights.clear()
 
 
 def text_of(body: bytes) -> str:
@@ -293,9 +293,7 @@ async def test_fault_summary_client_outcome_log_row_and_no_traceback(
     workers_ai_settings.QUOTES_GATEWAY = replace(workers_ai_settings.QUOTES_GATEWAY, **fault.gateway)
     overrides = dict(fault.workers_ai)
     if fault.refused:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            overrides["base_url"] = f"http://127.0.0.1:{sock.getsockname()[1]}/client/v4"
+        overrides["base_url"] = f"http://127.0.0.1:{free_port()}/client/v4"
     if overrides:
         workers_ai_settings.WORKERS_AI, workers_ai_settings.AI_HTTP = upstream_configs(
             fake_workers_ai, **overrides

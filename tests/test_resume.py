@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pickle
 import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -17,20 +16,25 @@ from typing import Any
 import pytest
 from channels.testing import WebsocketCommunicator
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
-from quotes.ai.events import Done, Event, Meta, Token, Usage
+from quotes.ai.cache import JSONSerializer
+from quotes.ai.events import Done, Event, Meta, Token, Usage, decode_events, encode_events
 from quotes.ai.gateway import runs as runs_module
 from quotes.ai.gateway.runs import EventLog
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, htmx_form_post, parse_sse, post_stream, read_events, request
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STREAM_URL = "/api/quotes/stream"
 TOKENS = [f"w{i} " for i in range(150)]  # over two of the log's joined chunks (64 tokens)
 TEXT = "".join(TOKENS)
-LAST_ID = re.compile(rb"(?m)^id: ([0-9a-f-]{36}:\d+)$")
+#: An event id of a generation nobody is writing (its id, and a resume key).
+UNKNOWN = f"00000000-0000-4000-8000-000000000000.{'0' * 16}"
+#: A page's fetch() of the stream (a GET must accept the stream, or say it is a fetch).
+FETCH = {"sec-fetch-dest": "empty"}
+LAST_ID = re.compile(rb"(?m)^id: ([0-9a-f-]{36}\.[0-9a-f]{16}:\d+)$")
 
 
 @pytest.fixture
@@ -81,8 +85,10 @@ async def cut(fake: FakeWorkersAI, *, events: int = 6) -> tuple[AsgiStream, byte
     return stream, received, generation_id
 
 
-def test_resume_event_log_gives_back_every_event_after_a_pickle() -> None:
-    events: list[Event] = [Meta(model="m", generation_id="g")]
+@pytest.mark.integration
+def test_resume_event_log_gives_back_every_event_after_the_caches_json() -> None:
+    gid = "0b4c2a5e-6f1d-4e2b-9c3a-7d8e9f0a1b2c"
+    events: list[Event] = [Meta(model="m", headers={"cf-aig-log-id": "x"}, generation_id=gid)]
     events += [Token("é" * (i % 5) + str(i)) for i in range(200)]
     events += [Usage(prompt_tokens=3, completion_tokens=200), Done()]
     log = EventLog()
@@ -90,16 +96,21 @@ def test_resume_event_log_gives_back_every_event_after_a_pickle() -> None:
         log.append(event)
         assert log.at(len(log) - 1) == event  # readable at once (a live listener)
 
-    kept = pickle.loads(pickle.dumps(log))  # as the cache keeps a finished one
+    # As the cache keeps a finished one: its events as JSON, through the cache's serializer.
+    serializer = JSONSerializer()
+    stored = serializer.loads(serializer.dumps(encode_events(map(log.at, range(len(log))))))
+    kept = EventLog.of(decode_events(stored))
 
     assert [kept.at(i) for i in range(len(kept))] == events
     assert kept.text == "".join(e.text for e in events if isinstance(e, Token))
-    assert kept.meta_until(5) == Meta(model="m", generation_id="g")
+    assert kept.meta_until(5) == events[0]
 
 
 # -- the ids ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_every_event_carries_its_generation_id_and_number(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -108,21 +119,25 @@ async def test_resume_every_event_carries_its_generation_id_and_number(
     generation_id = response.headers["x-generation-id"]
     assert generation_id == response.headers["x-quote-id"]
     blocks = response.body.decode().split("\n\n")[:-1]
-    numbers = [int(re.match(rf"id: {generation_id}:(\d+)\n", block)[1]) for block in blocks]  # type: ignore[index]
+    numbers = [int(re.match(rf"id: {generation_id}\.[0-9a-f]{{16}}:(\d+)\n", block)[1]) for block in blocks]  # type: ignore[index]
     assert numbers == sorted(set(numbers)) and numbers[0] >= 1  # increasing, one per event
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_eventsource_gets_a_retry_first(persona: Persona, fake: FakeWorkersAI) -> None:
     response = await request(
         "GET", STREAM_URL, query=f"persona={persona.slug}", headers={"accept": "text/event-stream"}
     )
     assert response.status == 200
-    assert re.match(rb"id: [0-9a-f-]{36}:\d+\nretry: 1000\n\n", response.body)
+    assert re.match(rb"id: [0-9a-f-]{36}\.[0-9a-f]{16}:\d+\nretry: 1000\n\n", response.body)
 
 
 # -- resume -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_after_a_cut_with_last_event_id_gives_exactly_the_rest(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -142,17 +157,21 @@ async def test_resume_after_a_cut_with_last_event_id_gives_exactly_the_rest(
     assert await Generation.objects.acount() == 1
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_in_the_grace_by_query_parameter(persona: Persona, fake: FakeWorkersAI) -> None:
     _, received, generation_id = await cut(fake, events=3)
     await asyncio.sleep(0.3)  # the generation runs on with nobody reading it
 
-    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}")
+    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}", headers=FETCH)
 
     assert text_of(received) + text_of(resumed.body) == TEXT
     assert len(fake.requests) == 1
     assert (await row_of(generation_id)).status == Generation.Status.OK
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_after_the_end_from_the_finished_events(persona: Persona, fake: FakeWorkersAI) -> None:
     _, received, generation_id = await cut(fake)
     row = await row_of(generation_id)  # the generation finished in its grace, with nobody reading
@@ -162,8 +181,8 @@ async def test_resume_after_the_end_from_the_finished_events(persona: Persona, f
         await asyncio.sleep(0.02)
     assert generation_id not in runs_module.runs  # ended: what follows comes from the cache
 
-    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}")
-    again = await request("GET", STREAM_URL, query=f"last_event_id={last_id(resumed.body)}")
+    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}", headers=FETCH)
+    again = await request("GET", STREAM_URL, query=f"last_event_id={last_id(resumed.body)}", headers=FETCH)
 
     assert row.status == Generation.Status.OK
     assert text_of(received) + text_of(resumed.body) == TEXT
@@ -172,6 +191,7 @@ async def test_resume_after_the_end_from_the_finished_events(persona: Persona, f
     assert len(fake.requests) == 1
 
 
+@pytest.mark.system
 async def test_resume_after_the_end_from_redis(
     persona: Persona, fake: FakeWorkersAI, redis_cache: Any
 ) -> None:
@@ -186,12 +206,14 @@ async def test_resume_after_the_end_from_redis(
     [key] = [k for k in redis_cache.scan_iter(match=f"*quotes:run:{generation_id}")]
     assert 0 < redis_cache.ttl(key) <= 300
 
-    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}")
+    resumed = await request("GET", STREAM_URL, query=f"last_event_id={last_id(received)}", headers=FETCH)
 
     assert text_of(received) + text_of(resumed.body) == TEXT
     assert len(fake.requests) == 1
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_is_a_connection_counted_at_the_open_stream_cap(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -205,9 +227,9 @@ async def test_resume_is_a_connection_counted_at_the_open_stream_cap(
     other = post_stream()
     await read_events(other, 2)  # the process's one connection
 
-    refused = await request("GET", STREAM_URL, query=resume_query)
+    refused = await request("GET", STREAM_URL, query=resume_query, headers=FETCH)
     await other.disconnect()
-    resumed = await request("GET", STREAM_URL, query=resume_query)
+    resumed = await request("GET", STREAM_URL, query=resume_query, headers=FETCH)
 
     assert (refused.status, refused.json()["error"]["code"]) == (503, "over_capacity")
     assert refused.headers["retry-after"]
@@ -215,18 +237,20 @@ async def test_resume_is_a_connection_counted_at_the_open_stream_cap(
     assert text_of(received) + text_of(resumed.body) == TEXT
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_unknown_or_malformed_ids_are_refused(persona: Persona, fake: FakeWorkersAI) -> None:
     unknown = await request(
         "POST",
         STREAM_URL,
-        json_body={"persona": persona.slug, "last_event_id": "00000000-0000-4000-8000-000000000000:3"},
+        json_body={"persona": persona.slug, "last_event_id": f"{UNKNOWN}:3"},
     )
-    malformed = await request("GET", STREAM_URL, query="last_event_id=nonsense")
+    malformed = await request("GET", STREAM_URL, query="last_event_id=nonsense", headers=FETCH)
     htmx = await request(
         "POST",
         STREAM_URL,
         json_body={"persona": persona.slug},
-        headers={"hx-request": "true", "last-event-id": "00000000-0000-4000-8000-000000000000:3"},
+        headers={"hx-request": "true", "last-event-id": f"{UNKNOWN}:3"},
     )
 
     assert (unknown.status, unknown.json()["error"]["code"]) == (404, "resume_unavailable")
@@ -237,6 +261,8 @@ async def test_resume_unknown_or_malformed_ids_are_refused(persona: Persona, fak
     assert fake.requests == []  # none of them started a generation
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_the_page_form_by_its_last_event_id_field(persona: Persona, fake: FakeWorkersAI) -> None:
     fake.script(Scenario(tokens=TOKENS))
     whole = await htmx_form_post({"persona": persona.slug})
@@ -257,9 +283,62 @@ async def test_resume_the_page_form_by_its_last_event_id_field(persona: Persona,
     assert len(fake.requests) == 1
 
 
+@pytest.mark.integration
+async def test_resume_by_the_quote_id_alone_reads_nothing_and_keeps_nothing_alive(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """Issue 29: a quote's id is in its permalink and its headers; another client that knows it
+    got the whole text with `Last-Event-ID: <id>:0`, and kept the abandoned run alive reading
+    it. Only the stream's own event ids carry its resume key."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, resume_grace_s=0.5)
+    fake.script(Scenario(tokens=["tick"] * 500, token_delay_s=0.02))
+    stream = post_stream()
+    await read_events(stream, 3)
+    quote_id = stream.response.headers["x-quote-id"] if stream.response else ""
+    await stream.disconnect()
+    stranger = ("10.9.8.7", 50000)
+
+    def resume_as_stranger(last_event_id: str) -> Any:
+        headers = {"last-event-id": last_event_id}
+        return request(
+            "POST", STREAM_URL, json_body={"persona": persona.slug}, headers=headers, client=stranger
+        )
+
+    by_id = await resume_as_stranger(f"{quote_id}:0")
+    wrong_key = await resume_as_stranger(f"{quote_id}.{'0' * 16}:0")
+    unknown = await resume_as_stranger(f"{UNKNOWN}:0")
+
+    assert by_id.status == 400 and by_id.json()["error"]["code"] == "invalid_last_event_id"
+    assert (wrong_key.status, wrong_key.json()) == (404, unknown.json())  # as if there were no such quote
+    [upstream] = fake.requests
+    assert await asyncio.to_thread(upstream.client_disconnected.wait, 5)  # nobody kept it alive
+    row = await row_of(quote_id)
+    assert (row.status, row.error_code) == (Generation.Status.CANCELLED, "abandoned")
+    assert b"tick" not in by_id.body + wrong_key.body
+
+
+@pytest.mark.integration
+async def test_resume_by_its_own_event_id_from_another_address(persona: Persona, fake: FakeWorkersAI) -> None:
+    """The key is not tied to the address: a phone that moves from Wi-Fi to mobile resumes."""
+    _, received, _ = await cut(fake)
+
+    resumed = await request(
+        "POST",
+        STREAM_URL,
+        json_body={"persona": persona.slug},
+        headers={"last-event-id": last_id(received)},
+        client=("10.1.2.3", 40000),
+    )
+
+    assert resumed.status == 200
+    assert text_of(received) + text_of(resumed.body) == TEXT
+
+
 # -- gone, and stopped ------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_grace_runs_out_the_upstream_is_closed_and_the_row_says_abandoned(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -278,6 +357,8 @@ async def test_resume_grace_runs_out_the_upstream_is_closed_and_the_row_says_aba
     assert row.text.startswith("ticktick") and len(row.text) < 4 * 500
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_stop_endpoint_stops_at_once_for_its_own_client_only(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -320,6 +401,8 @@ async def connect() -> WebsocketCommunicator:
     return socket
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_resume_websocket_frame_gives_the_frames_after_the_id(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -331,7 +414,7 @@ async def test_resume_websocket_frame_gives_the_frames_after_the_id(
         frames.append(await first.receive_json_from(timeout=10))
     await first.disconnect()
     seen = "".join(f["text"] for f in frames if f["type"] == "token")
-    assert all(re.fullmatch(r"[0-9a-f-]{36}:\d+", f["event_id"]) for f in frames)
+    assert all(re.fullmatch(r"[0-9a-f-]{36}\.[0-9a-f]{16}:\d+", f["event_id"]) for f in frames)
 
     second = await connect()
     await second.send_json_to({"type": "resume", "last_event_id": frames[-1]["event_id"]})
@@ -340,10 +423,14 @@ async def test_resume_websocket_frame_gives_the_frames_after_the_id(
         rest.append(await second.receive_json_from(timeout=10))
     await second.send_json_to({"type": "resume", "last_event_id": "nonsense"})
     refused = await second.receive_json_from(timeout=10)
+    quote_id = frames[0]["id"]
+    await second.send_json_to({"type": "resume", "last_event_id": f"{quote_id}.{'0' * 16}:0"})
+    wrong_key = await second.receive_json_from(timeout=10)
     await second.disconnect()
 
     assert rest[-1]["type"] == "done"
     assert seen + "".join(f["text"] for f in rest if f["type"] == "token") == TEXT
     assert len(fake.requests) == 1
     assert refused["code"] == "invalid_last_event_id"
+    assert wrong_key["code"] == "resume_unavailable"  # the id alone reads nothing
     assert (await Generation.objects.aget()).status == Generation.Status.OK

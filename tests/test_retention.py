@@ -20,7 +20,7 @@ from quotes.models import Generation, Persona, Vote
 
 from .test_deploy import PRODUCTION, _run
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.integration, pytest.mark.services]
 
 REQUEST = {"model": "@cf/meta/llama-3.1-8b-instruct", "messages": [{"role": "user", "content": "x" * 500}]}
 

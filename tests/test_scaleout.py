@@ -1,4 +1,4 @@
-"""The scale-out check (tests/scaleout/run.py) as part of the suite: two daphne processes behind
+"""The scale-out check (harness/scaleout.py) as part of the suite: two daphne processes behind
 a real nginx, sharing a real PostgreSQL and Redis. Needs the Debian packages nginx, postgresql
 and redis-server (scripts/bootstrap --dev installs them)."""
 
@@ -8,12 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_scaleout_script_passes_every_check() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "tests.scaleout.run"], cwd=ROOT, capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "harness.scaleout"], cwd=ROOT, capture_output=True, text=True, timeout=240
     )
     report = "\n".join(
         line

@@ -17,8 +17,6 @@ import hmac
 import json
 import os
 import socket
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -30,14 +28,14 @@ import pytest
 from channels.testing import WebsocketCommunicator
 from django.conf import settings as django_settings
 
+from harness.daphne import migrate, running_daphne
+from harness.services import deploy_site, free_port, nginx
+from harness.workers_ai import FakeWorkersAI
 from quotes.ai.backends import reset_backends
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, htmx_form_post, parse_sse, post_quote, request
-from tests.deployed import deploy_upstream, start_daphne, wait_until_answering
-from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
-from tests.fakes.workers_ai import FakeWorkersAI
+from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 from tests.limits import at_start_of_window
-from tests.scaleout.services import free_port, nginx, stop_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -56,7 +54,10 @@ def limit_to(settings: Any, count: int) -> None:
 
 
 async def get(query: str, headers: dict[str, str] | None = None) -> StreamedResponse:
-    stream = AsgiStream("GET", STREAM_URL, query=query, headers=headers)
+    """A GET of the stream, as a page's fetch() sends it (a GET must accept the stream)."""
+    stream = AsgiStream(
+        "GET", STREAM_URL, query=query, headers={"sec-fetch-dest": "empty", **(headers or {})}
+    )
     await stream.start()
     return await stream.read_all()
 
@@ -87,6 +88,7 @@ async def hashes() -> list[str]:
 # -- 1. IPv6: one /64 is one client --------------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_ipv6_rotating_addresses_in_one_64_are_refused_like_one_address(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -106,6 +108,7 @@ async def test_ipv6_rotating_addresses_in_one_64_are_refused_like_one_address(
     assert logged[4] == ip_hash("2001:db8:1:3::")
 
 
+@pytest.mark.integration
 async def test_ipv6_prefix_is_a_setting(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
     settings.QUOTES_IPV6_PREFIX = 128  # every address its own client again
     limit_to(settings, 1)
@@ -117,6 +120,7 @@ async def test_ipv6_prefix_is_a_setting(persona: Persona, fake: FakeWorkersAI, s
         assert_streamed(response)
 
 
+@pytest.mark.integration
 async def test_ipv4_mapped_ipv6_counts_as_the_ipv4_address(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -133,6 +137,7 @@ async def test_ipv4_mapped_ipv6_counts_as_the_ipv4_address(
 # -- 2. forwarded client addresses: only from trusted proxies ------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("peer", "forwarded", "trusted", "counted_as"),
     [
@@ -182,6 +187,7 @@ async def test_forwarded_for_is_believed_only_from_a_trusted_proxy_over_http(
     assert await hashes() == [ip_hash(counted_as)]
 
 
+@pytest.mark.integration
 async def test_forwarded_for_is_believed_only_from_a_trusted_proxy_over_the_websocket(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -209,6 +215,7 @@ async def test_forwarded_for_is_believed_only_from_a_trusted_proxy_over_the_webs
     assert await hashes() == [ip_hash("203.0.113.9"), ip_hash("198.51.100.1")]
 
 
+@pytest.mark.integration
 async def test_forwarded_proto_from_a_trusted_proxy_sets_the_scheme(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -236,6 +243,7 @@ def dockerfile_daphne(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterato
         k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "AI_", "CLOUDFLARE_", "QUOTES_"))
     }
     env.update(
+        DJANGO_DEBUG="true",
         DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
         AI_BACKEND="workers-ai",
         CLOUDFLARE_ACCOUNT_ID=TEST_ACCOUNT_ID,
@@ -245,19 +253,12 @@ def dockerfile_daphne(tmp_path: Path, fake_workers_ai: FakeWorkersAI) -> Iterato
         QUOTES_CACHE_TTL="0",
         QUOTES_TRUSTED_PROXIES="127.0.0.2",
     )
-    subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-    )
-    log_path = tmp_path / "daphne.log"
-    process = start_daphne(port, env, log_path, source="Dockerfile")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_answering(url + "/", process, log_path)
-        yield url
-    finally:
-        stop_process(process, timeout=15)
+    migrate(env)
+    with running_daphne("Dockerfile", port, env, tmp_path / "daphne.log"):
+        yield f"http://127.0.0.1:{port}"
 
 
+@pytest.mark.system
 def test_dockerfile_daphne_ignores_a_forged_client_address_and_honours_the_trusted_proxy(
     dockerfile_daphne: str, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -282,6 +283,7 @@ def test_dockerfile_daphne_ignores_a_forged_client_address_and_honours_the_trust
     assert [r.status_code for r in proxied] == [200, 200], [r.text for r in proxied]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("unit", ["persona-quotes.service", "persona-quotes@.service"])
 def test_systemd_units_leave_proxy_headers_to_the_app(unit: str) -> None:
     """daphne's --proxy-headers believes whoever connects; the app's middleware decides instead."""
@@ -321,6 +323,7 @@ CROSS_SITE = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("headers", CROSS_SITE)
 async def test_cross_site_get_is_403_and_never_reaches_the_upstream(
     persona: Persona, fake: FakeWorkersAI, headers: dict[str, str]
@@ -333,6 +336,7 @@ async def test_cross_site_get_is_403_and_never_reaches_the_upstream(
     assert not await Generation.objects.aexists()
 
 
+@pytest.mark.integration
 async def test_cross_site_json_post_is_403(persona: Persona, fake: FakeWorkersAI) -> None:
     response = await post_quote(headers={"origin": "https://evil.example", "sec-fetch-site": "cross-site"})
 
@@ -340,6 +344,7 @@ async def test_cross_site_json_post_is_403(persona: Persona, fake: FakeWorkersAI
     assert fake.requests == []
 
 
+@pytest.mark.integration
 async def test_cross_site_htmx_request_gets_its_error_event(persona: Persona, fake: FakeWorkersAI) -> None:
     response = await get(
         f"persona={persona.slug}",
@@ -354,6 +359,7 @@ async def test_cross_site_htmx_request_gets_its_error_event(persona: Persona, fa
     assert fake.requests == []
 
 
+@pytest.mark.integration
 async def test_same_site_gets_spend_no_quota(persona: Persona, fake: FakeWorkersAI, settings: Any) -> None:
     """Refused before the rate limit counts them: a sibling's requests cannot use up a visitor's
     budget either."""
@@ -369,6 +375,7 @@ async def test_same_site_gets_spend_no_quota(persona: Persona, fake: FakeWorkers
     assert len(fake.requests) == 1
 
 
+@pytest.mark.integration
 async def test_same_site_htmx_get_gets_its_error_event(persona: Persona, fake: FakeWorkersAI) -> None:
     response = await get(f"persona={persona.slug}", {"hx-request": "true", "sec-fetch-site": "same-site"})
 
@@ -378,6 +385,7 @@ async def test_same_site_htmx_get_gets_its_error_event(persona: Persona, fake: F
     assert fake.requests == []
 
 
+@pytest.mark.integration
 async def test_same_site_form_post_with_a_planted_csrf_cookie_is_refused(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -393,6 +401,7 @@ async def test_same_site_form_post_with_a_planted_csrf_cookie_is_refused(
     assert len(fake.requests) == 1
 
 
+@pytest.mark.integration
 async def test_same_site_stop_is_refused(persona: Persona) -> None:
     response = await request(
         "POST", f"/api/quotes/{uuid.uuid4()}/stop", headers={"sec-fetch-site": "same-site"}
@@ -413,6 +422,7 @@ SAME_SITE = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("headers", SAME_SITE)
 async def test_same_site_and_non_browser_requests_still_stream(
     persona: Persona, fake: FakeWorkersAI, headers: dict[str, str]
@@ -424,6 +434,7 @@ async def test_same_site_and_non_browser_requests_still_stream(
     assert len(fake.requests) == 1
 
 
+@pytest.mark.integration
 async def test_csrf_trusted_origins_may_start_a_generation(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -441,6 +452,7 @@ async def test_csrf_trusted_origins_may_start_a_generation(
     assert_json_error(other, 403, "cross_site")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "origin",
     [b"https://evil.example", b"null", b"http://127.0.0.1.evil.example"],
@@ -456,6 +468,7 @@ async def test_websocket_from_another_origin_is_refused(persona: Persona, origin
     assert not connected
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "headers",
     [
@@ -483,6 +496,7 @@ async def test_websocket_from_another_origin_of_an_allowed_host_is_refused(
     assert not connected
 
 
+@pytest.mark.integration
 async def test_websocket_from_a_sibling_subdomain_is_refused(persona: Persona, settings: Any) -> None:
     settings.ALLOWED_HOSTS = [".example.com"]
     from config.asgi import application
@@ -499,6 +513,7 @@ async def test_websocket_from_a_sibling_subdomain_is_refused(persona: Persona, s
     await own_socket.disconnect()
 
 
+@pytest.mark.integration
 async def test_websocket_for_a_host_not_allowed_is_refused(persona: Persona) -> None:
     """Host and Origin agree, but the host is not one of ALLOWED_HOSTS (DNS rebinding)."""
     from config.asgi import application
@@ -513,6 +528,7 @@ async def test_websocket_for_a_host_not_allowed_is_refused(persona: Persona) -> 
     assert not connected
 
 
+@pytest.mark.integration
 async def test_websocket_from_a_trusted_origin_is_accepted(persona: Persona, settings: Any) -> None:
     settings.CSRF_TRUSTED_ORIGINS = ["https://www.example.org"]
     from config.asgi import application
@@ -528,6 +544,7 @@ async def test_websocket_from_a_trusted_origin_is_accepted(persona: Persona, set
     await socket_.disconnect()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fetch_site", [None, b"same-origin"])
 async def test_websocket_from_this_site_is_accepted(persona: Persona, fetch_site: bytes | None) -> None:
     from config.asgi import application
@@ -555,6 +572,7 @@ def websocket_handshake_status(base_url: str, origin: str) -> bytes:
         return sock.makefile("rb").readline()
 
 
+@pytest.mark.system
 def test_dockerfile_daphne_refuses_a_sibling_subdomain_over_http_and_the_websocket(
     dockerfile_daphne: str, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -572,6 +590,7 @@ def test_dockerfile_daphne_refuses_a_sibling_subdomain_over_http_and_the_websock
     assert len(fake_workers_ai.requests) == 1
 
 
+@pytest.mark.system
 def test_behind_nginx_a_page_on_another_port_is_this_origin_only_on_its_own_port(
     dockerfile_daphne: str, tmp_path: Path
 ) -> None:
@@ -579,15 +598,7 @@ def test_behind_nginx_a_page_on_another_port_is_this_origin_only_on_its_own_port
     the Host nginx passes on, which must keep the port the browser sent (nginx's $host drops
     it, and every page of a site on a port other than 443 looked like another origin's)."""
     proxy_port = free_port()
-    site = f"""
-    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
-    {deploy_upstream([dockerfile_daphne.removeprefix("http://")])}
-    server {{
-        listen 127.0.0.1:{proxy_port};
-        server_name 127.0.0.1;
-        include {ROOT / "deploy/nginx/persona-quotes-locations.conf"};
-    }}
-"""
+    site = deploy_site(proxy_port, [dockerfile_daphne.removeprefix("http://")])
     with nginx(tmp_path, site=site, port=proxy_port) as proxy:
         own = websocket_handshake_status(proxy.url, proxy.url)
         other_port = websocket_handshake_status(proxy.url, f"http://127.0.0.1:{free_port()}")
@@ -608,6 +619,7 @@ SURROGATE_BODIES = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("body", SURROGATE_BODIES)
 async def test_lone_surrogate_over_http_is_a_400(persona: Persona, fake: FakeWorkersAI, body: bytes) -> None:
     response = await post_quote(body)
@@ -618,6 +630,7 @@ async def test_lone_surrogate_over_http_is_a_400(persona: Persona, fake: FakeWor
     assert not await Generation.objects.aexists()
 
 
+@pytest.mark.integration
 async def test_a_surrogate_pair_is_a_character_and_passes(persona: Persona, fake: FakeWorkersAI) -> None:
     response = await post_quote(b'{"persona": "test-watts", "topic": "rain \\ud83c\\udf27"}')
 
@@ -626,6 +639,7 @@ async def test_a_surrogate_pair_is_a_character_and_passes(persona: Persona, fake
     assert row.topic == "rain \U0001f327"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "frame",
     [

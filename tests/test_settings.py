@@ -28,28 +28,30 @@ print(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
 """
 
 
-def _start(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    # Only the variables the test sets: none of the developer's own configuration leaks in.
+def _start(code: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+    # Only the variables the test sets (development mode unless it says otherwise; None unsets
+    # one): none of the developer's own configuration leaks in.
     base = {
         k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "CLOUDFLARE_", "AI_", "QUOTES_"))
     }
+    chosen = {"DJANGO_DEBUG": "true", **env, "DJANGO_SETTINGS_MODULE": "config.settings"}
     return subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
-        env={**base, **env, "DJANGO_SETTINGS_MODULE": "config.settings"},
+        env={**base, **{k: v for k, v in chosen.items() if v is not None}},
         capture_output=True,
         text=True,
         timeout=60,
     )
 
 
-def _settings(*names: str, **env: str) -> dict[str, dict[str, object]]:
+def _settings(*names: str, **env: str | None) -> dict[str, dict[str, object]]:
     result = _start(SHOW % (names,), **env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def _start_up_error(**env: str) -> str:
+def _start_up_error(**env: str | None) -> str:
     result = _start("import django; django.setup()", **env)
     assert result.returncode != 0, "start-up should have been refused"
     last = result.stderr.strip().splitlines()[-1]
@@ -86,6 +88,7 @@ def readme_configuration_rows() -> list[str]:
     return re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", section, flags=re.MULTILINE)
 
 
+@pytest.mark.unit
 def test_readme_table_has_one_row_for_each_variable_settings_reads() -> None:
     rows = readme_configuration_rows()
     read = variables_read_by_settings()
@@ -99,6 +102,25 @@ def test_readme_table_has_one_row_for_each_variable_settings_reads() -> None:
 # -- fail-fast validation --------------------------------------------------------------------------
 
 
+@pytest.mark.system
+def test_debug_is_off_by_default_and_production_refuses_a_missing_or_known_key() -> None:
+    """Issue 29, point 9: with nothing set the settings are production's, which refuse to start
+    without a secret key of their own; the development key (public, in config/settings.py) is
+    refused too. `make run` and the tests ask for development mode by name."""
+    from django.conf import settings
+
+    hosts = {"DJANGO_ALLOWED_HOSTS": "quotes.example.com"}
+    unset = _start_up_error(DJANGO_DEBUG=None, **hosts)
+    dev_key = _start_up_error(DJANGO_DEBUG=None, DJANGO_SECRET_KEY=settings.DEV_SECRET_KEY, **hosts)
+    off = _start_up_error(DJANGO_DEBUG="false", DJANGO_SECRET_KEY=settings.DEV_SECRET_KEY, **hosts)
+
+    for error in (unset, dev_key, off):
+        assert "DJANGO_SECRET_KEY must be set to a secret of your own" in error and "make run" in error
+    assert _settings("DEBUG", DJANGO_DEBUG=None, DJANGO_SECRET_KEY="k" * 50, **hosts) == {"DEBUG": False}
+    assert _settings("DEBUG", "SECRET_KEY") == {"DEBUG": True, "SECRET_KEY": settings.DEV_SECRET_KEY}
+
+
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("env", "named"),
     [
@@ -117,6 +139,7 @@ def test_settings_bad_value_stops_start_up_naming_the_variable(env: dict[str, st
     assert named in _start_up_error(**env)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("name", "value", "replacement"),
     [
@@ -137,6 +160,7 @@ def test_settings_cloudflare_retries_without_a_gateway_stop_start_up(
 # -- one variable per setting ----------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_settings_app_retries_and_cloudflare_gateway_retries_are_apart() -> None:
     values = _settings(
         "QUOTES_GATEWAY",
@@ -162,6 +186,7 @@ def test_settings_app_retries_and_cloudflare_gateway_retries_are_apart() -> None
     assert cloudflare["retries"] == {"max_attempts": None, "retry_delay_ms": None, "backoff": None}
 
 
+@pytest.mark.system
 def test_settings_upstream_http_is_one_object_for_every_remote_backend() -> None:
     values = _settings(
         "AI_HTTP",

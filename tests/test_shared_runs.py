@@ -1,5 +1,5 @@
 """Streams across processes (issue 14, quotes.ai.gateway.shared_runs): two real daphne processes (A and
-B, started with the systemd unit's own command, tests/deployed.py) sharing a real Redis and one
+B, started with the systemd unit's own command, harness/daphne.py) sharing a real Redis and one
 database, answering from the fake Workers AI on 127.0.0.1.
 
 - A client cut mid-stream on A resumes on B with `Last-Event-ID`: exactly the text of one
@@ -36,11 +36,14 @@ import httpx
 import pytest
 import redis
 
+from harness.daphne import ROOT, environment, migrate, running_daphne, wait_for
+from harness.services import client_at, free_port
+from harness.sse import events_of, text_of
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.gateway import redis_clients
-from tests.deployed import ROOT, environment, events_of, running_daphne, text_of, wait_for
-from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.scaleout.services import free_port
+from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
+
+pytestmark = pytest.mark.system
 
 UNIT = "systemd/persona-quotes@.service"
 STREAM = "/api/quotes/stream"
@@ -93,9 +96,7 @@ def pair(
             **overrides,
         )
         redis.Redis.from_url(env["REDIS_URL"]).flushdb()
-        subprocess.run(
-            [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-        )
+        migrate(env)
         started = []
         for name in "ab":
             port, log = free_port(), tmp_path / f"daphne-{name}.log"
@@ -343,12 +344,6 @@ def test_relay_a_draining_process_refuses_to_resume_a_run_it_does_not_hold(
 
 
 # -- issue 19: the cross-process cases, with clients on distinct loopback addresses --------------
-
-
-def client_at(address: str) -> httpx.Client:
-    """A client whose connections come from `address` (127.0.0.x): a client of its own to the
-    servers, as a visitor on another machine is."""
-    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=30)
 
 
 def test_shared_a_stop_by_one_client_leaves_another_process_reader_its_whole_quote(
@@ -675,3 +670,36 @@ def test_shared_a_runs_events_in_redis_are_json_never_pickle(
     assert events[-1] == {"done": None}
     facts = json.loads(entries[0][1][b"r"])
     assert (facts["topic"], facts["backend"]) == (QUOTE["topic"], "workers-ai")
+
+
+def test_shared_a_runs_end_sent_while_redis_fails_is_sent_again(
+    pair: Callable[..., Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """The round that carries a run's end fails (Redis holds writes longer than the socket
+    timeout): the end is sent again once Redis takes it, so a reader elsewhere gets the whole
+    quote, not `generation_lost` (the run was dropped, its stream left without an end)."""
+    fake_workers_ai.script(Scenario(tokens=TOKENS[:6], stall_after_tokens=5, stall_s=3))
+    servers = pair(0, REDIS_SOCKET_TIMEOUT="1")
+    client = redis.Redis.from_url(servers.redis_url)
+    body = ask_in_background(servers.a.url)
+
+    def live_tokens() -> int:
+        keys = client.keys("quotes:live:*")
+        entries = client.xrange(keys[0]) if keys else []
+        return sum(isinstance(e, str) for _, f in entries for e in json.loads(f[b"d"]))
+
+    wait_for(lambda: live_tokens() > 0, "A sends tokens to Redis", timeout_s=30)
+    client.client_pause(9000, all=False)  # writes wait 9 s: the round with the end times out
+    lines = body().splitlines()
+    assert text_of(events_of(lines)) == "".join(TOKENS[:6])
+
+    [key] = client.keys("quotes:live:*")
+    wait_for(
+        lambda: {"done": None} in [e for _, f in client.xrange(key) for e in json.loads(f[b"d"])],
+        "A sends the run's end once Redis takes writes again",
+        timeout_s=30,
+    )
+    first_id = next(line.removeprefix("id: ") for line in lines if line.startswith("id: "))
+    resumed = httpx.post(servers.b.url + STREAM, json=QUOTE, headers={"Last-Event-ID": first_id}, timeout=10)
+    assert resumed.status_code == 200, resumed.text
+    assert text_of(events_of(resumed.text.splitlines())) == "".join(TOKENS[1:6])  # after the first

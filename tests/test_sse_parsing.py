@@ -17,6 +17,8 @@ from quotes.ai.backends.workers_ai import parse_events
 from quotes.ai.errors import upstream_dropped, upstream_malformed, upstream_timeout
 from quotes.ai.events import Done, Event, Token, Usage
 
+pytestmark = pytest.mark.unit
+
 SSE = {"content-type": "text/event-stream"}
 
 

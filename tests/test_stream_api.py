@@ -15,7 +15,7 @@ from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, parse_sse, request
 from tests.conftest import slots_held
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 TOKEN_EVENT = re.compile(r'data: \{"response":"(?:[^"\\]|\\.)*"\}\n\n')
 
@@ -52,9 +52,9 @@ async def test_stream_post_sends_the_workers_ai_wire_format(persona: Persona) ->
     counts = usage_payload["usage"]
     assert counts["prompt_tokens"] > 0 < counts["completion_tokens"]
     assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
-    # Every event carries its resume id, `<generation id>:<n>` (n counts the generation's events).
+    # Every event carries its resume id, `<generation id>.<key>:<n>` (n counts the generation's events).
     generation_id = response.headers["x-generation-id"]
-    assert re.search(rf"}}}}\n\nid: {generation_id}:\d+\ndata: \[DONE\]\n\n$", body_text)
+    assert re.search(rf"}}}}\n\nid: {generation_id}\.[0-9a-f]{{16}}:\d+\ndata: \[DONE\]\n\n$", body_text)
     assert body_text.count("\nid: ") + body_text.startswith("id: ") == len(events)
 
     text = "".join(json.loads(t["data"])["response"] for t in tokens)
@@ -71,12 +71,17 @@ async def test_stream_post_sends_the_workers_ai_wire_format(persona: Persona) ->
 
 
 async def test_stream_get_for_eventsource_matches_post(persona: Persona) -> None:
-    response = await request("GET", "/api/quotes/stream", query=f"persona={persona.slug}&topic=the%20sea")
+    response = await request(
+        "GET",
+        "/api/quotes/stream",
+        query=f"persona={persona.slug}&topic=the%20sea",
+        headers={"accept": "text/event-stream"},
+    )
 
     assert response.status == 200
     events = parse_sse(response.body)
-    assert events[-1]["data"] == "[DONE]"
-    assert "usage" in json.loads(events[-2]["data"])
+    assert (events[-1]["event"], events[-2]["data"]) == ("done", "[DONE]")
+    assert "usage" in json.loads(events[-3]["data"])
     row = await Generation.objects.aget()
     assert (row.status, row.topic) == (Generation.Status.OK, "the sea")
 
@@ -88,7 +93,7 @@ async def test_stream_sends_the_first_event_before_generation_finishes(
     await stream.start()
     first, more = await stream.next_chunk()
     job = local_backend.jobs[-1]
-    assert re.match(rb'id: [0-9a-f-]{36}:\d+\ndata: \{"response":', first)
+    assert re.match(rb'id: [0-9a-f-]{36}\.[0-9a-f]{16}:\d+\ndata: \{"response":', first)
     assert more
     response = await stream.read_all()
     # The first token left the server while the model thread was still writing.
@@ -251,7 +256,9 @@ async def test_stream_rejects_bad_input_with_a_json_error(
 
 async def test_stream_rejects_an_inactive_persona(persona: Persona) -> None:
     await Persona.objects.filter(pk=persona.pk).aupdate(is_active=False)
-    response = await request("GET", "/api/quotes/stream", query=f"persona={persona.slug}")
+    response = await request(
+        "GET", "/api/quotes/stream", query=f"persona={persona.slug}", headers={"accept": "text/event-stream"}
+    )
     assert response.status == 404
     assert response.json()["error"]["code"] == "unknown_persona"
 
@@ -265,7 +272,7 @@ async def test_stream_is_never_compressed(persona: Persona) -> None:
     )
     assert response.status == 200
     assert "content-encoding" not in response.headers
-    assert re.match(rb"id: [0-9a-f-]{36}:\d+\ndata: ", response.body)
+    assert re.match(rb"id: [0-9a-f-]{36}\.[0-9a-f]{16}:\d+\ndata: ", response.body)
 
 
 async def test_stream_treats_the_topic_as_text_not_a_template(persona: Persona) -> None:

@@ -19,11 +19,12 @@ from channels.testing import WebsocketCommunicator
 from django.core.cache import cache
 from django.db import connection, connections
 
-from quotes.ai import gateway
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
+from quotes.ai.gateway import admission
 from quotes.models import Generation, Persona
+from quotes.request_threads import MAX_THREADS
 from tests.asgi import AsgiStream, StreamedResponse, post_stream
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -81,6 +82,7 @@ async def wait_for_rows(count: int, timeout_s: float = 10.0) -> list[Generation]
 # -- the open-stream cap --------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_open_stream_cap_refuses_at_once_with_503_and_retry_after(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -101,7 +103,7 @@ async def test_open_stream_cap_refuses_at_once_with_503_and_retry_after(
     # The held streams are not disturbed, and once one ends a new stream is admitted.
     await held[0].disconnect()
     for _ in range(100):
-        if gateway.generation.admission.open_streams.count < 2:
+        if admission.open_streams.count < 2:
             break
         await asyncio.sleep(0.02)
     admitted = stream("four")
@@ -115,6 +117,7 @@ async def test_open_stream_cap_refuses_at_once_with_503_and_retry_after(
     assert {row.topic: row.status for row in rows if row.topic}["four"] == Generation.Status.CANCELLED
 
 
+@pytest.mark.integration
 async def test_open_stream_cap_counts_websockets_and_refuses_with_an_error_frame(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -135,6 +138,7 @@ async def test_open_stream_cap_counts_websockets_and_refuses_with_an_error_frame
     await held.disconnect()
 
 
+@pytest.mark.integration
 async def test_open_stream_cap_for_htmx_is_a_503_error_event(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -150,6 +154,7 @@ async def test_open_stream_cap_for_htmx_is_a_503_error_event(
     await held.disconnect()
 
 
+@pytest.mark.integration
 async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_middleware(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -188,6 +193,7 @@ async def test_open_stream_cap_refuses_before_the_session_csrf_auth_and_message_
     assert refusal.request_count == 3
 
 
+@pytest.mark.integration
 async def test_open_stream_cap_refuses_before_djangos_handler_and_its_threads(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -231,6 +237,7 @@ async def test_open_stream_cap_refuses_before_djangos_handler_and_its_threads(
     await held.disconnect()
 
 
+@pytest.mark.integration
 async def test_open_stream_cap_refuses_the_page_form_early_but_csrf_still_meets_cross_site_posts(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -275,6 +282,7 @@ async def test_open_stream_cap_refuses_the_page_form_early_but_csrf_still_meets_
     assert (refusal.status, refusal.request_count) == (Generation.Status.BUSY, 1)
 
 
+@pytest.mark.integration
 async def test_open_stream_cap_refuses_a_request_with_a_session_in_the_view(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
@@ -292,6 +300,7 @@ async def test_open_stream_cap_refuses_a_request_with_a_session_in_the_view(
     await held.disconnect()
 
 
+@pytest.mark.integration
 async def test_stream_responses_carry_no_csp_but_pages_do(persona: Persona, fake: FakeWorkersAI) -> None:
     """No browser renders a stream (or its JSON error) as a page, so it gets no policy (and the
     policy is not built for it); the pages keep theirs."""
@@ -323,6 +332,7 @@ async def test_stream_responses_carry_no_csp_but_pages_do(persona: Persona, fake
 # -- threads --------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_open_streams_hold_no_thread(persona: Persona, fake: FakeWorkersAI) -> None:
     """Django used to keep a thread per request until its last byte: one per open stream."""
     fake.default = Scenario(tokens=["tick"] * 200, token_delay_s=0.05)
@@ -340,6 +350,28 @@ async def test_open_streams_hold_no_thread(persona: Persona, fake: FakeWorkersAI
         await s.disconnect()
 
     assert during - before < 4, (before, during, [t.name for t in threading.enumerate()])
+
+
+@pytest.mark.integration
+async def test_requests_whose_bodies_never_end_hold_no_request_thread(persona: Persona) -> None:
+    """More POSTs than there are request threads send half a body and stall (a server that
+    streams bodies hands them on as they come; daphne, which buffers them, does not): a page is
+    still served at once. The handler used to lease the request's thread before Django read the
+    body, so the 33rd request waited for a thread as long as the stalled clients liked."""
+    stalled = [
+        AsgiStream("POST", URL, headers={"content-type": "application/json"}) for _ in range(MAX_THREADS + 8)
+    ]
+    for s in stalled:
+        await s.communicator.send_input({"type": "http.request", "body": b'{"persona": ', "more_body": True})
+    await asyncio.sleep(0.2)  # every stalled request is in the app, waiting for the rest
+    try:
+        page = AsgiStream("GET", "/")
+        response = await page.start(timeout=10)
+        await page.read_all()
+    finally:
+        for s in stalled:
+            await s.disconnect()
+    assert response.status == 200
 
 
 # -- the group-commit log writer ------------------------------------------------------------------
@@ -362,6 +394,8 @@ def hold_the_write_lock(locked: threading.Event, release: threading.Event) -> No
         connections.close_all()
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_log_writer_loses_no_row_of_many_concurrent_streams(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -422,6 +456,8 @@ async def test_log_writer_loses_no_row_of_many_concurrent_streams(
     assert "done" in ends.values() and "error" in ends.values()
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_log_writer_a_row_that_cannot_be_written_costs_no_other_row(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -458,6 +494,8 @@ async def test_log_writer_a_row_that_cannot_be_written_costs_no_other_row(
     assert all(row.status == Generation.Status.OK for row in rows)
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_log_row_keeps_text_postgresql_cannot_store(persona: Persona, fake: FakeWorkersAI) -> None:
     """A NUL from the model used to make PostgreSQL refuse the row (lost); it is dropped instead."""
     fake.script(Scenario(tokens=["a\x00b", " c"]))
@@ -473,6 +511,8 @@ async def test_log_row_keeps_text_postgresql_cannot_store(persona: Persona, fake
 # -- the persona cache ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration
+@pytest.mark.services
 async def test_persona_cache_follows_saves_updates_and_deactivation(
     persona: Persona, fake: FakeWorkersAI
 ) -> None:
@@ -497,6 +537,7 @@ async def test_persona_cache_follows_saves_updates_and_deactivation(
     assert gone.status == 404
 
 
+@pytest.mark.system
 async def test_persona_cache_follows_another_processs_change_through_redis(
     persona: Persona, fake: FakeWorkersAI, redis_cache: Any
 ) -> None:

@@ -1,5 +1,5 @@
 """What an upstream says when it fails stays with the operator (issue 20): through the stream
-API, against the fake Workers AI (tests/fakes, a real HTTP server on 127.0.0.1) on both of its
+API, against the fake Workers AI (harness/workers_ai.py, a real HTTP server on 127.0.0.1) on both of its
 routes, each backend answers the visitor a fixed message per kind of failure, with the stable
 error code, and writes what the upstream said to the log, redacted.
 
@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
 from quotes.conf import OpenAICompatSettings
 from quotes.models import Generation, Persona
 from tests.asgi import StreamedResponse, parse_sse, post_quote, request
-from tests.fakes.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 
 @pytest.fixture(autouse=True)
@@ -238,7 +238,7 @@ async def test_workers_ai_documented_error_keeps_its_code_and_tells_the_visitor_
     upstream_code: int,
 ) -> None:
     """A documented code still maps to its own error; what Workers AI added goes to the log."""
-    from tests.fakes.workers_ai import EXPECTED_ERRORS
+    from harness.workers_ai import EXPECTED_ERRORS
 
     said = "capacity for org-Q1w2E3r4T5y6U7i8O9p0aSdF at 10.9.8.7:5432, DATABASE_PASSWORD=hunter2"
     fake_workers_ai.script(Scenario.error(upstream_code, said))

@@ -20,11 +20,14 @@ import re
 from collections.abc import AsyncIterator, Sequence
 
 import httpx
+import pytest
 from httpx_sse import EventSource
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quotes.ai.backends.upstream_sse import upstream_events
+
+pytestmark = pytest.mark.unit
 
 #: (data, event type, last event id) of one dispatched event
 Seen = tuple[str, str, str]

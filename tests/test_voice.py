@@ -21,6 +21,7 @@ from django.test import Client
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.local import FRAME_HEADER, LocalBackend, completion_prompt
 from quotes.ai.events import Done, Event, Message, Token, Usage, VoiceExample
@@ -35,7 +36,6 @@ from quotes.ai.voice import (
 from quotes.models import Generation, Persona
 from quotes.selectors import version_history
 from quotes.services import persona_rollback, persona_save
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
 
 from .asgi import parse_sse, request
 from .test_admin import form_data, preview_body, staff_headers
@@ -72,6 +72,7 @@ def persona_with_examples(**overrides: Any) -> Persona:
 # --- the field -----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_voice_examples_parse_topics_notes_and_quote_marks() -> None:
     assert parse_examples(EXAMPLES) == (
         VoiceExample(
@@ -87,6 +88,7 @@ def test_voice_examples_parse_topics_notes_and_quote_marks() -> None:
     assert parse_examples("Wait. Then: go.") == (VoiceExample("", "Wait. Then: go."),)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -100,6 +102,7 @@ def test_voice_examples_beyond_the_frame_limits_are_refused_on_the_field(text: s
     assert message in " ".join(caught.value.message_dict["voice_examples"])
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_seeded_personas_have_examples_naming_their_source_and_a_version_recording_them() -> None:
     sources = {
@@ -121,6 +124,7 @@ def test_seeded_personas_have_examples_naming_their_source_and_a_version_recordi
         assert latest.number == 2 and latest.note == "voice examples (issue 23)"
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_voice_examples_are_versioned_diffed_and_rolled_back() -> None:
     persona = Persona.objects.get(slug="lao-tzu")
@@ -142,6 +146,7 @@ def test_voice_examples_are_versioned_diffed_and_rolled_back() -> None:
     assert persona.examples()[-1].topic == "knowing oneself"
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_admin_edits_voice_examples_as_a_new_version_and_crlf_is_no_change(admin_client: Client) -> None:
     persona = Persona.objects.get(slug="emily-dickinson")
@@ -167,6 +172,7 @@ def test_admin_edits_voice_examples_as_a_new_version_and_crlf_is_no_change(admin
     assert response.status_code == 200 and f"At most {MAX_EXAMPLES} examples" in response.content.decode()
 
 
+@pytest.mark.integration
 async def test_preview_shows_the_model_the_unsaved_examples(
     persona: Persona, staff_headers: dict[str, str]
 ) -> None:
@@ -191,6 +197,7 @@ async def test_preview_shows_the_model_the_unsaved_examples(
     assert (await Persona.objects.aget(pk=persona.pk)).voice_examples == ""
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_rollback_to_a_version_from_before_voice_examples_leaves_none() -> None:
     persona = Persona.objects.get(slug="mark-twain")
@@ -203,6 +210,7 @@ def test_rollback_to_a_version_from_before_voice_examples_leaves_none() -> None:
     assert {k: v for k, v in rolled.config.items() if k in first.config} == first.config
 
 
+@pytest.mark.integration
 @pytest.mark.django_db
 def test_voice_examples_survive_an_export_and_import(tmp_path: Path) -> None:
     path = tmp_path / "personas.json"
@@ -225,6 +233,7 @@ def test_voice_examples_survive_an_export_and_import(tmp_path: Path) -> None:
 # --- what each backend is sent ---------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_frame_shows_the_personas_own_examples_credited_to_it_on_their_topics() -> None:
     persona = persona_with_examples()
     prompt = completion_prompt(persona.build_request(topic='the "rain"'))
@@ -239,11 +248,13 @@ def test_frame_shows_the_personas_own_examples_credited_to_it_on_their_topics() 
     assert "Mary Oliver" not in prompt and "Collected Sayings" not in prompt
 
 
+@pytest.mark.unit
 def test_frame_without_examples_is_the_shared_one() -> None:
     prompt = completion_prompt(persona_with_examples(voice_examples="").build_request(topic="rain"))
     assert prompt == FRAME_HEADER + 'The Sage (Keeper of short sayings), on rain: "Rain'
 
 
+@pytest.mark.unit
 def test_frame_continues_a_conversation_after_the_examples() -> None:
     persona = persona_with_examples()
     request = persona.build_request(
@@ -255,6 +266,7 @@ def test_frame_continues_a_conversation_after_the_examples() -> None:
     )
 
 
+@pytest.mark.unit
 def test_chat_request_carries_the_examples_as_earlier_answers() -> None:
     request = persona_with_examples().build_request(topic="rain", messages=(Message("user", "More?"),))
     assert request.messages == (
@@ -279,6 +291,7 @@ async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> Asyn
     await reset_backends()
 
 
+@pytest.mark.integration
 async def test_workers_ai_gets_the_examples_as_few_shot_turns_and_copies_are_cut(
     fake: FakeWorkersAI, transactional_db: None
 ) -> None:
@@ -323,6 +336,7 @@ def stream_through(guard: CopyGuard, pieces: list[str]) -> tuple[str, bool]:
 EXAMPLE = [VoiceExample("time", "Time is like a river made up of the events which happen.")]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("pieces", "expected", "stopped"),
     [
@@ -368,6 +382,7 @@ _PIECE_TEXT = st.lists(
 ).map("".join)
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(text=_PIECE_TEXT, cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=20))
 def test_copy_guard_says_the_same_however_the_stream_is_cut(text: str, cuts: list[int]) -> None:
@@ -377,6 +392,7 @@ def test_copy_guard_says_the_same_however_the_stream_is_cut(text: str, cuts: lis
     assert longest_copied_run(stream_through(CopyGuard(EXAMPLE), pieces)[0], EXAMPLE) < COPY_RUN_WORDS
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("piece", ["1732456789012345678", " word", "-"])
 def test_copy_guard_keeps_little_of_a_long_stream(piece: str) -> None:
     # A model that writes one endless word (digits, no space) or many words: each piece costs
@@ -387,6 +403,7 @@ def test_copy_guard_keeps_little_of_a_long_stream(piece: str) -> None:
     assert len(guard._text) <= 2 * len(piece)
 
 
+@pytest.mark.integration
 async def test_guard_copies_closes_the_backend_stream_when_it_cuts() -> None:
     closed = []
 
@@ -409,6 +426,7 @@ async def test_guard_copies_closes_the_backend_stream_when_it_cuts() -> None:
 # --- the embedded model ---------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_local_quote_ends_after_its_last_allowed_sentence(local_backend: LocalBackend) -> None:
     body = {
         "prompt": 'Short sentences, one after another: "I walk. You run. We stop. They sing. She',
@@ -427,6 +445,7 @@ async def test_local_quote_ends_after_its_last_allowed_sentence(local_backend: L
     assert isinstance(done, Done) and isinstance(usage, Usage) and usage.prompt_tokens > 10
 
 
+@pytest.mark.integration
 async def test_local_frames_are_reused_from_slots_and_from_the_prompt_cache(
     local_backend: LocalBackend,
 ) -> None:
@@ -466,6 +485,7 @@ async def test_local_frames_are_reused_from_slots_and_from_the_prompt_cache(
 # --- the benchmark ---------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_voice_bench_tiny_run_prints_sane_figures_and_a_blind_sheet(tmp_path: Path) -> None:
     result = subprocess.run(
         [

@@ -13,18 +13,20 @@ from typing import Any
 
 import pytest
 
+from harness.workers_ai import FakeWorkersAI, Scenario, render_body
 from quotes.ai.backends import get_backend, reset_backends
 from quotes.ai.backends.workers_ai import WorkersAIBackend
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Meta, Token, Usage
 from quotes.conf import CloudflareGatewayRetries, CloudflareGatewaySettings
-from tests.fakes.fixtures import (
+from tests.fixtures import (
     TEST_ACCOUNT_ID,
     TEST_API_TOKEN,
     TEST_GATEWAY_TOKEN,
     gateway_config,
     upstream_configs,
 )
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario, render_body
+
+pytestmark = pytest.mark.integration
 
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 REQUEST = GenerationRequest(

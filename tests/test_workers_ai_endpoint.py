@@ -15,20 +15,20 @@ from typing import Any
 import pytest
 from django.forms.models import model_to_dict
 
+from harness.workers_ai import ERROR_CODES as FAKE_ERROR_CODES
+from harness.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, Scenario, render_body
 from quotes.ai.backends import reset_backends
 from quotes.ai.backends.workers_ai import ERROR_CODES as BACKEND_ERROR_CODES
 from quotes.conf import CloudflareGatewayRetries, CloudflareGatewaySettings, OpenAICompatSettings
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, StreamedResponse, parse_sse, request, without_ids
-from tests.fakes.fixtures import (
+from tests.fixtures import (
     TEST_ACCOUNT_ID,
     TEST_API_TOKEN,
     TEST_GATEWAY_TOKEN,
     gateway_config,
     upstream_configs,
 )
-from tests.fakes.workers_ai import ERROR_CODES as FAKE_ERROR_CODES
-from tests.fakes.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, Scenario, render_body
 from tests.llama_server import LlamaServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -75,11 +75,12 @@ async def use_workers_ai(settings: Any, fake: FakeWorkersAI, **overrides: Any) -
 
 
 def wire(response: StreamedResponse) -> bytes:
-    """The body as Workers AI would send it: ours adds only an `id: <generation id>:<n>` line to
+    """The body as Workers AI would send it: ours adds only an `id: <generation id>.<key>:<n>` line to
     each event (numbers rising), which SSE clients that do not resume ignore."""
     generation_id = response.headers["x-generation-id"]
     blocks = response.body.decode().split("\n\n")[:-1]
-    numbers = [int(block.split("\n", 1)[0].removeprefix(f"id: {generation_id}:")) for block in blocks]
+    numbers = [int(block.split("\n", 1)[0].rpartition(":")[2]) for block in blocks]
+    assert all(block.startswith(f"id: {generation_id}.") for block in blocks)
     assert numbers == sorted(set(numbers)), numbers
     return without_ids(response.body)
 
@@ -179,6 +180,7 @@ async def assert_error_row(code: str, message: str | None = None, text: str = ""
 # -- the happy path ----------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("route", ["direct", "gateway"])
 async def test_workers_ai_endpoint_streams_a_quote_end_to_end(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, route: str
@@ -229,6 +231,7 @@ async def test_workers_ai_endpoint_streams_a_quote_end_to_end(
     }
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_sends_the_conversation_turns_and_the_topic(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -258,10 +261,13 @@ async def test_workers_ai_endpoint_sends_the_conversation_turns_and_the_topic(
     assert row.request["messages"][2:] == turns
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_get_for_eventsource_streams_the_same_quote(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
-    response = await request("GET", STREAM_URL, query="persona=test-watts&topic=silence")
+    response = await request(
+        "GET", STREAM_URL, query="persona=test-watts&topic=silence", headers={"sec-fetch-dest": "empty"}
+    )
 
     assert response.status == 200
     assert wire(response) == expected_wire(DEFAULT_TOKENS)
@@ -307,6 +313,7 @@ GATEWAY_OPTIONS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("options", "expected"), GATEWAY_OPTIONS)
 async def test_workers_ai_endpoint_sends_each_gateway_option_as_its_header(
     persona: Persona,
@@ -326,6 +333,7 @@ async def test_workers_ai_endpoint_sends_each_gateway_option_as_its_header(
     assert upstream.headers["authorization"] == f"Bearer {TEST_API_TOKEN}"
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_sends_every_gateway_header_at_once(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -352,6 +360,7 @@ async def test_workers_ai_endpoint_sends_every_gateway_header_at_once(
     assert upstream.headers["authorization"] == f"Bearer {TEST_API_TOKEN}"
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_sends_no_gateway_header_without_a_gateway(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -371,6 +380,7 @@ async def test_workers_ai_endpoint_sends_no_gateway_header_without_a_gateway(
 # -- the gateway's response headers ----------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "aig",
     [
@@ -449,6 +459,7 @@ WIRE_VARIANTS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("scenario", WIRE_VARIANTS)
 async def test_workers_ai_endpoint_reads_every_wire_variant(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, scenario: Scenario
@@ -465,6 +476,7 @@ async def test_workers_ai_endpoint_reads_every_wire_variant(
     assert (row.prompt_tokens, row.completion_tokens) == (12, 6)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("openai_style", [False, True], ids=["workers-ai", "openai-style"])
 async def test_workers_ai_endpoint_streams_without_usage_when_upstream_sends_none(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, openai_style: bool
@@ -483,6 +495,7 @@ async def test_workers_ai_endpoint_streams_without_usage_when_upstream_sends_non
     assert row.completion_tokens is None
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_first_token_leaves_before_the_upstream_finishes(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -505,10 +518,12 @@ async def test_workers_ai_endpoint_first_token_leaves_before_the_upstream_finish
 # -- errors before the first token ---------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_workers_ai_endpoint_error_table_covers_every_documented_code() -> None:
     assert set(EXPECTED_ERRORS) == set(BACKEND_ERROR_CODES) == set(FAKE_ERROR_CODES)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("route", ["direct", "gateway"])
 @pytest.mark.parametrize(("upstream_code", "expected"), EXPECTED_ERRORS.items(), ids=str)
 async def test_workers_ai_endpoint_maps_each_documented_error_code(
@@ -537,6 +552,7 @@ async def test_workers_ai_endpoint_maps_each_documented_error_code(
     assert (row.prompt_tokens, row.completion_tokens) == (None, None)
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_error_before_the_stream_keeps_the_gateway_headers(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -599,6 +615,7 @@ GENERIC_ERRORS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("scenario", "status", "code"), GENERIC_ERRORS)
 async def test_workers_ai_endpoint_maps_other_upstream_failures(
     persona: Persona,
@@ -616,6 +633,7 @@ async def test_workers_ai_endpoint_maps_other_upstream_failures(
     await assert_error_row(code, message)
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_wrong_token_is_an_auth_error_not_the_visitors_fault(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -628,6 +646,7 @@ async def test_workers_ai_endpoint_wrong_token_is_an_auth_error_not_the_visitors
     await assert_error_row("upstream_auth", message)
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_refused_connection_is_unreachable(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, closed_port: int
 ) -> None:
@@ -643,6 +662,7 @@ async def test_workers_ai_endpoint_refused_connection_is_unreachable(
     assert fake_workers_ai.requests == []
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_connect_timeout_is_504(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, unaccepting_port: int
 ) -> None:
@@ -662,6 +682,7 @@ async def test_workers_ai_endpoint_connect_timeout_is_504(
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "scenario",
     [
@@ -683,6 +704,7 @@ async def test_workers_ai_endpoint_stall_before_the_first_token_is_504(
     assert time.monotonic() - started < 1.5  # the 0.3 s read timeout, not the default 2 s
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_total_deadline_before_the_first_token_is_504(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -729,6 +751,7 @@ MID_STREAM_FAULTS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("scenario", "timeouts", "code"), MID_STREAM_FAULTS)
 async def test_workers_ai_endpoint_fault_after_the_first_token_ends_with_an_error_event(
     persona: Persona,
@@ -764,6 +787,7 @@ async def test_workers_ai_endpoint_fault_after_the_first_token_ends_with_an_erro
 # -- the visitor goes away --------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_client_disconnect_closes_the_upstream_and_logs_cancelled(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -791,6 +815,7 @@ async def test_workers_ai_endpoint_client_disconnect_closes_the_upstream_and_log
     assert row.duration_ms is not None
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_client_disconnect_before_the_first_token_closes_the_upstream(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -813,6 +838,7 @@ async def test_workers_ai_endpoint_client_disconnect_before_the_first_token_clos
     assert row.text == ""
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_finishing_normally_is_not_a_disconnect(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
 ) -> None:
@@ -875,6 +901,7 @@ SECRET_SCENARIOS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("scenario", SECRET_SCENARIOS)
 async def test_workers_ai_endpoint_never_leaks_a_token(
     persona: Persona,
@@ -894,6 +921,7 @@ async def test_workers_ai_endpoint_never_leaks_a_token(
     await assert_nothing_leaked(response, caplog)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("route", ["direct", "gateway"])
 async def test_workers_ai_endpoint_scrubs_tokens_an_upstream_echoes_back(
     persona: Persona,
@@ -927,6 +955,7 @@ async def test_workers_ai_endpoint_scrubs_tokens_an_upstream_echoes_back(
 # -- the OpenAI-compatible backend through the same endpoint ----------------------------------------
 
 
+@pytest.mark.system
 async def test_openai_backend_endpoint_streams_a_quote_from_llama_cpp(
     persona: Persona, settings: Any, llama_server: LlamaServer
 ) -> None:
@@ -962,6 +991,7 @@ async def test_openai_backend_endpoint_streams_a_quote_from_llama_cpp(
     assert row.text == text
 
 
+@pytest.mark.integration
 async def test_workers_ai_endpoint_reuses_the_upstream_connection(
     persona: Persona, workers_ai_settings: Any
 ) -> None:
@@ -970,7 +1000,7 @@ async def test_workers_ai_endpoint_reuses_the_upstream_connection(
     import asyncio as _asyncio
     import threading
 
-    from tests.fakes.keepalive import KeepAliveUpstream
+    from harness.workers_ai import KeepAliveUpstream
 
     upstream = KeepAliveUpstream(Scenario(tokens=["One", " line."]))
     ready = threading.Event()

@@ -1,7 +1,9 @@
-"""Complete answers, kept in Django's cache and replayed as the same stream."""
+"""Complete answers, kept in Django's cache and replayed as the same stream; and the cache's
+serializer on Redis (JSONSerializer), for every value the app keeps there."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -10,11 +12,38 @@ from dataclasses import asdict, dataclass
 from django.core.cache import cache
 
 from .. import metrics
-from .events import GenerationRequest
+from .events import GenerationRequest, header_safe, plain_text
 from .limits import run_on_cache
 from .redis_health import report
 
 logger = logging.getLogger(__name__)
+
+
+class JSONSerializer:
+    """Django's RedisCache serializer (CACHES' OPTIONS["serializer"]): JSON, where Django's own
+    pickles, so that whoever can write to Redis can alter what the app serves but cannot run
+    code in it. Integers stay Redis integers (INCR). A value that is not JSON reads as None, a
+    miss; each reader checks the shape of what it gets (`misfit` for one that does not fit)."""
+
+    def dumps(self, value: object) -> bytes | int:
+        if type(value) is int:
+            return value
+        return json.dumps(value, separators=(",", ":")).encode()
+
+    def loads(self, data: bytes) -> object:
+        with contextlib.suppress(ValueError):
+            return int(data)
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError):
+            logger.warning("a value in the cache is not JSON: read as a miss")
+            return None
+
+
+def misfit(what: str, value: object) -> None:
+    """A value read from the cache that is not of the shape the app writes: a miss, said once."""
+    if value is not None:
+        logger.warning("%s in the cache has an unexpected shape: read as a miss", what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +78,18 @@ async def get_answer(key: str) -> CachedAnswer | None:
 
 
 def _answer_of(value: object) -> CachedAnswer | None:
-    if not isinstance(value, dict):
-        return None
-    try:
-        return CachedAnswer(**{**value, "tokens": tuple(value["tokens"])})
-    except TypeError:
-        return None  # written by an older release: treat as a miss
+    match value:
+        case {
+            "model": str() as model,
+            "tokens": list() as tokens,
+            "prompt_tokens": int() | None as prompt_tokens,
+            "completion_tokens": int() | None as completion_tokens,
+            "step": int() as step,
+            **rest,
+        } if not rest and all(map(plain_text, tokens)) and header_safe(model):
+            return CachedAnswer(model, tuple(tokens), prompt_tokens, completion_tokens, step)
+    misfit("an answer", value)
+    return None
 
 
 async def store_answer(key: str, answer: CachedAnswer, *, ttl: int) -> None:

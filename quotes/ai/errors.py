@@ -22,6 +22,7 @@ class ErrorCode(StrEnum):
     # The request: bad input, answered before any model is asked.
     METHOD_NOT_ALLOWED = "method_not_allowed"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    NOT_ACCEPTABLE = "not_acceptable"
     BODY_TOO_LARGE = "body_too_large"
     INVALID_JSON = "invalid_json"
     INVALID_FRAME = "invalid_frame"

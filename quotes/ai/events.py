@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -190,19 +192,44 @@ class Ping:
 Event = Token | Usage | Meta | Done | Error | Ping
 
 
-# -- events as JSON (a live run's events in Redis: quotes.ai.gateway.shared_runs) ---------------
+# -- events as JSON (a live run's events in Redis, a finished run's in the cache) ------------------
 #
 # JSON, not pickle: whatever can write to Redis must not be able to run code in every process
 # that reads it. A Token is its text (most events are tokens); any other event is a one-key
-# object naming its kind.
+# object naming its kind. Reading back is strict (ValueError for anything else): a Meta becomes
+# response headers and a permalink, so only the shapes written here, with values fit for those.
+
+#: The upstream response headers a Meta may carry (lower-case prefixes): the backends keep these.
+UPSTREAM_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")
+_HEADER_VALUE = re.compile(r"[^\x00-\x1f\x7f\ud800-\udfff]{0,512}")
+# JSON's \u escapes can make lone surrogates, which no response can encode.
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_META_FIELDS = {f.name for f in dataclasses.fields(Meta)}
 
 
 def to_json(events: list[Event]) -> bytes:
-    return json.dumps([_encoded(event) for event in events], separators=(",", ":")).encode()
+    return json.dumps(encode_events(events), separators=(",", ":")).encode()
 
 
 def from_json(data: bytes) -> list[Event]:
-    return [_decoded(item) for item in json.loads(data)]
+    """The events `to_json` wrote: ValueError for anything else."""
+    try:
+        return decode_events(json.loads(data))
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
+def encode_events(events: Iterable[Event]) -> list[Any]:
+    return [_encoded(event) for event in events]
+
+
+def decode_events(items: object) -> list[Event]:
+    """The events `encode_events` made: ValueError for anything else."""
+    if not isinstance(items, list):
+        raise ValueError("not a list of events")
+    return [_decoded(item) for item in items]
 
 
 def _encoded(event: Event) -> Any:
@@ -220,19 +247,62 @@ def _encoded(event: Event) -> Any:
     return {"ping": None}
 
 
-def _decoded(item: Any) -> Event:
-    if isinstance(item, str):
+def _decoded(item: object) -> Event:
+    if isinstance(item, str) and plain_text(item):
         return Token(item)
+    if not isinstance(item, dict) or len(item) != 1:
+        raise ValueError("not an event")
     [(kind, value)] = item.items()
-    if kind == "usage":
+    if kind == "usage" and isinstance(value, list) and len(value) == 2 and all(map(_count, value)):
         return Usage(*value)
-    if kind == "meta":
+    if kind == "meta" and isinstance(value, dict) and _is_meta(value):
         return Meta(**value)
-    if kind == "error":
+    if kind == "error" and isinstance(value, list) and len(value) == 4:
         code, message, status, retry_after = value
-        return Error(ErrorCode(code), message, status, retry_after)
-    if kind == "done":
-        return Done()
-    if kind == "ping":
-        return Ping()
+        if (
+            isinstance(code, str)
+            and plain_text(message)
+            and _count(status)
+            and 400 <= status <= 599
+            and (retry_after is None or _count(retry_after))
+        ):
+            return Error(ErrorCode(code), message, status, retry_after)
+    if kind in ("done", "ping") and value is None:
+        return Done() if kind == "done" else Ping()
     raise ValueError(f"not an event: {kind!r}")
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def plain_text(value: object) -> bool:
+    """A str that encodes as UTF-8."""
+    return isinstance(value, str) and _SURROGATE.search(value) is None
+
+
+def header_safe(value: object) -> bool:
+    """Fit for a response header's value (no control characters, bounded)."""
+    return isinstance(value, str) and _HEADER_VALUE.fullmatch(value) is not None
+
+
+def _is_meta(value: dict[str, Any]) -> bool:
+    if value.keys() != _META_FIELDS:
+        return False
+    headers, step, generation_id = value["headers"], value["step"], value["generation_id"]
+    return (
+        header_safe(value["model"])
+        and (value["cache_status"] is None or header_safe(value["cache_status"]))
+        and (step is None or _count(step))
+        and (
+            generation_id is None or (isinstance(generation_id, str) and bool(_UUID.fullmatch(generation_id)))
+        )
+        and isinstance(headers, dict)
+        and all(
+            isinstance(name, str)
+            and _HEADER_NAME.fullmatch(name) is not None
+            and name.lower().startswith(UPSTREAM_HEADERS)
+            and header_safe(text)
+            for name, text in headers.items()
+        )
+    )

@@ -115,14 +115,41 @@ def cache_key(key: str) -> str:
     return caches["default"].make_key(key)
 
 
-def count_request(bucket: str, client_key: str, *, limit: int, window: int) -> int | None:
+async def count_request(bucket: str, client_key: str, *, limit: int, window: int) -> int | None:
     """Count one request of `client_key` in `bucket`'s current window. None while within
-    `limit`; else the seconds until the window ends."""
+    `limit`; else the seconds until the window ends. While Redis is down, counted in this
+    process alone (`count_here`): the limit then holds per process, not across them."""
     now = time.time()
     index = int(now // window)
-    if _increment(rate_key(bucket, client_key, window, index), window + 1) > limit:
+    if await count(rate_key(bucket, client_key, window, index), window + 1) > limit:
         return max(1, math.ceil((index + 1) * window - now))
     return None
+
+
+async def count(key: str, ttl: int) -> int:
+    """Add one to the counter `key` (made with `ttl` seconds to live) in the cache, or while
+    Redis is down in this process's memory; the count so far."""
+    try:
+        return await run_on_cache(_increment, key, ttl)
+    except (RedisError, OSError):
+        return count_here(key, ttl)
+
+
+#: Counts kept in this process while Redis is down: key -> (count, expiry on the monotonic clock).
+counts_here: dict[str, tuple[int, float]] = {}
+
+
+def count_here(key: str, timeout: int) -> int:
+    """Add one to `key` in this process's memory (made with `timeout` seconds to live)."""
+    now = time.monotonic()
+    if len(counts_here) > 100_000:  # bounded: expired windows go
+        for old in [k for k, (_, expiry) in counts_here.items() if expiry <= now]:
+            del counts_here[old]
+    total, expiry = counts_here.get(key, (0, 0.0))
+    if expiry <= now:
+        total, expiry = 0, now + timeout
+    counts_here[key] = (total + 1, expiry)
+    return total + 1
 
 
 def count_in_window(key: str, timeout: int) -> int:

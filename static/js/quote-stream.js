@@ -19,7 +19,8 @@
  *
  * A connection that drops mid-stream is resumed: the same URL is asked again with the last
  * event id seen (`last_event_id`), after 0.5, 1, 2 and 4 s (`retryDelays`), and the text goes
- * on exactly where it stopped. Every event of a stream carries `id: <generation id>:<n>`.
+ * on exactly where it stopped. Every event of a stream carries `id: <generation id>.<key>:<n>`
+ * (the key: a secret of this stream's own, so the generation's id alone resumes nothing).
  *
  * It rejects with a `QuoteStreamError` (`code`, `message`, `status`, `retryAfter`, `phase`)
  * for any server or network failure, and with the signal's AbortError when aborted.
@@ -259,7 +260,6 @@ export async function streamQuote({
 
   const model = response.headers.get("X-Quote-Model");
   const modelUrl = response.headers.get("X-Quote-Model-Url");
-  const generationId = response.headers.get("X-Generation-Id") || "";
   onOpen({ model, modelUrl, response });
 
   let text = "";
@@ -320,7 +320,8 @@ export async function streamQuote({
    * doubles each time (the server keeps the generation running for a grace period, about
    * 10 s). A new reader, or null when the tries are used up. */
   async function resume() {
-    const id = lastEventId || (generationId ? `${generationId}:0` : "");
+    // Only an event id carries the generation's resume key: its id alone resumes nothing.
+    const id = lastEventId;
     while (id && attempt < retryDelays.length) {
       await pause(retryDelays[attempt++], signal);
       let next;

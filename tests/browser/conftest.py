@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import os
 import sqlite3
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,11 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.deployed import wait_until_answering
-from tests.fakes.workers_ai import FakeWorkersAI
-from tests.scaleout.services import free_port, stop_process
+from harness.daphne import ROOT, migrate, running
+from harness.services import free_port
+from harness.workers_ai import FakeWorkersAI
 
-ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 ACCOUNT_ID = "acct-test"
 #: A secret-looking credential the Workers AI sites are started with: it must never reach a page.
@@ -63,25 +61,12 @@ def start_daphne(tmp_dir: Path, **extra_env: str) -> Iterator[DaphneServer]:
         **extra_env,
     }
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-    )
+    migrate(env)
     port = free_port()
     log_path = tmp_dir / "daphne.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_answering(url + "/", process, log_path)
+    command = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"]
+    with running(command, port, env, log_path, path="/", any_status=True) as (_, url):
         yield DaphneServer(url=url, db_path=db_path, log_path=log_path)
-    finally:
-        stop_process(process, timeout=15)
 
 
 def workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:

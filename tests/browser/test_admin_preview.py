@@ -16,6 +16,8 @@ from playwright.sync_api import Page, expect
 
 from .conftest import ROOT, DaphneServer, start_daphne, watch_console
 
+pytestmark = pytest.mark.system
+
 PASSWORD = "admin-password-for-tests"
 NEW_PROMPT = "You are Alan Watts, speaking from a small boat at dawn."
 

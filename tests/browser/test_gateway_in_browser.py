@@ -10,6 +10,8 @@ from playwright.sync_api import Page, expect
 
 from .conftest import DaphneServer, start_daphne
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def cached_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneServer]:

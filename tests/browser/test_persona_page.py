@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.deployed import wait_for
+from harness.daphne import wait_for
 
 from .conftest import RECORDER, DaphneServer, assert_streamed_in_steps, watch_console
+
+pytestmark = pytest.mark.system
 
 TRANSPORTS = pytest.mark.parametrize("transport", ["htmx", "fetch"])
 

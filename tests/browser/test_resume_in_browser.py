@@ -23,9 +23,11 @@ import httpx
 import pytest
 from playwright.sync_api import BrowserContext, Page, expect
 
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from harness.workers_ai import FakeWorkersAI, Scenario
 
 from .conftest import DaphneServer, start_daphne, watch_console, workers_ai_env
+
+pytestmark = pytest.mark.system
 
 TOKENS = tuple(f"word{i} " for i in range(60))
 QUOTE = "".join(TOKENS).strip()
@@ -161,10 +163,10 @@ def test_resume_on_real_daphne_after_closing_the_socket(site: DaphneServer, upst
                 received.append(json.loads(line[6:])["response"])
             if len(received) == 5:
                 break  # leaving the block closes the socket mid-stream
-    assert last_id.startswith(generation_id + ":")
+    assert last_id.startswith(generation_id + ".")
 
     with httpx.Client(base_url=site.url, timeout=30) as client:
-        rest = client.get("/api/quotes/stream", headers={"Last-Event-ID": last_id})
+        rest = client.get("/api/quotes/stream", headers={"Last-Event-ID": last_id, "Sec-Fetch-Dest": "empty"})
     tokens = [
         json.loads(line[6:]).get("response", "")
         for line in rest.text.splitlines()

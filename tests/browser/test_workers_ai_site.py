@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from harness.workers_ai import FakeWorkersAI, Scenario
 
 from .conftest import (
     ACCOUNT_ID,
@@ -23,6 +23,8 @@ from .conftest import (
     watch_console,
     workers_ai_env,
 )
+
+pytestmark = pytest.mark.system
 
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 MODEL_URL = "https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct/"

@@ -243,6 +243,7 @@ class LocalBackend:
         self._api_key = secrets.token_hex(32)
         # One worker thread per slot: a generation holds one for as long as it streams.
         self._executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="local-model")
+        self._closing = False
         self._pending = 0
         self._running = 0
         self._pending_lock = threading.Lock()
@@ -303,7 +304,8 @@ class LocalBackend:
 
     async def aclose(self) -> None:
         """Stop taking work and free the model once the running generations (if any) are over."""
-        if not self._executor._shutdown:
+        if not self._closing:
+            self._closing = True
             self._executor.shutdown(wait=False, cancel_futures=True)
             for job in list(self._live):  # a closing process does not finish anyone's quote
                 job.stop.set()
@@ -345,8 +347,15 @@ class LocalBackend:
 
         job = _Job(body=body, put=put, max_sentences=max_sentences, enough_words=enough_words, lead=lead)
         self._live.add(job)
+        try:
+            self._executor.submit(self._run, job)
+        except RuntimeError:  # shut down: the process is closing, and runs nobody's quote
+            with self._pending_lock:
+                self._pending -= 1
+            self._live.discard(job)
+            yield busy()
+            return
         self.jobs = [*self.jobs[-49:], job.stats]
-        self._executor.submit(self._run, job)
         try:
             try:
                 async with asyncio.timeout(self.queue_timeout_s):

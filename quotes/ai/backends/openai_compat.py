@@ -34,15 +34,23 @@ from ..errors import (
     upstream_unavailable,
     upstream_unreachable,
 )
-from ..events import SAMPLING_FIELDS, Done, Error, Event, GenerationRequest, Meta, Token, Usage
+from ..events import (
+    SAMPLING_FIELDS,
+    UPSTREAM_HEADERS,
+    Done,
+    Error,
+    Event,
+    GenerationRequest,
+    Meta,
+    Token,
+    Usage,
+)
 from .upstream_sse import upstream_events
 
 logger = logging.getLogger(__name__)
 
 #: How much of an error body we read: enough for any JSON error, bounded against a hostile one.
 _ERROR_BODY_LIMIT = 64 * 1024
-#: Upstream response headers worth keeping on Meta (lower-case prefixes).
-_KEPT_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
 
 # The OpenAI sampling fields GenerationRequest can carry. Some (top_k, repetition_penalty) are
 # not OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
@@ -208,7 +216,9 @@ class OpenAICompatBackend:
 
     def _meta(self, response: httpx.Response, model: str) -> Meta:
         kept = {
-            name: value for name, value in response.headers.items() if name.lower().startswith(_KEPT_HEADERS)
+            name: value
+            for name, value in response.headers.items()
+            if name.lower().startswith(UPSTREAM_HEADERS)
         }
         return Meta(model=str(model), headers=kept)
 

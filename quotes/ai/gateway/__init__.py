@@ -12,20 +12,5 @@ limits), the answer cache, coalescing, retries, fallbacks, timeouts, keep-alive,
       log.py         the row each stream gathers, and the group-commit writer
 
 Each part can be driven alone; tests/test_gateway.py drives them all through the stream endpoint.
+This `__init__` imports nothing: importing any one part (say `capacity`) runs it first.
 """
-
-from __future__ import annotations
-
-from .flights import flights as _flights
-from .generation import ANONYMOUS, Client, refuse_if_full, stream_generation
-from .policy import NOT_FOR_FALLBACK, RETRYABLE
-
-__all__ = [
-    "ANONYMOUS",
-    "NOT_FOR_FALLBACK",
-    "RETRYABLE",
-    "Client",
-    "_flights",
-    "refuse_if_full",
-    "stream_generation",
-]

@@ -140,6 +140,7 @@ if ARGV[7] == '1' then
     if n > tonumber(ARGV[8]) then return 3 end
   end
 end
+if ARGV[6] == '' then return 0 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[3]) then return 2 end
 redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[5]), ARGV[6])
@@ -195,7 +196,7 @@ class Leases:
         """Forget the slots of a loop that is gone (a finished test's)."""
         self._keeper = None
         self.held.clear()
-        _counts_here.clear()
+        limits.counts_here.clear()
 
     def keep_renewed(self) -> None:
         keeper = self._keeper
@@ -291,6 +292,20 @@ async def admit(
         return Ticket(client_key, lease, slot)
     open_streams.close(slot)
     reason, retry_after, network = refused
+    return _refused(reason, retry_after, network, limit)
+
+
+async def count(client_key: str, options: GatewaySettings, *, network_key: str = "") -> Error | None:
+    """Count a request refused before admission (invalid, its socket busy) as `admit` counts a
+    new stream, taking no slot: the 429 Error once over the client's or the network's limit."""
+    limit, window = options.rate_limit
+    refused, _ = await _take_slot(
+        client_key, "", network_key=network_key, limit=limit, window=window, options=options, new=True
+    )
+    return None if refused is None else _refused(*refused, limit)
+
+
+def _refused(reason: ErrorCode, retry_after: int, network: bool, limit: int) -> Error:
     if reason == ErrorCode.RATE_LIMITED and network:
         message = f"Your network has asked for many quotes in a short while. Try again in {retry_after} s."
     elif reason == ErrorCode.RATE_LIMITED:
@@ -315,8 +330,8 @@ async def _take_slot(
     new: bool,
 ) -> tuple[tuple[ErrorCode, int, bool] | None, bool]:
     """Count the request (when `new`: against the client's limit, then its network's) and take
-    a slot: (None, or why not, when to try again, and whether the network's limit refused it;
-    whether the slot is a lease in Redis). On Redis, one atomic script (a request cancelled
+    a slot unless `lease` is "": (None, or why not, when to try again, and whether the network's
+    limit refused it; whether the slot is a lease in Redis). On Redis, one atomic script (a request cancelled
     while it runs leaves at most a lease that nobody renews: it expires). While Redis is down,
     or without it, in this process's memory, with no await: atomic by itself."""
     now = time.time()
@@ -347,7 +362,7 @@ async def _take_slot(
         return (ErrorCode.RATE_LIMITED, retry_after, False), False
     if new and net_key and await _count(net_key, net_window + 1) > net_limit:
         return (ErrorCode.RATE_LIMITED, net_retry_after, True), False
-    if leases.count(client_key) >= options.max_concurrent_streams:
+    if lease and leases.count(client_key) >= options.max_concurrent_streams:
         return (ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False), False
     return None, False
 
@@ -355,28 +370,7 @@ async def _take_slot(
 async def _count(key: str, ttl: int) -> int:
     """Without REDIS_URL the counts are the cache's, shared with the WebSocket's count of refused
     starts; while Redis is down (or the cache is a Redis that is down), this process's own."""
-    if not redis_clients.enabled():
-        try:
-            return await limits.run_on_cache(limits.count_in_window, key, ttl)
-        except (RedisError, OSError):
-            pass
-    return _count_here(key, ttl)
-
-
-#: Counts kept in this process while Redis is down: key -> (count, expiry on the monotonic clock).
-_counts_here: dict[str, tuple[int, float]] = {}
-
-
-def _count_here(key: str, timeout: int) -> int:
-    now = time.monotonic()
-    if len(_counts_here) > 100_000:  # bounded: expired windows go
-        for old in [k for k, (_, expiry) in _counts_here.items() if expiry <= now]:
-            del _counts_here[old]
-    count, expiry = _counts_here.get(key, (0, 0.0))
-    if expiry <= now:
-        count, expiry = 0, now + timeout
-    _counts_here[key] = (count + 1, expiry)
-    return count + 1
+    return limits.count_here(key, ttl) if redis_clients.enabled() else await limits.count(key, ttl)
 
 
 async def _take_shared(

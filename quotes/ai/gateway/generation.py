@@ -242,8 +242,6 @@ async def stream_generation(
                     messages=messages,
                     primary=primary,
                     models=list(dict.fromkeys(models)),
-                    cache_key=key if use_cache else None,
-                    cache_ttl=ttl,
                 )
                 flight = Flight(key if use_cache else None)
                 owner = None

@@ -30,7 +30,15 @@ kernel drops it when the process ends, however it ends. When the writer thread s
 row, or quotes.server's start-up), it takes over the spool file of every process that is gone:
 under that file's lock, it appends the file's rows to its own outbox and deletes the file, so two
 live processes never replay the same file. The files are kept per database (a subdirectory named
-after it), so a row is only ever replayed into the database it was meant for.
+after the whole connection: engine, host, port, name and user), so a row is only ever replayed
+into the database it was meant for.
+
+What the outbox trusts: only what this user wrote. Every level is 0700 and this user's (a looser
+one is tightened; a link, or another user's, is refused); only regular files of this user's are
+read, without following links or blocking; each line is signed with SECRET_KEY and holds only the
+REPLAYED fields, so a planted line is logged and never replayed. A file holds at most
+QUOTES_OUTBOX_MAX_BYTES (past it, rows are dropped with an ERROR); other connections' files left
+for QUOTES_LOG_RETENTION_DAYS are deleted at a take-over.
 
 The writer thread opens its database connection on demand and keeps it while rows keep coming:
 once nothing has come for IDLE_CLOSE_S it closes it like a request would (per CONN_MAX_AGE), so
@@ -44,12 +52,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import contextlib
 import fcntl
 import hashlib
+import itertools
+import json
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 import uuid
@@ -61,6 +73,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core import serializers
+from django.core.signing import Signer
 from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
@@ -97,6 +110,16 @@ IDLE_CLOSE_S = 1.0
 #: a statement cancelled or timed out (57014), the server shutting down or starting (57P01-03),
 #: a system error (58). Any other SQLSTATE is about the row (or the query) itself.
 TRANSIENT_SQLSTATES = ("08", "25006", "40001", "40P01", "53", "55P03", "57014", "57P", "58")
+#: The fields a row keeps through the outbox: those its stream sets. Never its id, its creation
+#: time, or what visitors did with it later (shared it, rated it).
+REPLAYED = (
+    *("public_id", "persona", "persona_version", "backend", "model", "fallback_step", "topic"),
+    *("status", "cache_status", "error_code", "error_message", "text", "prompt_tokens"),
+    *("completion_tokens", "cost_usd", "ttft_ms", "duration_ms", "request", "upstream_headers"),
+    *("client_hash", "is_preview"),
+)
+#: Each line of the outbox is signed (Django's Signer: SECRET_KEY, and SECRET_KEY_FALLBACKS).
+SIGNED_AS = "quotes.ai.gateway.log.outbox"
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 _Entry = tuple[Generation, _Waiter | None, bool]
@@ -128,6 +151,11 @@ class RowFacts:
             "client_hash": self.client_hash,
             "is_preview": self.preview,
         }
+
+
+#: `RowFacts.fields`' names and JSON types: what a run's facts read back from Redis must be.
+FACT_TYPES: dict[str, tuple[type, ...]] = dict.fromkeys(("backend", "model", "topic", "client_hash"), (str,))
+FACT_TYPES |= {"persona_id": (int,), "persona_version_id": (int, type(None)), "is_preview": (bool,)}
 
 
 async def write_row(record: Record, facts: RowFacts) -> None:
@@ -217,16 +245,73 @@ def _describe(exc: BaseException) -> str:
 
 
 def _dump(row: Generation) -> bytes:
-    """One row as one line: Django's JSON serialization (its field types, foreign keys as ids),
-    ASCII only, so no character in the text can be read as a line break."""
-    return serializers.serialize("json", [row], ensure_ascii=True).encode() + b"\n"
+    """One row as one signed line: Django's JSON serialization of its REPLAYED fields (their
+    types, foreign keys as ids), ASCII only, so no character in the text can be read as a line
+    break."""
+    body = serializers.serialize("json", [row], fields=REPLAYED, ensure_ascii=True)
+    return Signer(salt=SIGNED_AS).sign(body).encode() + b"\n"
 
 
 def _load(line: bytes) -> Generation:
-    (deserialized,) = serializers.deserialize("json", line)
+    """A line as a new row of its REPLAYED fields. Raises BadSignature if this site did not
+    write it."""
+    (record,) = json.loads(Signer(salt=SIGNED_AS).unsign(line.decode().rstrip("\n")))
+    fields = {name: value for name, value in record["fields"].items() if name in REPLAYED}
+    (deserialized,) = serializers.deserialize(
+        "json", json.dumps([{"model": "quotes.generation", "fields": fields}])
+    )
     row = deserialized.object
     assert isinstance(row, Generation)
     return row
+
+
+def _private_directory(path: Path) -> None:
+    """Make `path` a directory only this user may enter (0700; a missing parent too), or check
+    that it is one: a looser mode (an older version's, under UMask=0007) is tightened; a link, or
+    another user's directory, is refused (PermissionError)."""
+    if not path.parent.exists():
+        _private_directory(path.parent)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is not a directory of this user's: the outbox will not use it")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        path.chmod(0o700)
+
+
+def _claim(path: Path) -> tuple[int, os.stat_result] | None:
+    """`path` opened and locked, if it is the spool file of a process that is gone. None if it
+    went meanwhile or its process lives, and (logged, never read) if it is not a regular file of
+    this user's: a link, a FIFO (opened without blocking), a device, another user's file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None  # another process took it over meanwhile
+    except OSError as exc:  # ELOOP: a symbolic link
+        logger.error("%s in the outbox is left alone: %s", path, exc)
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            logger.error("%s in the outbox is not a file of this user's: it is left alone", path)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its process lives
+            info = os.fstat(fd)  # as its process left it
+            if os.path.samestat(info, os.stat(path)):  # else taken over and deleted meanwhile
+                return fd, info
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _expired(path: Path) -> bool:
+    """Whether `path` was last written longer than QUOTES_LOG_RETENTION_DAYS ago (never, at 0)."""
+    retention_s = settings.QUOTES_LOG_RETENTION_DAYS * 86400
+    with contextlib.suppress(OSError):
+        return bool(retention_s) and time.time() - path.lstat().st_mtime > retention_s
+    return False
 
 
 def _fsync_directory(path: Path) -> None:
@@ -254,25 +339,37 @@ class Outbox:
         self._memory: list[Generation] = []
 
     def directory(self) -> Path:
-        """QUOTES_OUTBOX_DIR/<the database>: the files of every process on this database (read once,
-        so a database that changes its name under the writer, as a test's fault does, keeps it)."""
+        """QUOTES_OUTBOX_DIR/<the connection>: the files of every process on this database as this
+        user (read once, so a database that changes its name under the writer, as a test's fault
+        does, keeps it)."""
         if self._directory is None:
             database = connections[DEFAULT_DB_ALIAS].settings_dict
-            identity = "|".join(str(database.get(key) or "") for key in ("ENGINE", "HOST", "PORT", "NAME"))
+            keys = ("ENGINE", "HOST", "PORT", "NAME", "USER")
+            identity = "|".join(str(database.get(key) or "") for key in keys)
             vendor = str(database["ENGINE"]).rpartition(".")[2]
             digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
             self._directory = Path(settings.QUOTES_OUTBOX_DIR) / f"{vendor}-{digest}"
         return self._directory
 
-    def append(self, rows: Sequence[Generation]) -> None:
-        """Add `rows`, on the disk (fsync'd) before this returns. Never raises: rows the disk will
-        not take either are kept in memory (and logged), to be written with the rest."""
+    def append(self, rows: Sequence[Generation]) -> set[int]:
+        """Add `rows`, on the disk (fsync'd) before this returns; returns the indices of those
+        dropped because the file is full (QUOTES_OUTBOX_MAX_BYTES; logged). Never raises: rows
+        the disk will not take either are kept in memory (and logged), to be written with the rest."""
+        lines = [_dump(row) for row in rows]
+        kept = bisect.bisect_right(list(itertools.accumulate(map(len, lines))), self._room())
+        if kept < len(rows):
+            logger.error(
+                "the outbox %s is full (QUOTES_OUTBOX_MAX_BYTES): %d log rows are lost",
+                self.directory(),
+                len(rows) - kept,
+            )
         try:
-            self._add(b"".join(_dump(row) for row in rows))
+            self._add(b"".join(lines[:kept]))
         except Exception:  # a disk that is full or read-only too: the rows must not be lost to it
-            logger.exception("could not write %d log rows to the outbox; they wait in memory", len(rows))
-            self._memory.extend(rows)
-        self.depth += len(rows)
+            logger.exception("could not write %d log rows to the outbox; they wait in memory", kept)
+            self._memory.extend(rows[:kept])
+        self.depth += kept
+        return set(range(kept, len(rows)))
 
     def batches(self) -> Iterator[list[Generation]]:
         """The rows waiting, oldest first, BATCH_SIZE at a time. A line that cannot be read back
@@ -284,7 +381,9 @@ class Outbox:
                     try:
                         batch.append(_load(line))
                     except Exception:
-                        logger.exception("line %d of the outbox %s is not a log row", number, self._path)
+                        logger.exception(
+                            "line %d of the outbox %s is no log row of this site's", number, self._path
+                        )
                         metrics.log_rows_lost(1)
                     if len(batch) >= BATCH_SIZE:
                         yield batch
@@ -309,47 +408,59 @@ class Outbox:
         self.depth = 0
 
     def take_over(self) -> int:
-        """Append to this outbox the rows of every spool file in the directory whose process is
-        gone (its lock can be taken), and delete those files. Returns how many rows were taken."""
-        directory = self.directory()
+        """Append to this outbox the rows of every spool file of this database's whose process is
+        gone (its lock can be taken), and delete those files; delete the files of other databases'
+        that nobody took over within QUOTES_LOG_RETENTION_DAYS. Returns how many rows were taken."""
+        directory = self._make_directory()
         taken = 0
-        for path in sorted(directory.glob("*.jsonl")):
-            if path == self._path:
+        for path in sorted(directory.parent.glob("*/*.jsonl")):
+            ours = path.parent == directory
+            if path == self._path or not (ours or _expired(path)):
                 continue
+            claimed = _claim(path)
+            if claimed is None:
+                continue
+            fd, info = claimed
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # another process took it over meanwhile
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # its process lives (or another process is taking it over now)
-                try:
-                    if not os.path.samestat(os.fstat(fd), os.stat(path)):
-                        continue
-                except FileNotFoundError:
-                    continue  # taken over and deleted between our open and our lock
-                with os.fdopen(os.dup(fd), "rb") as file:
-                    data = file.read()
-                # Whole lines only: a last line without its end was cut short as it was written.
-                lines, _, torn = data.rpartition(b"\n")
-                if torn:
-                    logger.warning("the outbox %s ends in a line cut short; it is left out", path)
-                    metrics.log_rows_lost(1)
-                count = lines.count(b"\n") + 1 if lines else 0
-                if count:
-                    self._add(lines + b"\n")
-                    self.depth += count
-                path.unlink()  # its rows are safe in ours: a crash before this replays them twice, once kept
-                _fsync_directory(directory)
-                taken += count
-                logger.info("took over %d log rows from %s, left by a process that is gone", count, path.name)
+                if ours:
+                    taken += self._take(path, fd, info.st_size)
+                else:
+                    path.unlink()
+                    logger.warning("deleted %s: no process took it over in QUOTES_LOG_RETENTION_DAYS", path)
             except OSError:
                 logger.exception("could not take over the outbox %s", path)
             finally:
                 os.close(fd)
         return taken
+
+    def _take(self, path: Path, fd: int, size: int) -> int:
+        room = self._room()
+        # Whole lines only: a last line without its end was cut short as it was written.
+        lines, _, torn = os.read(fd, max(0, min(size, room))).rpartition(b"\n")
+        if size > room:
+            logger.error("the outbox %s is over QUOTES_OUTBOX_MAX_BYTES: its rows past that are lost", path)
+        elif torn:
+            logger.warning("the outbox %s ends in a line cut short; it is left out", path)
+        metrics.log_rows_lost(1 if torn or size > room else 0)
+        count = lines.count(b"\n") + 1 if lines else 0
+        if count:
+            self._add(lines + b"\n")
+            self.depth += count
+        path.unlink()  # its rows are safe in ours: a crash before this replays them twice, once kept
+        _fsync_directory(path.parent)
+        logger.info("took over %d log rows from %s, left by a process that is gone", count, path.name)
+        return count
+
+    def _room(self) -> int:
+        """How many more bytes this process's file may take (QUOTES_OUTBOX_MAX_BYTES)."""
+        used = os.fstat(self._fd).st_size if self._fd is not None else 0
+        return int(settings.QUOTES_OUTBOX_MAX_BYTES) - used
+
+    def _make_directory(self) -> Path:
+        directory = self.directory()
+        for level in (directory.parent, directory):
+            _private_directory(level)
+        return directory
 
     def _add(self, data: bytes) -> None:
         """Append whole lines to our file, on the disk when this returns. If it raises, the file
@@ -369,8 +480,7 @@ class Outbox:
     def _open(self) -> int:
         if self._fd is not None:
             return self._fd
-        directory = self.directory()
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory = self._make_directory()
         # Made and locked under a name no takeover looks at, then renamed: a process starting
         # meanwhile must never find it unlocked (it would take it over as a dead process's).
         name = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -438,7 +548,8 @@ class LogWriter:
         deadline = time.monotonic() + timeout
         if outbox:
             self._retry_at = 0.0
-        self._close_now = close
+        if close:  # never cleared here: a concurrent flush without `close` must not undo it
+            self._close_now = True
         while time.monotonic() < deadline:
             with self._lock:
                 if (
@@ -533,9 +644,9 @@ class LogWriter:
                 return self._insert(rows)
             except (DatabaseError, InterfaceError) as exc:  # `_insert` raises only `unavailable` ones
                 self._failed(exc)
-        self.outbox.append(rows)
+        lost = self.outbox.append(rows)
         metrics.log_outbox_depth(self.outbox.depth)
-        return set()
+        return lost
 
     def _replay(self) -> None:
         """Write the outbox to the database; it is cleared only when every row went in."""

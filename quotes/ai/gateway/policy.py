@@ -54,8 +54,6 @@ class Plan:
     #: the request for the persona's own model (built once, by the caller)
     primary: GenerationRequest
     models: list[str]
-    cache_key: str | None
-    cache_ttl: int
 
 
 async def generate(plan: Plan) -> AsyncGenerator[Event, None]:

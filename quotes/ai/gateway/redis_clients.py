@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from ... import forks
-from ..redis_health import breaker
+from ..redis_health import RedisUnavailable, breaker
 
 #: This process, as the keys it holds name it (heartbeats, leases, its stop list).
 PROCESS = uuid.uuid4().hex
@@ -42,8 +42,11 @@ def usable() -> bool:
 
 
 def failed(error: BaseException) -> None:
-    """A call to Redis failed: the breaker opens (one WARNING per outage)."""
-    breaker.failed(error)
+    """A call to Redis failed: the breaker opens (one WARNING per outage). The breaker's own
+    refusal (RedisUnavailable) leaves it as it is: re-opened by each refusal, it never closed
+    for a caller that only retries (the sender, while a run's end waited to be sent)."""
+    if not isinstance(error, RedisUnavailable):
+        breaker.failed(error)
 
 
 _clients: tuple[asyncio.AbstractEventLoop, aioredis.Redis, aioredis.Redis] | None = None

@@ -5,8 +5,8 @@
 A run keeps the generation's events as clients see them (`log`, an EventLog: its Meta first,
 then what its flight or its cache replay publishes, the terminal Done or Error last) and
 gathers its row as they come. The event numbered n (1-based) in the log is the one a client
-names with `Last-Event-ID: <public_id>:<n>`, whatever its transport: a connection is a Listener
-reading the log by index, so a resume is only a Listener that starts at n.
+names with `Last-Event-ID: <public_id>.<resume key>:<n>` (`resume_key`), whatever its transport:
+a connection is a Listener reading the log by index, so a resume is a Listener that starts at n.
 
 How a run ends decides its row:
 - its flight or replay reaches Done or Error: the row (ok, error), then the terminal event;
@@ -30,19 +30,23 @@ updates, one list append and one future wake-up per waiting connection, and no t
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import re
 import time
 from array import array
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.core.cache import cache
 
 from ...conf import GatewaySettings
 from ...models import Generation
+from ..cache import misfit
 from ..errors import ErrorCode, stopped
-from ..events import Done, Error, Event, Meta, Ping, Token, Usage
+from ..events import Done, Error, Event, Meta, Ping, Token, Usage, decode_events, encode_events
 from ..limits import run_on_cache
 from ..redis_health import report
 from . import shared_runs
@@ -53,8 +57,8 @@ from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
 
-#: `<public_id>:<n>`: the generation's public id (a UUID) and an event's 1-based number.
-EVENT_ID = re.compile(r"([0-9a-fA-F-]{36}):(\d{1,9})")
+#: `<public_id>.<resume key>:<n>`: the generation's id (a UUID), its `resume_key`, an event's number.
+EVENT_ID = re.compile(r"([0-9a-fA-F-]{36})\.([0-9a-f]{16}):(\d{1,9})")
 
 STOPPED = stopped()
 ABANDONED = Error(ErrorCode.ABANDONED, "Nobody came back for this quote: it was stopped.", 410)
@@ -73,7 +77,7 @@ class EventLog:
     minutes, and a Token (or even a str) per token would cost about 50 bytes each besides its
     characters. Token texts are joined every JOIN_EVERY tokens, each token remembered by its
     end offset (4 bytes); other events are kept as they are. Reading one back makes a Token
-    again. Picklable: a finished log goes to the cache as it is.
+    again. A finished log goes to the cache as JSON (events.encode_events).
 
     This is the interface a log kept elsewhere (Redis, for a resume on another process) would
     offer: `append`, `len`, `at(i)`, `meta_until(n)`, `text`.
@@ -89,6 +93,13 @@ class EventLog:
         self._chunks: list[str] = []  # JOIN_EVERY tokens' texts each
         self._tail: list[str] = []  # the latest tokens' texts, not yet joined
         self._others: list[Event] = []
+
+    @classmethod
+    def of(cls, events: Iterable[Event]) -> EventLog:
+        log = cls()
+        for event in events:
+            log.append(event)
+        return log
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -287,6 +298,8 @@ class Run:
         self.fail(STOPPED, status=Generation.Status.CANCELLED)
         if self.finishing is not None:
             await asyncio.shield(self.finishing)  # the row is written when the answer says "stopped"
+        for listener in list(self.listeners):
+            listener.end(STOPPED)  # now, not after what it has yet to send
         return True
 
     def stop_asked(self) -> None:
@@ -351,7 +364,10 @@ class Run:
                     await run_on_cache(
                         cache.set,
                         finished_key(self.public_id),
-                        (self.client_key, self.log),
+                        {
+                            "client": self.client_key,
+                            "events": encode_events(map(self.log.at, range(len(self.log)))),
+                        },
                         timeout=self.ttl,
                     )
                 except Exception as exc:  # a cache that is down costs a late resume, never this answer
@@ -438,6 +454,10 @@ class Listener:
         self._quiet_since = loop.time()
         try:
             while True:
+                if self._ending is not None:  # a stop ends the connection now, not after its backlog
+                    await self.ticket.release_client_slot()
+                    yield self._ending
+                    return
                 if self.index < len(log):
                     event = log.at(self.index)
                     self.index += 1
@@ -449,10 +469,6 @@ class Listener:
                         return
                     yield event
                     continue
-                if self._ending is not None:
-                    await self.ticket.release_client_slot()
-                    yield self._ending
-                    return
                 if run.ended:
                     return  # resumed at the last event: nothing more to say
                 self.waiter = loop.create_future()
@@ -574,13 +590,23 @@ async def _row_if_lost(public_id: str, event: Event, facts: dict[str, object], l
         logger.exception("could not write the log row of a resume")
 
 
-def parse_event_id(value: object) -> tuple[str, int] | None:
+def resume_key(public_id: str) -> str:
+    """The secret half of a generation's event ids, which only its own stream carries: its id
+    (a permalink's) alone reads nothing. Keyed with the SECRET_KEY, so every process checks it
+    with nothing stored, and not tied to an address (a phone that changes networks resumes)."""
+    return hmac.new(
+        settings.SECRET_KEY.encode(), b"resume:" + public_id.encode(), hashlib.sha256
+    ).hexdigest()[:16]
+
+
+def parse_event_id(value: object) -> tuple[str, str, int] | None:
+    """(public id, resume key, number) of a well-formed event id, else None."""
     if not isinstance(value, str):
         return None
     match = EVENT_ID.fullmatch(value.strip())
     if match is None:
         return None
-    return match[1].lower(), int(match[2])
+    return match[1].lower(), match[2], int(match[3])
 
 
 @dataclass(frozen=True, slots=True)
@@ -598,18 +624,21 @@ class Resumed:
 
 
 async def resume(
-    public_id: str, after: int, *, client_key: str, options: GatewaySettings
+    public_id: str, key: str, after: int, *, client_key: str, options: GatewaySettings
 ) -> Resumed | Error | None:
     """The events of generation `public_id` after the `after`-th, then the live rest: from the
     run in this process, else from its finished events in the cache, else (with REDIS_URL) from
     its events in Redis, live in another process; None when none has it (unknown, expired, or
-    `after` beyond what it sent). A draining process serves only the runs it holds: any other
-    resume is refused like a new stream (the server_draining Error; nginx asks another process),
-    for it could outlive the drain's cut and be closed at exit without a word.
+    `after` beyond what it sent), or when `key` is not its resume key (then as for an unknown
+    id, before any run is touched). A draining process serves only the runs it holds: any
+    other resume is refused like a new stream (the server_draining Error; nginx asks another
+    process), for it could outlive the drain's cut and be closed at exit without a word.
 
     A resume is a connection like a new stream's: admitted (quotes.ai.gateway.admission) before
     anything is read for it, refused with the admission's Error (429 too many streams, 503 at
     the cap), and holding its ticket while it reads."""
+    if not hmac.compare_digest(key, resume_key(public_id)):
+        return None
     run = runs.get(public_id)
     here = run is not None and after <= len(run.log)
     if drain.draining and not here:
@@ -693,6 +722,11 @@ async def _finished(public_id: str) -> tuple[str, EventLog] | None:
     except Exception as exc:
         report(logger, "could not read a finished generation", exc)
         return None
-    if not isinstance(stored, tuple) or len(stored) != 2 or not isinstance(stored[1], EventLog):
-        return None
-    return stored[0], stored[1]
+    match stored:
+        case {"client": str() as client_key, "events": list() as items, **rest} if not rest:
+            try:
+                return client_key, EventLog.of(decode_events(items))
+            except ValueError:
+                pass
+    misfit("a finished generation", stored)
+    return None

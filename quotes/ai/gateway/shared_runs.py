@@ -51,7 +51,7 @@ from ...models import Generation
 from ..errors import ErrorCode, stopped
 from ..events import Done, Error, Event, Ping, Token, from_json, to_json
 from . import redis_clients
-from .log import writer
+from .log import FACT_TYPES, writer
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class Publisher:
     """A run's place in this process's one sender: what of its log is in Redis (`sent`), its
     heartbeat, the answer key it claimed. `poke()` (a run's event, synchronous) marks it."""
 
-    __slots__ = ("beat_due", "claim", "run", "sent", "stop_due")
+    __slots__ = ("beat_due", "claim", "end_tries", "run", "sent", "stop_due")
 
     def __init__(self, run: Shared) -> None:
         self.run = run
@@ -210,6 +210,8 @@ class Publisher:
         self.claim = ""
         #: the run's client stopped it, and it goes on for followers: its resumes elsewhere end
         self.stop_due = False
+        #: rounds that failed to send its end
+        self.end_tries = 0
         publishers[run.public_id] = self
         self.poke()
 
@@ -267,6 +269,23 @@ def _forget(publisher: Publisher) -> None:
         del publishers[publisher.run.public_id]
 
 
+#: Rounds a run's end is tried (about a second apart while Redis fails) before it is given up.
+END_TRIES = 30
+
+
+def _again(publisher: Publisher, ended: bool) -> None:
+    """Send it next round. Its end too: given up, its readers elsewhere would hear that a quote
+    that finished was lost."""
+    if ended:
+        publisher.end_tries += 1
+        if publisher.end_tries >= END_TRIES:
+            logger.warning("gave up publishing the end of run %s to Redis", publisher.run.public_id)
+            _forget(publisher)
+            return
+    _dirty.add(publisher)
+    publisher.beat_due = 0.0
+
+
 #: Publishers with something to send (new events, or their end).
 _dirty: set[Publisher] = set()
 _wake: asyncio.Event | None = None
@@ -318,28 +337,21 @@ async def _send() -> None:
             # Other processes miss these runs for now; their own connections do not.
             redis_clients.failed(exc)
             for publisher, _, ended, _, _ in staged:
-                if ended:
-                    _forget(publisher)  # given up: its resumers will hear it is lost
-                else:
-                    _dirty.add(publisher)
+                _again(publisher, ended)
             await asyncio.sleep(HEARTBEAT_EVERY_S)
             continue
         redis_clients.breaker.succeeded()
         for publisher, end, ended, first, last in staged:
             if any(isinstance(result, Exception) for result in results[first:last]):
                 logger.warning("could not publish run %s's events to Redis", publisher.run.public_id)
-                if ended:
-                    _forget(publisher)
-                else:
-                    _dirty.add(publisher)
-                    publisher.beat_due = 0.0
+                _again(publisher, ended)
                 continue
             publisher.sent = end
             if ended:
                 _forget(publisher)
         if isinstance(results[-1], list):
             for public_id in results[-1]:
-                asked = publishers.get(public_id.decode())
+                asked = publishers.get(public_id.decode(errors="replace"))
                 if asked is not None:
                     asked.run.stop_asked()
 
@@ -468,9 +480,27 @@ _NO_EVENTS = to_json([])
 
 def _new(fields: dict[bytes, bytes], seen: int) -> list[Event]:
     """The events of a stream entry that come after the first `seen` of the run (an entry sent
-    again after a failed reply would repeat some: a client must never get a token twice)."""
-    batch = from_json(fields[b"d"])
-    return batch[max(0, seen - int(fields[b"i"])) :]
+    again after a failed reply would repeat some: a client must never get a token twice).
+    ValueError for an entry this module did not write."""
+    batch = from_json(fields.get(b"d", b""))
+    return batch[max(0, seen - int(fields.get(b"i", b""))) :]
+
+
+def _facts(data: bytes | None) -> dict[str, Any]:
+    """A run's facts (Run.facts) as its first entry has them; ValueError for anything else:
+    they become a log row's fields."""
+    facts = json.loads(data) if data else {}
+    if facts and not (
+        isinstance(facts, dict)
+        and facts.keys() == FACT_TYPES.keys()
+        and all(type(facts[name]) in types for name, types in FACT_TYPES.items())
+    ):
+        raise ValueError("not a run's facts")
+    return facts
+
+
+def _unreadable(public_id: str) -> None:
+    logger.warning("run %s's stream in Redis holds an entry this app did not write: read as lost", public_id)
 
 
 async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None:
@@ -485,10 +515,14 @@ async def read(public_id: str) -> tuple[list[Event], str, dict[str, Any]] | None
     if not entries:
         return None
     events: list[Event] = []
-    for _, fields in entries:
-        events.extend(_new(fields, len(events)))
-    facts = entries[0][1].get(b"r")
-    return events, entries[-1][0].decode(), json.loads(facts) if facts else {}
+    try:
+        for _, fields in entries:
+            events.extend(_new(fields, len(events)))
+        facts = _facts(entries[0][1].get(b"r"))
+    except (ValueError, RecursionError):
+        _unreadable(public_id)
+        return None
+    return events, entries[-1][0].decode(), facts
 
 
 async def stop_elsewhere(public_id: str, client_key: str) -> bool | None:
@@ -578,7 +612,14 @@ async def follow(
             if answer:
                 for entry_id, fields in answer[0][1]:
                     last = entry_id.decode()
-                    batch = _new(fields, seen)
+                    try:
+                        batch = _new(fields, seen)
+                    except ValueError:
+                        _unreadable(public_id)
+                        if for_run:
+                            raise OwnerGone("unreadable") from None
+                        yield generation_lost()
+                        return
                     seen += len(batch)
                     for event in batch:
                         if skip:

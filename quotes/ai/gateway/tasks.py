@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from asgiref.sync import SyncToAsync
+from asgiref.sync import ThreadSensitiveContext
 
-_T = TypeVar("_T")
+T = TypeVar("T")
+
+#: The thread of detached tasks' thread-sensitive calls (what asgiref's one process-wide thread
+#: was for them outside any request).
+detached_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detached")
 
 
-def detached_task(coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
-    """A task that may outlive the request that starts it: not in that request's
-    thread-sensitive context (sync_to_async work of a finished request must not wait on it)."""
-    context = contextvars.copy_context()
-    context.run(SyncToAsync.thread_sensitive_context.set, None)  # type: ignore[arg-type]
-    return asyncio.create_task(coro, context=context)
+def detached_task(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """A task that may outlive the request that starts it: in a thread-sensitive context of its
+    own (asgiref's documented executor argument), not the request's, which refuses calls once
+    the request is over and must not wait on this task."""
+
+    async def detached() -> T:
+        async with ThreadSensitiveContext(executor=detached_thread):
+            return await coro
+
+    task = asyncio.create_task(detached())
+    task.add_done_callback(lambda _: coro.close())  # cancelled before it started: never awaited
+    return task

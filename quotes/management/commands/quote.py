@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from quotes.ai.backends import reset_backends
 from quotes.ai.events import Error, Meta, Token
-from quotes.ai.gateway import stream_generation
+from quotes.ai.gateway.generation import stream_generation
 from quotes.models import Persona
 
 

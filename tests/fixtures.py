@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 
+from harness.services import free_port
+from harness.workers_ai import FakeWorkersAI
 from quotes.conf import (
     CloudflareGatewayRetries,
     CloudflareGatewaySettings,
     UpstreamHTTPSettings,
     WorkersAISettings,
 )
-
-from .workers_ai import FakeWorkersAI
 
 #: Secret-looking test credentials: tests assert they never reach an error, a log line or a page.
 TEST_ACCOUNT_ID = "acct-test"
@@ -130,10 +130,7 @@ async def workers_ai_backend(workers_ai_settings: Any) -> AsyncIterator[Any]:
 @pytest.fixture
 def closed_port() -> Iterator[int]:
     """A port nothing listens on: connecting is refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    yield port
+    yield free_port()
 
 
 @pytest.fixture

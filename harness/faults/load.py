@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from harness.services import client_address
+from harness.sse import parse
+
 PERSONA = "alan-watts"
 STREAM_PATH = "/api/quotes/stream"
 
@@ -52,26 +55,6 @@ class Quote:
 
 #: Clients have 127.0.0.2 to 127.0.0.241 (127.0.0.250 is the settling client's).
 MAX_CLIENTS = 240
-
-
-def address(index: int) -> str:
-    """Client `index`'s own loopback address (127.0.0.2 upwards)."""
-    return f"127.0.0.{2 + index}"
-
-
-def _last_event(body: bytes) -> tuple[str, str]:
-    """The last SSE event of `body`: (its event name, its data)."""
-    blocks = [block for block in body.replace(b"\r\n", b"\n").split(b"\n\n") if block.strip()]
-    for block in reversed(blocks):
-        name, data = "message", []
-        for line in block.decode(errors="replace").split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-        if data:
-            return name, "\n".join(data)
-    return "", ""
 
 
 def _error_code(text: str) -> str:
@@ -121,7 +104,8 @@ async def ask(client: httpx.AsyncClient, base_url: str, name: str) -> Quote:
         quote.code = _error_code(body.decode(errors="replace"))
         quote.detail = body[:300].decode(errors="replace")
         return quote
-    event, data = _last_event(body)
+    last = (parse(body) or [{"event": "", "data": ""}])[-1]
+    event, data = last["event"], last["data"]
     if event == "message" and data == "[DONE]":
         quote.outcome = "done"
     elif event == "error":
@@ -165,10 +149,10 @@ class Load:
         assert 0 < self.clients <= MAX_CLIENTS, f"1 to {MAX_CLIENTS} clients, one address each"
         stop = asyncio.Event()
         # Every client made before any asks: making one blocks the loop (and the clients' clocks).
-        clients = [client_at(address(index)) for index in range(self.clients)]
+        clients = [client_at(client_address(index)) for index in range(self.clients)]
         tasks = [
             asyncio.create_task(
-                self._client(client, address(index), index * self.ramp_s / self.clients, stop)
+                self._client(client, client_address(index), index * self.ramp_s / self.clients, stop)
             )
             for index, client in enumerate(clients)
         ]

@@ -1,8 +1,8 @@
 """The production layout, with every part under the test's hand: two daphne processes started as
-deploy/systemd/persona-quotes@.service starts them (tests/deployed.py), nginx in front with
-deploy/nginx's location rules and upstream block (tests/scaleout/run.py builds the site), one
-PostgreSQL and one Redis from the Debian packages (tests/scaleout/services.py), and the fake
-Workers AI upstream (tests/fakes/workers_ai.py) streaming `tokens` at `tokens_per_second`.
+deploy/systemd/persona-quotes@.service starts them (harness/daphne.py), nginx in front with
+deploy/nginx's location rules and upstream block (harness/scaleout.py builds the site), one
+PostgreSQL and one Redis from the Debian packages (harness/services.py), and the fake
+Workers AI upstream (harness/workers_ai.py) streaming `tokens` at `tokens_per_second`.
 
 Each part can fail on demand: PostgreSQL stopped (`pg_ctl stop -m fast`) or made read-only, Redis
 stopped (and started again, empty, on its port) or paused (SIGSTOP), a daphne killed (SIGKILL)
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import pickle
 import secrets
 import signal
 import subprocess
@@ -31,10 +30,9 @@ import psycopg
 import redis as redis_py
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deployed import start_daphne, wait_until_healthy
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
-from tests.scaleout.run import manage, nginx_site, production_base_env
-from tests.scaleout.services import (
+from harness.daphne import manage, production_base_env, start_daphne, wait_until_healthy
+from harness.scaleout import nginx_site
+from harness.services import (
     DB_NAME,
     Nginx,
     Postgres,
@@ -46,6 +44,7 @@ from tests.scaleout.services import (
     redis_server,
     stop_process,
 )
+from harness.workers_ai import FakeWorkersAI, Scenario
 
 from .load import Load
 
@@ -159,8 +158,8 @@ class Layout:
         client = self.redis_client()
         try:
             for key in client.scan_iter(match="*quotes:personas:version"):
-                # Django's RedisCache pickles a str value.
-                client.set(key, pickle.dumps(uuid.uuid4().hex))
+                # The cache keeps a str value as JSON (quotes.ai.cache.JSONSerializer).
+                client.set(key, json.dumps(uuid.uuid4().hex))
         finally:
             client.close()
 

@@ -1,9 +1,9 @@
 """Scale-out, proven on one machine: two daphne processes behind a real nginx, one PostgreSQL,
 one Redis, production settings (DJANGO_DEBUG=false, collectstatic, JSON logs).
 
-    .venv/bin/python -m tests.scaleout.run
+    .venv/bin/python -m harness.scaleout
 
-The processes (A and B) answer from the fake Workers AI upstream (tests/fakes/workers_ai.py),
+The processes (A and B) answer from the fake Workers AI upstream (harness/workers_ai.py),
 which writes one token every TOKEN_DELAY_S so streaming is visible in the timestamps. Checks,
 one PASS/FAIL/SKIPPED line each:
 
@@ -43,12 +43,21 @@ from typing import Any
 
 import httpx
 
-from tests.deployed import deploy_site, start_daphne, wait_until_healthy
-from tests.fakes.workers_ai import FakeWorkersAI, Scenario
+from harness.daphne import ROOT, manage, production_base_env, start_daphne, wait_until_healthy
+from harness.services import (
+    Nginx,
+    ServiceError,
+    deploy_site,
+    free_port,
+    nginx,
+    postgres,
+    redis,
+    stop_process,
+    tail,
+)
+from harness.sse import Reader
+from harness.workers_ai import FakeWorkersAI, Scenario
 
-from .services import Nginx, ServiceError, free_port, nginx, postgres, redis, stop_process, tail
-
-ROOT = Path(__file__).resolve().parents[2]
 METRICS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-metrics.conf"
 METRICS_TOKEN = secrets.token_urlsafe(24)
 TOKENS = ("The", " river", " does", " not", " hurry", ",", " yet", " it", " arrives", ".")
@@ -81,32 +90,6 @@ def check(condition: object, message: str) -> None:
 # --- setting up -----------------------------------------------------------------------------------
 
 
-def production_base_env(*, database_url: str, redis_url: str, **settings: str) -> dict[str, str]:
-    """This process's environment without the app's own variables, then production settings on
-    PostgreSQL and Redis with the workers-ai backend, then `settings` (the benchmarks in bench/
-    start the same layout with their own upstream and limits)."""
-    env = {
-        key: value for key, value in os.environ.items() if not key.startswith(("DJANGO_", "QUOTES_", "AI_"))
-    }
-    env.pop("DATABASE_URL", None)
-    env.pop("REDIS_URL", None)
-    env.update(
-        {
-            "DJANGO_DEBUG": "false",
-            "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
-            "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
-            # Plain HTTP on 127.0.0.1 here; in production TLS ends at nginx and these stay on.
-            "DJANGO_SECURE_SSL_REDIRECT": "false",
-            "DJANGO_SECURE_PROXY_SSL_HEADER": "true",
-            "DATABASE_URL": database_url,
-            "REDIS_URL": redis_url,
-            "AI_BACKEND": "workers-ai",
-            **settings,
-        }
-    )
-    return env
-
-
 def production_env(
     *, database_url: str, redis_url: str, fake: FakeWorkersAI, static_root: Path
 ) -> dict[str, str]:
@@ -124,17 +107,9 @@ def production_env(
     )
 
 
-def manage(env: dict[str, str], *args: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        raise ServiceError(f"manage.py {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
-
-
 @contextlib.contextmanager
 def daphne(name: str, env: dict[str, str], workdir: Path) -> Iterator[Daphne]:
-    """One daphne process as deploy/systemd/persona-quotes@.service starts it (tests/deployed.py;
+    """One daphne process as deploy/systemd/persona-quotes@.service starts it (harness/daphne.py;
     the app believes nginx's X-Forwarded-For because nginx connects from loopback, a trusted
     proxy by default)."""
     port = free_port()
@@ -193,19 +168,14 @@ def post_quote(base_url: str, topic: str, *, headers: dict[str, str] | None = No
             headers={"Accept-Encoding": "gzip, br", **(headers or {})},
         ) as response,
     ):
-        buffer = b""
+        reader = Reader()
         for chunk in response.iter_raw():
             now = time.perf_counter() - started
             raw += chunk
-            buffer += chunk
-            while b"\n\n" in buffer:
-                block, buffer = buffer.split(b"\n\n", 1)
-                data = [line[6:] for line in block.decode().split("\n") if line.startswith("data: ")]
-                if not data:
-                    continue
-                events.append("\n".join(data))
+            for event in reader.feed(chunk):
+                events.append(event["data"])
                 with contextlib.suppress(ValueError):
-                    payload = json.loads(events[-1])
+                    payload = json.loads(event["data"])
                     if isinstance(payload, dict) and payload.get("response"):
                         tokens.append((now, payload["response"]))
         return Stream(response.status_code, response.headers, tokens, raw, events)
@@ -535,7 +505,7 @@ def main() -> int:
                             for d in (a, b):
                                 print(f"--- daphne {d.name} log (tail)\n{tail(d.log)}")
                             print(f"--- nginx error log (tail)\n{tail(proxy.log_dir / 'error.log')}")
-        except ServiceError as exc:
+        except RuntimeError as exc:  # a ServiceError, or manage.py failing
             print(f"FAIL     setup: {exc}", flush=True)
             return 1
     print(f"{'FAILED' if failures else 'ALL PASSED'} in {time.perf_counter() - started:.1f} s", flush=True)

@@ -1,9 +1,10 @@
-"""Real PostgreSQL, Redis and nginx servers on 127.0.0.1, in a temporary directory, for tests.
+"""Real PostgreSQL, Redis and nginx servers on 127.0.0.1, in a temporary directory, for the tests
+and the benchmarks; free ports, and loopback addresses for clients of their own.
 
-Each runs from the Debian package on a free port and is stopped (and its files removed) on exit.
-Used by `scripts/test-services` (the suite's second run) and by the scale-out check (run.py).
+Each server runs from the Debian package on a free port and is stopped (and its files removed)
+on exit. `scripts/test-services` (the suite's second run) runs:
 
-    python -m tests.scaleout.services -- pytest -q     # runs pytest with DATABASE_URL/REDIS_URL set
+    python -m harness.services -- pytest -q     # runs pytest with DATABASE_URL/REDIS_URL set
 
 PostgreSQL refuses to run as root: as root the cluster belongs to the `postgres` user (created by
 the Debian package) and its commands run through `runuser`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +27,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY_CONF = ROOT / "deploy" / "nginx" / "persona-quotes.conf"
+LOCATIONS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-locations.conf"
 START_TIMEOUT_S = 30.0
 DB_NAME = "persona_quotes"
 DB_USER = "persona_quotes"
@@ -36,9 +43,22 @@ class ServiceError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port nothing listens on now (connecting to it is refused until a server takes it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def client_address(index: int) -> str:
+    """Loopback address `index` (127.0.0.2 upwards; 127.0.0.1 is the servers'): a client of its
+    own to the app (its own rate count, slots and network hash), as a visitor on another
+    machine is."""
+    return f"127.0.0.{2 + index}"
+
+
+def client_at(address: str, timeout: float = 30) -> httpx.Client:
+    """A client whose connections come from `address` (127.0.0.x)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=timeout)
 
 
 def wait_for_port(port: int, *, process: subprocess.Popen[bytes] | None, name: str, log: Path) -> None:
@@ -296,6 +316,49 @@ http {{
                 process.wait(10)
             except subprocess.TimeoutExpired:
                 stop_process(process)
+
+
+def deploy_upstream(addresses: list[str]) -> str:
+    """deploy/nginx/persona-quotes.conf's `upstream persona_quotes` block (balancing, keep-alive),
+    its servers pointed at `addresses` (host:port) with the parameters the deploy file gives its
+    own (max_fails): what nginx does with a draining or restarting process is what the deploy
+    file makes it do."""
+    text = DEPLOY_CONF.read_text()
+    block = re.search(r"upstream persona_quotes \{(.*?)\n\}", text, re.S)
+    assert block is not None, "no upstream block in deploy/nginx/persona-quotes.conf"
+    lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    directives = [line for line in lines if line]
+    servers = [line for line in directives if line.startswith("server ")]
+    params = servers[0].removesuffix(";").split()[2:] if servers else []
+    others = [line for line in directives if not line.startswith("server ")]
+    body = [f"server {address} {' '.join(params)};".replace(" ;", ";") for address in addresses]
+    return "upstream persona_quotes {\n" + "\n".join(f"        {x}" for x in [*others, *body]) + "\n    }"
+
+
+def deploy_site(
+    port: int, addresses: list[str], *, listen: str = "", http: str = "", server: str = ""
+) -> str:
+    """nginx's http-context config for `addresses` (host:port daphnes) as deploy/nginx has it:
+    persona-quotes.conf's `map $http_upgrade` block and its upstream block (deploy_upstream),
+    and a plain-HTTP server on 127.0.0.1:`port` that includes persona-quotes-locations.conf.
+    Every nginx of the tests and the benchmarks is built here, so a change to the deploy files
+    is what they run. `listen`: parameters of the listen directive
+    (a benchmark's backlog); `http`: more http-context text (a log_format, other servers);
+    `server`: more directives in the server block (an access log)."""
+    text = DEPLOY_CONF.read_text()
+    upgrade = re.search(r"^map \$http_upgrade \$connection_upgrade \{.*?\n\}", text, re.S | re.M)
+    assert upgrade is not None, "no `map $http_upgrade` block in deploy/nginx/persona-quotes.conf"
+    return f"""
+{upgrade.group(0)}
+{http}
+    {deploy_upstream(addresses)}
+    server {{
+        listen 127.0.0.1:{port}{" " + listen if listen else ""};
+        server_name 127.0.0.1;
+        {server}
+        include {LOCATIONS_CONF};
+    }}
+"""
 
 
 # --- the command line -----------------------------------------------------------------------------

@@ -1,0 +1,11 @@
+"""The tests' settings: config/settings.py in development mode, asked for explicitly (its default
+is production's, which refuses the development key). The servers and commands the tests start
+inherit DJANGO_DEBUG from this process unless they set it themselves."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["DJANGO_DEBUG"] = "true"
+
+from config.settings import *  # noqa: F403
