@@ -131,6 +131,9 @@ class Scenario:
     #: stall for `stall_s` after this many token events
     stall_after_tokens: int | None = None
     stall_s: float = 0.0
+    #: after `stall_after_tokens` token events, wait until this event is set (at most 30 s): a
+    #: stall that ends when the test says, not after a time a slow machine may outrun
+    hold: threading.Event | None = None
     #: abort the TCP connection (no [DONE], no chunked terminator) after this many token events
     drop_after_tokens: int | None = None
     send_done: bool = True
@@ -259,12 +262,15 @@ class RecordedRequest:
 class _Piece:
     """A run of body bytes and what to do after writing it."""
 
-    __slots__ = ("after_s", "data", "drop")
+    __slots__ = ("after_s", "data", "drop", "hold")
 
-    def __init__(self, data: bytes, after_s: float = 0.0, drop: bool = False) -> None:
+    def __init__(
+        self, data: bytes, after_s: float = 0.0, drop: bool = False, hold: threading.Event | None = None
+    ) -> None:
         self.data = data
         self.after_s = after_s
         self.drop = drop
+        self.hold = hold
 
 
 class FakeWorkersAI:
@@ -525,6 +531,8 @@ class FakeWorkersAI:
                 return
             if piece.after_s:
                 await asyncio.sleep(piece.after_s)
+            if piece.hold is not None:
+                await asyncio.to_thread(piece.hold.wait, 30)
         if streaming and not pieces:
             writer.write(b"0\r\n\r\n")
             await writer.drain()
@@ -616,6 +624,7 @@ def _stream_pieces(scenario: Scenario, record: RecordedRequest, rng: random.Rand
             pieces.append(_Piece(f"data: {{not json{eol}{eol}".encode()))
         if count == scenario.stall_after_tokens:
             piece.after_s += scenario.stall_s
+            piece.hold = scenario.hold
         if count == scenario.drop_after_tokens:
             piece.drop = True
             return pieces
@@ -666,7 +675,7 @@ def _split(pieces: list[_Piece], split: Split, rng: random.Random) -> list[_Piec
     offset = 0
     for piece in pieces:
         offset += len(piece.data)
-        if piece.after_s or piece.drop:
+        if piece.after_s or piece.drop or piece.hold is not None:
             actions[offset] = piece
             cuts.add(offset)
     cuts.discard(len(body))
@@ -679,6 +688,7 @@ def _split(pieces: list[_Piece], split: Split, rng: random.Random) -> list[_Piec
                 body[start:end],
                 after_s=action.after_s if action else 0.0,
                 drop=action.drop if action else False,
+                hold=action.hold if action else None,
             )
         )
         start = end

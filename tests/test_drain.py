@@ -205,7 +205,8 @@ def test_every_refusal_of_a_draining_process_is_counted_up_to_its_exit(
     with sqlite3.connect(server.database) as db:
         [(counted,)] = db.execute("SELECT SUM(request_count) FROM quotes_generation WHERE status = 'busy'")
     assert refused > 10  # the client kept asking through the drain
-    assert counted == refused
+    # The last refusal may be counted and its answer cut by the exit before the client reads it.
+    assert refused <= counted <= refused + 1
 
 
 def test_a_generation_waiting_out_its_resume_grace_ends_as_drained(

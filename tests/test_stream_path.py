@@ -404,7 +404,8 @@ async def test_log_writer_loses_no_row_of_many_concurrent_streams(
     and no stream says [DONE] before its row is in."""
     rng = random.Random(7)
     outcomes = [rng.choice(["done", "leave", "drop", "error"]) for _ in range(40)]
-    stall = {"stall_after_tokens": 1, "stall_s": 1.0}  # all streams are mid-way when the lock is taken
+    go = threading.Event()
+    stall = {"stall_after_tokens": 1, "hold": go}  # all streams are mid-way when the lock is taken
     scripts = {
         "done": Scenario(tokens=["a", "b", "c"], **stall),
         "leave": Scenario(tokens=["tick"] * 100, token_delay_s=0.05, **stall),
@@ -443,6 +444,7 @@ async def test_log_writer_loses_no_row_of_many_concurrent_streams(
     holder.start()
     await asyncio.to_thread(locked.wait, 10)
     lock_taken.set()
+    go.set()
     await asyncio.sleep(1.5)  # every stream has reached its end, or its wait for its row
     release.set()
     await asyncio.gather(*tasks)
