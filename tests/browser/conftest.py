@@ -139,6 +139,15 @@ def watch_console(page: Any) -> list[str]:
     return problems
 
 
+def streamed_in_steps(changes: list[dict[str, Any]], steps: int) -> bool:
+    """Whether `assert_streamed_in_steps` holds."""
+    try:
+        assert_streamed_in_steps(changes, steps)
+    except (AssertionError, ValueError):
+        return False
+    return True
+
+
 def assert_streamed_in_steps(changes: list[dict[str, Any]], steps: int) -> list[str]:
     """What RECORDER saw shows a quote streamed: the card went loading, streaming, done; the
     loading animation showed until the first token, then hid; and the text grew in at least
