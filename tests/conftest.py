@@ -81,7 +81,7 @@ def _local_backend_by_default(settings: pytest.FixtureRequest) -> None:
 @pytest.fixture(autouse=True)
 def _no_resume_grace(settings: pytest.FixtureRequest) -> None:
     """A client that drops stops its generation at once (QUOTES_RESUME_GRACE_S=0), as the tests
-    of a disconnect expect; tests/test_resume.py sets a grace of its own."""
+    of a disconnect expect; tests/stream/test_resume.py sets a grace of its own."""
     settings.QUOTES_GATEWAY = dataclasses.replace(settings.QUOTES_GATEWAY, resume_grace_s=0)  # type: ignore[attr-defined]
 
 
@@ -89,7 +89,7 @@ def _no_resume_grace(settings: pytest.FixtureRequest) -> None:
 def _no_adaptive_admission(settings: pytest.FixtureRequest) -> Iterator[None]:
     """Admission by the static ceiling only (QUOTES_LOOP_LAG_TARGET_MS=0): a loaded test machine's
     event loop lags for reasons of its own, and a test refused for that would fail by chance.
-    tests/test_capacity.py turns the adaptive limit on; each test starts it afresh."""
+    tests/stream/test_capacity.py turns the adaptive limit on; each test starts it afresh."""
     settings.QUOTES_GATEWAY = dataclasses.replace(settings.QUOTES_GATEWAY, loop_lag_target_ms=0)  # type: ignore[attr-defined]
     yield
     from quotes.ai.gateway import capacity
@@ -129,7 +129,7 @@ def _rows_before_the_end(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A stream's terminal event waits for its log row at most log.ROW_WAIT_S, then goes out with
     the row still on its way. Tests read the row as soon as they have the event, and a busy test
     machine may take longer than that to commit it: here the event waits for the row.
-    tests/test_log_outbox.py puts the production bound back."""
+    tests/log/test_log_outbox.py puts the production bound back."""
     from quotes.ai.gateway.log import writer
 
     monkeypatch.setattr(writer, "wait_s", 60.0)

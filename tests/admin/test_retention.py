@@ -17,8 +17,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from quotes.models import Generation, Persona, Vote
-
-from .test_deploy import PRODUCTION, _run
+from tests.deploy.test_deploy import PRODUCTION, _run
 
 pytestmark = [pytest.mark.django_db, pytest.mark.integration, pytest.mark.services]
 

@@ -36,13 +36,12 @@ from quotes.ai.voice import (
 from quotes.models import Generation, Persona
 from quotes.selectors import version_history
 from quotes.services import persona_rollback, persona_save
-
-from .asgi import parse_sse, request
-from .test_admin import form_data, preview_body, staff_headers
+from tests.admin.test_admin import form_data, preview_body, staff_headers
+from tests.asgi import parse_sse, request
 
 __all__ = ["staff_headers"]  # a fixture of test_admin's, used here too
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEEDED = {"alan-watts", "marcus-aurelius", "ada-lovelace", "mark-twain", "emily-dickinson", "lao-tzu"}
 
 EXAMPLES = """\

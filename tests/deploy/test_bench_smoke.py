@@ -10,8 +10,8 @@ with its reason: `test_every_bench_is_smoked_or_excused` fails for a new bench u
 or the other.
 
 Excused, and why:
-- bench/faults.py and bench/voice.py: smoked by their own modules (tests/test_faults.py on its
-  production layout, tests/test_voice.py on the embedded model).
+- bench/faults.py and bench/voice.py: smoked by their own modules (tests/faults/test_faults.py on its
+  production layout, tests/backends/test_voice.py on the embedded model).
 
 Parts skipped where their tool is missing (requirements-bench.txt, not installed into .venv by
 scripts/bootstrap): bench/proxy_overhead.py's uvicorn row (uvicorn) and its profile (py-spy).
@@ -36,7 +36,7 @@ import pytest
 
 pytestmark = pytest.mark.system
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = Path(sys.executable)
 
 Table = list[dict[str, str]]
@@ -232,8 +232,8 @@ SMOKED: dict[str, tuple[Callable[[], list[str]], Callable[[str], None]]] = {
 
 #: bench module -> why it is not smoked (the module's docstring says more)
 EXCUSED = {
-    "voice": "smoked by tests/test_voice.py (one quote per persona, small max_tokens)",
-    "faults": "smoked by tests/test_faults.py (test_faults_bench_tiny_mode_prints_a_table_per_fault), on that module's layout",
+    "voice": "smoked by tests/backends/test_voice.py (one quote per persona, small max_tokens)",
+    "faults": "smoked by tests/faults/test_faults.py (test_faults_bench_tiny_mode_prints_a_table_per_fault), on that module's layout",
 }
 
 

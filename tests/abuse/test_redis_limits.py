@@ -37,7 +37,7 @@ from tests.redis_server import REDIS_CACHE_BACKEND
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STREAM_URL = "/api/quotes/stream"
 
 

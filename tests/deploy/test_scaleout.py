@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.system
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scaleout_script_passes_every_check() -> None:

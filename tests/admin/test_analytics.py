@@ -24,8 +24,7 @@ from quotes.charts import bar_list, nice_ceiling
 from quotes.forms import StatsRangeForm
 from quotes.models import Generation, Persona
 from quotes.selectors import gateway_stats, parse_since, percentile
-
-from .asgi import request
+from tests.asgi import request
 
 ANALYTICS = "/admin/quotes/generation/analytics/"
 EXPORT = "/admin/quotes/generation/export.csv"

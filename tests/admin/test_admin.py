@@ -12,8 +12,7 @@ from django.test import Client
 from django.utils.crypto import get_random_string
 
 from quotes.models import Generation, Persona, PersonaVersion
-
-from .asgi import parse_sse, request
+from tests.asgi import parse_sse, request
 
 pytestmark = pytest.mark.integration
 

@@ -116,7 +116,7 @@ def test_templates_have_no_inline_script_style_or_handlers() -> None:
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "templates"
+    root = Path(__file__).resolve().parents[2] / "templates"
     inline = re.compile(r"<script(?![^>]*\bsrc=)[^>]*>|\sstyle=|\son[a-z]+=", re.IGNORECASE)
     offenders = [
         f"{path.relative_to(root)}: {match.group(0).strip()}"
@@ -135,7 +135,7 @@ def test_persona_page_gives_its_script_every_url(persona: Persona, client: Clien
     assert 'data-stream-url="/api/quotes/stream"' in html
     assert 'data-permalink-url="/q/{id}/"' in html
     assert 'data-feedback-url="/api/quotes/{id}/feedback"' in html
-    js = Path(__file__).resolve().parents[1] / "static" / "js"
+    js = Path(__file__).resolve().parents[2] / "static" / "js"
     for path in [js / "persona-page.js", *(js / "persona").glob("*.js")]:
         source = path.read_text()
         assert "/q/" not in source and "/api/" not in source, path.name
@@ -145,5 +145,5 @@ def test_the_stream_client_mounts_nothing_on_import() -> None:
     """quote-stream.js is imported by the admin preview too: it must not wire any page."""
     from pathlib import Path
 
-    source = (Path(__file__).resolve().parents[1] / "static" / "js" / "quote-stream.js").read_text()
+    source = (Path(__file__).resolve().parents[2] / "static" / "js" / "quote-stream.js").read_text()
     assert "document." not in source and "mountQuoteApp" not in source

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "prod-test-" + "k3y" * 20
 PRODUCTION = {
     "DJANGO_DEBUG": "false",

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("quotes", "config")
 
 # What each layer may not import (a module, or any module inside it).

@@ -28,7 +28,7 @@ from quotes.ai.backends.local import (
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Token, Usage
 from tests.conftest import LONG_COMPLETION, slots_held
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def quote_request(**overrides: object) -> GenerationRequest:

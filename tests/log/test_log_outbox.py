@@ -45,7 +45,7 @@ from tests.asgi import AsgiStream, post_stream, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DONE = b"data: [DONE]\n\n"
 TOKEN = "outbox-metrics-token-81c2"
 #: The longest the lock holder of the hung-database test holds on: long after any [DONE] that

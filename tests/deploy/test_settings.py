@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Documented in the README's table but read by a library, not by config/settings.py: the OpenMP
 #: runtime under llama.cpp (quotes/ai/backends/local.py only gives it a default).

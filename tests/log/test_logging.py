@@ -227,7 +227,7 @@ def test_deployed_nginx_and_daphne_log_no_topic(source: str, tmp_path: Any) -> N
 def test_nginx_site_logs_every_server_in_the_query_free_format() -> None:
     from pathlib import Path
 
-    site = (Path(__file__).resolve().parents[1] / "deploy/nginx/persona-quotes.conf").read_text()
+    site = (Path(__file__).resolve().parents[2] / "deploy/nginx/persona-quotes.conf").read_text()
     servers = site.count("server {")
     assert servers == 4  # the public site on 80 and 443, and one metrics port per daphne process
     assert site.count("access_log /var/log/nginx/persona-quotes.access.log persona_quotes;") == servers

@@ -39,7 +39,7 @@ from tests.limits import at_start_of_window
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STREAM_URL = "/api/quotes/stream"
 
 

@@ -2,7 +2,7 @@
 its 4xx answer, never a 500 — JSON errors from the API, readable pages from the HTML endpoints;
 a Hypothesis fuzz of the stream endpoint's input; template-injection topics reach the model as
 literal text; and the API token never shows in the admin's log pages or its CSV export (the
-other secret paths are covered in tests/test_workers_ai_endpoint.py).
+other secret paths are covered in tests/backends/test_workers_ai_endpoint.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the upstream at once and leaves a `cancelled` row, on both backends; and one tab
 upstream fault with what the visitor sees, what the log row says, and no traceback logged.
 
 The faults' finer points (each code's message, headers, wire variants, secrets) are covered in
-tests/test_workers_ai_endpoint.py and tests/test_gateway.py; this file is the summary table.
+tests/backends/test_workers_ai_endpoint.py and tests/stream/test_gateway.py; this file is the summary table.
 
 Timing: the disconnect trials assert only a generous bound (1 s); the max and the p50 go to
 artifacts/reliability.json and docs/benchmarks.md (target 100 ms), since timing asserts are not
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 MODEL = "@cf/meta/llama-3.1-8b-instruct"
 FALLBACK = "@cf/meta/llama-3.2-3b-instruct"
-ARTIFACT = Path(__file__).resolve().parents[1] / "artifacts" / "reliability.json"
+ARTIFACT = Path(__file__).resolve().parents[2] / "artifacts" / "reliability.json"
 TRIALS = 50
 SEED = 8  # issue 8
 

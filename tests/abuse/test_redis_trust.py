@@ -31,9 +31,9 @@ from quotes.ai.gateway import shared_runs
 from quotes.ai.gateway.runs import resume_key
 from quotes.models import Generation, Persona
 from quotes.personas import VERSION_KEY
+from tests.abuse.test_redis_limits import logged
 from tests.asgi import request
 from tests.redis_server import REDIS_CACHE_BACKEND
-from tests.test_redis_limits import logged
 
 SSE = {"accept": "text/event-stream"}
 

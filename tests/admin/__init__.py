@@ -1,0 +1,1 @@
+"""The admin: personas, log, analytics, metrics, import and export, retention."""

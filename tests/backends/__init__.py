@@ -1,0 +1,1 @@
+"""The model backends and their upstreams: Workers AI, OpenAI-compatible, the embedded model, SSE parsing, voice."""

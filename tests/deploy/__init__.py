@@ -1,0 +1,1 @@
+"""Deploying and running: settings, drain, scale-out on two processes, the code's shape, forks, the benches' smoke runs."""

@@ -1,0 +1,1 @@
+"""Faults: the database, Redis and upstream failing, and the reliability table."""
