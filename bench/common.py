@@ -108,7 +108,7 @@ def parse_args(
 ) -> argparse.Namespace:
     """`parser`'s arguments plus `--smoke`: a tiny run (`smoke` gives the defaults: a few
     streams, a few seconds) that shows the bench still works end to end; its figures mean
-    nothing. Flags given explicitly still win. tests/test_bench_smoke.py runs every bench so."""
+    nothing. Flags given explicitly still win. tests/deploy/test_bench_smoke.py runs every bench so."""
     parser.add_argument(
         "--smoke",
         action="store_true",

@@ -28,7 +28,7 @@ from bench.common import ARTIFACTS, machine, table
 from harness.faults import faults
 from harness.faults.layout import Layout, Settings, started
 
-#: --smoke: the faults it runs, and their length (what the smoke test in tests/test_faults.py runs).
+#: --smoke: the faults it runs, and their length (what the smoke test in tests/faults/test_faults.py runs).
 TINY_FAULTS = ("baseline", "upstream-hung")
 CHECKS = ("rows", "answers", "silence", "slots", "redis outage", "logs")
 

@@ -586,7 +586,7 @@ if 0 < QUOTES_KEPT_QUOTE_RETENTION_DAYS < QUOTES_LOG_RETENTION_DAYS or (
 #
 # Secure by default: with DJANGO_DEBUG=false everything below is on unless turned off by name.
 # `manage.py check --deploy` passes clean on these defaults, nothing silenced, once the domain's
-# owner has answered DJANGO_SECURE_HSTS_PRELOAD (below; tests/test_deploy.py runs it).
+# owner has answered DJANGO_SECURE_HSTS_PRELOAD (below; tests/deploy/test_deploy.py runs it).
 
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 for _origin in CSRF_TRUSTED_ORIGINS:

@@ -74,8 +74,8 @@ ERROR_CODES: dict[int, tuple[int, str]] = {
 }
 
 #: Every documented Workers AI code -> (our code, our HTTP status). Written out, not read from the
-#: backend, so a wrong mapping there fails (tests/test_workers_ai_endpoint.py,
-#: tests/test_reliability.py).
+#: backend, so a wrong mapping there fails (tests/backends/test_workers_ai_endpoint.py,
+#: tests/faults/test_reliability.py).
 EXPECTED_ERRORS: dict[int, tuple[str, int]] = {
     5007: ("model_not_found", 400),
     3042: ("model_not_found", 400),

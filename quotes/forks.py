@@ -4,7 +4,7 @@ The rule (docs/architecture.md): only the documented interfaces of Django, asgir
 redis-py and the rest, except in this module. Each piece below says what it buys, measured side
 by side with the framework's own way (docs/benchmarks.md, "The forks"), and what upstream code
 it relies on: `PINS` holds a hash of that code's source, so an upgrade that changes it fails
-tests/test_forks.py and this app's `quotes.W002` system check instead of breaking us silently.
+tests/deploy/test_forks.py and this app's `quotes.W002` system check instead of breaking us silently.
 A fork that bought less than about 10% of a figure was removed instead of kept here.
 
 1. **Django's middleware on the event loop** (`inline_middleware`). Under ASGI, Django's
@@ -29,8 +29,8 @@ A fork that bought less than about 10% of a figure was removed instead of kept h
 3. **daphne's WebSocket close codes** (`use_server_close_codes`). daphne hands an ASGI
    `websocket.close` code to autobahn's `sendClose()`, which accepts only 1000 and 3000-4999 and
    raises on any other, so a socket closed with 1012 (service restart: the drain) or 1009
-   (message too big) was never closed. A feature, not a speed-up: tests/test_drain.py and
-   tests/test_consumers.py hold it.
+   (message too big) was never closed. A feature, not a speed-up: tests/deploy/test_drain.py and
+   tests/stream/test_consumers.py hold it.
 4. **The start-up heap out of the collector's full passes** (`freeze_startup_heap`). A full
    (generation 2) collection walks every tracked object, Django and the app's modules included,
    and stalls every open stream while it does: 67-68 ms of CPU at 100 streams (89-97 ms at 200),
@@ -340,7 +340,7 @@ def asgi_request(scope: dict[str, Any], body: bytes) -> HttpRequest:
 
 # -- the pins ------------------------------------------------------------------------------------
 
-#: The upstream code each piece relies on (its source's SHA-256; quotes.W002, tests/test_forks.py).
+#: The upstream code each piece relies on (its source's SHA-256; quotes.W002, tests/deploy/test_forks.py).
 #: When one changes, read the new code, check the piece still holds (or is still needed), then
 #: update the hash here.
 # -- redis-py clients whose event loop is gone ------------------------------------------------------

@@ -7,5 +7,5 @@ daphne process or the upstream fails, and the checks that nothing is lost meanwh
   timing every byte;
 - faults.py: the faults, and one run of each (load, inject, recover, settle, check).
 
-tests/test_faults.py runs each fault briefly in CI; bench/faults.py runs them longer.
+tests/faults/test_faults.py runs each fault briefly in CI; bench/faults.py runs them longer.
 """

@@ -1,5 +1,5 @@
 """An upstream's server-sent events, read with httpx-sse, with the two gaps closed where httpx-sse
-0.4.3 departs from the WHATWG rules (tests/test_upstream_sse.py pins both gaps in bare httpx-sse,
+0.4.3 departs from the WHATWG rules (tests/backends/test_upstream_sse.py pins both gaps in bare httpx-sse,
 so a release that closes them shows up there):
 
 - **A leading BOM** hides the first field's name (`\\ufeffdata`), so the first event is lost:

@@ -11,6 +11,6 @@ limits), the answer cache, coalescing, retries, fallbacks, timeouts, keep-alive,
       policy.py      retries and fallbacks before the first token; the three timeouts
       log.py         the row each stream gathers, and the group-commit writer
 
-Each part can be driven alone; tests/test_gateway.py drives them all through the stream endpoint.
+Each part can be driven alone; tests/stream/test_gateway.py drives them all through the stream endpoint.
 This `__init__` imports nothing: importing any one part (say `capacity`) runs it first.
 """
