@@ -263,16 +263,23 @@ def _env_or_error(name: str, kind: type[_T], default: _T | None) -> _T:
 
 # HTTP to a remote model, the same for the workers-ai and openai backends.
 AI_HTTP = UpstreamHTTPSettings(
-    # httpx timeouts, in seconds: connecting, each read, and the whole request.
+    # httpx's connect (and pool) timeout, in seconds. Every later wait is the gateway's to bound
+    # (QUOTES_TTFT_TIMEOUT, QUOTES_IDLE_TIMEOUT, AI_TOTAL_TIMEOUT).
     connect_timeout_s=_env_or_error("AI_CONNECT_TIMEOUT", float, 5.0),
-    read_timeout_s=_env_or_error("AI_READ_TIMEOUT", float, 30.0),
-    total_timeout_s=_env_or_error("AI_TOTAL_TIMEOUT", float, 120.0),
     # Upstream connections one process may hold: each open stream needs one.
     max_connections=_env_or_error("AI_MAX_CONNECTIONS", int, 1000),
 )
 _positive("AI_CONNECT_TIMEOUT", AI_HTTP.connect_timeout_s, low=0.01)
-_positive("AI_READ_TIMEOUT", AI_HTTP.read_timeout_s, low=0.01)
-_positive("AI_TOTAL_TIMEOUT", AI_HTTP.total_timeout_s, low=0.01)
+# Variables that no longer do anything, each with what does its job now. A deploy that still
+# sets one starts, and logs so (quotes.apps): a check warning would stop the deploy's
+# `check --deploy --fail-level WARNING` step (docs/deployment.md).
+RETIRED_VARIABLES = {
+    name: replacement
+    for name, replacement in {
+        "AI_READ_TIMEOUT": "QUOTES_TTFT_TIMEOUT (to the first token) and QUOTES_IDLE_TIMEOUT (between tokens)",
+    }.items()
+    if name in env.ENVIRON
+}
 _positive("AI_MAX_CONNECTIONS", AI_HTTP.max_connections, low=1)
 
 WORKERS_AI = WorkersAISettings(
@@ -448,7 +455,8 @@ QUOTES_GATEWAY = GatewaySettings(
     # so it stays well under a load balancer's usual 60 s idle timeout.
     ttft_timeout_s=_env_or_error("QUOTES_TTFT_TIMEOUT", float, 30.0),
     idle_timeout_s=_env_or_error("QUOTES_IDLE_TIMEOUT", float, 30.0),
-    total_timeout_s=AI_HTTP.total_timeout_s,
+    # The whole generation, whatever the backend (its name predates the app's gateway).
+    total_timeout_s=_env_or_error("AI_TOTAL_TIMEOUT", float, 120.0),
     keepalive_s=_env_or_error("QUOTES_KEEPALIVE_INTERVAL", float, 15.0),
     # On SIGTERM (a deploy), open streams may finish for this long; later ones are told to
     # resume elsewhere. 20 s covers nearly every quote and stays under the stop timeouts of
@@ -473,6 +481,7 @@ for _name, _key in (
     ("QUOTES_KEEPALIVE_INTERVAL", "keepalive_s"),
 ):
     _positive(_name, getattr(QUOTES_GATEWAY, _key), low=0.001)
+_positive("AI_TOTAL_TIMEOUT", QUOTES_GATEWAY.total_timeout_s, low=0.01)
 _positive("QUOTES_CACHE_TTL", QUOTES_GATEWAY.cache_ttl, low=0)
 _positive("QUOTES_RETRY_DELAY_MS", QUOTES_GATEWAY.retry_delay_ms, low=0)
 _positive("QUOTES_DRAIN_TIMEOUT_S", QUOTES_GATEWAY.drain_timeout_s, low=0)

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import logging
+
 from django.apps import AppConfig
+from django.conf import settings
+
+logger = logging.getLogger(__name__)
 
 
 class QuotesConfig(AppConfig):
@@ -14,3 +19,6 @@ class QuotesConfig(AppConfig):
 
         # Before any handler loads its middleware; registers forks' system checks too.
         forks.inline_middleware()
+
+        for name, replacement in settings.RETIRED_VARIABLES.items():
+            logger.warning("%s is set but no longer does anything: %s bound that wait.", name, replacement)

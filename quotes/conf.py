@@ -1,7 +1,7 @@
 """Typed shapes of the app's grouped settings.
 
 config/settings.py reads the environment and builds these; code reads them as attributes
-(`settings.QUOTES_GATEWAY.ttft_timeout_s`, `settings.AI_HTTP.read_timeout_s`), so mypy catches a
+(`settings.QUOTES_GATEWAY.ttft_timeout_s`, `settings.AI_HTTP.connect_timeout_s`), so mypy catches a
 wrong name where a dict's string key would fail at run time. This module imports nothing from
 Django (settings.py imports it before any app is loaded). Tests override one field with
 `dataclasses.replace`.
@@ -49,8 +49,11 @@ class GatewaySettings:
     backoff: Backoff
     #: tried in order after a persona's own fallbacks, only before the first token
     fallback_models: Sequence[str]
+    #: to the first token, across every attempt and fallback (the upstream's headers included)
     ttft_timeout_s: float
+    #: between tokens, once text flows
     idle_timeout_s: float
+    #: the whole generation (AI_TOTAL_TIMEOUT)
     total_timeout_s: float
     keepalive_s: float
     #: on SIGTERM, how long open streams may run on before they are told to resume elsewhere
@@ -64,14 +67,10 @@ class GatewaySettings:
 @dataclass(frozen=True, slots=True)
 class UpstreamHTTPSettings:
     """HTTP to a remote model, shared by the workers-ai and openai backends (AI_CONNECT_TIMEOUT,
-    AI_READ_TIMEOUT, AI_TOTAL_TIMEOUT, AI_MAX_CONNECTIONS): a process talks to its upstream the
-    same way whichever API it speaks."""
+    AI_MAX_CONNECTIONS): a process talks to its upstream the same way whichever API it speaks.
+    The waits after connecting are the gateway's to bound (GatewaySettings)."""
 
     connect_timeout_s: float
-    #: any byte, the response headers and the first token included
-    read_timeout_s: float
-    #: the whole generation (the app's gateway holds every backend to it too)
-    total_timeout_s: float
     #: upstream connections one process may hold: each open stream needs one
     max_connections: int
 

@@ -42,18 +42,16 @@ def workers_ai_config(fake: FakeWorkersAI, **overrides: Any) -> WorkersAISetting
 
 
 def http_config(**overrides: Any) -> UpstreamHTTPSettings:
-    """Upstream HTTP timeouts short enough for tests (settings.AI_HTTP)."""
+    """Upstream HTTP settings with a connect timeout short enough for tests (settings.AI_HTTP)."""
     return replace(
-        UpstreamHTTPSettings(
-            connect_timeout_s=2.0, read_timeout_s=2.0, total_timeout_s=10.0, max_connections=100
-        ),
+        UpstreamHTTPSettings(connect_timeout_s=2.0, max_connections=100),
         **overrides,
     )
 
 
 def upstream_configs(fake: FakeWorkersAI, **overrides: Any) -> tuple[WorkersAISettings, UpstreamHTTPSettings]:
     """(settings.WORKERS_AI, settings.AI_HTTP) for the fake, each override going to whichever of
-    the two has the field (`base_url=...`, `read_timeout_s=...`)."""
+    the two has the field (`base_url=...`, `connect_timeout_s=...`)."""
     http_fields = {f.name for f in fields(UpstreamHTTPSettings)}
     http = {name: value for name, value in overrides.items() if name in http_fields}
     rest = {name: value for name, value in overrides.items() if name not in http_fields}
@@ -108,8 +106,16 @@ def workers_ai_settings(settings: Any, fake_workers_ai: FakeWorkersAI) -> Iterat
     settings.AI_HTTP = http_config()
     settings.AI_GATEWAY = gateway_config(fake_workers_ai)
     # One attempt, no fallbacks: each scripted upstream answer maps straight to what the client
-    # sees. The gateway tests turn retries and fallbacks on where they test them.
-    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_attempts=1, fallback_models=[])
+    # sees. The gateway tests turn retries and fallbacks on where they test them. Deadlines
+    # short enough that a stalled fake ends a test in seconds.
+    settings.QUOTES_GATEWAY = replace(
+        settings.QUOTES_GATEWAY,
+        max_attempts=1,
+        fallback_models=[],
+        ttft_timeout_s=4.0,
+        idle_timeout_s=2.0,
+        total_timeout_s=10.0,
+    )
     yield settings
     _reset_backends()
 

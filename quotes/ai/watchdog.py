@@ -23,7 +23,7 @@ itself once at that deadline. It fires at most about once per timeout period, no
         watchdog.close()
 
 Expiry cancels the task (as `asyncio.timeout` does, and with the same `Task.uncancel()`
-bookkeeping, so nested watchdogs and outside cancellations tell themselves apart). It only
+bookkeeping, so an outside cancellation is told apart from its own). It only
 fires while a wait is guarded: never while the task is between waits, e.g. handing an event on.
 """
 

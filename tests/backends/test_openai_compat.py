@@ -22,12 +22,11 @@ from quotes.ai.errors import upstream_auth
 from quotes.ai.events import Done, Error, Event, GenerationRequest, Message, Meta, Token, Usage
 from quotes.conf import OpenAICompatSettings, UpstreamHTTPSettings
 from quotes.models import Persona
-from tests.asgi import request
+from tests.asgi import StreamedResponse, parse_sse, request
+from tests.limits import configure
 from tests.llama_server import LlamaServer
 
-TIMEOUTS = UpstreamHTTPSettings(
-    connect_timeout_s=2.0, read_timeout_s=20.0, total_timeout_s=60.0, max_connections=100
-)
+TIMEOUTS = UpstreamHTTPSettings(connect_timeout_s=2.0, max_connections=100)
 
 QUOTE = GenerationRequest(
     model="gemma-3-270m",
@@ -449,59 +448,86 @@ async def test_openai_compat_huge_error_body_is_bounded(
     assert len(error.message) < 400
 
 
-@pytest.mark.integration
-async def test_openai_compat_read_stall_times_out(upstream: ScriptedUpstream) -> None:
-    upstream.reply = Reply(pieces=[chunk("a"), asyncio.Event()])
-    timeouts = replace(TIMEOUTS, read_timeout_s=0.3)
-    base_url = upstream.url
-    backend = OpenAICompatBackend(base_url=base_url, api_key="", http=timeouts)
-    try:
-        events = await collect(backend)
-    finally:
-        await backend.aclose()
-    assert events[1] == Token("a")
-    assert isinstance(events[-1], Error)
-    assert (events[-1].code, events[-1].status) == ("upstream_timeout", 504)
+# -- deadlines: the policy's, through the stream API (the backend keeps none) -----------------------
 
 
-@pytest.mark.integration
-async def test_openai_compat_total_deadline_covers_a_trickling_stream(upstream: ScriptedUpstream) -> None:
-    # Every read is quick, but the whole answer would take 5 s: the 0.5 s deadline ends it.
-    upstream.reply = Reply(pieces=[piece for _ in range(50) for piece in (chunk("."), 0.1)])
-    timeouts = replace(TIMEOUTS, read_timeout_s=1.0, total_timeout_s=0.5)
-    base_url = upstream.url
-    backend = OpenAICompatBackend(base_url=base_url, api_key="", http=timeouts)
-    try:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        events = await collect(backend)
-        elapsed = loop.time() - started
-    finally:
-        await backend.aclose()
-    assert isinstance(events[-1], Error)
-    assert events[-1].code == "upstream_timeout"
-    assert 2 <= sum(isinstance(e, Token) for e in events) < 50
-    assert elapsed < 2
-
-
-@pytest.mark.integration
-async def test_openai_compat_backend_takes_its_timeouts_from_ai_http(
-    settings: Any, upstream: ScriptedUpstream
-) -> None:
-    """The backend the app builds reads AI_HTTP (AI_READ_TIMEOUT, ...), not Workers AI's
-    settings, which hold no timeouts any more."""
-    upstream.reply = Reply(pieces=[chunk("a"), asyncio.Event()])
-    settings.OPENAI_COMPAT = OpenAICompatSettings(base_url=upstream.url, api_key="")
-    settings.AI_HTTP = replace(settings.AI_HTTP, read_timeout_s=0.3)
+async def post_quote_to(
+    upstream_url: str, settings: Any, persona: Persona, **gateway: Any
+) -> StreamedResponse:
+    settings.AI_BACKEND = "openai"
+    settings.OPENAI_COMPAT = OpenAICompatSettings(base_url=upstream_url, api_key="")
+    configure(settings, max_attempts=1, fallback_models=[], **gateway)
     await reset_backends()
     try:
-        async with asyncio.timeout(10):  # a guard: the default read timeout is 30 s
-            events = await collect(get_backend("openai"))
+        return await request("POST", "/api/quotes/stream", json_body={"persona": persona.slug})
     finally:
         await reset_backends()
-    assert events[1] == Token("a")
-    assert isinstance(events[-1], Error)
-    assert events[-1].code == "upstream_timeout"
+
+
+def error_code_of(response: StreamedResponse) -> str:
+    *_, error = parse_sse(response.body)
+    assert error["event"] == "error", response.body
+    return str(json.loads(error["data"])["error"]["code"])
+
+
+@pytest.mark.integration
+async def test_openai_compat_stall_before_the_first_token_is_504(
+    upstream: ScriptedUpstream, persona: Persona, settings: Any
+) -> None:
+    upstream.reply = Reply(pieces=[asyncio.Event()])  # the headers, then silence
+
+    response = await post_quote_to(upstream.url, settings, persona, ttft_timeout_s=0.3)
+
+    assert response.status == 504
+    assert response.json()["error"]["code"] == "upstream_timeout"
+    await asyncio.wait_for(upstream.client_gone.wait(), 2)  # the abandoned response was closed
+
+
+@pytest.mark.integration
+async def test_openai_compat_stall_mid_stream_ends_with_idle_timeout(
+    upstream: ScriptedUpstream, persona: Persona, settings: Any
+) -> None:
+    upstream.reply = Reply(pieces=[chunk("a"), asyncio.Event()])
+
+    response = await post_quote_to(upstream.url, settings, persona, idle_timeout_s=0.3)
+
+    assert response.status == 200
+    assert b'"a"' in response.body
+    assert error_code_of(response) == "idle_timeout"
+    await asyncio.wait_for(upstream.client_gone.wait(), 2)
+
+
+@pytest.mark.integration
+async def test_openai_compat_total_deadline_covers_a_trickling_stream(
+    upstream: ScriptedUpstream, persona: Persona, settings: Any
+) -> None:
+    # Every read is quick, but the whole answer would take 5 s: the 0.5 s deadline ends it.
+    upstream.reply = Reply(pieces=[piece for _ in range(50) for piece in (chunk("."), 0.1)])
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    response = await post_quote_to(upstream.url, settings, persona, idle_timeout_s=1.0, total_timeout_s=0.5)
+
+    assert loop.time() - started < 2
+    assert error_code_of(response) == "deadline_exceeded"
+    assert 2 <= response.body.count(b'"."') < 50
+
+
+@pytest.mark.integration
+async def test_openai_compat_backend_takes_its_connect_timeout_from_ai_http(
+    settings: Any, persona: Persona, unaccepting_port: int
+) -> None:
+    """The backend the app builds reads AI_HTTP (AI_CONNECT_TIMEOUT, ...), not Workers AI's
+    settings, which hold no timeouts."""
+    settings.AI_HTTP = replace(settings.AI_HTTP, connect_timeout_s=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    response = await post_quote_to(f"http://127.0.0.1:{unaccepting_port}/v1", settings, persona)
+
+    assert loop.time() - started < 2  # the default connect timeout is 5 s
+    assert response.status == 504
+    assert response.json()["error"]["code"] == "upstream_timeout"
 
 
 @pytest.mark.integration

@@ -29,6 +29,7 @@ from tests.fixtures import (
     gateway_config,
     upstream_configs,
 )
+from tests.limits import configure
 from tests.llama_server import LlamaServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -671,7 +672,6 @@ async def test_workers_ai_endpoint_connect_timeout_is_504(
         fake_workers_ai,
         base_url=f"http://127.0.0.1:{unaccepting_port}/client/v4",
         connect_timeout_s=0.2,
-        read_timeout_s=30,
     )
     started = time.monotonic()
 
@@ -693,7 +693,8 @@ async def test_workers_ai_endpoint_connect_timeout_is_504(
 async def test_workers_ai_endpoint_stall_before_the_first_token_is_504(
     persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, scenario: Scenario
 ) -> None:
-    await use_workers_ai(workers_ai_settings, fake_workers_ai, read_timeout_s=0.3)
+    """The backend keeps no deadline: the policy's first-token one covers the headers too."""
+    configure(workers_ai_settings, ttft_timeout_s=0.3)
     fake_workers_ai.script(scenario)
     started = time.monotonic()
 
@@ -701,22 +702,30 @@ async def test_workers_ai_endpoint_stall_before_the_first_token_is_504(
 
     message = assert_json_error(response, 504, "upstream_timeout")
     await assert_error_row("upstream_timeout", message)
-    assert time.monotonic() - started < 1.5  # the 0.3 s read timeout, not the default 2 s
+    assert time.monotonic() - started < 1.5  # the 0.3 s first-token timeout, not the fixture's 4 s
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        pytest.param(Scenario(stall_before_s=10), id="silence"),
+        # Every read succeeds (comments only, the tokens are empty) and no event is ever produced.
+        pytest.param(Scenario(tokens=[""] * 200, comments=True, token_delay_s=0.02), id="keep-alives"),
+    ],
+)
 async def test_workers_ai_endpoint_total_deadline_before_the_first_token_is_504(
-    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, scenario: Scenario
 ) -> None:
-    # Each read may take 5 s, but the whole request only 0.5 s: the deadline fires first.
-    await use_workers_ai(workers_ai_settings, fake_workers_ai, read_timeout_s=5, total_timeout_s=0.5)
-    fake_workers_ai.script(Scenario(stall_before_s=10))
+    # The first token may take 5 s, but the whole generation only 0.5 s: the deadline fires first.
+    configure(workers_ai_settings, ttft_timeout_s=5, total_timeout_s=0.5)
+    fake_workers_ai.script(scenario)
     started = time.monotonic()
 
     response = await post_quote()
 
-    message = assert_json_error(response, 504, "upstream_timeout")
-    await assert_error_row("upstream_timeout", message)
+    message = assert_json_error(response, 504, "deadline_exceeded")
+    await assert_error_row("deadline_exceeded", message)
     assert time.monotonic() - started < 3
 
 
@@ -725,12 +734,12 @@ async def test_workers_ai_endpoint_total_deadline_before_the_first_token_is_504(
 MID_STREAM_FAULTS = [
     pytest.param(Scenario(drop_after_tokens=2), {}, "upstream_dropped", id="drop"),
     pytest.param(
-        Scenario(stall_after_tokens=2, stall_s=10), {"read_timeout_s": 0.3}, "upstream_timeout", id="stall"
+        Scenario(stall_after_tokens=2, stall_s=10), {"idle_timeout_s": 0.3}, "idle_timeout", id="stall"
     ),
     pytest.param(
         Scenario(tokens=DEFAULT_TOKENS * 50, token_delay_s=0.05),
-        {"read_timeout_s": 5, "total_timeout_s": 0.5},
-        "upstream_timeout",
+        {"idle_timeout_s": 5, "total_timeout_s": 0.5},
+        "deadline_exceeded",
         id="total-deadline",
     ),
     pytest.param(Scenario(malformed_after_tokens=2), {}, "upstream_malformed", id="malformed-event"),
@@ -761,8 +770,7 @@ async def test_workers_ai_endpoint_fault_after_the_first_token_ends_with_an_erro
     timeouts: dict[str, float],
     code: str,
 ) -> None:
-    if timeouts:
-        await use_workers_ai(workers_ai_settings, fake_workers_ai, **timeouts)
+    configure(workers_ai_settings, **timeouts)
     fake_workers_ai.script(scenario)
 
     response = await post_quote()
@@ -963,9 +971,7 @@ async def test_openai_backend_endpoint_streams_a_quote_from_llama_cpp(
     settings.OPENAI_COMPAT = OpenAICompatSettings(
         base_url=llama_server.base_url, api_key=llama_server.api_key
     )
-    settings.AI_HTTP = replace(
-        settings.AI_HTTP, connect_timeout_s=2.0, read_timeout_s=30.0, total_timeout_s=60.0
-    )
+    settings.AI_HTTP = replace(settings.AI_HTTP, connect_timeout_s=2.0)
     await reset_backends()
 
     response = await post_quote()

@@ -124,7 +124,7 @@ def test_debug_is_off_by_default_and_production_refuses_a_missing_or_known_key()
 @pytest.mark.parametrize(
     ("env", "named"),
     [
-        ({"AI_READ_TIMEOUT": "soon"}, "AI_READ_TIMEOUT"),
+        ({"AI_TOTAL_TIMEOUT": "soon"}, "AI_TOTAL_TIMEOUT"),
         ({"AI_MAX_CONNECTIONS": "0"}, "AI_MAX_CONNECTIONS"),
         ({"LOCAL_MODEL_SLOTS": "four"}, "LOCAL_MODEL_SLOTS"),
         ({"LOCAL_MODEL_QUEUE_TIMEOUT": "soon"}, "LOCAL_MODEL_QUEUE_TIMEOUT"),
@@ -192,17 +192,26 @@ def test_settings_upstream_http_is_one_object_for_every_remote_backend() -> None
         "AI_HTTP",
         "WORKERS_AI",
         "OPENAI_COMPAT",
+        "QUOTES_GATEWAY",
         AI_CONNECT_TIMEOUT="1.5",
-        AI_READ_TIMEOUT="7",
         AI_TOTAL_TIMEOUT="60",
         AI_MAX_CONNECTIONS="8",
         OPENAI_BASE_URL="http://127.0.0.1:9/v1/",
     )
-    assert values["AI_HTTP"] == {
-        "connect_timeout_s": 1.5,
-        "read_timeout_s": 7.0,
-        "total_timeout_s": 60.0,
-        "max_connections": 8,
-    }
+    assert values["AI_HTTP"] == {"connect_timeout_s": 1.5, "max_connections": 8}
+    assert values["QUOTES_GATEWAY"]["total_timeout_s"] == 60.0  # the gateway's deadline, any backend
     assert set(values["WORKERS_AI"]) == {"account_id", "api_token", "base_url"}
     assert values["OPENAI_COMPAT"] == {"base_url": "http://127.0.0.1:9/v1", "api_key": ""}
+
+
+@pytest.mark.system
+def test_settings_retired_ai_read_timeout_starts_with_a_warning_naming_its_replacements() -> None:
+    """AI_READ_TIMEOUT's waits are the gateway's deadlines now: a deploy that still sets it (even
+    to a value it would once have refused) starts, and is told what to set instead."""
+    result = _start("import django; django.setup()", AI_READ_TIMEOUT="soon")
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "AI_READ_TIMEOUT" in line]
+    assert "WARNING" in line and "QUOTES_TTFT_TIMEOUT" in line and "QUOTES_IDLE_TIMEOUT" in line
+
+    quiet = _start("import django; django.setup()")
+    assert quiet.returncode == 0 and "AI_READ_TIMEOUT" not in quiet.stderr

@@ -256,7 +256,6 @@ FAULTS = [
         Fault(
             (Scenario(stall_after_tokens=2, stall_s=5),),
             gateway={"idle_timeout_s": 0.3},
-            workers_ai={"read_timeout_s": 10},
             error_code="idle_timeout",
             text="Stay hungry",
         ),

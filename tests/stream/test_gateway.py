@@ -17,6 +17,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -29,13 +30,14 @@ from django.core.cache import cache
 from django.utils import timezone
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.ai.backends import reset_backends
+from quotes.ai.backends import get_backend, reset_backends
 from quotes.ai.backends.local import LocalBackend
 from quotes.ai.catalog import estimate_cost
-from quotes.ai.events import Token
+from quotes.ai.events import Done, Token
 from quotes.ai.gateway import admission
 from quotes.ai.gateway.flights import flights
 from quotes.ai.gateway.log import Record, RowFacts
+from quotes.ai.gateway.policy import Plan, generate
 from quotes.ai.gateway.runs import STOPPED, Run
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
@@ -994,7 +996,6 @@ async def test_timeout_connect_is_retried_then_504(
         fake,
         base_url=f"http://127.0.0.1:{unaccepting_port}/client/v4",
         connect_timeout_s=0.2,
-        read_timeout_s=30,
     )
     started = time.monotonic()
 
@@ -1027,7 +1028,6 @@ async def test_timeout_first_token_is_retried_then_504(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     configure(settings, max_attempts=2, retry_delay_ms=10, ttft_timeout_s=0.3)
-    await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario(stall_before_s=5), Scenario(stall_before_s=5))
     started = time.monotonic()
 
@@ -1049,7 +1049,6 @@ async def test_timeout_first_token_budget_is_the_total_across_attempts(
     a hung upstream share it, instead of taking it three times over (a load balancer's idle
     timeout would cut the request first)."""
     configure(settings, max_attempts=3, retry_delay_ms=10, ttft_timeout_s=1.0)
-    await use_workers_ai(settings, fake, read_timeout_s=30)
     fake.script(*[Scenario(stall_before_s=10)] * 3)
     started = time.monotonic()
 
@@ -1071,7 +1070,6 @@ async def test_timeout_an_upstream_timeout_is_logged_as_a_warning_not_an_error(
     import config.asgi  # noqa: F401  (its first import configures logging)
 
     configure(settings, max_attempts=1, ttft_timeout_s=0.3)
-    await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario(stall_before_s=5))
     [console] = [h for h in logging.getLogger().handlers if h.get_name() == "console"]
     assert isinstance(console, logging.StreamHandler)
@@ -1093,7 +1091,6 @@ async def test_timeout_idle_mid_stream_ends_with_an_error_event(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     configure(settings, max_attempts=2, retry_delay_ms=10, idle_timeout_s=0.3)
-    await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario(stall_after_tokens=2, stall_s=5))
     started = time.monotonic()
 
@@ -1113,7 +1110,6 @@ async def test_timeout_total_deadline_mid_stream(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     configure(settings, total_timeout_s=0.6)
-    await use_workers_ai(settings, fake, read_timeout_s=10, total_timeout_s=30)
     fake.script(Scenario(tokens=DEFAULT_TOKENS * 50, token_delay_s=0.05))
     started = time.monotonic()
 
@@ -1127,6 +1123,33 @@ async def test_timeout_total_deadline_mid_stream(
     assert (row.status, row.error_code, row.text) == ("error", "deadline_exceeded", text)
 
 
+@pytest.mark.integration
+async def test_timeout_never_charges_a_slow_consumer(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The deadlines guard the policy's waits for the backend, never its yields: a consumer that
+    takes longer than the idle and first-token timeouts over each event (the run's log on a slow
+    Redis) still gets the whole quote."""
+    configure(settings, ttft_timeout_s=0.2, idle_timeout_s=0.2)
+    request = await sync_to_async(persona.build_request)(topic="work")
+    plan = Plan(
+        backend=get_backend("workers-ai"),
+        persona=persona,
+        topic="work",
+        messages=(),
+        primary=request,
+        models=[request.model],
+    )
+    events = []
+    async with aclosing(generate(plan)) as stream:
+        async for event in stream:
+            events.append(event)
+            await asyncio.sleep(0.3)
+
+    assert "".join(e.text for e in events if isinstance(e, Token)) == DEFAULT_TEXT
+    assert isinstance(events[-1], Done)
+
+
 # -- 8. keep-alive ---------------------------------------------------------------------------------
 
 
@@ -1135,7 +1158,6 @@ async def test_keepalive_pings_during_a_stall_and_the_stream_completes(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     configure(settings, keepalive_s=0.15, idle_timeout_s=5)
-    await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario(stall_after_tokens=2, stall_s=0.7))
 
     response = await post_quote()
@@ -1158,7 +1180,6 @@ async def test_keepalive_before_the_first_token_keeps_the_error_status(
     """The defaults have keepalive (15 s) < ttft timeout (30 s): a ping sent while waiting for
     the first token must not commit a 200, or a TTFT timeout can never be the documented 504."""
     configure(settings, max_attempts=1, ttft_timeout_s=0.6, keepalive_s=0.1)
-    await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario(stall_before_s=5))
 
     response = await post_quote()
@@ -1171,7 +1192,6 @@ async def test_keepalive_before_the_first_token_keeps_the_fallback_headers(
     persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
     configure(settings, max_attempts=1, keepalive_s=0.1, fallback_models=[FALLBACK])
-    await use_workers_ai(settings, fake, read_timeout_s=10)
     fake.script(Scenario.error(3040, stall_before_headers_s=0.4))
 
     response = await post_quote()

@@ -15,7 +15,9 @@ waits only when every slot is taken.
 - A stop (the consumer closed the stream, or the task was cancelled) sets a flag; the next
   callback returns True, which ends the request in llama.cpp and frees the slot.
 - A request waits at most `queue_timeout_s` for a slot, then gets a "busy" error; at most
-  `max_waiting` requests wait at once.
+  `max_waiting` requests wait at once. This is the one wait a backend bounds itself: the
+  policy's first-token deadline would answer 504 `upstream_timeout` and retry into the same
+  full queue, where `busy` is a 503 that is neither retried nor sent to a fallback.
 - The server also listens for HTTP (its OpenAI API), on 127.0.0.1 only and with a random key
   that never leaves this object, so no other local user can drive the model.
 """

@@ -2,10 +2,9 @@
 Workers AI's own OpenAI route, OpenAI itself.
 
 One `httpx.AsyncClient` per backend (so one per process through the registry), made on first
-use because it must be made inside a running event loop. Connect, read, write and pool
-timeouts are httpx's; the whole request also has a deadline (`total_timeout_s`) enforced with
-`asyncio.timeout_at` around each wait, never across a `yield`, so a slow consumer is not
-charged for it and a cancellation never lands in the consumer's code.
+use because it must be made inside a running event loop. The connect and pool timeouts are
+httpx's; every other wait (the headers, each event, the whole request) is bounded by the
+gateway's policy, which cancels the stream's task: the response is closed on the way out.
 
 Event order: `Meta` (once, before the first other event of an open stream), `Token`s, at most
 one `Usage`, then exactly one `Done` or `Error`. Failures before the stream opens yield only
@@ -15,7 +14,6 @@ much else: `errors.upstream_text`); the visitor's message is ours, one per kind 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator
@@ -71,10 +69,8 @@ class OpenAICompatBackend:
     def __init__(self, *, base_url: str, api_key: str, http: UpstreamHTTPSettings) -> None:
         self._url = base_url.rstrip("/") + "/chat/completions"
         self._api_key = api_key
-        self._total_s = http.total_timeout_s
-        connect, read = http.connect_timeout_s, http.read_timeout_s
-        # write: the body is small, but a stalled peer must not hang the send either.
-        self._timeout = httpx.Timeout(connect=connect, read=read, write=read, pool=connect)
+        # No read or write timeout: the policy's deadlines bound those waits (module doc).
+        self._timeout = httpx.Timeout(None, connect=http.connect_timeout_s, pool=http.connect_timeout_s)
         # Each open stream holds a connection: the pool is as large as AI_MAX_CONNECTIONS says,
         # like the workers-ai backend's (httpx's own default would cap it at 100).
         self._limits = httpx.Limits(
@@ -118,16 +114,13 @@ class OpenAICompatBackend:
         return f": {text}" if text else "."
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._total_s
         client = self._get_client()
         try:
             http_request = client.build_request(
                 "POST", self._url, content=self._body(request), headers=self._headers
             )
-            async with asyncio.timeout_at(deadline):
-                response = await client.send(http_request, stream=True)
-        except (TimeoutError, httpx.TimeoutException):
+            response = await client.send(http_request, stream=True)
+        except httpx.TimeoutException:  # connect or pool
             yield upstream_timeout()
             return
         except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.InvalidURL):
@@ -144,15 +137,15 @@ class OpenAICompatBackend:
         # consumer stopping early (GeneratorExit at a yield) and task cancellation.
         try:
             if not response.is_success:
-                yield await self._status_error(response, deadline)
+                yield await self._status_error(response)
                 return
-            async for event in self._events(response, request, deadline):
+            async for event in self._events(response, request):
                 yield event
         finally:
             await response.aclose()
 
     async def _events(
-        self, response: httpx.Response, request: GenerationRequest, deadline: float
+        self, response: httpx.Response, request: GenerationRequest
     ) -> AsyncGenerator[Event, None]:
         sse = upstream_events(response)
         meta_sent = False
@@ -161,8 +154,7 @@ class OpenAICompatBackend:
         try:
             while True:
                 try:
-                    async with asyncio.timeout_at(deadline):
-                        message = await anext(sse)
+                    message = await anext(sse)
                 except StopAsyncIteration:
                     raise _Failure(upstream_dropped()) from None
                 data = message.data
@@ -202,10 +194,6 @@ class OpenAICompatBackend:
         except SSEError:
             # 2xx but not text/event-stream (e.g. a JSON body from a server ignoring "stream").
             yield upstream_malformed()
-        except (TimeoutError, httpx.TimeoutException):
-            if usage is not None:
-                yield usage
-            yield upstream_timeout()
         except httpx.HTTPError:
             # The peer closed or reset the connection mid-stream.
             if usage is not None:
@@ -222,18 +210,17 @@ class OpenAICompatBackend:
         }
         return Meta(model=str(model), headers=kept)
 
-    async def _status_error(self, response: httpx.Response, deadline: float) -> Error:
+    async def _status_error(self, response: httpx.Response) -> Error:
         status = response.status_code
         detail = ""
         try:
-            async with asyncio.timeout_at(deadline):
-                raw = bytearray()
-                async for piece in response.aiter_bytes():
-                    raw += piece
-                    if len(raw) >= _ERROR_BODY_LIMIT:
-                        break
+            raw = bytearray()
+            async for piece in response.aiter_bytes():
+                raw += piece
+                if len(raw) >= _ERROR_BODY_LIMIT:
+                    break
             detail = _error_detail(bytes(raw[:_ERROR_BODY_LIMIT]))
-        except (TimeoutError, httpx.HTTPError):
+        except httpx.HTTPError:
             pass  # the status alone still says what happened
         # For the operator only: what the server said can name our credentials, its hosts, its
         # account. The visitor gets one fixed message per kind of failure (upstream_status_error).

@@ -5,10 +5,9 @@ Wire facts: /work/shared/reference/workers-ai.md (docs/ in the repository). One
 by httpx-sse (`upstream_events`, which also drops a leading BOM and ends a line at a CR at once),
 so a network read cut anywhere (mid-line, mid-character) is handled.
 
-Timeouts: the connect, pool and write timeouts are httpx's. The read timeout (the headers, then
-each event: a keep-alive comment does not count) and the whole-request deadline are enforced by
-one `Watchdog` per stream (quotes.ai.watchdog) rather than by httpx, which would arm a timer for
-every read.
+Timeouts: the connect and pool timeouts are httpx's. Every other wait (the headers, each event,
+the whole request) is bounded by the gateway's policy, which cancels the stream's task: the
+backend keeps no deadline of its own, and cleans up (closes the response) when cancelled.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from ..errors import (
     upstream_unreachable,
 )
 from ..events import Done, Error, Event, GenerationRequest, Meta, Token, Usage
-from ..watchdog import Watchdog
 from .upstream_sse import ServerSentEvent, upstream_events
 
 logger = logging.getLogger(__name__)
@@ -340,13 +338,8 @@ class WorkersAIBackend:
         if self._client is None or self._client_loop is not loop:
             s = self._http_settings
             self._client = httpx.AsyncClient(
-                # read=None: the stream's Watchdog enforces read_timeout_s (see the module doc).
-                timeout=httpx.Timeout(
-                    connect=s.connect_timeout_s,
-                    read=None,
-                    write=s.read_timeout_s,
-                    pool=s.connect_timeout_s,
-                ),
+                # No read or write timeout: the policy's deadlines bound those waits (module doc).
+                timeout=httpx.Timeout(None, connect=s.connect_timeout_s, pool=s.connect_timeout_s),
                 limits=httpx.Limits(
                     max_connections=s.max_connections,
                     max_keepalive_connections=min(20, s.max_connections),
@@ -376,19 +369,12 @@ class WorkersAIBackend:
             yield invalid_model(request.model)
             return
         client = self._http()
-        loop = asyncio.get_running_loop()
-        read_s = self._http_settings.read_timeout_s
-        # The whole-request deadline. Each wait below runs under it, but never a `yield`: a
-        # timeout spanning a yield would cancel the consumer's task wherever it happens to be.
-        deadline = loop.time() + self._http_settings.total_timeout_s
         async with contextlib.AsyncExitStack() as stack:
             try:
-                # Once per request, so a plain asyncio timeout: the read timeout covers the headers.
-                async with asyncio.timeout_at(min(deadline, loop.time() + read_s)):
-                    response = await stack.enter_async_context(
-                        client.stream("POST", self.url(request.model), json=self._body(request))
-                    )
-            except (httpx.TimeoutException, TimeoutError):  # connect, pool, or no headers in time
+                response = await stack.enter_async_context(
+                    client.stream("POST", self.url(request.model), json=self._body(request))
+                )
+            except httpx.TimeoutException:  # connect or pool
                 yield self._log(upstream_timeout(), request)
                 return
             except httpx.ConnectError:
@@ -408,9 +394,8 @@ class WorkersAIBackend:
 
             if not response.is_success:
                 try:
-                    async with asyncio.timeout_at(min(deadline, loop.time() + read_s)):
-                        body = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
-                except (httpx.TransportError, TimeoutError):
+                    body = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
+                except httpx.TransportError:
                     body = b""
                 said = upstream_said(body, self._secrets)
                 status = response.status_code
@@ -424,26 +409,17 @@ class WorkersAIBackend:
             parser = StreamParser(self._secrets)
             scrubber = _Scrubber(self._secrets)
             messages = upstream_events(response)
-            watchdog = Watchdog()
             try:
                 while True:
-                    # Each event must come within read_s, and by the deadline: one stored float.
-                    due = loop.time() + read_s
-                    watchdog.expect(due if due < deadline else deadline)
                     events: list[Event]
                     try:
                         events = parser.feed(await anext(messages))
                     except StopAsyncIteration:
                         events = [upstream_dropped()]
-                    except asyncio.CancelledError:
-                        if not watchdog.expired():
-                            raise
-                        events = [upstream_timeout()]
                     except httpx.DecodingError:
                         events = [upstream_malformed()]
                     except httpx.TransportError:  # the connection broke
                         events = [upstream_dropped()]
-                    watchdog.release()
                     for event in events:
                         if type(event) is Token:
                             text = scrubber.feed(event.text)
@@ -462,7 +438,6 @@ class WorkersAIBackend:
                         else:
                             yield event
             finally:
-                watchdog.close()
                 await messages.aclose()
 
     def _log(self, error: Error, request: GenerationRequest, said: str = "") -> Error:

@@ -6,7 +6,9 @@ the stream with an error and never repeats text. Three timeouts bound it: to the
 (QUOTES_TTFT_TIMEOUT, the total across every attempt and fallback: a visitor hears within it,
 whatever the retries; each attempt gets an equal share of what is left), between tokens (idle),
 and the whole generation (total). They are kept by one Watchdog for the whole flight, not by a
-timer per token (quotes.ai.watchdog).
+timer per token (quotes.ai.watchdog), and they are the only deadlines: a backend keeps none (the
+first-token one covers its connect, the response headers and any error body), and only cleans
+up when the watchdog cancels it.
 """
 
 from __future__ import annotations
