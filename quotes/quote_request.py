@@ -71,18 +71,14 @@ async def resume_quote(last_event_id: object, client: Client) -> Resumed | Error
     admission's refusal; a QuoteError for an id this site never sent, or one it keeps no longer."""
     parsed = parse_event_id(last_event_id)
     if parsed is None:
-        raise bad_event_id()
+        message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
+        raise QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
     public_id, key, after = parsed
     resumed = await resume(public_id, key, after, client_key=client.key, options=settings.QUOTES_GATEWAY)
     if resumed is None:
         message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
         raise QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)
     return resumed
-
-
-def bad_event_id() -> QuoteError:
-    message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
-    return QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
 
 
 async def count_refused(client: Client) -> RateLimited | None:

@@ -39,7 +39,7 @@ from .ai.gateway.generation import Client, refuse_if_full
 from .ai.gateway.runs import stop as stop_run
 from .feedback import count_action
 from .models import Generation, Persona
-from .quote_request import bad_event_id, count_refused, events_for, parse_quote_request, resume_quote
+from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import refuse_cross_site
 from .transports import (
     Encoder,
@@ -230,15 +230,11 @@ def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
     return _form_params(request)
 
 
-def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> str | None:
-    """The event a reconnecting client saw last: EventSource's own header, else the
-    `last_event_id` parameter (the fetch and htmx clients)."""
+def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> object:
+    """The event a reconnecting client saw last (quote_request.resume_quote checks it), or None:
+    EventSource's own header, else the `last_event_id` parameter (the fetch and htmx clients)."""
     value = request.headers.get("Last-Event-ID") or params.get("last_event_id")
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise bad_event_id()
-    return value
+    return None if value is None or value == "" else value
 
 
 async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
