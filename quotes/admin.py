@@ -218,7 +218,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
 
     async def preview_view(self, request: HttpRequest, object_id: int) -> HttpResponseBase:
         """Stream a quote from the change form's unsaved values (POST, staff, change permission)."""
-        from .views import error_response
+        from .transports import error_response
 
         if request.method != "POST":
             return error_response(

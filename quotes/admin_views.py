@@ -67,7 +67,8 @@ def preview_persona(request: HttpRequest, saved: Persona) -> tuple[Persona, obje
 
 async def stream_preview(request: HttpRequest, persona: Persona, topic: str) -> HttpResponseBase:
     """Stream a quote from the unsaved persona through the same path visitors use."""
-    from .views import client_of, error_response, stream_response
+    from .transports import WorkersAIEncoder, error_response, stream_response
+    from .views import client_of
 
     try:
         check_context_window(
@@ -79,4 +80,4 @@ async def stream_preview(request: HttpRequest, persona: Persona, topic: str) -> 
     events = stream_generation(
         persona=persona, topic=topic, client=await client_of(request), preview=True, transport="preview"
     )
-    return await stream_response(events)
+    return await stream_response(events, WorkersAIEncoder())

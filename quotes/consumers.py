@@ -39,17 +39,15 @@ from contextlib import aclosing
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.conf import settings
 from django.urls import path
 
 from .ai.errors import ErrorCode, QuoteError
-from .ai.events import Error
+from .ai.events import Error, Meta
 from .ai.gateway import runs
 from .ai.gateway.generation import Client, refuse_if_full
-from .ai.gateway.runs import parse_event_id, resume
+from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import frame_too_large
 from .transports import Opening, WebSocketEncoder, encode_stream
-from .views import bad_event_id, count_refused, events_for, parse_quote_request, resume_unavailable
 
 BUSY = QuoteError(ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409)
 
@@ -110,21 +108,15 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if self.task is not None and not self.task.done():
             await self._refuse(BUSY)
             return
-        parsed = parse_event_id(last_event_id)
-        if parsed is None:
-            await self._refuse(bad_event_id())
+        try:
+            resumed = await resume_quote(last_event_id, self._client())
+        except QuoteError as exc:
+            await self._refuse(exc)
             return
-        public_id, key, after = parsed
-        resumed = await resume(
-            public_id, key, after, client_key=self._client().key, options=settings.QUOTES_GATEWAY
-        )
         if isinstance(resumed, Error):
             await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
             return
-        if resumed is None:
-            await self._refuse(resume_unavailable())
-            return
-        self.generation_id = public_id
+        self.generation_id = resumed.meta.generation_id
         opening = Opening(resumed.meta, None, resumed.after, resumed=True)
         self.task = asyncio.create_task(
             self._send_frames(encode_stream(resumed.events, WebSocketEncoder(), opening))
@@ -189,17 +181,10 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     async def _refuse(self, error: QuoteError) -> None:
         """Answer a refused frame, counted as the HTTP endpoint counts its refused requests."""
         error = await count_refused(self._client()) or error
-        await self._send_error(error)
+        await self._send_error(error.as_event())
 
-    async def _send_error(self, error: QuoteError | Error) -> None:
-        await self.send_json(
-            {
-                "type": "error",
-                "code": error.code,
-                "message": error.message,
-                "retry_after": getattr(error, "retry_after", None),
-            }
-        )
+    async def _send_error(self, error: Error) -> None:
+        await self.send_json(WebSocketEncoder().error_answer(error, Meta()))
 
 
 websocket_urlpatterns = [path("ws/quotes/", QuoteConsumer.as_asgi())]

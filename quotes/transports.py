@@ -18,9 +18,11 @@ and how an event carries its id (`identify`): every event of a generation is num
 resume. The loop numbers them itself: a reader yields the generation's events in order from where
 it started (the Opening says where), pings aside, so the n-th event read is the generation's n-th.
 
-An HTTP response must choose its status before its first byte, so the views first `open_stream()`:
-everything up to the first token (or the error that came instead) is read, the status and the
-headers follow from it, and `encode_stream()` then starts from that first event. The WebSocket has no
+An HTTP response must choose its status before its first byte, so `stream_response()` first
+`open_stream()`s: everything up to the first token (or the error that came instead) is read, the
+status and the headers follow from it, and `encode_stream()` then starts from that first event.
+An error before anything was sent is the encoder's `error_answer` (the JSON error, htmx's error
+event, an error frame): the views answer their own refusals with it too. The WebSocket has no
 status to choose and relays from the start. Keep-alive pings before the first token are
 dropped there, for the same reason: the headers are not sent yet.
 
@@ -38,21 +40,29 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.urls import reverse
 
 from .ai import sse
 from .ai.catalog import doc_url
-from .ai.errors import internal
+from .ai.errors import QuoteError, envelope, internal
 from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
 from .ai.gateway.admission import StreamWatch, drain, reconnect_retry_ms, server_draining
 from .ai.gateway.runs import resume_key
+from .request_threads import release_request_thread
 
 Out = TypeVar("Out")
 Out_co = TypeVar("Out_co", covariant=True)
+Answer_co = TypeVar("Answer_co", covariant=True)
 
 
-class Encoder(Protocol[Out_co]):
+class Encoder(Protocol[Out_co, Answer_co]):
     """How each event looks on one transport. None: nothing to send for it."""
+
+    def error_answer(self, error: Error, meta: Meta) -> Answer_co:
+        """The whole answer to a request that fails before anything was sent (an HTTP response
+        with the error's status, or an error frame)."""
+        ...
 
     def start(self, meta: Meta) -> Out_co | None: ...
 
@@ -148,7 +158,7 @@ def _was_cut(watch: StreamWatch) -> bool:
 
 
 async def encode_stream(
-    events: AsyncGenerator[Event, None], encoder: Encoder[Out], opening: Opening | None = None
+    events: AsyncGenerator[Event, None], encoder: Encoder[Out, object], opening: Opening | None = None
 ) -> AsyncGenerator[Out, None]:
     """Drive `events` into `encoder` until Done or Error (always one of them, last), or until the
     draining process cuts the stream (then the encoder's `reconnect` is last).
@@ -250,6 +260,52 @@ async def _next(events: AsyncGenerator[Event, None], watch: StreamWatch) -> Even
         watch.waiting = False
 
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def stream_response(
+    events: AsyncGenerator[Event, None], encoder: Encoder[bytes, HttpResponse], opening: Opening | None = None
+) -> HttpResponseBase:
+    """Wait for the first token (or an error) before answering, so an error that happens before
+    any text gets its real HTTP status (a refusal its 429 or 503 and Retry-After); then stream.
+    A resume comes with its `opening` (its client has had the stream's beginning)."""
+    # Nothing from here on needs the request's thread: it goes back to the pool before the wait
+    # for the first token, so a burst of new streams holds none either (quotes.request_threads).
+    release_request_thread()
+    if opening is None:
+        opening = await open_stream(events)
+        if type(opening.first) is Error:
+            await events.aclose()
+            return encoder.error_answer(opening.first, opening.meta)
+    headers = {**SSE_HEADERS, **meta_headers(opening.meta)}
+    if opening.meta.generation_id:
+        headers["X-Generation-Id"] = opening.meta.generation_id
+    return StreamingHttpResponse(
+        encode_stream(events, encoder, opening), content_type="text/event-stream", headers=headers
+    )
+
+
+def meta_headers(meta: Meta) -> dict[str, str]:
+    headers = meta.response_headers()
+    if meta.model:
+        headers["X-Quote-Model"] = meta.model
+        headers["X-Quote-Model-Url"] = doc_url(meta.model)
+    if meta.generation_id:
+        headers["X-Quote-Id"] = meta.generation_id
+    return headers
+
+
+def error_response(error: QuoteError | Error, headers: dict[str, str] | None = None) -> JsonResponse:
+    """The JSON error (the API's, and any view's that answers JSON)."""
+    return JsonResponse(
+        envelope(error.code, error.message), status=error.status, headers={**(headers or {}), **_retry(error)}
+    )
+
+
+def _retry(error: QuoteError | Error) -> dict[str, str]:
+    return {} if error.retry_after is None else {"Retry-After": str(error.retry_after)}
+
+
 # -- the payloads the page and the socket share ---------------------------------------------------
 
 
@@ -325,6 +381,10 @@ class WorkersAIEncoder:
     def reconnect(self, last_event_id: str | None, retry_ms: int) -> bytes:
         return sse.reconnect(last_event_id, retry_ms)
 
+    def error_answer(self, error: Error, meta: Meta) -> HttpResponse:
+        # The gateway headers (cf-aig-log-id above all) matter most when something failed.
+        return error_response(error, meta_headers(meta))
+
 
 class EventSourceEncoder(WorkersAIEncoder):
     """EventSource reconnects when a body ends, which would write a second quote: a named `done`
@@ -386,6 +446,18 @@ class HtmxEncoder:
     def reconnect(self, last_event_id: str | None, retry_ms: int) -> bytes:
         return sse.reconnect(last_event_id, retry_ms)
 
+    def error_answer(self, error: Error, meta: Meta) -> HttpResponse:
+        """The real status, and the error as a named event (hx-sse handles any text/event-stream
+        response, whatever its status), so the page shows the message instead of swapping an
+        error page into the quote."""
+        body = self.start(meta) if meta.generation_id else b""
+        return HttpResponse(
+            body + self.error(error),
+            status=error.status,
+            content_type="text/event-stream",
+            headers={**SSE_HEADERS, **meta_headers(meta), **_retry(error)},
+        )
+
 
 class WebSocketEncoder:
     """JSON frames: `meta` whenever the facts change (the first one before any text), `token`,
@@ -421,6 +493,9 @@ class WebSocketEncoder:
 
     def error(self, error: Error) -> dict[str, Any]:
         return {"type": "error", **error_payload(error)}
+
+    def error_answer(self, error: Error, meta: Meta) -> dict[str, Any]:
+        return self.error(error)  # the socket has no status: its one error frame
 
     def reconnect(self, last_event_id: str | None, retry_ms: int) -> dict[str, Any]:
         """Followed by closing the socket with 1012 (service restart): see quotes.consumers."""

@@ -12,24 +12,15 @@ Three ways in to one stream:
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, cast
 
 from csp.decorators import csp_exempt
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import (
-    Http404,
-    HttpRequest,
-    HttpResponse,
-    HttpResponseBase,
-    JsonResponse,
-    StreamingHttpResponse,
-)
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
@@ -39,33 +30,26 @@ from django.views.decorators.csrf import csrf_exempt
 from django_htmx.middleware import HtmxDetails
 
 from . import personas, services
-from .ai import sse
 from .ai.backends import backend_for
 from .ai.catalog import doc_url
-from .ai.conversation import check_context_window, clean_topic, parse_messages
-from .ai.errors import ErrorCode, QuoteError, envelope
-from .ai.events import Error, Event, Message, Meta
+from .ai.errors import ErrorCode, QuoteError
+from .ai.events import Error, Meta
 from .ai.gateway import admission
-from .ai.gateway.generation import Client, refuse_if_full, stream_generation
-from .ai.gateway.runs import parse_event_id, resume
+from .ai.gateway.generation import Client, refuse_if_full
 from .ai.gateway.runs import stop as stop_run
 from .feedback import count_action
-from .models import Generation, Persona, PersonaVersion
-from .request_threads import release_request_thread
-from .security import RateLimited, refuse_cross_site
+from .models import Generation, Persona
+from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
+from .security import refuse_cross_site
 from .transports import (
     Encoder,
     EventSourceEncoder,
     HtmxEncoder,
     Opening,
     WorkersAIEncoder,
-    encode_stream,
-    error_payload,
-    meta_payload,
-    open_stream,
+    error_response,
+    stream_response,
 )
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class HtmxHttpRequest(HttpRequest):
@@ -130,7 +114,7 @@ def unavailable_response(request: HttpRequest, error: QuoteError) -> HttpRespons
     asks for JSON), a readable page for everyone else. All three carry Retry-After."""
     response: HttpResponseBase
     if request.headers.get("HX-Request") == "true":
-        response = not_a_document(_htmx_error_response(error.as_event(), Meta()))
+        response = not_a_document(HtmxEncoder().error_answer(error.as_event(), Meta()))
     elif request.path_info.startswith("/api/") or "application/json" in request.headers.get("Accept", ""):
         response = not_a_document(error_response(error))
     else:
@@ -145,14 +129,6 @@ def unavailable_page(request: HttpRequest, error: QuoteError) -> HttpResponse:
     if error.retry_after is not None:
         response["Retry-After"] = str(error.retry_after)
     return response
-
-
-def error_response(error: QuoteError | Error, headers: dict[str, str] | None = None) -> JsonResponse:
-    headers = dict(headers or {})
-    retry_after = getattr(error, "retry_after", None)
-    if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
-    return JsonResponse(envelope(error.code, error.message), status=error.status, headers=headers)
 
 
 async def client_of(request: HttpRequest) -> Client:
@@ -178,119 +154,87 @@ _csp_exempt: Callable[[HttpResponseBase], HttpResponseBase] = cast(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class QuoteInput:
-    """A checked request for one quote, whatever the transport (HTTP, htmx, WebSocket)."""
-
-    persona: Persona
-    version: PersonaVersion | None
-    topic: str
-    messages: tuple[Message, ...]
-    fresh: bool
-
-
-async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
-    """Check `persona`, `topic`, `messages` and `fresh` the same way for every transport, or
-    raise the QuoteError (400/404) that says what is wrong."""
-    active = await _find_persona(params.get("persona"))
-    persona = active.persona
-    topic = clean_topic(params.get("topic"), default=persona.default_topic)
-    messages = parse_messages(params.get("messages"))
-    check_context_window(
-        persona.build_request(topic=topic, messages=messages),
-        model=backend_for(persona).model_name(persona.model),
-    )
-    return QuoteInput(
-        persona=persona,
-        version=active.version,
-        topic=topic,
-        messages=messages,
-        fresh=_truthy(params.get("fresh")),
-    )
-
-
-def events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
-    return stream_generation(
-        persona=quote.persona,
-        version=quote.version,
-        topic=quote.topic,
-        messages=quote.messages,
-        client=client,
-        bypass_cache=quote.fresh,
-        transport=transport,
-    )
-
-
-async def count_refused(client: Client) -> RateLimited | None:
-    """Count a quote request refused before admission (invalid, its socket busy...) against the
-    client's and its network's limits: the 429 to answer instead of its own error once over."""
-    refused = await admission.count(client.key, settings.QUOTES_GATEWAY, network_key=client.network_key)
-    return None if refused is None else RateLimited(refused.message, refused.retry_after or 1)
-
-
-def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> str | None:
-    """The event a reconnecting client saw last: EventSource's own header, else the
-    `last_event_id` parameter (the fetch and htmx clients)."""
-    value = request.headers.get("Last-Event-ID") or params.get("last_event_id")
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise bad_event_id()
-    return value
-
-
-def bad_event_id() -> QuoteError:
-    message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
-    return QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
-
-
-def resume_unavailable() -> QuoteError:
-    message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
-    return QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)
-
-
-async def _resume(
-    last_event_id: str,
-    encoder: Encoder[bytes],
-    request: HttpRequest,
-    params: Mapping[str, Any],
-    transport: str,
-) -> HttpResponseBase:
-    """The events of a generation after `last_event_id`, then its live rest (quotes.ai.gateway.runs):
-    200 and a stream, whatever those events are (the client has had the stream's beginning)."""
-    parsed = parse_event_id(last_event_id)
-    if parsed is None:
-        raise bad_event_id()
-    client = await client_of(request)
-    public_id, key, after = parsed
-    resumed = await resume(public_id, key, after, client_key=client.key, options=settings.QUOTES_GATEWAY)
-    if isinstance(resumed, Error):
-        # Refused like a new stream (the client's slots, the process's cap, a draining process:
-        # 503, nginx asks another one), and counted like one when the process refuses it (when
-        # the request names its persona, as the page's and the API's resumes do).
-        await refuse_if_full(slug=params.get("persona"), client=client, transport=transport)
-        if isinstance(encoder, HtmxEncoder):
-            return _htmx_error_response(resumed, Meta())
-        return error_response(resumed)
-    if resumed is None:
-        raise resume_unavailable()
-    release_request_thread()
-    return StreamingHttpResponse(
-        encode_stream(resumed.events, encoder, Opening(resumed.meta, None, resumed.after, resumed=True)),
-        content_type="text/event-stream",
-        headers={**SSE_HEADERS, **_meta_headers(resumed.meta), "X-Generation-Id": public_id},
-    )
-
-
 @csrf_exempt  # the JSON API requires Content-Type: application/json instead, which needs CORS cross-site
 async def stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
     """POST a JSON body, or GET with query parameters (for EventSource); answer an SSE stream.
 
     A request from htmx (`HX-Request: true`) gets the htmx dialect (see HtmxEncoder), so every
     answer varies on that header."""
-    response = not_a_document(await _stream_quote(request))
+    response = not_a_document(await _stream_quote(request, form=False, htmx=bool(request.htmx)))
     patch_vary_headers(response, ("HX-Request",))
     return response
+
+
+async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
+    """The persona page's form (form-encoded, with its CSRF token, which Django's middleware has
+    checked by now: a form from another site never gets here), posted by htmx: answered in the
+    htmx dialect."""
+    return not_a_document(await _stream_quote(request, form=True, htmx=True))
+
+
+def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[Encoder[bytes, HttpResponse], str]:
+    """The encoder a stream request is answered with, and its transport's name."""
+    if htmx:
+        return HtmxEncoder(), "htmx"
+    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
+    # Workers AI wire format.
+    if request.method == "GET" and "text/event-stream" in request.headers.get("Accept", ""):
+        return EventSourceEncoder(), "eventsource"
+    return WorkersAIEncoder(), "api"
+
+
+async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> HttpResponseBase:
+    encoder, transport = _dialect(request, htmx=htmx)
+    refused_as = "htmx" if htmx else "api"  # a refusal is counted under its URL's transport
+    try:
+        params = _stream_params(request, form=form)
+        client = await client_of(request)
+        if (last_event_id := _last_event_id(request, params)) is not None:
+            resumed = await resume_quote(last_event_id, client)
+            if isinstance(resumed, Error):
+                # Refused like a new stream (the client's slots, the process's cap, a draining
+                # process: 503, nginx asks another one), and counted like one when the process
+                # refuses it (when the request names its persona, as the page's and the API's do).
+                await refuse_if_full(slug=params.get("persona"), client=client, transport=refused_as)
+                return encoder.error_answer(resumed, Meta())
+            # 200 and a stream, whatever its events are: the client has had the stream's beginning.
+            opening = Opening(resumed.meta, None, resumed.after, resumed=True)
+            return await stream_response(resumed.events, encoder, opening)
+        # At the process's cap, refused before anything else is spent (see refuse_if_full; most
+        # requests without a session were refused by StreamAdmissionGate already).
+        full = await refuse_if_full(slug=params.get("persona"), client=client, transport=refused_as)
+        if full is not None:
+            return encoder.error_answer(full, Meta())
+        quote = await parse_quote_request(params)
+    except QuoteError as exc:
+        error = await _counted(request, exc)
+        response = encoder.error_answer(error.as_event(), Meta())
+        if error.status == 405:
+            response["Allow"] = "POST" if form else "GET, POST"
+        return response
+    return await stream_response(events_for(quote, client, transport), encoder)
+
+
+def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
+    """A stream request's parameters: the page's form, or the API's JSON body or query."""
+    if form and request.method != "POST":
+        raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
+    # Another site's page must not start a (paid) generation. The form's check comes after
+    # Django's CSRF check, which lets a post without an Origin through on plain http on a token
+    # alone (and a sibling subdomain can plant the CSRF cookie): its Sec-Fetch-Site still says
+    # where it comes from.
+    refuse_cross_site(request)
+    if not form:
+        return _read_params(request)
+    _check_body_size(request)
+    return _form_params(request)
+
+
+def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> object:
+    """The event a reconnecting client saw last (quote_request.resume_quote checks it), or None:
+    EventSource's own header, else the `last_event_id` parameter (the fetch and htmx clients)."""
+    value = request.headers.get("Last-Event-ID") or params.get("last_event_id")
+    return None if value is None or value == "" else value
 
 
 async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
@@ -307,101 +251,27 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
     token is answered here, and anything else meets Django's check."""
     if not admission.at_capacity(settings.QUOTES_GATEWAY) or settings.SESSION_COOKIE_NAME in request.COOKIES:
         return None
-    htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
+    if form and settings.CSRF_COOKIE_NAME not in request.COOKIES:
+        return None
     try:
-        refuse_cross_site(request)
-        params = _read_form(request) if form else _read_params(request)
-        if params is not None and _last_event_id(request, params) is not None:
+        params = _stream_params(request, form=form)
+        if _last_event_id(request, params) is not None:
             return None  # a resume: the view admits it (a draining process serves the runs it holds)
     except QuoteError:
         return None  # the view answers it, as it answers any bad request
-    if params is None:
+    if form and not (request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)):
         return None
+    htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
     client = Client.from_request(request.META.get("REMOTE_ADDR") or "")
     full = await refuse_if_full(
         slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
     )
     if full is None:
         return None
-    response = not_a_document(_htmx_error_response(full, Meta()) if htmx else error_response(full))
+    response = not_a_document(_dialect(request, htmx=htmx)[0].error_answer(full, Meta()))
     if not form:
         patch_vary_headers(response, ("HX-Request",))  # as stream_quote's answers
     return response
-
-
-def _read_form(request: HttpRequest) -> dict[str, Any] | None:
-    """The form's fields, if it is a post that can pass Django's CSRF check (a CSRF cookie and a
-    token in the form or the header), else None."""
-    if request.method != "POST" or settings.CSRF_COOKIE_NAME not in request.COOKIES:
-        return None
-    _check_body_size(request)
-    params = _form_params(request)
-    if not (request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)):
-        return None
-    return params
-
-
-async def _stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
-    htmx = bool(request.htmx)
-    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
-    # Workers AI wire format.
-    eventsource = request.method == "GET" and "text/event-stream" in request.headers.get("Accept", "")
-    try:
-        refuse_cross_site(request)  # another site's page must not start a (paid) generation
-        params = _read_params(request)
-        if (last_event_id := _last_event_id(request, params)) is not None:
-            encoder = HtmxEncoder() if htmx else EventSourceEncoder() if eventsource else WorkersAIEncoder()
-            return await _resume(last_event_id, encoder, request, params, "htmx" if htmx else "api")
-        client = await client_of(request)
-        # At the process's cap, refused before anything else is spent (see refuse_if_full; most
-        # requests without a session were refused by StreamAdmissionGate already).
-        full = await refuse_if_full(
-            slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
-        )
-        if full is not None:
-            return _htmx_error_response(full, Meta()) if htmx else error_response(full)
-        quote = await parse_quote_request(params)
-    except QuoteError as exc:
-        headers = {"Allow": "GET, POST"} if exc.status == 405 else None
-        exc = await _counted(request, exc)
-        if htmx:
-            return _htmx_error_response(exc.as_event(), Meta(), headers)
-        return error_response(exc, headers)
-    transport = "htmx" if htmx else "eventsource" if eventsource else "api"
-    events = events_for(quote, client, transport)
-    if htmx:
-        return await _htmx_stream(events)
-    return await stream_response(events, EventSourceEncoder() if eventsource else None)
-
-
-async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
-    """The persona page's form (form-encoded, with its CSRF token, which Django's middleware has
-    checked by now: a form from another site never gets here), posted by htmx: answered in the
-    htmx dialect."""
-    return not_a_document(await _stream_quote_form(request))
-
-
-async def _stream_quote_form(request: HttpRequest) -> HttpResponseBase:
-    try:
-        if request.method != "POST":
-            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
-        # The stream URLs' one rule, after Django's CSRF check: that check lets a post without an
-        # Origin through on plain http on a token alone, and a sibling subdomain can plant the
-        # CSRF cookie; its Sec-Fetch-Site still says where it comes from.
-        refuse_cross_site(request)
-        _check_body_size(request)
-        params = _form_params(request)
-        if (last_event_id := _last_event_id(request, params)) is not None:
-            return await _resume(last_event_id, HtmxEncoder(), request, params, "htmx")
-        client = await client_of(request)
-        full = await refuse_if_full(slug=params.get("persona"), client=client, transport="htmx")
-        if full is not None:
-            return _htmx_error_response(full, Meta())
-        quote = await parse_quote_request(params)
-    except QuoteError as exc:
-        exc = await _counted(request, exc)
-        return _htmx_error_response(exc.as_event(), Meta(), {"Allow": "POST"} if exc.status == 405 else None)
-    return await _htmx_stream(events_for(quote, client, "htmx"))
 
 
 #: The refusals of a request's own input (bad JSON, an unknown persona, a body too large...):
@@ -427,17 +297,13 @@ def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
     response: HttpResponse
     error = Error(ErrorCode.CSRF_FAILED, "This page has expired. Reload it, then try again.", 403)
     if request.htmx:
-        response = _htmx_error_response(error, Meta())
+        response = HtmxEncoder().error_answer(error, Meta())
     elif "application/json" in request.headers.get("Accept", ""):
         response = error_response(error)
     else:
         response = csrf.csrf_failure(request, reason)
     patch_vary_headers(response, ("HX-Request", "Accept"))
     return response
-
-
-def _truthy(value: object) -> bool:
-    return value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes"))
 
 
 def _check_body_size(request: HttpRequest) -> None:
@@ -504,88 +370,6 @@ def _form_params(request: HttpRequest) -> dict[str, Any]:
                 ErrorCode.INVALID_MESSAGES, "`messages` must be a JSON list of turns.", 400
             ) from None
     return params
-
-
-_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
-
-
-async def _find_persona(slug: object) -> personas.ActivePersona:
-    if slug is None or slug == "":
-        raise QuoteError(
-            ErrorCode.MISSING_PERSONA, "Say which persona should speak: the `persona` field.", 400
-        )
-    if not isinstance(slug, str):
-        raise QuoteError(ErrorCode.INVALID_PERSONA, "`persona` must be a string (a persona's slug).", 400)
-    if not _SLUG.fullmatch(slug):  # never a persona, and PostgreSQL refuses some bytes (NUL) outright
-        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
-    active = await personas.get_active(slug)
-    if active is None:
-        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
-    return active
-
-
-def _meta_headers(meta: Meta) -> dict[str, str]:
-    headers = meta.response_headers()
-    if meta.model:
-        headers["X-Quote-Model"] = meta.model
-        headers["X-Quote-Model-Url"] = doc_url(meta.model)
-    if meta.generation_id:
-        headers["X-Quote-Id"] = meta.generation_id
-    return headers
-
-
-async def stream_response(
-    events: AsyncGenerator[Event, None], encoder: Encoder[bytes] | None = None
-) -> HttpResponseBase:
-    """Wait for the first token (or an error) before answering, so an error that happens before
-    any text gets its real HTTP status (a refusal its 429 or 503 and Retry-After); then stream."""
-    # Nothing from here on needs the request's thread: it goes back to the pool before the wait
-    # for the first token, so a burst of new streams holds none either (quotes.request_threads).
-    release_request_thread()
-    opening = await open_stream(events)
-    headers = _meta_headers(opening.meta)
-    if type(opening.first) is Error:
-        await events.aclose()
-        # The gateway headers (cf-aig-log-id above all) matter most when something failed.
-        return error_response(opening.first, headers)
-    if opening.meta.generation_id:
-        headers["X-Generation-Id"] = opening.meta.generation_id
-    return StreamingHttpResponse(
-        encode_stream(events, encoder or WorkersAIEncoder(), opening),
-        content_type="text/event-stream",
-        headers={**SSE_HEADERS, **headers},
-    )
-
-
-# --- htmx ---------------------------------------------------------------------------------
-
-
-def _htmx_error_response(error: Error, meta: Meta, headers: dict[str, str] | None = None) -> HttpResponse:
-    """An error before any text, for htmx: the real status, and the error as a named SSE event
-    (hx-sse handles any text/event-stream response, whatever its status), so the page can
-    show the message instead of swapping an error page into the quote."""
-    headers = {**SSE_HEADERS, **(headers or {})}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(error.retry_after)
-    body = sse.named("meta", meta_payload(meta)) if meta.generation_id else b""
-    body += sse.named("error", error_payload(error))
-    return HttpResponse(body, status=error.status, content_type="text/event-stream", headers=headers)
-
-
-async def _htmx_stream(events: AsyncGenerator[Event, None]) -> HttpResponseBase:
-    release_request_thread()  # as in stream_response
-    opening = await open_stream(events)
-    headers = _meta_headers(opening.meta)
-    if type(opening.first) is Error:
-        await events.aclose()
-        return _htmx_error_response(opening.first, opening.meta, headers)
-    if opening.meta.generation_id:
-        headers["X-Generation-Id"] = opening.meta.generation_id
-    return StreamingHttpResponse(
-        encode_stream(events, HtmxEncoder(), opening),
-        content_type="text/event-stream",
-        headers={**SSE_HEADERS, **headers},
-    )
 
 
 # --- stop --------------------------------------------------------------------------------
