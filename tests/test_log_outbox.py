@@ -415,7 +415,7 @@ def dead_process_file(rows: list[Generation], name: str = "4000000-0badc0de.json
     """The spool file a process that is gone left with `rows`, written as the writer writes them:
     a copy of a live outbox's file (unlocked), whose own file is then removed."""
     outbox = Outbox()
-    outbox.append(rows)
+    outbox.append([(row, True) for row in rows])
     (spooled,) = outbox.directory().glob("*.jsonl")
     dead = spooled.with_name(name)
     shutil.copyfile(spooled, dead)
@@ -473,7 +473,7 @@ from quotes.ai.gateway.log import Outbox
 from quotes.models import Generation
 
 outbox = Outbox()
-outbox.append([Generation(persona_id=1, backend="local", model="m", status="ok", text="genuine")])
+outbox.append([(Generation(persona_id=1, backend="local", model="m", status="ok", text="genuine"), True)])
 (spooled,) = outbox.directory().glob("*.jsonl")
 shutil.copyfile(spooled, spooled.with_name("9-dead.jsonl"))
 shutil.copyfile(spooled, spooled.parent.parent / "elsewhere.jsonl")
@@ -525,13 +525,13 @@ def test_the_outbox_is_0700_at_every_level_and_refuses_a_folder_that_is_a_link(
     try:
         settings.QUOTES_OUTBOX_DIR = tmp_path / "state" / "outbox"
         fresh = Outbox()
-        fresh.append([logged_row(1, "new")])
+        fresh.append([(logged_row(1, "new"), True)])
         older = tmp_path / "older"
         settings.QUOTES_OUTBOX_DIR = older
         (older / Outbox().directory().name).mkdir(mode=0o770, parents=True)
         older.chmod(0o770)
         tightened = Outbox()
-        tightened.append([logged_row(1, "older")])
+        tightened.append([(logged_row(1, "older"), True)])
     finally:
         os.umask(old)
     levels = [tmp_path / "state", *(tightened.directory(), tightened.directory().parent)]
@@ -545,7 +545,7 @@ def test_the_outbox_is_0700_at_every_level_and_refuses_a_folder_that_is_a_link(
     linked = Outbox()
     linked.directory().parent.mkdir(mode=0o700)
     linked.directory().symlink_to(elsewhere)
-    linked.append([logged_row(1, "through the link")])
+    linked.append([(logged_row(1, "through the link"), True)])
     assert not list(elsewhere.iterdir())
     for outbox in (fresh, tightened, linked):
         outbox.clear()
@@ -579,7 +579,7 @@ def test_the_outbox_holds_at_most_its_cap(tmp_path: Path, settings: Any) -> None
     settings.QUOTES_OUTBOX_MAX_BYTES = line * 5 + line // 2
 
     writing = Outbox()
-    lost = writing.append([logged_row(1, f"new {index:02}") for index in range(10)])
+    lost = writing.append([(logged_row(1, f"new {index:02}"), True) for index in range(10)])
     writing.clear()
     taking = Outbox()
     taken = taking.take_over()
