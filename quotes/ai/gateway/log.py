@@ -283,9 +283,9 @@ def _dump(row: Generation, owner: bool) -> bytes:
 
 
 def _load(line: bytes) -> _Row:
-    """A line as a new row of its REPLAYED fields, and its `owner` (a line of a version before
-    owners has none: it was written as a row on a generation's behalf is now). Raises BadSignature if
-    this site did not write it."""
+    """A line as a new row of its REPLAYED fields, and its `owner` (a line written before owners
+    were kept has none: it is written as every row was then, only where none is). Raises
+    BadSignature if this site did not write it."""
     (record,) = json.loads(Signer(salt=SIGNED_AS).unsign(line.decode().rstrip("\n")))
     fields = {name: value for name, value in record["fields"].items() if name in REPLAYED}
     (deserialized,) = serializers.deserialize(
