@@ -37,9 +37,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness.daphne import environment, migrate, start_daphne, wait_until_healthy
 from harness.services import free_port, stop_process, tail
 from harness.workers_ai import FakeWorkersAI, Scenario
+from quotes.ai import refusals
 from quotes.ai.backends import reset_backends
 from quotes.ai.gateway import log as log_module
-from quotes.ai.gateway.log import IDLE_CLOSE_S, ROW_WAIT_S, LogWriter, Outbox, writer
+from quotes.ai.gateway.log import IDLE_CLOSE_S, ROW_WAIT_S, LogWriter, Outbox, lost_row, refusal_row, writer
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, post_stream, request
 
@@ -403,6 +404,88 @@ async def test_a_flush_without_close_does_not_undo_a_pending_close(
     assert [row.topic for row in await rows()] == ["one", "two"]
 
 
+# -- one generation, one row: which one (issue 28) -------------------------------------------------
+
+FACTS: dict[str, object] = {"persona_version_id": None, "backend": "local", "model": "m", "topic": "t"}
+FACTS |= {"client_hash": "c", "is_preview": False}
+
+
+@pytest.mark.integration
+@pytest.mark.services
+@pytest.mark.parametrize("owner_first", [False, True], ids=["lost-then-owner", "owner-then-lost"])
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "one-outbox-batch"])
+async def test_a_runs_own_row_wins_over_a_lost_row_whatever_the_order(
+    persona: Persona, tmp_path: Path, outbox_left_empty: None, owner_first: bool, together: bool
+) -> None:
+    """A drained owner's `cancelled` row and a resume's (or the sweep's) `generation_lost` row of
+    one generation: the owner's is kept, written first or last, in batches of their own or (both
+    replayed from the outbox after a fault) in one. The old writer kept whichever came first."""
+    public_id = str(uuid.uuid4())
+    lost = lost_row(public_id, {"persona_id": persona.pk, **FACTS}, "half a", "The process died.")
+    own = logged_row(persona.pk, "half a quote", public_id=public_id, status=Generation.Status.CANCELLED)
+    order = [(own, True), (lost, False)] if owner_first else [(lost, False), (own, True)]
+
+    with database_fault("unreachable", tmp_path) if together else contextlib.nullcontext():
+        for row, owner in order:
+            await writer.write(row, owner=owner)
+            assert await asyncio.to_thread(writer.flush, 30.0)
+    assert await asyncio.to_thread(writer.flush, 30.0, outbox=True)
+
+    [kept] = await rows()
+    assert (str(kept.public_id), kept.status, kept.error_code, kept.text) == (
+        public_id,
+        Generation.Status.CANCELLED,
+        "",
+        "half a quote",
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.services
+async def test_refusals_while_the_database_is_down_are_all_counted_once_it_is_back(
+    persona: Persona, tmp_path: Path, outbox_left_empty: None
+) -> None:
+    """A window's refusals while the database takes no writes: the row of the first and the
+    count of the rest wait in the outbox with the streams' rows, and the sum of `request_count`
+    is every refusal once it is back. The old refusals wrote to the database themselves, and lost
+    both (the row after five tries, the count at once)."""
+    client_key = f"ip:{uuid.uuid4().hex}"
+    with database_fault("unreachable", tmp_path):
+        for _ in range(7):
+            await refusals.record_refusal(
+                **{"persona": persona, "version": None, "backend": "local", "model": "m"},
+                **{"client_key": client_key, "client_hash": "c", "preview": False, "window": 60},
+                **{"code": "too_many_streams", "message": "Busy.", "status": "busy", "local": True},
+            )
+        await refusals.flush_now()  # as a draining process does last
+        assert await asyncio.to_thread(writer.flush, 30.0)
+        assert writer.outbox.depth == 2
+    assert await asyncio.to_thread(writer.flush, 30.0, outbox=True)
+
+    assert [(row.status, row.request_count) for row in await rows()] == [(Generation.Status.BUSY, 7)]
+
+
+@pytest.mark.integration
+@pytest.mark.services
+async def test_a_refusal_count_that_overtakes_its_row_inserts_it_and_counts_only_upward(
+    persona: Persona,
+) -> None:
+    """Processes sharing Redis count one window's refusals into one row: a count may reach the
+    database before the window's first row (still in another process's outbox), and a lower
+    count after a higher one. The row is kept once, with the highest count."""
+    public_id = uuid.uuid4()
+    facts = {"persona_id": persona.pk, **FACTS}
+    for count in (3, 1, 7, 5):  # a count first, its row late, a higher count, a lower
+        row = refusal_row(
+            public_id, facts, status=Generation.Status.RATE_LIMITED, code="rate_limited", message=""
+        )
+        row.request_count = count
+        writer.submit(row)
+        assert await asyncio.to_thread(writer.flush, 30.0)
+
+    assert [(row.public_id, row.request_count) for row in await rows()] == [(public_id, 7)]
+
+
 # -- what the outbox trusts (issue 29) ------------------------------------------------------------
 
 
@@ -415,7 +498,7 @@ def dead_process_file(rows: list[Generation], name: str = "4000000-0badc0de.json
     """The spool file a process that is gone left with `rows`, written as the writer writes them:
     a copy of a live outbox's file (unlocked), whose own file is then removed."""
     outbox = Outbox()
-    outbox.append(rows)
+    outbox.append([(row, True) for row in rows])
     (spooled,) = outbox.directory().glob("*.jsonl")
     dead = spooled.with_name(name)
     shutil.copyfile(spooled, dead)
@@ -473,7 +556,7 @@ from quotes.ai.gateway.log import Outbox
 from quotes.models import Generation
 
 outbox = Outbox()
-outbox.append([Generation(persona_id=1, backend="local", model="m", status="ok", text="genuine")])
+outbox.append([(Generation(persona_id=1, backend="local", model="m", status="ok", text="genuine"), True)])
 (spooled,) = outbox.directory().glob("*.jsonl")
 shutil.copyfile(spooled, spooled.with_name("9-dead.jsonl"))
 shutil.copyfile(spooled, spooled.parent.parent / "elsewhere.jsonl")
@@ -525,13 +608,13 @@ def test_the_outbox_is_0700_at_every_level_and_refuses_a_folder_that_is_a_link(
     try:
         settings.QUOTES_OUTBOX_DIR = tmp_path / "state" / "outbox"
         fresh = Outbox()
-        fresh.append([logged_row(1, "new")])
+        fresh.append([(logged_row(1, "new"), True)])
         older = tmp_path / "older"
         settings.QUOTES_OUTBOX_DIR = older
         (older / Outbox().directory().name).mkdir(mode=0o770, parents=True)
         older.chmod(0o770)
         tightened = Outbox()
-        tightened.append([logged_row(1, "older")])
+        tightened.append([(logged_row(1, "older"), True)])
     finally:
         os.umask(old)
     levels = [tmp_path / "state", *(tightened.directory(), tightened.directory().parent)]
@@ -545,7 +628,7 @@ def test_the_outbox_is_0700_at_every_level_and_refuses_a_folder_that_is_a_link(
     linked = Outbox()
     linked.directory().parent.mkdir(mode=0o700)
     linked.directory().symlink_to(elsewhere)
-    linked.append([logged_row(1, "through the link")])
+    linked.append([(logged_row(1, "through the link"), True)])
     assert not list(elsewhere.iterdir())
     for outbox in (fresh, tightened, linked):
         outbox.clear()
@@ -579,7 +662,7 @@ def test_the_outbox_holds_at_most_its_cap(tmp_path: Path, settings: Any) -> None
     settings.QUOTES_OUTBOX_MAX_BYTES = line * 5 + line // 2
 
     writing = Outbox()
-    lost = writing.append([logged_row(1, f"new {index:02}") for index in range(10)])
+    lost = writing.append([(logged_row(1, f"new {index:02}"), True) for index in range(10)])
     writing.clear()
     taking = Outbox()
     taken = taking.take_over()

@@ -22,8 +22,14 @@ outbox holds rows, new rows join it (in order, without knocking on a database th
 the writer replays it with backoff (RETRY_MIN_S, doubling up to RETRY_MAX_S); once a replay goes
 through, the file is removed and rows go straight to the database again. /healthz reports the
 writes failing and /metrics the outbox's depth. Rows are idempotent by generation id
-(`public_id` is unique, and every insert ignores a conflict on it), so a row replayed twice (a
-replay cut short, a process killed after its insert) is kept once.
+(`public_id` is unique), so a row replayed twice (a replay cut short, a process killed after its
+insert) is kept once.
+
+Which row a generation keeps, whatever the order its writers' rows come in: its run's own row
+(`owner`, written at its close) overwrites a row written on its behalf, and a row written on its
+behalf (`lost_row`, by a resume or the sweep that found its process gone; `refusal_row`, by
+quotes.ai.refusals) is inserted only if none is there, and then only raises its `request_count`.
+This module is the one place `Generation` rows are made.
 
 Each process holds an exclusive lock (flock) on its spool file for as long as it lives; the
 kernel drops it when the process ends, however it ends. When the writer thread starts (the first
@@ -77,7 +83,6 @@ from django.core.signing import Signer
 from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
-    IntegrityError,
     InterfaceError,
     OperationalError,
     close_old_connections,
@@ -88,6 +93,7 @@ from django.db import (
 from ... import metrics
 from ...models import Generation, Persona, PersonaVersion
 from ..catalog import estimate_cost
+from ..errors import ErrorCode
 from ..events import Error, GenerationRequest, Usage
 
 logger = logging.getLogger(__name__)
@@ -116,13 +122,17 @@ REPLAYED = (
     *("public_id", "persona", "persona_version", "backend", "model", "fallback_step", "topic"),
     *("status", "cache_status", "error_code", "error_message", "text", "prompt_tokens"),
     *("completion_tokens", "cost_usd", "ttft_ms", "duration_ms", "request", "upstream_headers"),
-    *("client_hash", "is_preview"),
+    *("client_hash", "is_preview", "request_count"),
 )
+#: What a run's own row overwrites in a row written on its behalf: all it set but its id.
+OWNED = REPLAYED[1:]
 #: Each line of the outbox is signed (Django's Signer: SECRET_KEY, and SECRET_KEY_FALLBACKS).
 SIGNED_AS = "quotes.ai.gateway.log.outbox"
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
-_Entry = tuple[Generation, _Waiter | None, bool]
+#: a row, and whether its own run wrote it (its `owner`)
+_Row = tuple[Generation, bool]
+_Entry = tuple[_Row, _Waiter | None, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +174,26 @@ async def write_row(record: Record, facts: RowFacts) -> None:
     request that ended before its run existed)."""
     row = record.row(facts)
     metrics.stream_finished(row, transport=facts.transport)
-    await writer.write(row)  # queued at once; waited for at most ROW_WAIT_S; never raises
+    await writer.write(row, owner=True)  # queued at once; waited for at most ROW_WAIT_S; never raises
+
+
+def lost_row(public_id: str | uuid.UUID, facts: dict[str, object], text: str, message: str) -> Generation:
+    """The `generation_lost` row of a generation whose process went away, from the facts and text
+    Redis held: written on its behalf (by a resume in quotes.ai.gateway.runs, or the sweep in
+    shared_runs), so its own row wins if its process writes one after all."""
+    status, code = Generation.Status.ERROR, ErrorCode.GENERATION_LOST
+    text = text.replace("\x00", "")  # as in Record.row
+    return Generation(
+        **facts, public_id=public_id, status=status, error_code=code, error_message=message, text=text
+    )
+
+
+def refusal_row(
+    public_id: str | uuid.UUID, facts: dict[str, object], *, status: str, code: str, message: str
+) -> Generation:
+    """The row of a window's refused requests (quotes.ai.refusals): `facts` as RowFacts.fields
+    (without the topic), no request, no text; its `request_count` is raised as they are counted."""
+    return Generation(**facts, public_id=public_id, status=status, error_code=code, error_message=message)
 
 
 @dataclass(slots=True)
@@ -244,17 +273,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()[:300]
 
 
-def _dump(row: Generation) -> bytes:
+def _dump(row: Generation, owner: bool) -> bytes:
     """One row as one signed line: Django's JSON serialization of its REPLAYED fields (their
-    types, foreign keys as ids), ASCII only, so no character in the text can be read as a line
-    break."""
-    body = serializers.serialize("json", [row], fields=REPLAYED, ensure_ascii=True)
+    types, foreign keys as ids) and its `owner`, ASCII only, so no character in the text can be
+    read as a line break."""
+    (record,) = json.loads(serializers.serialize("json", [row], fields=REPLAYED))
+    body = json.dumps([record | {"owner": owner}], ensure_ascii=True)
     return Signer(salt=SIGNED_AS).sign(body).encode() + b"\n"
 
 
-def _load(line: bytes) -> Generation:
-    """A line as a new row of its REPLAYED fields. Raises BadSignature if this site did not
-    write it."""
+def _load(line: bytes) -> _Row:
+    """A line as a new row of its REPLAYED fields, and its `owner` (a line written before owners
+    were kept has none: it is written as every row was then, only where none is). Raises
+    BadSignature if this site did not write it."""
     (record,) = json.loads(Signer(salt=SIGNED_AS).unsign(line.decode().rstrip("\n")))
     fields = {name: value for name, value in record["fields"].items() if name in REPLAYED}
     (deserialized,) = serializers.deserialize(
@@ -262,7 +293,7 @@ def _load(line: bytes) -> Generation:
     )
     row = deserialized.object
     assert isinstance(row, Generation)
-    return row
+    return row, record.get("owner") is True
 
 
 def _private_directory(path: Path) -> None:
@@ -336,7 +367,7 @@ class Outbox:
         self._directory: Path | None = None
         #: rows that could not be written to the disk either (it is full, say): kept here until
         #: the database takes them
-        self._memory: list[Generation] = []
+        self._memory: list[_Row] = []
 
     def directory(self) -> Path:
         """QUOTES_OUTBOX_DIR/<the connection>: the files of every process on this database as this
@@ -351,11 +382,11 @@ class Outbox:
             self._directory = Path(settings.QUOTES_OUTBOX_DIR) / f"{vendor}-{digest}"
         return self._directory
 
-    def append(self, rows: Sequence[Generation]) -> set[int]:
+    def append(self, rows: Sequence[_Row]) -> set[int]:
         """Add `rows`, on the disk (fsync'd) before this returns; returns the indices of those
         dropped because the file is full (QUOTES_OUTBOX_MAX_BYTES; logged). Never raises: rows
         the disk will not take either are kept in memory (and logged), to be written with the rest."""
-        lines = [_dump(row) for row in rows]
+        lines = [_dump(row, owner) for row, owner in rows]
         kept = bisect.bisect_right(list(itertools.accumulate(map(len, lines))), self._room())
         if kept < len(rows):
             logger.error(
@@ -371,10 +402,10 @@ class Outbox:
         self.depth += kept
         return set(range(kept, len(rows)))
 
-    def batches(self) -> Iterator[list[Generation]]:
+    def batches(self) -> Iterator[list[_Row]]:
         """The rows waiting, oldest first, BATCH_SIZE at a time. A line that cannot be read back
         (cut short by a crash as it was written) is logged and left out."""
-        batch: list[Generation] = []
+        batch: list[_Row] = []
         if self._path is not None:
             with self._path.open("rb") as file:
                 for number, line in enumerate(file, 1):
@@ -519,20 +550,22 @@ class LogWriter:
         self._retry_at = 0.0
         self._retry_s = RETRY_MIN_S
 
-    async def write(self, row: Generation) -> None:
+    async def write(self, row: Generation, *, owner: bool = False) -> None:
         """Queue `row` and wait until it is written (or in the outbox, or lost and logged), at
         most `wait_s`. The row is queued before the wait, so cancelling the caller does not
-        cancel the write; and a wait that times out leaves it queued."""
+        cancel the write; and a wait that times out leaves it queued. `owner`: the generation's
+        own run wrote it, and it overwrites any row written on its behalf (see `_upsert`)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        self._enqueue(row, (loop, done))
+        self._enqueue((row, owner), (loop, done))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.wait_s):
                 await asyncio.shield(done)
 
     def submit(self, row: Generation) -> None:
-        """Queue `row` without waiting for it (a caller that has nothing to send after it)."""
-        self._enqueue(row, None)
+        """Queue `row`, written on a generation's behalf, without waiting for it (a caller that
+        has nothing to send after it)."""
+        self._enqueue((row, False), None)
 
     def start(self) -> None:
         """Start the writer thread now rather than at the first row (quotes.server, at start-up):
@@ -575,7 +608,7 @@ class LogWriter:
 
     # -- the writer thread ----------------------------------------------------------------------
 
-    def _enqueue(self, row: Generation, waiter: _Waiter | None) -> None:
+    def _enqueue(self, row: _Row, waiter: _Waiter | None) -> None:
         counted = metrics.log_row_queued()  # the queue depth gauge, when metrics are on
         with self._lock:
             self._pending.append((row, waiter, counted))
@@ -686,16 +719,14 @@ class LogWriter:
         with contextlib.suppress(DatabaseError, InterfaceError):
             connections[DEFAULT_DB_ALIAS].close()
 
-    def _insert(self, rows: Sequence[Generation]) -> set[int]:
-        """Insert `rows` in one transaction, or, if the database refuses one of them, one by one.
+    def _insert(self, rows: Sequence[_Row]) -> set[int]:
+        """Write `rows` in one transaction, or, if the database refuses one of them, one by one.
         Returns the indices of the rows refused for good (logged). Raises the error of a database
         that cannot take rows now (`unavailable`): then some of them may be in, which is fine, as
         writing them again keeps them once."""
         try:
             with transaction.atomic():
-                # Idempotent by generation id (public_id is unique): a row written twice, such as
-                # a lost generation's, which each resume that finds it lost writes, is kept once.
-                Generation.objects.bulk_create(rows, ignore_conflicts=True)
+                _upsert(rows)
         except Exception as exc:
             if unavailable(exc):
                 raise
@@ -704,9 +735,11 @@ class LogWriter:
             self.written += len(rows)
             return set()
         lost: set[int] = set()
-        for index, row in enumerate(rows):
+        for index, (row, owner) in enumerate(rows):
+            row.pk = None  # as the batch's rollback left it: not in the database
             try:
-                self._write_one(row)
+                with transaction.atomic():
+                    _upsert([(row, owner)])
             except Exception as exc:
                 if unavailable(exc):
                     raise
@@ -715,16 +748,6 @@ class LogWriter:
             else:
                 self.written += 1
         return lost
-
-    def _write_one(self, row: Generation) -> None:
-        row.pk = None
-        row._state.adding = True
-        try:
-            row.save(force_insert=True)
-        except IntegrityError:
-            if not Generation.objects.filter(public_id=row.public_id).exists():
-                raise
-            # written already (idempotent by generation id)
 
     def _resolve(self, batch: Sequence[_Entry], lost: set[int]) -> None:
         # One wake-up per event loop for the whole batch, not one per row.
@@ -737,6 +760,23 @@ class LogWriter:
         for loop, waiters in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, waiters)
+
+
+def _upsert(rows: Sequence[_Row]) -> None:
+    """Write `rows` so that each generation keeps one row, whatever order its writers' rows come
+    in: its run's own row (`owner`) overwrites one written on its behalf, which never overwrites
+    a row but only raises its `request_count` (a window's refusals counted since its first)."""
+    owned = [row for row, owner in rows if owner]
+    stand_ins = [row for row, owner in rows if not owner]
+    Generation.objects.bulk_create(stand_ins, ignore_conflicts=True)
+    Generation.objects.bulk_create(
+        owned, update_conflicts=True, unique_fields=["public_id"], update_fields=OWNED
+    )
+    for row in stand_ins:
+        if row.request_count > 1:  # only upward: another process may have written a later count
+            Generation.objects.filter(public_id=row.public_id, request_count__lt=row.request_count).update(
+                request_count=row.request_count
+            )
 
 
 def _settle(waiters: list[asyncio.Future[None]]) -> None:

@@ -52,7 +52,7 @@ from ..redis_health import report
 from . import shared_runs
 from .admission import Ticket, admit, drain, open_streams, server_draining
 from .flights import Flight
-from .log import Record, RowFacts, write_row, writer
+from .log import Record, RowFacts, lost_row, write_row, writer
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
@@ -574,16 +574,8 @@ async def _read_elsewhere(
 async def _row_if_lost(public_id: str, event: Event, facts: dict[str, object], log: EventLog) -> None:
     if type(event) is not Error or event.code is not ErrorCode.GENERATION_LOST or not facts:
         return
-    row = Generation(
-        **facts,
-        public_id=public_id,
-        status=Generation.Status.ERROR,
-        error_code=event.code,
-        error_message=event.message,
-        text=log.text,
-    )
     try:
-        await writer.write(row)
+        await writer.write(lost_row(public_id, facts, log.text, event.message))
     except asyncio.CancelledError:
         raise  # the row is queued: it is written all the same
     except Exception:

@@ -47,11 +47,10 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from ...models import Generation
 from ..errors import ErrorCode, stopped
 from ..events import Done, Error, Event, Ping, Token, from_json, to_json
 from . import redis_clients
-from .log import FACT_TYPES, writer
+from .log import FACT_TYPES, lost_row, writer
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
@@ -423,7 +422,10 @@ async def sweep() -> list[str]:
             events, _, facts = found
             if events and type(events[-1]) in (Done, Error):
                 continue  # it ended: its owner wrote its row
-            await _write_lost(public_id, facts, "".join(e.text for e in events if type(e) is Token))
+            text = "".join(e.text for e in events if type(e) is Token)
+            writer.submit(
+                lost_row(public_id, facts, text, "The process writing this quote died before it finished.")
+            )
             written.append(public_id)
     except asyncio.CancelledError:
         raise
@@ -433,19 +435,6 @@ async def sweep() -> list[str]:
     if written:
         logger.warning("wrote the rows of %d runs whose process died", len(written))
     return written
-
-
-async def _write_lost(public_id: str, facts: dict[str, Any], text: str) -> None:
-    lost = generation_lost()
-    row = Generation(
-        **facts,
-        public_id=public_id,
-        status=Generation.Status.ERROR,
-        error_code=lost.code,
-        error_message="The process writing this quote died before it finished.",
-        text=text,
-    )
-    writer.submit(row)
 
 
 # -- the other processes' side --------------------------------------------------------------------
