@@ -36,8 +36,8 @@ import httpx
 import pytest
 import redis
 
-from harness.daphne import ROOT, environment, migrate, running_daphne, wait_for
-from harness.services import client_at, free_port
+from harness.daphne import ROOT, environment, migrate, start_daphne, wait_for, wait_until_up
+from harness.services import client_at, free_port, stop_process
 from harness.sse import events_of, text_of
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.gateway import redis_clients
@@ -76,7 +76,7 @@ def pair(
     tmp_path: Path, fake_workers_ai: FakeWorkersAI, redis_server: str
 ) -> Iterator[Callable[[int], Pair]]:
     """Start A and B (answer cache TTL `cache_ttl`) on one SQLite file and one Redis."""
-    contexts: list[Iterator[subprocess.Popen[bytes]]] = []
+    processes: list[subprocess.Popen[bytes]] = []
     database = tmp_path / "db.sqlite3"
 
     def start(cache_ttl: int, **overrides: str) -> Pair:
@@ -98,16 +98,17 @@ def pair(
         redis.Redis.from_url(env["REDIS_URL"]).flushdb()
         migrate(env)
         started = []
-        for name in "ab":
+        for name in "ab":  # both start at once, then each is waited for
             port, log = free_port(), tmp_path / f"daphne-{name}.log"
-            context = running_daphne(UNIT, port, env, log)
-            started.append(Daphne(f"http://127.0.0.1:{port}", context.__enter__(), log))
-            contexts.append(context)
+            started.append(Daphne(f"http://127.0.0.1:{port}", start_daphne(port, env, log, source=UNIT), log))
+            processes.append(started[-1].process)
+        for daphne in started:
+            wait_until_up(daphne.url + "/healthz", daphne.process, daphne.log, any_status=True)
         return Pair(started[0], started[1], database, env["REDIS_URL"])
 
     yield start
-    for context in contexts:
-        context.__exit__(None, None, None)
+    for process in processes:
+        stop_process(process, timeout=15)
 
 
 def assert_stopped_on_a(servers: Pair, fake_workers_ai: FakeWorkersAI) -> None:
