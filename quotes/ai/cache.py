@@ -7,12 +7,12 @@ import contextlib
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from django.core.cache import cache
 
 from .. import metrics
-from .events import GenerationRequest, header_safe, plain_text
+from .events import Done, Event, GenerationRequest, Meta, decode_events, encode_events
 from .limits import run_on_cache
 from .redis_health import report
 
@@ -46,15 +46,6 @@ def misfit(what: str, value: object) -> None:
         logger.warning("%s in the cache has an unexpected shape: read as a miss", what)
 
 
-@dataclass(frozen=True, slots=True)
-class CachedAnswer:
-    model: str
-    tokens: tuple[str, ...]
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    step: int
-
-
 def answer_key(*, backend: str, request: GenerationRequest, version_id: int | None) -> str:
     """A hash of the backend, the model, the full request and the persona version."""
     material = json.dumps(
@@ -65,32 +56,30 @@ def answer_key(*, backend: str, request: GenerationRequest, version_id: int | No
     return "quotes:answer:" + hashlib.sha256(material.encode()).hexdigest()
 
 
-async def get_answer(key: str) -> CachedAnswer | None:
-    """The cached answer for `key`, or None (a miss, or a cache that is down: a fresh answer)."""
+async def get_answer(key: str) -> list[Event] | None:
+    """The cached answer for `key`: a complete generation's events, kept as a finished run's
+    are (events.encode_events), ending with Done. None for a miss (any other value, such as one
+    a release before this one wrote, is one too), or a cache that is down: a fresh answer."""
     try:
         stored = await run_on_cache(cache.get, key)
     except Exception as exc:
         report(logger, "could not read the answer cache", exc)
         return None
-    answer = _answer_of(stored)
+    answer = None
+    with contextlib.suppress(ValueError):
+        answer = decode_events(stored)
+    if not answer or type(answer[-1]) is not Done:
+        misfit("an answer", stored)
+        answer = None
     metrics.cache_lookup(hit=answer is not None)
     return answer
 
 
-def _answer_of(value: object) -> CachedAnswer | None:
-    match value:
-        case {
-            "model": str() as model,
-            "tokens": list() as tokens,
-            "prompt_tokens": int() | None as prompt_tokens,
-            "completion_tokens": int() | None as completion_tokens,
-            "step": int() as step,
-            **rest,
-        } if not rest and all(map(plain_text, tokens)) and header_safe(model):
-            return CachedAnswer(model, tuple(tokens), prompt_tokens, completion_tokens, step)
-    misfit("an answer", value)
-    return None
-
-
-async def store_answer(key: str, answer: CachedAnswer, *, ttl: int) -> None:
-    await run_on_cache(cache.set, key, {**asdict(answer), "tokens": list(answer.tokens)}, timeout=ttl)
+async def store_answer(key: str, history: list[Event], *, ttl: int) -> None:
+    """Keep a complete answer (what its flight published, then Done). Its upstream headers
+    (cf-aig-log-id, ...) name that call, not a replay: left out."""
+    events = [Meta(model=event.model, step=event.step) if type(event) is Meta else event for event in history]
+    try:
+        await run_on_cache(cache.set, key, encode_events([*events, Done()]), timeout=ttl)
+    except Exception as exc:  # a cache that is down costs a future hit, never this answer
+        report(logger, "could not cache an answer", exc)

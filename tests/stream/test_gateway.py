@@ -30,8 +30,9 @@ from django.core.cache import cache
 from django.utils import timezone
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.ai.backends import get_backend, reset_backends
+from quotes.ai.backends import backend_for, get_backend, reset_backends
 from quotes.ai.backends.local import LocalBackend
+from quotes.ai.cache import answer_key
 from quotes.ai.catalog import estimate_cost
 from quotes.ai.events import Done, Token
 from quotes.ai.gateway import admission
@@ -41,6 +42,7 @@ from quotes.ai.gateway.policy import Plan, generate
 from quotes.ai.gateway.runs import STOPPED, Run
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
+from tests.abuse.test_redis_limits import logged
 from tests.asgi import (
     StreamedResponse,
     parse_sse,
@@ -514,6 +516,42 @@ async def test_cache_hit_is_replayed_with_pacing(
     assert len(hit.chunks) >= n  # several chunks, not one buffered body
     spread = hit.chunk_times[-1] - hit.chunk_times[0]
     assert spread >= 0.8 * (n - 1) * 0.05, spread
+
+
+@pytest.mark.integration
+@pytest.mark.services
+async def test_cache_an_answer_kept_in_the_old_format_is_a_miss(
+    persona: Persona, fake: FakeWorkersAI
+) -> None:
+    """An answer a release before this one kept (its model, token texts, usage and step, not an
+    event list) reads as a miss after the deploy, logged once: asked afresh and kept anew."""
+    await post_quote()
+    key = answer_key(
+        backend=backend_for(persona).name,
+        request=persona.build_request(topic=persona.default_topic),
+        version_id=await latest_version_id(persona),
+    )
+    assert await cache.aget(key) is not None  # the app's own key
+    old = {
+        "model": MODEL,
+        "tokens": list(DEFAULT_TOKENS),
+        "prompt_tokens": 12,
+        "completion_tokens": 6,
+        "step": 0,
+    }
+    await cache.aset(key, old)
+
+    with logged("quotes", "django") as records:
+        again = await post_quote()
+
+    assert_complete(again)
+    assert again.headers["cf-aig-cache-status"] == "MISS"
+    assert len(fake.requests) == 2
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == [
+        "an answer in the cache has an unexpected shape: read as a miss"
+    ]
+    assert (await post_quote()).headers["cf-aig-cache-status"] == "HIT"
+    assert len(fake.requests) == 2
 
 
 # -- 3. coalescing --------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ limits), the answer cache, coalescing, retries, fallbacks, timeouts, keep-alive,
     stream_generation (generation.py): one request, from admission to its log row
       admission.py   the process's open-stream limit, then the client's limits
       capacity.py    that limit: it follows the event loop's lag (an optional static ceiling)
-      answers.py     complete answers cached, and replayed as a stream
       flights.py     one generation shared by identical requests; a listener per request
       policy.py      retries and fallbacks before the first token; the three timeouts
       log.py         the row each stream gathers, and the group-commit writer

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -23,15 +24,15 @@ from ... import metrics, personas
 from ...models import Generation, Persona, PersonaVersion
 from ...security import client_address, client_network
 from ..backends import backend_for
-from ..cache import answer_key, get_answer
+from ..cache import answer_key, get_answer, store_answer
 from ..errors import ErrorCode, internal
 from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
-from . import admission, answers, shared_runs
+from . import admission, shared_runs
 from .flights import Flight, flights
 from .log import Record, RowFacts, write_row
 from .policy import Plan
-from .runs import ABANDONED, Run
+from .runs import ABANDONED, EventLog, Run, replay
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ async def stream_generation(
         if cached is not None:
             record.cache_status = Generation.CacheStatus.HIT
             run.hit = True
-            run.drive(answers.replay(cached, pacing=options.replay_pacing_ms / 1000))
+            run.drive(replay(EventLog.of(cached), pacing=options.replay_pacing_ms / 1000))
         else:
             flight = flights.get(key) if use_cache else None
             if flight is not None:
@@ -254,7 +255,7 @@ async def stream_generation(
                         owner = await shared_runs.claim(key, run.public_id)
                     except BaseException:
                         if flight.runs:  # requests joined meanwhile: they get their answer
-                            flight.start(plan, _storer(key, ttl))
+                            flight.start(plan, partial(store_answer, key, ttl=ttl))
                         else:
                             flight.unregister()
                         run.fail(ABANDONED, status=Generation.Status.CANCELLED)
@@ -262,14 +263,16 @@ async def stream_generation(
                     if owner is None:
                         run.publisher.claim = key
                 if owner is None:
-                    flight.start(plan, _storer(key, ttl) if use_cache else None)
+                    flight.start(plan, partial(store_answer, key, ttl=ttl) if use_cache else None)
                 else:
                     record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
                     run.hit = True
                     metrics.coalesced_listener()
                     # The owner's events after its own opening Meta (this run has its own).
                     flight.follow_elsewhere(
-                        shared_runs.follow(owner, for_run=True, skip=1), plan, _storer(key, ttl)
+                        shared_runs.follow(owner, for_run=True, skip=1),
+                        plan,
+                        partial(store_answer, key, ttl=ttl),
                     )
             run.attach(flight)
         listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s)
@@ -305,13 +308,6 @@ async def stream_generation(
             await ticket.release()
         if run is None and not logged:
             await write_row(record, facts)
-
-
-def _storer(key: str, ttl: int) -> Any:
-    async def store(history: list[Event]) -> None:
-        await answers.store(key, history, ttl=ttl)
-
-    return store
 
 
 async def _current_version(persona: Persona) -> PersonaVersion | None:

@@ -538,11 +538,16 @@ async def _held(events: AsyncGenerator[Event, None], ticket: Ticket) -> AsyncGen
         await ticket.release()
 
 
-async def _replay(log: EventLog, index: int) -> AsyncGenerator[Event, None]:
-    """A finished generation's events from the cache, from `index` on (a late resume)."""
-    while index < len(log):
-        yield _elsewhere(log.at(index))
-        index += 1
+async def replay(log: EventLog, index: int = 0, *, pacing: float = 0) -> AsyncGenerator[Event, None]:
+    """A finished generation's events from the cache, from `index` on: a late resume's, or a
+    cached answer's (generation.py), one token every `pacing` seconds so it still reads as writing."""
+    paced = False
+    for event in map(log.at, range(index, len(log))):
+        if pacing and type(event) is Token:
+            if paced:
+                await asyncio.sleep(pacing)
+            paced = True
+        yield _elsewhere(event)
 
 
 async def _read_elsewhere(
@@ -669,7 +674,7 @@ async def _resume(
     log = finished[1]
     if after > len(log):
         return None
-    return Resumed.of(public_id, log, after, _held(_replay(log, after), ticket))
+    return Resumed.of(public_id, log, after, _held(replay(log, after), ticket))
 
 
 async def _resume_elsewhere(
