@@ -340,7 +340,9 @@ async def test_log_busy_row_on_the_embedded_model(
     assert_json_error(second, 503, "busy")
     finished = await first.read_all()
     assert_complete(finished)
-    statuses = {row.topic: row for row in await rows()}
+    logged = await rows()
+    assert len(logged) == 2
+    statuses = {row.topic: row for row in logged}
     busy = statuses["rest"]
     assert busy.status == Generation.Status.BUSY
     assert busy.error_code == "busy" and busy.backend == "local" and busy.model == LOCAL_MODEL
