@@ -35,11 +35,8 @@ from quotes.ai.backends.local import LocalBackend
 from quotes.ai.cache import answer_key
 from quotes.ai.catalog import estimate_cost
 from quotes.ai.events import Done, Token
-from quotes.ai.gateway import admission
 from quotes.ai.gateway.flights import flights
-from quotes.ai.gateway.log import Record, RowFacts
 from quotes.ai.gateway.policy import Plan, generate
-from quotes.ai.gateway.runs import STOPPED, Run
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
 from tests.abuse.test_redis_limits import logged
@@ -1288,32 +1285,3 @@ async def test_redis_rate_limit_counts_in_redis(
     redis_cache.delete(rate_key)
     assert_complete(await post_quote())
     assert [row.status for row in await rows()] == ["ok", "ok", "ok", "rate_limited", "ok"]
-
-
-@pytest.mark.integration
-async def test_a_stop_ends_a_connection_before_the_events_it_has_not_sent(persona: Persona) -> None:
-    """`Run.stop()` ends its connections now: one that has not yet sent what the run holds (a
-    slow client, a resume from far behind) hears `stopped` next, not the rest first."""
-    facts = RowFacts(
-        persona=persona,
-        version=None,
-        backend="local",
-        topic="stop",
-        request=persona.build_request(topic="stop"),
-        client_hash="",
-        preview=False,
-        transport="other",
-    )
-    run = Run(record=Record(started=time.perf_counter()), facts=facts, client_key="k", grace_s=0, ttl=0)
-    for n in range(10):
-        run.feed(Token(f" w{n}"))
-    ticket = await admission.admit("k", django_settings.QUOTES_GATEWAY)
-    assert isinstance(ticket, admission.Ticket)
-    events = run.subscribe(0, ticket=ticket, keepalive_s=30).events()
-    assert await anext(events) == Token(" w0")
-
-    assert await run.stop()
-
-    assert [event async for event in events] == [STOPPED]
-    [row] = await sync_to_async(list)(Generation.objects.filter(public_id=run.public_id))
-    assert (row.status, row.error_code) == ("cancelled", "stopped")

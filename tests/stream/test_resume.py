@@ -9,21 +9,26 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.conf import settings as django_settings
 
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
 from quotes.ai.cache import JSONSerializer
 from quotes.ai.events import Done, Event, Meta, Token, Usage, decode_events, encode_events
+from quotes.ai.gateway import admission
 from quotes.ai.gateway import runs as runs_module
-from quotes.ai.gateway.runs import EventLog
+from quotes.ai.gateway.log import Record, RowFacts
+from quotes.ai.gateway.runs import STOPPED, EventLog, Run
 from quotes.models import Generation, Persona
-from tests.asgi import AsgiStream, htmx_form_post, parse_sse, post_stream, read_events, request
+from tests.asgi import TEST_CLIENT, AsgiStream, htmx_form_post, parse_sse, post_stream, read_events, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -137,14 +142,25 @@ async def test_resume_eventsource_gets_a_retry_first(persona: Persona, fake: Fak
 
 
 @pytest.mark.integration
-@pytest.mark.services
+@pytest.mark.parametrize(
+    "client",
+    [
+        pytest.param(TEST_CLIENT, id="same-address", marks=pytest.mark.services),
+        # The key is not tied to the address: a phone that moves from Wi-Fi to mobile resumes.
+        pytest.param(("10.1.2.3", 40000), id="another-address"),
+    ],
+)
 async def test_resume_after_a_cut_with_last_event_id_gives_exactly_the_rest(
-    persona: Persona, fake: FakeWorkersAI
+    persona: Persona, fake: FakeWorkersAI, client: tuple[str, int]
 ) -> None:
     _, received, generation_id = await cut(fake)
 
     resumed = await request(
-        "POST", STREAM_URL, json_body={"persona": persona.slug}, headers={"last-event-id": last_id(received)}
+        "POST",
+        STREAM_URL,
+        json_body={"persona": persona.slug},
+        headers={"last-event-id": last_id(received)},
+        client=client,
     )
 
     assert resumed.status == 200 and resumed.headers["content-type"] == "text/event-stream"
@@ -317,23 +333,6 @@ async def test_resume_by_the_quote_id_alone_reads_nothing_and_keeps_nothing_aliv
     assert b"tick" not in by_id.body + wrong_key.body
 
 
-@pytest.mark.integration
-async def test_resume_by_its_own_event_id_from_another_address(persona: Persona, fake: FakeWorkersAI) -> None:
-    """The key is not tied to the address: a phone that moves from Wi-Fi to mobile resumes."""
-    _, received, _ = await cut(fake)
-
-    resumed = await request(
-        "POST",
-        STREAM_URL,
-        json_body={"persona": persona.slug},
-        headers={"last-event-id": last_id(received)},
-        client=("10.1.2.3", 40000),
-    )
-
-    assert resumed.status == 200
-    assert text_of(received) + text_of(resumed.body) == TEXT
-
-
 # -- gone, and stopped ------------------------------------------------------------------------------
 
 
@@ -385,6 +384,35 @@ async def test_resume_stop_endpoint_stops_at_once_for_its_own_client_only(
     again = await request("POST", stop_url)
     assert (again.status, again.json()) == (200, {"id": generation_id, "stopped": False})
     assert (await request("POST", stop_url, client=("10.9.8.7", 50000))).json() == other.json()
+
+
+@pytest.mark.integration
+async def test_a_stop_ends_a_connection_before_the_events_it_has_not_sent(persona: Persona) -> None:
+    """`Run.stop()` ends its connections now: one that has not yet sent what the run holds (a
+    slow client, a resume from far behind) hears `stopped` next, not the rest first."""
+    facts = RowFacts(
+        persona=persona,
+        version=None,
+        backend="local",
+        topic="stop",
+        request=persona.build_request(topic="stop"),
+        client_hash="",
+        preview=False,
+        transport="other",
+    )
+    run = Run(record=Record(started=time.perf_counter()), facts=facts, client_key="k", grace_s=0, ttl=0)
+    for n in range(10):
+        run.feed(Token(f" w{n}"))
+    ticket = await admission.admit("k", django_settings.QUOTES_GATEWAY)
+    assert isinstance(ticket, admission.Ticket)
+    events = run.subscribe(0, ticket=ticket, keepalive_s=30).events()
+    assert await anext(events) == Token(" w0")
+
+    assert await run.stop()
+
+    assert [event async for event in events] == [STOPPED]
+    [row] = await sync_to_async(list)(Generation.objects.filter(public_id=run.public_id))
+    assert (row.status, row.error_code) == ("cancelled", "stopped")
 
 
 # -- the WebSocket ----------------------------------------------------------------------------------
