@@ -123,6 +123,7 @@ async def assert_cancelled_row(response: StreamedResponse, received: bytes) -> N
     client_text = text_of(received)
     assert client_text
     assert row.text.startswith(client_text), (client_text, row.text)
+    assert row.duration_ms is not None
 
 
 # -- 1. disconnects --------------------------------------------------------------------------------
@@ -197,6 +198,10 @@ async def test_disconnect_trials_local_model_stop_the_model_thread_and_log_cance
         trials.delays_s.append(max(delay, 0.0))
         trials.tokens_read.append(tokens)
     record(trials)
+    # The model is fine afterwards: the next request streams a whole quote.
+    after = post_stream({"persona": persona.slug, "topic": topic, "fresh": True})
+    await after.start()
+    assert (await after.read_all()).body.endswith(b"data: [DONE]\n\n")
 
 
 # -- 2. every upstream fault, in one table ------------------------------------------------------------
