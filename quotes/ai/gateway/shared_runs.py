@@ -582,7 +582,9 @@ async def follow(
     renew_at = 0.0
     try:
         while True:
-            if drain.cut and not for_run:  # a resume's (a follower's run is cut by itself)
+            if drain.cut and lease and not for_run:
+                # A resume's, past this process's drain deadline (a follower's run is cut by
+                # itself, a stop's look is no connection): its client resumes elsewhere.
                 yield Reconnect()
                 return
             if lease and time.monotonic() >= renew_at:
