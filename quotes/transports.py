@@ -160,11 +160,9 @@ async def encode_stream(
                     sent = n
                     out = encoder.identify(out, ids, n)
                 yield out
-        event = (
-            opening.first
-            if opening is not None and opening.first is not None
-            else await anext(events, _ENDED)
-        )
+        event = opening.first if opening is not None else None
+        if event is None:
+            event = await anext(events, _ENDED)
         while type(event) is not Reconnect:
             if type(event) is Ping:
                 out = encoder.ping()

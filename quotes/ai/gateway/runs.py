@@ -14,7 +14,9 @@ How a run ends decides its row:
   at once, the row says cancelled/`stopped`;
 - its last connection drops (`unsubscribe`): it keeps running for QUOTES_RESUME_GRACE_S, so the
   client can resume; if nobody does, the upstream is closed and the row says
-  cancelled/`abandoned`.
+  cancelled/`abandoned`;
+- the drain's deadline (`end_for_drain`): the upstream is closed, the row says
+  cancelled/`server_draining`, and its connections hear Reconnect (they resume elsewhere).
 
 Exactly one row per run, written before its terminal event is published, however many
 connections come and go. A finished run's events stay in Django's cache for
