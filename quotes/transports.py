@@ -26,15 +26,15 @@ event, an error frame): the views answer their own refusals with it too. The Web
 status to choose and relays from the start. Keep-alive pings before the first token are
 dropped there, for the same reason: the headers are not sent yet.
 
-When the process drains (quotes.ai.gateway.admission.drain) a stream still open at the drain's
-deadline is cut: before its first token it becomes a 503 server_draining (with Retry-After),
-like a refused one; after it, `encode_stream()` ends it with the encoder's `reconnect` (an SSE
-`event: reconnect`, a WebSocket `reconnect` frame), which tells the client to resume elsewhere.
+When the process drains, a stream still open at the drain's deadline reads a Reconnect event
+(its run sends it: quotes.ai.gateway.runs.end_for_drain): before its first token it becomes a
+503 server_draining (with Retry-After), like a refused one; after it, `encode_stream()` ends it
+with the encoder's `reconnect` (an SSE `event: reconnect`, a WebSocket `reconnect` frame),
+which tells the client to resume elsewhere.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -46,8 +46,8 @@ from django.urls import reverse
 from .ai import sse
 from .ai.catalog import doc_url
 from .ai.errors import QuoteError, envelope, internal
-from .ai.events import Done, Error, Event, Meta, Ping, Token, Usage
-from .ai.gateway.admission import StreamWatch, drain, reconnect_retry_ms, server_draining
+from .ai.events import Done, Error, Event, Meta, Ping, Reconnect, Token, Usage
+from .ai.gateway.admission import reconnect_retry_ms, server_draining
 from .ai.gateway.runs import resume_key
 from .request_threads import release_request_thread
 
@@ -125,48 +125,26 @@ class Opening:
 async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
     meta = Meta()
     before = 0
-    watch = drain.watch()
-    watch.waiting = True
-    try:
-        first = await anext(events)
-        while type(first) is Meta or type(first) is Ping:
-            if type(first) is Meta:
-                meta = meta.merged(first)
-                before += 1
-            first = await anext(events)
-    except StopAsyncIteration:
-        first = internal()
-    except asyncio.CancelledError:
-        if not _was_cut(watch):
-            raise
-        first = server_draining()  # nothing sent yet: refused like a new stream
-    finally:
-        watch.waiting = False
-    if type(first) is Error:
-        drain.forget()
+    first = await anext(events, _ENDED)
+    while type(first) is Meta or type(first) is Ping:
+        if type(first) is Meta:
+            meta = meta.merged(first)
+            before += 1
+        first = await anext(events, _ENDED)
+    if type(first) is Reconnect:
+        first = server_draining()  # cut by the drain, nothing sent yet: refused like a new stream
     return Opening(meta, first, before)
-
-
-def _was_cut(watch: StreamWatch) -> bool:
-    """A CancelledError came from the drain's cut (then it is taken back), not from the client."""
-    if not watch.cut:
-        return False
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        task.uncancel()
-    return True
 
 
 async def encode_stream(
     events: AsyncGenerator[Event, None], encoder: Encoder[Out, object], opening: Opening | None = None
 ) -> AsyncGenerator[Out, None]:
-    """Drive `events` into `encoder` until Done or Error (always one of them, last), or until the
-    draining process cuts the stream (then the encoder's `reconnect` is last).
+    """Drive `events` into `encoder` until Done or Error (always one of them, last), or until
+    Reconnect (the draining process cut the stream: the encoder's `reconnect` is last).
 
     Once the generation's id is known (its first Meta says it), what each event makes carries
     the event's id (EventIds); pings carry none. A resumed stream sends no opening of
     its own, and may end without a terminal event (the client had seen it)."""
-    watch = drain.watch()
     meta = opening.meta if opening is not None else Meta()
     resumed = opening is not None and opening.resumed
     #: the number of the last event read (pings are not events)
@@ -174,90 +152,59 @@ async def encode_stream(
     #: the number of the last event sent with its id: where a cut stream resumes
     sent = n if resumed else 0
     ids = EventIds(meta.generation_id) if meta.generation_id else None
-    try:
-        async with aclosing(events):
-            if not resumed:
-                out = encoder.start(meta)
+    async with aclosing(events):
+        if not resumed:
+            out = encoder.start(meta)
+            if out is not None:
+                if ids is not None:  # it stands for the events read before the first one
+                    sent = n
+                    out = encoder.identify(out, ids, n)
+                yield out
+        event = opening.first if opening is not None else None
+        if event is None:
+            event = await anext(events, _ENDED)
+        while type(event) is not Reconnect:
+            if type(event) is Ping:
+                out = encoder.ping()
                 if out is not None:
-                    if ids is not None:  # it stands for the events read before the first one
-                        sent = n
-                        out = encoder.identify(out, ids, n)
-                    yield out
-            event: Event | None = opening.first if opening is not None else None
-            if event is None:
-                event = await _next(events, watch)
-            while event is not None:
-                if type(event) is Ping:
-                    out = encoder.ping()
-                    if out is not None:
-                        yield out  # a comment, no event: no id
-                    event = await _next(events, watch)
-                    continue
-                n += 1
-                if type(event) is Token:
-                    out = encoder.token(event.text)
-                elif type(event) is Usage:
-                    out = encoder.usage(event)
-                elif type(event) is Meta:
-                    merged = meta.merged(event)
-                    out = encoder.meta(merged) if merged != meta else None
-                    meta = merged
-                    if ids is None and meta.generation_id:
-                        ids = EventIds(meta.generation_id)
-                elif type(event) is Done:
-                    out = encoder.done(meta)
-                    if out is not None:
-                        yield out if ids is None else encoder.identify(out, ids, n)
-                    return
-                else:  # Error: after the first byte the status is sent, so the error is an event
-                    assert type(event) is Error
-                    if event is _ENDED and resumed:
-                        return  # resumed after the last event: nothing more to send
-                    out = encoder.error(event)
-                    if out is not None:  # _ENDED is none of the generation's events: no id
-                        yield out if ids is None or event is _ENDED else encoder.identify(out, ids, n)
-                    return
+                    yield out  # a comment, no event: no id
+                event = await anext(events, _ENDED)
+                continue
+            n += 1
+            if type(event) is Token:
+                out = encoder.token(event.text)
+            elif type(event) is Usage:
+                out = encoder.usage(event)
+            elif type(event) is Meta:
+                merged = meta.merged(event)
+                out = encoder.meta(merged) if merged != meta else None
+                meta = merged
+                if ids is None and meta.generation_id:
+                    ids = EventIds(meta.generation_id)
+            elif type(event) is Done:
+                out = encoder.done(meta)
                 if out is not None:
-                    if ids is not None:
-                        sent = n
-                        out = encoder.identify(out, ids, n)
-                    yield out
-                # _next(), inlined: this is once per token.
-                if watch.cut:
-                    break
-                watch.waiting = True
-                try:
-                    event = await anext(events, _ENDED)
-                except asyncio.CancelledError:
-                    if not _was_cut(watch):
-                        raise
-                    break
-                finally:
-                    watch.waiting = False
-            # Cut by the drain: the generation is closed first (its upstream, its log row), then
-            # the client hears where to go.
-            await events.aclose()
-        last_event_id = f"{ids.prefix}{sent}" if ids is not None else None
-        out = encoder.reconnect(last_event_id, reconnect_retry_ms())
-        if out is not None:
-            yield out
-    finally:
-        drain.forget()
-
-
-async def _next(events: AsyncGenerator[Event, None], watch: StreamWatch) -> Event | None:
-    """The next event, or None once the draining process has cut the stream."""
-    if watch.cut:
-        return None
-    watch.waiting = True
-    try:
-        return await anext(events, _ENDED)
-    except asyncio.CancelledError:
-        if not _was_cut(watch):
-            raise
-        return None
-    finally:
-        watch.waiting = False
+                    yield out if ids is None else encoder.identify(out, ids, n)
+                return
+            else:  # Error: after the first byte the status is sent, so the error is an event
+                assert type(event) is Error
+                if event is _ENDED and resumed:
+                    return  # resumed after the last event: nothing more to send
+                out = encoder.error(event)
+                if out is not None:  # _ENDED is none of the generation's events: no id
+                    yield out if ids is None or event is _ENDED else encoder.identify(out, ids, n)
+                return
+            if out is not None:
+                if ids is not None:
+                    sent = n
+                    out = encoder.identify(out, ids, n)
+                yield out
+            event = await anext(events, _ENDED)
+    # Cut by the drain (the run's row is written): the client hears where to go.
+    last_event_id = f"{ids.prefix}{sent}" if ids is not None else None
+    out = encoder.reconnect(last_event_id, reconnect_retry_ms())
+    if out is not None:
+        yield out
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -189,7 +189,13 @@ class Ping:
     """Nothing happened for a while: transports send a keep-alive so proxies hold the line."""
 
 
-Event = Token | Usage | Meta | Done | Error | Ping
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """The process is going away (draining): resume elsewhere. A connection's last event, never
+    in a run's log (the run ends with server_draining there)."""
+
+
+Event = Token | Usage | Meta | Done | Error | Ping | Reconnect
 
 
 # -- events as JSON (a live run's events in Redis, a finished run's in the cache) ------------------

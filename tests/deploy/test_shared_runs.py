@@ -315,6 +315,39 @@ def test_relay_a_stream_cut_by_a_drain_resumes_on_the_other_process_to_a_clean_e
     assert [(status, code) for _, status, code, _ in servers.rows()] == [("cancelled", "server_draining")]
 
 
+def test_relay_a_resume_of_a_run_elsewhere_open_at_the_drain_deadline_is_told_to_reconnect(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A resume on A of B's run, opened before A drains, has no run on A to cut it: it reads
+    B's run from Redis, and hears Reconnect there at A's deadline. B's run goes on: resumed on
+    B from where A left off, the client has the whole text, once."""
+    tokens = [f" word{n}" for n in range(200)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05))  # 10 s: past A's 1 s drain
+    servers = pair(0)
+
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", servers.b.url + STREAM, json=QUOTE) as on_b:
+            head = lines_until_tokens(on_b.iter_lines(), 3)
+            first_id = [line.removeprefix("id: ") for line in head if line.startswith("id: ")][-1]
+            headers = {"Last-Event-ID": first_id}
+            with client.stream("POST", servers.a.url + STREAM, json=QUOTE, headers=headers) as on_a:
+                assert on_a.status_code == 200
+                lines = on_a.iter_lines()
+                middle = lines_until_tokens(lines, 1)
+                servers.a.process.send_signal(signal.SIGTERM)
+                middle += list(lines)  # A cuts it at its deadline
+        reconnect = events_of(middle)[-1]
+        assert reconnect["event"] == "reconnect", middle[-6:]
+        headers = {"Last-Event-ID": json.loads(reconnect["data"])["last_event_id"]}
+        rest = client.post(servers.b.url + STREAM, json=QUOTE, headers=headers)
+
+    assert rest.status_code == 200, rest.text
+    events = events_of(head) + events_of(middle)[:-1] + events_of(rest.text.splitlines())
+    assert text_of(events) == "".join(tokens)
+    assert servers.a.process.wait(20) == 0
+    assert len(fake_workers_ai.requests) == 1
+
+
 def test_relay_a_draining_process_refuses_to_resume_a_run_it_does_not_hold(
     pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
 ) -> None:

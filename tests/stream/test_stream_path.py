@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -568,3 +569,45 @@ def _raw_update(pk: int, prompt: str) -> None:
             cursor.execute("UPDATE quotes_persona SET system_prompt = %s WHERE id = %s", [prompt, pk])
     finally:
         connections.close_all()
+
+
+@pytest.mark.integration
+async def test_a_drain_cuts_a_stream_whose_body_each_chunk_is_read_in_a_task_of_its_own(
+    persona: Persona, settings: Any, fake: FakeWorkersAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain reaches a stream through its run, whatever task reads it: Django happens to
+    run a view and its response's body in one task, but does not say so. Here the view's part
+    (`stream_response`) runs in the test's task and each body chunk is read in a new task; at
+    the deadline the stream still ends with `event: reconnect`, and its row says drained."""
+    from quotes import server
+    from quotes.ai.gateway.admission import drain
+    from quotes.ai.gateway.capacity import open_streams
+    from quotes.ai.gateway.generation import Client
+    from quotes.quote_request import events_for, parse_quote_request
+    from quotes.transports import WorkersAIEncoder, stream_response
+
+    for name in ("draining", "cut"):  # this process drains for this test only
+        monkeypatch.setattr(drain, name, False)
+    monkeypatch.setattr(open_streams, "emptied", None)
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, drain_timeout_s=0.2)
+    fake.default = Scenario(tokens=[f" word{n}" for n in range(200)], token_delay_s=0.05)  # 10 s
+    quote = await parse_quote_request({"persona": persona.slug, "topic": "drain"})
+    response = await stream_response(
+        events_for(quote, Client.from_request("127.0.0.1", None), "sse"), WorkersAIEncoder()
+    )
+    assert response.status_code == 200
+    body = aiter(response)  # as Django's ASGIHandler reads it, but chunk by chunk in new tasks
+    received = [await asyncio.create_task(anext(body))]
+    draining = asyncio.create_task(server.drain_and_close())
+    while (chunk := await asyncio.wait_for(asyncio.create_task(anext(body, None)), 30)) is not None:
+        received.append(chunk)
+    await asyncio.wait_for(draining, 30)
+
+    *sent, last = received
+    assert b"\nevent: reconnect\n" in last, received[-3:]
+    assert b"[DONE]" not in b"".join(sent)
+    ids = re.findall(rb"^id: (\S+)$", b"".join(sent), re.M)
+    assert json.loads(last.rpartition(b"data: ")[2])["last_event_id"].encode() == ids[-1]
+    assert [(row.status, row.error_code) for row in await wait_for_rows(1)] == [
+        ("cancelled", "server_draining")
+    ]

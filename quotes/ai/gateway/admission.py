@@ -27,7 +27,6 @@ import logging
 import math
 import random
 import time
-import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -430,79 +429,28 @@ RECONNECT_RETRY_MS = (250, 1500)
 CUT_GRACE_S = 5.0
 
 
-class StreamWatch:
-    """What the drain knows of one open stream (kept by its task): whether it is waiting for its
-    next event (a cut then cancels that wait) and whether it has been cut."""
-
-    __slots__ = ("cut", "waiting")
-
-    def __init__(self) -> None:
-        self.waiting = False
-        self.cut = False
-
-
 class Drain:
-    """This process's drain (one per process: `drain`)."""
+    """This process's drain (one per process: `drain`). It knows no connection: at its deadline
+    the runs end theirs (quotes.ai.gateway.runs.end_for_drain)."""
 
     def __init__(self) -> None:
         self.draining = False
-        #: the open streams, by the task that drives each (weakly: a stream whose response was
-        #: never sent leaves no trace)
-        self._watches: weakref.WeakKeyDictionary[asyncio.Task[Any], StreamWatch] = weakref.WeakKeyDictionary()
-
-    def watch(self) -> StreamWatch:
-        """The current task's stream (made on first ask: the HTTP view and then encode_stream, in
-        one task, share it)."""
-        task = asyncio.current_task()
-        assert task is not None
-        watch = self._watches.get(task)
-        if watch is None:
-            watch = self._watches[task] = StreamWatch()
-        return watch
-
-    def forget(self) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._watches.pop(task, None)
-
-    def cut_error(self) -> Error | None:
-        """server_draining when the current task's stream was cut by the drain (for its log row)."""
-        task = asyncio.current_task()
-        watch = self._watches.get(task) if task is not None else None
-        return server_draining() if watch is not None and watch.cut else None
+        #: the deadline has passed: what still reads a generation is told to resume elsewhere
+        self.cut = False
 
     async def run(self, timeout_s: float) -> None:
-        """Refuse new streams from now on; let the open ones run for up to `timeout_s`; then cut
-        the rest and wait (briefly) until they have told their clients and written their rows."""
+        """Refuse new streams from now on; let the open ones run for up to `timeout_s`."""
         self.draining = True
         logger.info("draining: %d open streams, deadline in %g s", open_streams.count, timeout_s)
+        await self.settle(timeout_s)
+        self.cut = True
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) until no stream is open and no run is going."""
         emptied = open_streams.emptied = asyncio.Event()
         if open_streams.count or open_streams.runs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(emptied.wait(), timeout_s)
-        cut = self.cut()
-        if cut:
-            logger.warning(
-                "draining: %d streams still open at the deadline were told to resume elsewhere", len(cut)
-            )
-        # The streams that ended by themselves are waited for too: their last bytes must reach
-        # daphne before the reactor stops.
-        tasks = [task for task in list(self._watches) if not task.done()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=CUT_GRACE_S)
-
-    def cut(self) -> list[asyncio.Task[Any]]:
-        """Cut every open stream: one waiting for its next event at once (its task is cancelled,
-        which closes its upstream), one busy sending as soon as it comes back for more."""
-        cut = []
-        for task, watch in list(self._watches.items()):
-            if task.done() or watch.cut:
-                continue
-            watch.cut = True
-            if watch.waiting:
-                task.cancel()
-            cut.append(task)
-        return cut
 
 
 def reconnect_retry_ms() -> int:

@@ -278,21 +278,11 @@ async def stream_generation(
         listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s)
         ticket = None  # the connection's now: given back when it ends
         async with aclosing(listener.events()) as events:
-            try:
-                async for event in events:
-                    yield event
-            except (asyncio.CancelledError, GeneratorExit):
-                if (cut := admission.drain.cut_error()) is not None:
-                    # The process is going away: no grace here (a resume goes to another
-                    # process), the generation ends now and its row is written before exit.
-                    run.fail(cut, status=Generation.Status.CANCELLED)
-                    if run.finishing is not None:
-                        await asyncio.shield(run.finishing)
-                raise
+            async for event in events:
+                yield event
     except (asyncio.CancelledError, GeneratorExit):
         if run is None and not record.status:
             record.status = Generation.Status.CANCELLED
-            record.error = admission.drain.cut_error()  # server_draining when the drain cut it
         raise
     except Exception:
         logger.exception("generation failed for persona %s", persona.slug)

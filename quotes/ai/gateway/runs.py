@@ -14,7 +14,9 @@ How a run ends decides its row:
   at once, the row says cancelled/`stopped`;
 - its last connection drops (`unsubscribe`): it keeps running for QUOTES_RESUME_GRACE_S, so the
   client can resume; if nobody does, the upstream is closed and the row says
-  cancelled/`abandoned`.
+  cancelled/`abandoned`;
+- the drain's deadline (`end_for_drain`): the upstream is closed, the row says
+  cancelled/`server_draining`, and its connections hear Reconnect (they resume elsewhere).
 
 Exactly one row per run, written before its terminal event is published, however many
 connections come and go. A finished run's events stay in Django's cache for
@@ -46,11 +48,11 @@ from ...conf import GatewaySettings
 from ...models import Generation
 from ..cache import misfit
 from ..errors import ErrorCode, stopped
-from ..events import Done, Error, Event, Meta, Ping, Token, Usage, decode_events, encode_events
+from ..events import Done, Error, Event, Meta, Ping, Reconnect, Token, Usage, decode_events, encode_events
 from ..limits import run_on_cache
 from ..redis_health import report
 from . import shared_runs
-from .admission import Ticket, admit, drain, open_streams, server_draining
+from .admission import CUT_GRACE_S, Ticket, admit, drain, open_streams, server_draining
 from .flights import Flight
 from .log import Record, RowFacts, lost_row, write_row, writer
 from .tasks import detached_task
@@ -61,6 +63,7 @@ logger = logging.getLogger(__name__)
 EVENT_ID = re.compile(r"([0-9a-fA-F-]{36})\.([0-9a-f]{16}):(\d{1,9})")
 
 STOPPED = stopped()
+RECONNECT = Reconnect()
 ABANDONED = Error(ErrorCode.ABANDONED, "Nobody came back for this quote: it was stopped.", 410)
 
 
@@ -383,6 +386,9 @@ class Run:
         self._cancel_grace()
         listener = Listener(self, index, ticket=ticket, keepalive_s=keepalive_s)
         self.listeners.add(listener)
+        if drain.cut and not self.closing:  # made as the drain's deadline passed: cut at once
+            self.fail(server_draining(), status=Generation.Status.CANCELLED)
+            listener.end(RECONNECT)
         return listener
 
     def unsubscribe(self, listener: Listener) -> None:
@@ -405,15 +411,21 @@ runs: dict[str, Run] = {}
 
 
 async def end_for_drain() -> None:
-    """The drain's last word on runs: those still going with nobody reading (in their resume
-    grace; the open connections were cut already) end as drained, upstream closed and row
-    written, before the process closes its backends under them."""
+    """The drain's deadline (and a test's end): every run still going ends as drained, upstream
+    closed and row written, before the process closes its backends under it; its connections
+    are told to resume elsewhere (Reconnect), once the row is written."""
+    cut = 0
     for run in list(runs.values()):
         if not run.closing:
             run.fail(server_draining(), status=Generation.Status.CANCELLED)
+            for listener in run.listeners:
+                listener.end(RECONNECT)
+                cut += 1
+    if cut:
+        logger.warning("draining: %d streams still open at the deadline were told to resume elsewhere", cut)
     ending = [run.finishing for run in list(runs.values()) if run.finishing is not None]
     if ending:
-        await asyncio.wait(ending, timeout=5)
+        await asyncio.wait(ending, timeout=CUT_GRACE_S)
 
 
 class Listener:
@@ -437,8 +449,9 @@ class Listener:
         self.run = run
         #: this connection's admission (quotes.ai.gateway.admission): given back at its end
         self.ticket = ticket
-        #: the error this connection ends with while the run goes on (its client stopped it)
-        self._ending: Error | None = None
+        #: the event this connection ends with, before its backlog (its client stopped it, or
+        #: the drain's deadline passed)
+        self._ending: Error | Reconnect | None = None
         self.keepalive_s = keepalive_s
         #: the next event of the run's history to hand on; after a yield, the event's number n
         self.index = index
@@ -455,6 +468,8 @@ class Listener:
         try:
             while True:
                 if self._ending is not None:  # a stop ends the connection now, not after its backlog
+                    if run.finishing is not None:  # the row first (a drain's Reconnect)
+                        await asyncio.shield(run.finishing)
                     await self.ticket.release_client_slot()
                     yield self._ending
                     return
@@ -488,9 +503,9 @@ class Listener:
             run.unsubscribe(self)
             await self.ticket.release()
 
-    def end(self, error: Error) -> None:
-        """End this connection with `error` (the run goes on for other readers)."""
-        self._ending = error
+    def end(self, last: Error | Reconnect) -> None:
+        """End this connection with `last` (the run goes on for other readers, or ends: a drain)."""
+        self._ending = last
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -48,8 +48,9 @@ from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from ..errors import ErrorCode, stopped
-from ..events import Done, Error, Event, Ping, Token, from_json, to_json
+from ..events import Done, Error, Event, Ping, Reconnect, Token, from_json, to_json
 from . import redis_clients
+from .admission import drain
 from .log import FACT_TYPES, lost_row, writer
 from .tasks import detached_task
 
@@ -581,6 +582,11 @@ async def follow(
     renew_at = 0.0
     try:
         while True:
+            if drain.cut and lease and not for_run:
+                # A resume's, past this process's drain deadline (a follower's run is cut by
+                # itself, a stop's look is no connection): its client resumes elsewhere.
+                yield Reconnect()
+                return
             if lease and time.monotonic() >= renew_at:
                 renew_at = time.monotonic() + READER_RENEW_S
                 with contextlib.suppress(Exception):  # a lease that fails costs a stop's wait
