@@ -103,32 +103,28 @@ async def _refuse(
     )
 
 
-async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Error | None:
-    """The process is at its open-stream cap, or draining: the over-capacity (or
-    server-draining) Error, counted (process-local, no round trip) against the persona if this
-    process knows it; None otherwise. Meant to run before anything else a stream request costs,
-    so a refusal stays quick when it matters."""
-    options = settings.QUOTES_GATEWAY
-    error = admission.refusal(options)
-    if error is None:
-        return None
+async def refuse_known(error: Error, *, slug: object, client: Client, transport: str) -> bool:
+    """Count `error`, this process's refusal of a new stream (its cap, its drain: `admission.enter`
+    decided it), against the persona `slug` if this process knows it (process-local, no round
+    trip): True. False for any other Error, or a persona unknown here: the full path looks it up
+    and `stream_generation`, given the same decision, counts it. Meant to run before anything
+    else a stream request costs, so a refusal stays quick when it matters."""
     active = personas.peek(slug) if isinstance(slug, str) else None
-    if active is None:
-        return None  # unknown here: the full path looks it up (and refuses it all the same)
+    if error.code not in _PROCESS_REFUSALS or active is None:
+        return False
     backend = backend_for(active.persona)
-    model = backend.model_name(active.persona.model)
     metrics.stream_opened(transport)
     await _refuse(
         error,
         persona=active.persona,
         version=active.version,
         backend=backend.name,
-        model=model,
+        model=backend.model_name(active.persona.model),
         client=client,
         preview=False,
         transport=transport,
     )
-    return error
+    return True
 
 
 async def stream_generation(
@@ -141,6 +137,7 @@ async def stream_generation(
     bypass_cache: bool = False,
     version: Any = ...,  # PersonaVersion | None, or ... for "look it up"
     transport: str = "other",
+    admitted: admission.Entry | Error | None = None,
 ) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
 
@@ -148,7 +145,8 @@ async def stream_generation(
     `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
     persona's current version when the caller knows it (quotes.personas keeps it); looked up
     otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
-    "htmx", "websocket", ...). Its events are the generation's from the first, numbered as
+    "htmx", "websocket", ...). `admitted`: the process's decision on the request, made where it
+    came in (`admission.enter`); else admission makes it. Its events are the generation's from the first, numbered as
     they come (the resume ids: the transports count them).
 
     A client that stops reading does not stop the generation: its run keeps going for the
@@ -179,12 +177,12 @@ async def stream_generation(
     metrics.stream_opened(transport)  # from here on, a row is written whatever happens
     run: Run | None = None
     try:
-        admitted = await admission.admit(client.key, options, network_key=client.network_key)
-        if type(admitted) is Error:
+        answer = await admission.admit(client.key, options, admitted=admitted, network_key=client.network_key)
+        if isinstance(answer, Error):
             # Counted per client and window, not logged one full row each (see refusals.py).
             logged = True
             await _refuse(
-                admitted,
+                answer,
                 persona=persona,
                 version=version,
                 backend=backend.name,
@@ -193,10 +191,9 @@ async def stream_generation(
                 preview=preview,
                 transport=transport,
             )
-            yield admitted
+            yield answer
             return
-        assert isinstance(admitted, admission.Ticket)
-        ticket = admitted
+        ticket = answer
         shared_runs.sweep_soon()  # the rows of runs whose process died, now and then
 
         ttl = options.cache_ttl if persona.cache_ttl is None else persona.cache_ttl
