@@ -45,7 +45,7 @@ from django.urls import path
 from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error, Meta
 from .ai.gateway import admission, runs
-from .ai.gateway.generation import Client, refuse_known
+from .ai.gateway.generation import Client, refuse_if_full
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import frame_too_large
 from .transports import Opening, WebSocketEncoder, encode_stream
@@ -60,8 +60,6 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     task: asyncio.Task[None] | None = None
     #: the generation this socket reads (its id, from its first frame that has it): a cancel stops it
     generation_id: str | None = None
-    #: the process's decision on the last start (admission.enter)
-    entry: admission.Entry | Error | None = None
 
     async def connect(self) -> None:
         self.task = None
@@ -132,23 +130,26 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if self.task is not None and not self.task.done():
             await self._refuse(BUSY)
             return
-        # Decided once, here: the generation's admission takes this answer as it is.
-        admitted = self.entry = admission.enter(settings.QUOTES_GATEWAY)
-        if isinstance(admitted, Error) and await refuse_known(
+        admitted = admission.enter(settings.QUOTES_GATEWAY)  # decided once, here: passed on as it is
+        full = await refuse_if_full(
             admitted, slug=content.get("persona"), client=client, transport="websocket"
-        ):
-            await self._send_error(admitted)
-            if admitted.code is ErrorCode.SERVER_DRAINING:
+        )
+        if full is not None:
+            await self._send_error(full)
+            if full.code is ErrorCode.SERVER_DRAINING:
                 await self.close(code=1012)  # this process is restarting: reconnect to another
             return
         try:
             quote = await parse_quote_request(content)
         except QuoteError as exc:
-            self._give_back()
+            if isinstance(admitted, admission.Entry):
+                admitted.close()
             await self._refuse(exc)
             return
         events = events_for(quote, client, "websocket", admitted)
         self.task = asyncio.create_task(self._send_frames(encode_stream(events, WebSocketEncoder())))
+        if isinstance(admitted, admission.Entry):  # given back if cancelled before its generation opens it
+            self.task.add_done_callback(lambda _: admitted.close())
 
     def _client(self) -> Client:
         ip = (self.scope.get("client") or ("",))[0] or ""
@@ -167,16 +168,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
                     # The process is draining: this socket ends so the client resumes on another.
                     await self.close(code=1012)  # "service restart"
 
-    def _give_back(self) -> None:
-        """Give back the Entry of the last start, unless its generation was admitted with it."""
-        entry, self.entry = self.entry, None
-        if isinstance(entry, admission.Entry):
-            entry.close()
-
     async def _cancel(self, *, stop: bool) -> bool:
         """Stop reading the running generation, if any; with `stop`, stop the generation too
         and wait until its log row is written."""
-        self._give_back()  # a task cancelled before its first step never opens it
         task, self.task = self.task, None
         generation_id, self.generation_id = self.generation_id, None
         if task is None or task.done():

@@ -73,16 +73,13 @@ async def resume_quote(
     last_event_id: object, client: Client, admitted: admission.Entry | Error | None = None
 ) -> Resumed | Error:
     """The generation's events after `last_event_id` (quotes.ai.gateway.runs.resume), or the
-    admission's refusal (`admitted`: the process's decision, when made before); a QuoteError for
-    an id this site never sent, or one it keeps no longer."""
+    admission's refusal; a QuoteError for an id this site never sent, or one it keeps no longer."""
     parsed = parse_event_id(last_event_id)
     if parsed is None:
         message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
         raise QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
     public_id, key, after = parsed
-    resumed = await resume(
-        public_id, key, after, client_key=client.key, options=settings.QUOTES_GATEWAY, admitted=admitted
-    )
+    resumed = await resume(public_id, key, after, client_key=client.key, admitted=admitted)
     if resumed is None:
         message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
         raise QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)

@@ -35,7 +35,7 @@ from .ai.catalog import doc_url
 from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error, Meta
 from .ai.gateway import admission
-from .ai.gateway.generation import Client, refuse_known
+from .ai.gateway.generation import Client, refuse_if_full
 from .ai.gateway.runs import stop as stop_run
 from .feedback import count_action
 from .forks import asgi_scope
@@ -187,7 +187,7 @@ def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[Encoder[bytes, HttpRe
 async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> HttpResponseBase:
     encoder, transport = _dialect(request, htmx=htmx)
     refused_as = "htmx" if htmx else "api"  # a refusal is counted under its URL's transport
-    admitted = gate_decision(request)
+    admitted: admission.Entry | Error | None = asgi_scope(request).get(admission.DECIDED)  # the gate's
     try:
         params = _stream_params(request, form=form)
         client = await client_of(request)
@@ -197,17 +197,14 @@ async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> Http
                 # Refused like a new stream (the client's slots, the process's cap, a draining
                 # process: 503, nginx asks another one), and counted like one when the process
                 # refuses it (when the request names its persona, as the page's and the API's do).
-                await refuse_known(resumed, slug=params.get("persona"), client=client, transport=refused_as)
+                await refuse_if_full(resumed, slug=params.get("persona"), client=client, transport=refused_as)
                 return encoder.error_answer(resumed, Meta())
             # 200 and a stream, whatever its events are: the client has had the stream's beginning.
             opening = Opening(resumed.meta, None, resumed.after, resumed=True)
             return await stream_response(resumed.events, encoder, opening)
-        # Refused by the gate (see refuse_known; most requests without a session were answered
-        # there already): answered before anything else is spent.
-        if isinstance(admitted, Error) and await refuse_known(
-            admitted, slug=params.get("persona"), client=client, transport=refused_as
-        ):
-            return encoder.error_answer(admitted, Meta())
+        full = await refuse_if_full(admitted, slug=params.get("persona"), client=client, transport=refused_as)
+        if full is not None:
+            return encoder.error_answer(full, Meta())
         quote = await parse_quote_request(params)
     except QuoteError as exc:
         error = await _counted(request, exc)
@@ -216,12 +213,6 @@ async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> Http
             response["Allow"] = "POST" if form else "GET, POST"
         return response
     return await stream_response(events_for(quote, client, transport, admitted), encoder)
-
-
-def gate_decision(request: HttpRequest) -> admission.Entry | Error | None:
-    """StreamAdmissionGate's decision on a stream request (quotes.middleware): passed on, never
-    made again. None for a request that did not pass the gate: the admission makes it."""
-    return asgi_scope(request).get(admission.DECIDED)
 
 
 def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
@@ -249,8 +240,8 @@ def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> object:
 async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
     """The over-capacity (or server-draining) 503 of `stream_quote` (`form`: of
     `stream_quote_form`), as the view gives it (Retry-After, the JSON envelope or the htmx error
-    event, the refusal counted), or None when the view must answer: the gate let the request in
-    (`gate_decision`), it carries a session (a user's refusal is counted under their key, which only
+    event, the refusal counted), or None when the view must answer: the gate let the request in,
+    it carries a session (a user's refusal is counted under their key, which only
     the session knows), or it is not a well-formed request for a persona this process knows.
 
     Called by quotes.middleware.StreamAdmissionGate before Django's handler runs: at the limit,
@@ -258,7 +249,7 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
     holds. A refusal starts nothing, so answering the form's before its CSRF check spends
     nothing on anyone's behalf; still, only a same-site post that carries a CSRF cookie and
     token is answered here, and anything else meets Django's check."""
-    refused = gate_decision(request)
+    refused = asgi_scope(request).get(admission.DECIDED)  # StreamAdmissionGate's decision
     if not isinstance(refused, Error) or settings.SESSION_COOKIE_NAME in request.COOKIES:
         return None
     if form and settings.CSRF_COOKIE_NAME not in request.COOKIES:
@@ -273,11 +264,12 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
         return None
     htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
     client = Client.from_request(request.META.get("REMOTE_ADDR") or "")
-    if not await refuse_known(
+    full = await refuse_if_full(
         refused, slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
-    ):
+    )
+    if full is None:
         return None
-    response = not_a_document(_dialect(request, htmx=htmx)[0].error_answer(refused, Meta()))
+    response = not_a_document(_dialect(request, htmx=htmx)[0].error_answer(full, Meta()))
     if not form:
         patch_vary_headers(response, ("HX-Request",))  # as stream_quote's answers
     return response

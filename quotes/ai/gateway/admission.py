@@ -48,23 +48,18 @@ logger = logging.getLogger(__name__)
 DRAINING_RETRY_AFTER_S = 1
 
 
+@dataclass(slots=True, eq=False)
 class Entry:
-    """A stream request let in by the first place that decides (`enter`: StreamAdmissionGate for
-    HTTP, the consumer for a WebSocket start): its place within the open-stream limit, counted in
-    `open_streams.entering` until `admit` opens its stream (given the Entry, it decides nothing
-    again) or its request ends (`close`). At a burst, dozens pass the gate under the limit in
-    the same moment and would each wait behind the admitted streams' set-up before the view
-    refused them (a refusal p99 of 200-350 ms): counted, the gate refuses those beyond the limit
-    itself, in a few milliseconds."""
+    """A stream request let in (`enter`), counted in `open_streams.entering` until `admit` opens
+    its stream, deciding nothing again, or its request ends (`close`). At a burst, dozens pass the
+    gate under the limit in the same moment and would each wait behind the admitted streams'
+    set-up before the view refused them (a refusal p99 of 200-350 ms): counted, the gate refuses
+    those beyond the limit itself, in a few milliseconds."""
 
-    __slots__ = ("waiting",)
-
-    def __init__(self) -> None:
-        self.waiting = True
+    waiting: bool = True
 
     def open(self) -> int:
         """Its stream's slot of the open streams (capacity.OpenStreams.open)."""
-        assert self.waiting, "an Entry is admitted once"
         self.waiting = False
         return open_streams.open()
 
@@ -74,15 +69,15 @@ class Entry:
             open_streams.entering -= 1
 
 
-#: The key of StreamAdmissionGate's decision (an Entry or the refusal's Error) in the scope of
-#: the request it passes on to Django's handler.
+#: Where StreamAdmissionGate puts its decision (`enter`) in the scope it passes on to Django.
 DECIDED = "quotes.admission"
 
 
 def enter(options: GatewaySettings, *, while_draining: bool = False) -> Entry | Error:
-    """Whether this process takes one more stream, decided once per request, before anything
-    else is done for it: an Entry, or the Error that refuses it (503 draining, or at its limit).
-    `while_draining`: a resume of a run this process holds, served while it drains."""
+    """Whether this process takes one more stream, decided once per request where it comes in
+    (StreamAdmissionGate, the WebSocket consumer), before anything else is done for it: an Entry,
+    or the Error that refuses it (503 draining, or at its limit). `while_draining`: a resume of a
+    run this process holds, which the drain spares."""
     if drain.draining and not while_draining:
         return server_draining()
     limit = capacity.limit_now(options)
@@ -255,15 +250,13 @@ async def admit(
     admitted: Entry | Error | None = None,
     network_key: str = "",
     new: bool = True,
-    while_draining: bool = False,
 ) -> Ticket | Error:
     """Admit one connection for `client_key`: a Ticket, or the Error (503 draining or over
     capacity, 429 rate limited or too many streams) that refuses it. `admitted`: the process's
     decision on it (`enter`), when made before; else it is made here. `new`: it starts a
     generation, and counts against the client's rate limit (a resume does not).
-    `network_key`: the client's network, counted against the coarser network limit too.
-    `while_draining`: a resume of a run this process holds, served while it drains."""
-    decided = enter(options, while_draining=while_draining) if admitted is None else admitted
+    `network_key`: the client's network, counted against the coarser network limit too."""
+    decided = enter(options) if admitted is None else admitted
     if isinstance(decided, Error):
         return decided
     slot = decided.open()

@@ -87,9 +87,8 @@ class OpenStreams:
 
     def try_enter(self, limit: float) -> bool:
         """Count a stream request in `entering` if fewer than `limit` are open or entering."""
-        held = self.count + self.entering
-        self.peak = max(self.peak, held + 1)
-        if held >= limit:
+        self.peak = max(self.peak, self.count + self.entering + 1)
+        if self.count + self.entering >= limit:
             return False
         self.entering += 1
         return True

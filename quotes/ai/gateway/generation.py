@@ -103,19 +103,20 @@ async def _refuse(
     )
 
 
-async def refuse_known(error: Error, *, slug: object, client: Client, transport: str) -> bool:
-    """Count `error`, this process's refusal of a new stream (its cap, its drain: `admission.enter`
-    decided it), against the persona `slug` if this process knows it (process-local, no round
-    trip): True. False for any other Error, or a persona unknown here: the full path looks it up
-    and `stream_generation`, given the same decision, counts it. Meant to run before anything
-    else a stream request costs, so a refusal stays quick when it matters."""
+async def refuse_if_full(
+    decided: admission.Entry | Error | None, *, slug: object, client: Client, transport: str
+) -> Error | None:
+    """`decided` (admission.enter's answer, or a resume's) when it is this process's refusal (its
+    cap, its drain), counted (process-local, no round trip) against the persona if this process
+    knows it, else None (stream_generation, given the same answer, counts it). Meant to run
+    before anything else a stream request costs, so a refusal stays quick when it matters."""
     active = personas.peek(slug) if isinstance(slug, str) else None
-    if error.code not in _PROCESS_REFUSALS or active is None:
-        return False
+    if not isinstance(decided, Error) or decided.code not in _PROCESS_REFUSALS or active is None:
+        return None
     backend = backend_for(active.persona)
     metrics.stream_opened(transport)
     await _refuse(
-        error,
+        decided,
         persona=active.persona,
         version=active.version,
         backend=backend.name,
@@ -124,7 +125,7 @@ async def refuse_known(error: Error, *, slug: object, client: Client, transport:
         preview=False,
         transport=transport,
     )
-    return True
+    return decided
 
 
 async def stream_generation(
@@ -145,8 +146,8 @@ async def stream_generation(
     `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
     persona's current version when the caller knows it (quotes.personas keeps it); looked up
     otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
-    "htmx", "websocket", ...). `admitted`: the process's decision on the request, made where it
-    came in (`admission.enter`); else admission makes it. Its events are the generation's from the first, numbered as
+    "htmx", "websocket", ...). `admitted`: admission.enter's answer, where the request came in.
+    Its events are the generation's from the first, numbered as
     they come (the resume ids: the transports count them).
 
     A client that stops reading does not stop the generation: its run keeps going for the
