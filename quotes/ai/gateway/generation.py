@@ -147,8 +147,8 @@ async def stream_generation(
     persona's current version when the caller knows it (quotes.personas keeps it); looked up
     otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
     "htmx", "websocket", ...). `admitted`: admission.enter's answer, where the request came in.
-    Its events are the generation's from the first, numbered as
-    they come (the resume ids: the transports count them).
+    Its events are the generation's from the first, numbered as they come (the resume ids: the
+    transports count them).
 
     A client that stops reading does not stop the generation: its run keeps going for the
     resume grace (runs.py). `Run.stop()` stops it at once.
