@@ -39,11 +39,12 @@ from contextlib import aclosing
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 from django.urls import path
 
 from .ai.errors import ErrorCode, QuoteError
 from .ai.events import Error, Meta
-from .ai.gateway import runs
+from .ai.gateway import admission, runs
 from .ai.gateway.generation import Client, refuse_if_full
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import frame_too_large
@@ -129,7 +130,10 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if self.task is not None and not self.task.done():
             await self._refuse(BUSY)
             return
-        full = await refuse_if_full(slug=content.get("persona"), client=client, transport="websocket")
+        admitted = admission.enter(settings.QUOTES_GATEWAY)  # decided once, here: passed on as it is
+        full = await refuse_if_full(
+            admitted, slug=content.get("persona"), client=client, transport="websocket"
+        )
         if full is not None:
             await self._send_error(full)
             if full.code is ErrorCode.SERVER_DRAINING:
@@ -138,10 +142,14 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         try:
             quote = await parse_quote_request(content)
         except QuoteError as exc:
+            if isinstance(admitted, admission.Entry):
+                admitted.close()
             await self._refuse(exc)
             return
-        events = events_for(quote, client, "websocket")
+        events = events_for(quote, client, "websocket", admitted)
         self.task = asyncio.create_task(self._send_frames(encode_stream(events, WebSocketEncoder())))
+        if isinstance(admitted, admission.Entry):  # given back if cancelled before its generation opens it
+            self.task.add_done_callback(lambda _: admitted.close())
 
     def _client(self) -> Client:
         ip = (self.scope.get("client") or ("",))[0] or ""

@@ -40,7 +40,8 @@ A fork that bought less than about 10% of a figure was removed instead of kept h
 5. **A request made before Django's handler** (`asgi_request`). quotes.middleware's
    StreamAdmissionGate refuses a new stream at the open-stream limit in front of Django's
    handler, and needs an HttpRequest for the refusal's view: Django's `ASGIRequest`, made from
-   the ASGI scope and the body read, is undocumented. Through the handler a refusal cost about
+   the ASGI scope and the body read, is undocumented, and so is the scope it keeps, where the
+   view reads the gate's decision (`asgi_scope`). Through the handler a refusal cost about
    twice the CPU (its thread hops, a request thread, the whole middleware chain;
    docs/benchmarks.md, issue 22), and an overload is mostly refusals.
 """
@@ -56,7 +57,7 @@ import inspect
 import io
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import async_to_sync, markcoroutinefunction, sync_to_async
@@ -336,6 +337,11 @@ def freeze_startup_heap() -> None:
 def asgi_request(scope: dict[str, Any], body: bytes) -> HttpRequest:
     """The HttpRequest Django's ASGI handler would make of `scope` and its whole `body`."""
     return ASGIRequest(scope, io.BytesIO(body))
+
+
+def asgi_scope(request: HttpRequest) -> Mapping[str, Any]:
+    """The ASGI scope `request` was made from (empty for a request made another way)."""
+    return request.scope if isinstance(request, ASGIRequest) else {}
 
 
 # -- the pins ------------------------------------------------------------------------------------

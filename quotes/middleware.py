@@ -2,8 +2,9 @@
 
 - `ReleaseRequestThreadMiddleware`: a streaming response does not keep the request's thread
   (quotes.request_threads).
-- `StreamAdmissionGate` (ASGI, in front of Django's handler): at the process's open-stream limit,
-  the stream URLs' 503 answered before Django's handler and its middleware run.
+- `StreamAdmissionGate` (ASGI, in front of Django's handler): the stream URLs' admission decided
+  once, and at the process's open-stream limit their 503 answered before Django's handler and
+  its middleware run.
 - `DatabaseOutageMiddleware`: a database outage escaping a view is a 503 in the request's
   dialect, not a 500 with its traceback.
 
@@ -58,9 +59,11 @@ class NotRefused(Exception):
 
 
 class StreamAdmissionGate:
-    """ASGI, in front of Django's handler: while this process is at its open-stream limit (or
-    drains), a new stream on the stream URLs (`/api/quotes/stream`, and the persona page's form,
-    `/quotes/stream`) is refused here (by quotes.views.refuse_stream_when_full, behind the same
+    """ASGI, in front of Django's handler: whether this process takes one more stream on the
+    stream URLs (`/api/quotes/stream`, and the persona page's form, `/quotes/stream`) is decided
+    here, once (admission.enter), and the answer goes on in the request's scope
+    (admission.DECIDED): the Entry that admission later opens, or the Error that refuses it. A
+    refused new stream is answered here (by quotes.views.refuse_stream_when_full, behind the same
     RequestIdMiddleware and SecurityMiddleware as in settings.MIDDLEWARE), with no thread, no
     signal and no other middleware.
 
@@ -69,9 +72,9 @@ class StreamAdmissionGate:
     streams the process holds. Through Django's handler a refusal cost about twice what it does
     here (docs/benchmarks.md, issue 22): the handler's three thread hops (its `request_started`
     receivers, the log line of every response >= 400, `response.close()`), a request thread
-    leased for them, and the middleware chain. Anything this does not refuse (not at the limit,
-    a request with a session, a resume, a bad request, a host not allowed) goes on to Django with
-    its body as it came, and the view answers it (refusing it there if it must)."""
+    leased for them, and the middleware chain. Anything this does not answer (let in, a request
+    with a session, a resume, a bad request, a host not allowed) goes on to Django with its body
+    as it came, and the view answers it (with the decision made here)."""
 
     def __init__(self, app: Callable[[dict[str, Any], Any, Any], Awaitable[None]]) -> None:
         self.app = app
@@ -90,43 +93,27 @@ class StreamAdmissionGate:
         chain = self._chains.get(scope["path"])
         if chain is None:
             return await self.app(scope, receive, send)
-        # The requests passed on and not yet admitted count as held here (admission.Entry).
-        counting = admission.counting_entering.set(True)
-        try:
-            read, response = await _refused(scope, receive, chain)
-        finally:
-            admission.counting_entering.reset(counting)
-        if response is not None:
-            assert isinstance(response, HttpResponse)  # the refusals are whole responses, not streams
-            headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in response.items()]
-            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-            await send({"type": "http.response.body", "body": response.content})
-            return None
-        entered = admission.Entry()
-        token = admission.entry.set(entered)  # Django's handler's tasks inherit it: admit() closes it
-        try:
-            await self.app(scope, replay(read, receive) if read else receive, send)
-        finally:
-            entered.close()
-            admission.entry.reset(token)
+        # Decided once, here: the view and the admission take this answer as it is.
+        decided = admission.enter(settings.QUOTES_GATEWAY)
+        scope = {**scope, admission.DECIDED: decided}
+        if isinstance(decided, admission.Entry):
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                decided.close()  # not admitted: its request ended first
+        read, body = await read_body(receive)  # a disconnect: Django's handler sees it as it would have
+        response: HttpResponseBase | None = None
+        if read[-1]["type"] == "http.request" and not read[-1].get("more_body", False):
+            # A host not allowed (get_host() raises for it): Django's handler answers its 400.
+            with contextlib.suppress(NotRefused, SuspiciousOperation):
+                response = await chain(asgi_request(scope, body))
+        if response is None:
+            return await self.app(scope, replay(read, receive), send)
+        assert isinstance(response, HttpResponse)  # the refusals are whole responses, not streams
+        headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in response.items()]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": response.content})
         return None
-
-
-async def _refused(
-    scope: dict[str, Any], receive: Any, chain: Callable[[HttpRequest], Awaitable[HttpResponseBase]]
-) -> tuple[list[dict[str, Any]], HttpResponseBase | None]:
-    """At the limit, the request's body read and its refusal, if the chain refuses it (else
-    None, with what was read of the body for Django's handler)."""
-    from .ai.gateway import admission
-
-    if not admission.at_capacity(settings.QUOTES_GATEWAY):
-        return [], None
-    read, body = await read_body(receive)  # a disconnect: Django's handler sees it as it would have
-    if read[-1]["type"] == "http.request" and not read[-1].get("more_body", False):
-        # A host not allowed (get_host() raises for it): Django's handler answers its 400.
-        with contextlib.suppress(NotRefused, SuspiciousOperation):
-            return read, await chain(asgi_request(scope, body))
-    return read, None
 
 
 def _refusal_chain(*, form: bool) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:

@@ -54,7 +54,9 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
     )
 
 
-def events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenerator[Event, None]:
+def events_for(
+    quote: QuoteInput, client: Client, transport: str, admitted: admission.Entry | Error | None = None
+) -> AsyncGenerator[Event, None]:
     return stream_generation(
         persona=quote.persona,
         version=quote.version,
@@ -63,10 +65,13 @@ def events_for(quote: QuoteInput, client: Client, transport: str) -> AsyncGenera
         client=client,
         bypass_cache=quote.fresh,
         transport=transport,
+        admitted=admitted,
     )
 
 
-async def resume_quote(last_event_id: object, client: Client) -> Resumed | Error:
+async def resume_quote(
+    last_event_id: object, client: Client, admitted: admission.Entry | Error | None = None
+) -> Resumed | Error:
     """The generation's events after `last_event_id` (quotes.ai.gateway.runs.resume), or the
     admission's refusal; a QuoteError for an id this site never sent, or one it keeps no longer."""
     parsed = parse_event_id(last_event_id)
@@ -74,7 +79,7 @@ async def resume_quote(last_event_id: object, client: Client) -> Resumed | Error
         message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
         raise QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
     public_id, key, after = parsed
-    resumed = await resume(public_id, key, after, client_key=client.key, options=settings.QUOTES_GATEWAY)
+    resumed = await resume(public_id, key, after, client_key=client.key, admitted=admitted)
     if resumed is None:
         message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
         raise QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)

@@ -38,6 +38,7 @@ from .ai.gateway import admission
 from .ai.gateway.generation import Client, refuse_if_full
 from .ai.gateway.runs import stop as stop_run
 from .feedback import count_action
+from .forks import asgi_scope
 from .models import Generation, Persona
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import refuse_cross_site
@@ -186,23 +187,22 @@ def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[Encoder[bytes, HttpRe
 async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> HttpResponseBase:
     encoder, transport = _dialect(request, htmx=htmx)
     refused_as = "htmx" if htmx else "api"  # a refusal is counted under its URL's transport
+    admitted: admission.Entry | Error | None = asgi_scope(request).get(admission.DECIDED)  # the gate's
     try:
         params = _stream_params(request, form=form)
         client = await client_of(request)
         if (last_event_id := _last_event_id(request, params)) is not None:
-            resumed = await resume_quote(last_event_id, client)
+            resumed = await resume_quote(last_event_id, client, admitted)
             if isinstance(resumed, Error):
                 # Refused like a new stream (the client's slots, the process's cap, a draining
                 # process: 503, nginx asks another one), and counted like one when the process
                 # refuses it (when the request names its persona, as the page's and the API's do).
-                await refuse_if_full(slug=params.get("persona"), client=client, transport=refused_as)
+                await refuse_if_full(resumed, slug=params.get("persona"), client=client, transport=refused_as)
                 return encoder.error_answer(resumed, Meta())
             # 200 and a stream, whatever its events are: the client has had the stream's beginning.
             opening = Opening(resumed.meta, None, resumed.after, resumed=True)
             return await stream_response(resumed.events, encoder, opening)
-        # At the process's cap, refused before anything else is spent (see refuse_if_full; most
-        # requests without a session were refused by StreamAdmissionGate already).
-        full = await refuse_if_full(slug=params.get("persona"), client=client, transport=refused_as)
+        full = await refuse_if_full(admitted, slug=params.get("persona"), client=client, transport=refused_as)
         if full is not None:
             return encoder.error_answer(full, Meta())
         quote = await parse_quote_request(params)
@@ -212,7 +212,7 @@ async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> Http
         if error.status == 405:
             response["Allow"] = "POST" if form else "GET, POST"
         return response
-    return await stream_response(events_for(quote, client, transport), encoder)
+    return await stream_response(events_for(quote, client, transport, admitted), encoder)
 
 
 def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
@@ -240,8 +240,8 @@ def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> object:
 async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
     """The over-capacity (or server-draining) 503 of `stream_quote` (`form`: of
     `stream_quote_form`), as the view gives it (Retry-After, the JSON envelope or the htmx error
-    event, the refusal counted), or None when the view must answer: the process is not at its
-    limit, the request carries a session (a user's refusal is counted under their key, which only
+    event, the refusal counted), or None when the view must answer: the gate let the request in,
+    it carries a session (a user's refusal is counted under their key, which only
     the session knows), or it is not a well-formed request for a persona this process knows.
 
     Called by quotes.middleware.StreamAdmissionGate before Django's handler runs: at the limit,
@@ -249,7 +249,8 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
     holds. A refusal starts nothing, so answering the form's before its CSRF check spends
     nothing on anyone's behalf; still, only a same-site post that carries a CSRF cookie and
     token is answered here, and anything else meets Django's check."""
-    if not admission.at_capacity(settings.QUOTES_GATEWAY) or settings.SESSION_COOKIE_NAME in request.COOKIES:
+    refused = asgi_scope(request).get(admission.DECIDED)  # StreamAdmissionGate's decision
+    if not isinstance(refused, Error) or settings.SESSION_COOKIE_NAME in request.COOKIES:
         return None
     if form and settings.CSRF_COOKIE_NAME not in request.COOKIES:
         return None
@@ -264,7 +265,7 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
     htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
     client = Client.from_request(request.META.get("REMOTE_ADDR") or "")
     full = await refuse_if_full(
-        slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
+        refused, slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
     )
     if full is None:
         return None

@@ -127,12 +127,14 @@ def test_retry_after_is_when_enough_open_streams_are_expected_to_have_ended() ->
     streams = OpenStreams(clock)
     assert streams.retry_after_s(1) == capacity.DEFAULT_RETRY_AFTER_S  # nothing known yet
 
-    first = streams.try_open(10)
+    assert streams.try_enter(10)
+    first = streams.open()
     clock.now += 30
     streams.close(first)  # streams here last about 30 s
     slots = []
     for _ in range(4):  # four open streams, opened 0, 5, 10 and 15 s ago
-        slots.append(streams.try_open(10))
+        assert streams.try_enter(10)
+        slots.append(streams.open())
         clock.now += 5
     clock.now -= 5
 
@@ -143,7 +145,7 @@ def test_retry_after_is_when_enough_open_streams_are_expected_to_have_ended() ->
     clock.now += 100
     assert streams.retry_after_s(4) == 1  # overdue: any moment now
     streams.close(slots[0])
-    assert streams.count == 3 and streams.try_open(3) == 0
+    assert streams.count == 3 and not streams.try_enter(3)
 
 
 # -- the app, its loop kept busy ------------------------------------------------------------------
@@ -303,3 +305,31 @@ async def test_a_stream_request_still_in_djangos_handler_counts_at_the_gate(
     assert admitted.status == 200
     assert capacity.open_streams.entering == 0
     assert len(fake.requests) == 2  # the earlier one and the first: the second never got there
+
+
+@pytest.mark.integration
+@pytest.mark.django_db(transaction=True)
+async def test_the_gates_admission_is_not_decided_again_behind_it(
+    persona: Persona, fake: FakeWorkersAI, settings: Any
+) -> None:
+    """The gate lets a request in while there is room; the limit then falls (the loop's lag,
+    here the static ceiling) before its body is in. Its stream opens all the same: the gate's
+    answer is passed on, and the admission takes it over instead of deciding again."""
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=2, cache_ttl=0)
+    fake.default = Scenario(tokens=["tick"] * 400, token_delay_s=0.05)
+    held = post_stream({"persona": persona.slug, "topic": "held"})
+    assert (await held.start()).status == 200
+    body = json.dumps({"persona": persona.slug, "topic": "let in"}).encode()
+    let_in = post_stream(body)
+    await let_in.communicator.send_input({"type": "http.request", "body": body[:5], "more_body": True})
+    await until(lambda: capacity.open_streams.entering == 1, "it is in Django's handler")
+
+    settings.QUOTES_GATEWAY = replace(settings.QUOTES_GATEWAY, max_open_streams=1)
+    let_in.sent = True
+    await let_in.communicator.send_input({"type": "http.request", "body": body[5:], "more_body": False})
+    admitted = await let_in.start()
+
+    assert admitted.status == 200
+    assert (capacity.open_streams.count, capacity.open_streams.entering) == (2, 0)
+    for stream in (let_in, held):
+        await stream.disconnect()

@@ -15,6 +15,7 @@ from channels.testing import WebsocketCommunicator
 
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai.backends import reset_backends
+from quotes.ai.gateway import capacity
 from quotes.models import Generation, Persona
 from tests.limits import at_start_of_window
 
@@ -318,3 +319,20 @@ async def test_socket_a_start_refused_as_busy_counts_too(
     assert busy[-1]["code"] == "busy_socket"
     assert over[-1]["code"] == "rate_limited"
     assert len(fake_workers_ai.requests) == 1
+
+
+async def test_socket_a_refused_start_gives_its_place_back(
+    socket: WebsocketCommunicator, persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """The consumer decides a start's admission before it reads the start; a start refused for
+    its input gives its place within the open-stream limit back, so the next one is admitted."""
+    options = workers_ai_settings.QUOTES_GATEWAY
+    workers_ai_settings.QUOTES_GATEWAY = replace(options, max_open_streams=1)
+    await socket.send_json_to({"type": "start", "persona": "nobody-here"})
+    refused = await frames_until(socket, "error")
+    await socket.send_json_to({"type": "start", "persona": persona.slug})
+    admitted = await frames_until(socket, "done", "error")
+
+    assert refused[-1]["code"] == "unknown_persona"
+    assert admitted[-1]["type"] == "done"
+    assert capacity.open_streams.entering == 0

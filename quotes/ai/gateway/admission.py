@@ -27,7 +27,6 @@ import logging
 import math
 import random
 import time
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,51 +47,42 @@ logger = logging.getLogger(__name__)
 DRAINING_RETRY_AFTER_S = 1
 
 
+@dataclass(slots=True, eq=False)
 class Entry:
-    """A stream request StreamAdmissionGate passed on to Django's handler, counted in
-    `open_streams.entering` until it is admitted (`admit`) or its request ends. At a burst,
-    dozens pass the gate under the limit in the same moment and would each wait behind the
-    admitted streams' set-up before the view refused them (a refusal p99 of 200-350 ms): counted,
-    the gate refuses those beyond the limit itself, in a few milliseconds."""
+    """A stream request let in (`enter`), counted in `open_streams.entering` until `admit` opens
+    its stream, deciding nothing again, or its request ends (`close`). At a burst, dozens pass the
+    gate under the limit in the same moment and would each wait behind the admitted streams'
+    set-up before the view refused them (a refusal p99 of 200-350 ms): counted, the gate refuses
+    those beyond the limit itself, in a few milliseconds."""
 
-    __slots__ = ("open",)
+    waiting: bool = True
 
-    def __init__(self) -> None:
-        self.open = True
-        open_streams.entering += 1
+    def open(self) -> int:
+        """Its stream's slot of the open streams (capacity.OpenStreams.open)."""
+        self.waiting = False
+        return open_streams.open()
 
     def close(self) -> None:
-        if self.open:
-            self.open = False
+        if self.waiting:
+            self.waiting = False
             open_streams.entering -= 1
 
 
-#: The Entry of the stream request this task serves (set by the gate; Django's handler's tasks
-#: inherit it).
-entry: ContextVar[Entry | None] = ContextVar("quotes_stream_entry", default=None)
-#: Whether this check is the gate's, before its request is an Entry: then the requests entering
-#: count as held. Never in the view: two requests entering together would each refuse the other.
-counting_entering: ContextVar[bool] = ContextVar("quotes_counting_entering", default=False)
+#: Where StreamAdmissionGate puts its decision (`enter`) in the scope it passes on to Django.
+DECIDED = "quotes.admission"
 
 
-def _held() -> int:
-    return open_streams.count + (open_streams.entering if counting_entering.get() else 0)
-
-
-def at_capacity(options: GatewaySettings) -> bool:
-    """Whether a new stream would be refused now (checked before a request is even parsed; the
-    admission itself checks again). `refusal()` says why."""
-    return drain.draining or _held() >= capacity.limit_now(options)
-
-
-def refusal(options: GatewaySettings) -> Error | None:
-    """The Error that refuses a new stream in this process now (draining, or at its limit), else None."""
-    if drain.draining:
+def enter(options: GatewaySettings, *, while_draining: bool = False) -> Entry | Error:
+    """Whether this process takes one more stream, decided once per request where it comes in
+    (StreamAdmissionGate, the WebSocket consumer), before anything else is done for it: an Entry,
+    or the Error that refuses it (503 draining, or at its limit). `while_draining`: a resume of a
+    run this process holds, which the drain spares."""
+    if drain.draining and not while_draining:
         return server_draining()
     limit = capacity.limit_now(options)
-    if _held() >= limit:
+    if not open_streams.try_enter(limit):
         return over_capacity(open_streams.retry_after_s(limit))
-    return None
+    return Entry()
 
 
 def server_draining() -> Error:
@@ -231,7 +221,7 @@ class Ticket:
     client_key: str
     #: the lease id of the client's slot this connection holds ("" once given back)
     lease: str
-    #: the slot of this process's open streams it holds (capacity.OpenStreams.try_open; 0 once
+    #: the slot of this process's open streams it holds (capacity.OpenStreams.open; 0 once
     #: given back)
     process_slot: int
 
@@ -256,23 +246,19 @@ async def admit(
     client_key: str,
     options: GatewaySettings,
     *,
+    admitted: Entry | Error | None = None,
     network_key: str = "",
     new: bool = True,
-    while_draining: bool = False,
 ) -> Ticket | Error:
     """Admit one connection for `client_key`: a Ticket, or the Error (503 draining or over
-    capacity, 429 rate limited or too many streams) that refuses it. `new`: it starts a
+    capacity, 429 rate limited or too many streams) that refuses it. `admitted`: the process's
+    decision on it (`enter`), when made before; else it is made here. `new`: it starts a
     generation, and counts against the client's rate limit (a resume does not).
-    `network_key`: the client's network, counted against the coarser network limit too.
-    `while_draining`: a resume of a run this process holds, served while it drains."""
-    if drain.draining and not while_draining:
-        return server_draining()
-    process_limit = capacity.limit_now(options)
-    slot = open_streams.try_open(process_limit)
-    if not slot:
-        return over_capacity(open_streams.retry_after_s(process_limit))
-    if (entered := entry.get()) is not None:
-        entered.close()  # counted as open now
+    `network_key`: the client's network, counted against the coarser network limit too."""
+    decided = enter(options) if admitted is None else admitted
+    if isinstance(decided, Error):
+        return decided
+    slot = decided.open()
     limit, window = options.rate_limit
     lease = leases.new_id()
     try:

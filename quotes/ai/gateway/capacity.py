@@ -72,8 +72,7 @@ class OpenStreams:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.count = 0
         self.runs = 0
-        #: stream requests passed on to Django's handler and neither admitted nor answered yet
-        #: (quotes.ai.gateway.admission.Entry)
+        #: stream requests let in and neither admitted nor answered yet (quotes.ai.gateway.admission.Entry)
         self.entering = 0
         #: set when both fall to 0 (made by a drain, which waits for it)
         self.emptied: asyncio.Event | None = None
@@ -86,12 +85,17 @@ class OpenStreams:
         #: when each open stream opened, oldest first (a dict keeps its insertion order)
         self._opened: dict[int, float] = {}
 
-    def try_open(self, limit: float) -> int:
-        """Take a slot if fewer than `limit` are open: its number (give it to `close`), else 0."""
-        if self.count + 1 > self.peak:
-            self.peak = self.count + 1
-        if self.count >= limit:
-            return 0
+    def try_enter(self, limit: float) -> bool:
+        """Count a stream request in `entering` if fewer than `limit` are open or entering."""
+        self.peak = max(self.peak, self.count + self.entering + 1)
+        if self.count + self.entering >= limit:
+            return False
+        self.entering += 1
+        return True
+
+    def open(self) -> int:
+        """Open the stream of a request counted in `entering`: its slot's number (give it to `close`)."""
+        self.entering -= 1
         self.count += 1
         self._serial += 1
         self._opened[self._serial] = self._clock()

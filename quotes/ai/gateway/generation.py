@@ -104,32 +104,29 @@ async def _refuse(
     )
 
 
-async def refuse_if_full(*, slug: object, client: Client, transport: str) -> Error | None:
-    """The process is at its open-stream cap, or draining: the over-capacity (or
-    server-draining) Error, counted (process-local, no round trip) against the persona if this
-    process knows it; None otherwise. Meant to run before anything else a stream request costs,
-    so a refusal stays quick when it matters."""
-    options = settings.QUOTES_GATEWAY
-    error = admission.refusal(options)
-    if error is None:
-        return None
+async def refuse_if_full(
+    decided: admission.Entry | Error | None, *, slug: object, client: Client, transport: str
+) -> Error | None:
+    """`decided` (admission.enter's answer, or a resume's) when it is this process's refusal (its
+    cap, its drain), counted (process-local, no round trip) against the persona if this process
+    knows it, else None (stream_generation, given the same answer, counts it). Meant to run
+    before anything else a stream request costs, so a refusal stays quick when it matters."""
     active = personas.peek(slug) if isinstance(slug, str) else None
-    if active is None:
-        return None  # unknown here: the full path looks it up (and refuses it all the same)
+    if not isinstance(decided, Error) or decided.code not in _PROCESS_REFUSALS or active is None:
+        return None
     backend = backend_for(active.persona)
-    model = backend.model_name(active.persona.model)
     metrics.stream_opened(transport)
     await _refuse(
-        error,
+        decided,
         persona=active.persona,
         version=active.version,
         backend=backend.name,
-        model=model,
+        model=backend.model_name(active.persona.model),
         client=client,
         preview=False,
         transport=transport,
     )
-    return error
+    return decided
 
 
 async def stream_generation(
@@ -142,6 +139,7 @@ async def stream_generation(
     bypass_cache: bool = False,
     version: Any = ...,  # PersonaVersion | None, or ... for "look it up"
     transport: str = "other",
+    admitted: admission.Entry | Error | None = None,
 ) -> AsyncGenerator[Event, None]:
     """Stream one generation for `persona` and log it. Ends with exactly one Done or Error.
 
@@ -149,8 +147,9 @@ async def stream_generation(
     `bypass_cache` asks for a fresh answer (the page's "new quote" button). `version` is the
     persona's current version when the caller knows it (quotes.personas keeps it); looked up
     otherwise. `transport` names the way the client reads the stream, for the metrics ("api",
-    "htmx", "websocket", ...). Its events are the generation's from the first, numbered as
-    they come (the resume ids: the transports count them).
+    "htmx", "websocket", ...). `admitted`: admission.enter's answer, where the request came in.
+    Its events are the generation's from the first, numbered as they come (the resume ids: the
+    transports count them).
 
     A client that stops reading does not stop the generation: its run keeps going for the
     resume grace (runs.py). `Run.stop()` stops it at once.
@@ -180,12 +179,12 @@ async def stream_generation(
     metrics.stream_opened(transport)  # from here on, a row is written whatever happens
     run: Run | None = None
     try:
-        admitted = await admission.admit(client.key, options, network_key=client.network_key)
-        if type(admitted) is Error:
+        answer = await admission.admit(client.key, options, admitted=admitted, network_key=client.network_key)
+        if isinstance(answer, Error):
             # Counted per client and window, not logged one full row each (see refusals.py).
             logged = True
             await _refuse(
-                admitted,
+                answer,
                 persona=persona,
                 version=version,
                 backend=backend.name,
@@ -194,10 +193,9 @@ async def stream_generation(
                 preview=preview,
                 transport=transport,
             )
-            yield admitted
+            yield answer
             return
-        assert isinstance(admitted, admission.Ticket)
-        ticket = admitted
+        ticket = answer
         shared_runs.sweep_soon()  # the rows of runs whose process died, now and then
 
         ttl = options.cache_ttl if persona.cache_ttl is None else persona.cache_ttl

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.core.cache import cache
 
-from ...conf import GatewaySettings
 from ...models import Generation
 from ..cache import misfit
 from ..errors import ErrorCode, stopped
@@ -52,7 +51,7 @@ from ..events import Done, Error, Event, Meta, Ping, Reconnect, Token, Usage, de
 from ..limits import run_on_cache
 from ..redis_health import report
 from . import shared_runs
-from .admission import CUT_GRACE_S, Ticket, admit, drain, open_streams, server_draining
+from .admission import CUT_GRACE_S, Entry, Ticket, admit, drain, enter, open_streams, server_draining
 from .flights import Flight
 from .log import Record, RowFacts, lost_row, write_row, writer
 from .tasks import detached_task
@@ -636,7 +635,7 @@ class Resumed:
 
 
 async def resume(
-    public_id: str, key: str, after: int, *, client_key: str, options: GatewaySettings
+    public_id: str, key: str, after: int, *, client_key: str, admitted: Entry | Error | None = None
 ) -> Resumed | Error | None:
     """The events of generation `public_id` after the `after`-th, then the live rest: from the
     run in this process, else from its finished events in the cache, else (with REDIS_URL) from
@@ -648,14 +647,18 @@ async def resume(
 
     A resume is a connection like a new stream's: admitted (quotes.ai.gateway.admission) before
     anything is read for it, refused with the admission's Error (429 too many streams, 503 at
-    the cap), and holding its ticket while it reads."""
+    the cap), and holding its ticket while it reads. `admitted`: the process's decision on it
+    (admission.enter), but for the drain's refusal, which spares a run held here."""
     if not hmac.compare_digest(key, resume_key(public_id)):
         return None
     run = runs.get(public_id)
     here = run is not None and after <= len(run.log)
     if drain.draining and not here:
         return server_draining()
-    ticket = await admit(client_key, options, new=False, while_draining=here)
+    options = settings.QUOTES_GATEWAY
+    if admitted is None or (isinstance(admitted, Error) and admitted.code is ErrorCode.SERVER_DRAINING):
+        admitted = enter(options, while_draining=here)
+    ticket = await admit(client_key, options, admitted=admitted, new=False)
     if isinstance(ticket, Error):
         return ticket
     try:
