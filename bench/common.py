@@ -631,9 +631,9 @@ STREAM_PATH = "/api/quotes/stream"
 #: attempts;` in the server block.
 NGINX_ATTEMPTS_FORMAT = (
     'log_format attempts \'$request_method $uri $status "$upstream_addr" "$upstream_status" \'\n'
-    "                    '\"$upstream_bytes_received\" $request_time $msec';"
+    '                    \'"$upstream_bytes_received" $request_time $msec "$http_last_event_id"\';'
 )
-_ATTEMPT_LINE = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\S+) (\S+)$')
+_ATTEMPT_LINE = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\S+) (\S+) "([^"]*)"$')
 
 
 def attempts_site(port: int, addresses: list[str], access_log: Path, *, server: str = "") -> str:
@@ -653,8 +653,11 @@ def attempts_site(port: int, addresses: list[str], access_log: Path, *, server: 
 def nginx_attempts(access_log: Path, path: str = STREAM_PATH) -> dict[str, Any]:
     """Every attempt nginx made on a daphne for a POST to `path` (from a log in
     NGINX_ATTEMPTS_FORMAT): answered by the daphne (a status and bytes received: it has a log
-    row) or not (a refused connection, a reset), by status; and the statuses the clients got."""
+    row) or not (a refused connection, a reset), by status; and the statuses the clients got. A
+    resume (a Last-Event-ID) served is counted apart: it reads a generation whose one row is the
+    generation's own (docs/architecture.md), so it needs no row of its own (a refused one does)."""
     answered: Counter[str] = Counter()
+    resumes = 0
     unanswered: Counter[str] = Counter()
     client_statuses: Counter[str] = Counter()
     requests = 0
@@ -664,10 +667,13 @@ def nginx_attempts(access_log: Path, path: str = STREAM_PATH) -> dict[str, Any]:
             continue
         requests += 1
         client_statuses[match.group(3)] += 1
+        resume = match.group(9) not in ("", "-")
         statuses = re.split(r"\s*[,:]\s*", match.group(5))
         received = re.split(r"\s*[,:]\s*", match.group(6))
         for status, size in zip(statuses, received, strict=False):
-            if status.isdigit() and size.isdigit() and int(size) > 0:
+            if resume and status == "200":
+                resumes += 1
+            elif status.isdigit() and size.isdigit() and int(size) > 0:
                 answered[status] += 1
             else:
                 unanswered[f"{status}/{size}B"] += 1
@@ -675,5 +681,6 @@ def nginx_attempts(access_log: Path, path: str = STREAM_PATH) -> dict[str, Any]:
         "requests": requests,
         "client_statuses": dict(client_statuses),
         "answered_by_daphne": dict(answered),
+        "resumes": resumes,
         "not_answered": dict(unanswered),
     }
