@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Protocol
 
+from ..cache import store_answer
 from ..errors import internal
 from ..events import Done, Event, Token
 from . import shared_runs
@@ -43,8 +44,11 @@ class Reader(Protocol):
 
 
 class Flight:
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, ttl: int = 0) -> None:
+        #: the answer cache's key: a flight with one is joined by identical requests, and its
+        #: complete answer is kept for `ttl` seconds
         self.key = key
+        self.ttl = ttl
         #: every event so far, for a run that joins late (kept only when the flight has a key)
         self.history: list[Event] = []
         self.runs: list[Reader] = []
@@ -55,31 +59,21 @@ class Flight:
         if self.key is not None:
             flights[self.key] = self
 
-    def start(self, plan: Plan, store: Callable[[list[Event]], Awaitable[None]] | None = None) -> None:
+    def start(self, plan: Plan) -> None:
         """Run `plan` in a task of its own; registered under `key` (when it has one) so that
-        identical requests join it. `store` keeps a complete answer before Done goes out."""
+        identical requests join it."""
         self.register()
-        self.task = detached_task(self._fly(plan, store))
+        self.task = detached_task(self._fly(plan))
 
-    def follow_elsewhere(
-        self,
-        events: AsyncIterator[Event],
-        plan: Plan,
-        store: Callable[[list[Event]], Awaitable[None]] | None = None,
-    ) -> None:
+    def follow_elsewhere(self, events: AsyncIterator[Event], plan: Plan) -> None:
         """Publish `events` (another process's upstream call, read from Redis: shared_runs.follow)
         instead of calling the upstream; registered like a flight of this process's own. If that
         call's owner gives up on it (its client left, it drained) or dies before a token came,
         call the upstream with `plan` after all; after a token, the generation is lost."""
         self.register()
-        self.task = detached_task(self._follow(events, plan, store))
+        self.task = detached_task(self._follow(events, plan))
 
-    async def _follow(
-        self,
-        events: AsyncIterator[Event],
-        plan: Plan,
-        store: Callable[[list[Event]], Awaitable[None]] | None,
-    ) -> None:
+    async def _follow(self, events: AsyncIterator[Event], plan: Plan) -> None:
         try:
             async for event in events:
                 self.publish(event)
@@ -91,7 +85,7 @@ class Flight:
             else:
                 if self.runs:  # this process's own call now: one of its rows counts it
                     self.runs[0].calls_upstream()
-                await self._fly(plan, store)
+                await self._fly(plan)
         except Exception:
             logger.exception("following another process's generation failed")
             self.publish(internal())
@@ -123,12 +117,12 @@ class Flight:
         for run in self.runs:
             run.feed(event)
 
-    async def _fly(self, plan: Plan, store: Callable[[list[Event]], Awaitable[None]] | None) -> None:
+    async def _fly(self, plan: Plan) -> None:
         try:
             async for event in generate(plan):
-                if store is not None and type(event) is Done:
+                if self.key is not None and type(event) is Done:
                     # Cached before [DONE] goes out: a client that has seen the end can count on it.
-                    await store(self.history)
+                    await store_answer(self.key, self.history, ttl=self.ttl)
                 self.publish(event)
         except asyncio.CancelledError:
             raise

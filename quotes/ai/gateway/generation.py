@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -24,7 +23,7 @@ from ... import metrics, personas
 from ...models import Generation, Persona, PersonaVersion
 from ...security import client_address, client_network
 from ..backends import backend_for
-from ..cache import answer_key, get_answer, store_answer
+from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
 from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
@@ -242,7 +241,7 @@ async def stream_generation(
                     primary=primary,
                     models=list(dict.fromkeys(models)),
                 )
-                flight = Flight(key if use_cache else None)
+                flight = Flight(key, ttl) if use_cache else Flight(None)
                 owner = None
                 if use_cache and run.publisher is not None:
                     # Across processes: one of them claims the upstream call, the others follow
@@ -253,7 +252,7 @@ async def stream_generation(
                         owner = await shared_runs.claim(key, run.public_id)
                     except BaseException:
                         if flight.runs:  # requests joined meanwhile: they get their answer
-                            flight.start(plan, partial(store_answer, key, ttl=ttl))
+                            flight.start(plan)
                         else:
                             flight.unregister()
                         run.fail(ABANDONED, status=Generation.Status.CANCELLED)
@@ -261,17 +260,13 @@ async def stream_generation(
                     if owner is None:
                         run.publisher.claim = key
                 if owner is None:
-                    flight.start(plan, partial(store_answer, key, ttl=ttl) if use_cache else None)
+                    flight.start(plan)
                 else:
                     record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
                     run.hit = True
                     metrics.coalesced_listener()
                     # The owner's events after its own opening Meta (this run has its own).
-                    flight.follow_elsewhere(
-                        shared_runs.follow(owner, for_run=True, skip=1),
-                        plan,
-                        partial(store_answer, key, ttl=ttl),
-                    )
+                    flight.follow_elsewhere(shared_runs.follow(owner, for_run=True, skip=1), plan)
             run.attach(flight)
         listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s)
         ticket = None  # the connection's now: given back when it ends
