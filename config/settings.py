@@ -222,7 +222,7 @@ if AI_BACKEND not in _AI_BACKENDS:
 
 # Where downloaded or assembled artefacts live (the embedded model's GGUF file).
 QUOTES_CACHE_DIR = Path(env.str("QUOTES_CACHE_DIR", default=str(Path.home() / ".cache" / "persona-quotes")))
-# The log writer's outbox (quotes/ai/gateway/log.py): log rows the database could not take (down
+# The log writer's outbox (quotes/ai/gateway/rows.py): log rows the database could not take (down
 # or read-only) wait here, one fsync'd file per process, until it can. A local directory: each
 # process locks its own file, and the files of processes that died are taken over by the next
 # process (on the same database) that starts.

@@ -14,7 +14,7 @@ meanwhile (quotes.ai.redis_health), so that too answers 200 "degraded"; a hung R
 check one socket timeout, then nothing while the breaker is open.
 
 The log writer's check says "failing" while the database takes no log rows (down, or
-read-only): the rows wait in the process's outbox (quotes/ai/gateway/log.py), and staff see how
+read-only): the rows wait in the process's outbox (quotes/ai/gateway/rows.py), and staff see how
 many. That alone answers 200, with `"status": "degraded"`: every process shares the one
 database, so taking them out of rotation for it would turn lost log rows (which the outbox
 prevents) into a site that answers nobody. /metrics has the outbox's depth for alerting.
@@ -41,7 +41,7 @@ from django.views.decorators.http import require_safe
 from redis.exceptions import RedisError
 
 from .ai.gateway.admission import DRAINING_RETRY_AFTER_S, drain
-from .ai.gateway.log import writer
+from .ai.gateway.rows import writer
 from .ai.limits import run_on_cache
 from .models import Persona
 

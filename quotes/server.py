@@ -67,7 +67,7 @@ def draining_server(**options: Any) -> Server:
     """daphne's `Server`, as its CLI configures it, that drains on SIGTERM (see the docstring)."""
     # Imported here: the app (and Django's settings) is loaded by daphne's CLI, after this module.
     from quotes import forks
-    from quotes.ai.gateway.log import writer
+    from quotes.ai.gateway.rows import writer
 
     def ready() -> None:  # in Server.run(), once its factories exist, before the reactor runs
         forks.use_server_close_codes(server)
@@ -115,7 +115,7 @@ async def drain_and_close() -> None:
     from quotes.ai.backends import reset_backends
     from quotes.ai.gateway import shared_runs
     from quotes.ai.gateway.admission import CUT_GRACE_S, drain
-    from quotes.ai.gateway.log import writer
+    from quotes.ai.gateway.rows import writer
     from quotes.ai.gateway.runs import end_for_drain
 
     await drain.run(settings.QUOTES_GATEWAY.drain_timeout_s)

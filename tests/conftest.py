@@ -130,7 +130,7 @@ def _rows_before_the_end(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     the row still on its way. Tests read the row as soon as they have the event, and a busy test
     machine may take longer than that to commit it: here the event waits for the row.
     tests/log/test_log_outbox.py puts the production bound back."""
-    from quotes.ai.gateway.log import writer
+    from quotes.ai.gateway.rows import writer
 
     monkeypatch.setattr(writer, "wait_s", 60.0)
     yield
@@ -160,7 +160,7 @@ def _fresh_cache() -> Iterator[None]:
 async def _end_of_async_test() -> AsyncIterator[None]:
     yield
     from quotes.ai.gateway import admission, runs, shared_runs, tasks
-    from quotes.ai.gateway.log import writer
+    from quotes.ai.gateway.rows import writer
 
     # Generations the test left going (a run in its resume grace, a follower waiting on Redis)
     # end now, in the test's loop and while its database is there: their rows are written before

@@ -286,7 +286,7 @@ def started(settings: Settings | None = None) -> Iterator[Layout]:
                 QUOTES_CACHE_TTL="3600",  # topics are unique: misses, each claimed across processes
                 QUOTES_TTFT_TIMEOUT=f"{settings.ttft_timeout_s:g}",
                 QUOTES_METRICS_TOKEN=METRICS_TOKEN,
-                # Where rows wait while the database cannot take them (quotes/ai/gateway/log.py).
+                # Where rows wait while the database cannot take them (quotes/ai/gateway/rows.py).
                 QUOTES_OUTBOX_DIR=str(workdir / "outbox"),
                 **settings.env,
             )

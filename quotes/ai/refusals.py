@@ -11,7 +11,7 @@ request body, topic or text) whose `request_count` says how many there were:
 - the count is copied to the row at most once a second (`FLUSH_AFTER_S`) after refusals
   stop arriving in it, by a timer in this process, so a flood costs two writes a second at most.
 
-Both writes go through the log writer (quotes.ai.gateway.log), and its outbox while the database
+Both writes go through the log writer (quotes.ai.gateway.rows), and its outbox while the database
 is down: the count as the whole row with its `request_count`, which the writer inserts if the row
 is not in yet and else only raises, so a count that overtakes its row is not lost.
 
@@ -38,7 +38,7 @@ from django.core.cache.backends.locmem import LocMemCache
 
 from ..models import Generation, Persona, PersonaVersion
 from . import limits
-from .gateway.log import refusal_row, writer
+from .gateway.rows import refusal_row, writer
 from .redis_health import report
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from harness.services import free_port
 from harness.workers_ai import FakeWorkersAI
 from quotes import database, personas
 from quotes.ai.backends import reset_backends
-from quotes.ai.gateway.log import writer
+from quotes.ai.gateway.rows import writer
 from quotes.logging import ClientErrorFilter, RequestIdFilter
 from quotes.models import Persona
 from quotes.services import persona_save

@@ -1,4 +1,4 @@
-"""The log writer's outbox (quotes/ai/gateway/log.py): no log row is lost while the database
+"""The log writer's outbox (quotes/ai/gateway/rows.py): no log row is lost while the database
 cannot take it, and no stream's `[DONE]` waits for it.
 
 Faults through the real drivers: the writer's database made read-only (SQLite opened with
@@ -39,8 +39,8 @@ from harness.services import free_port, stop_process, tail
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.ai import refusals
 from quotes.ai.backends import reset_backends
-from quotes.ai.gateway import log as log_module
-from quotes.ai.gateway.log import IDLE_CLOSE_S, ROW_WAIT_S, LogWriter, Outbox, lost_row, refusal_row, writer
+from quotes.ai.gateway import rows as rows_module
+from quotes.ai.gateway.rows import IDLE_CLOSE_S, ROW_WAIT_S, Outbox, RowWriter, lost_row, refusal_row, writer
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, post_stream, request
 
@@ -261,7 +261,7 @@ import sys, uuid
 import django
 
 django.setup()
-from quotes.ai.gateway.log import writer
+from quotes.ai.gateway.rows import writer
 from quotes.models import Generation
 
 persona_id, public_ids = int(sys.argv[1]), sys.argv[2:]
@@ -388,7 +388,7 @@ async def test_a_flush_without_close_does_not_undo_a_pending_close(
     go) while the writer is busy; another flushes meanwhile, without `close`. The close still
     happens: it was overwritten, and the first caller waited in vain while the writer kept its
     connection. SQLite's own lock keeps the writer busy for as long as the test needs."""
-    monkeypatch.setattr(log_module, "IDLE_CLOSE_S", 60.0)  # no idle close during the test
+    monkeypatch.setattr(rows_module, "IDLE_CLOSE_S", 60.0)  # no idle close during the test
     assert (await quote("one")).endswith(DONE)  # the writer holds its connection now
     lock = sqlite3.connect(connection.settings_dict["NAME"], timeout=0, isolation_level=None)
     lock.execute("BEGIN EXCLUSIVE")
@@ -526,7 +526,7 @@ async def test_a_line_planted_in_the_outbox_is_never_replayed(
     with dead.open("ab") as file:
         file.write(forged + serializers.serialize("json", [planted]).encode() + b"\n")
 
-    fresh = LogWriter()
+    fresh = RowWriter()
     fresh.start()  # takes the file over at once, then replays it
     try:
         await until(lambda: asyncio.to_thread(lambda: not dead.exists()))
@@ -552,7 +552,7 @@ resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 import django
 
 django.setup()
-from quotes.ai.gateway.log import Outbox
+from quotes.ai.gateway.rows import Outbox
 from quotes.models import Generation
 
 outbox = Outbox()

@@ -25,7 +25,7 @@ from quotes.ai.cache import JSONSerializer
 from quotes.ai.events import Done, Event, Meta, Token, Usage, decode_events, encode_events
 from quotes.ai.gateway import admission
 from quotes.ai.gateway import runs as runs_module
-from quotes.ai.gateway.log import Record, RowFacts
+from quotes.ai.gateway.rows import Record, RowFacts
 from quotes.ai.gateway.runs import STOPPED, EventLog, Run
 from quotes.models import Generation, Persona
 from tests.asgi import TEST_CLIENT, AsgiStream, htmx_form_post, parse_sse, post_stream, read_events, request

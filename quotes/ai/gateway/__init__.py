@@ -8,7 +8,7 @@ limits), the answer cache, coalescing, retries, fallbacks, timeouts, keep-alive,
       capacity.py    that limit: it follows the event loop's lag (an optional static ceiling)
       flights.py     one generation shared by identical requests; a listener per request
       policy.py      retries and fallbacks before the first token; the three timeouts
-      log.py         the row each stream gathers, and the group-commit writer
+      rows.py        the row each stream gathers, and the group-commit writer
 
 Each part can be driven alone; tests/stream/test_gateway.py drives them all through the stream endpoint.
 This `__init__` imports nothing: importing any one part (say `capacity`) runs it first.

@@ -29,8 +29,8 @@ from ..events import Error, Event, Message, Meta
 from ..refusals import record_refusal
 from . import admission, shared_runs
 from .flights import Flight, flights
-from .log import Record, RowFacts, write_row
 from .policy import Plan
+from .rows import Record, RowFacts, write_row
 from .runs import ABANDONED, EventLog, Run, replay
 
 logger = logging.getLogger(__name__)

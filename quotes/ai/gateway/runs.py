@@ -53,7 +53,7 @@ from ..redis_health import report
 from . import shared_runs
 from .admission import CUT_GRACE_S, Entry, Ticket, admit, drain, enter, open_streams, server_draining
 from .flights import Flight
-from .log import Record, RowFacts, lost_row, write_row, writer
+from .rows import Record, RowFacts, lost_row, write_row, writer
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from ..errors import ErrorCode, stopped
 from ..events import Done, Error, Event, Ping, Reconnect, Token, from_json, to_json
 from . import redis_clients
 from .admission import drain
-from .log import FACT_TYPES, lost_row, writer
+from .rows import FACT_TYPES, lost_row, writer
 from .tasks import detached_task
 
 logger = logging.getLogger(__name__)

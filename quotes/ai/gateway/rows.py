@@ -1,5 +1,5 @@
 """The request log: what each stream gathers for its `Generation` row (`Record`), and the writer
-that group-commits every stream's row from one thread (`LogWriter`), with an outbox on disk for
+that group-commits every stream's row from one thread (`RowWriter`), with an outbox on disk for
 the rows the database cannot take.
 
 A row per stream used to be one `asave()` on the request's own thread, with a transaction (and,
@@ -127,7 +127,7 @@ REPLAYED = (
 #: What a run's own row overwrites in a row written on its behalf: all it set but its id.
 OWNED = REPLAYED[1:]
 #: Each line of the outbox is signed (Django's Signer: SECRET_KEY, and SECRET_KEY_FALLBACKS).
-SIGNED_AS = "quotes.ai.gateway.log.outbox"
+SIGNED_AS = "quotes.ai.gateway.log.outbox"  # the module's old name: lines already written stay readable
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 #: a row, and whether its own run wrote it (its `owner`)
@@ -529,7 +529,7 @@ class Outbox:
         return fd
 
 
-class LogWriter:
+class RowWriter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list[_Entry] = []
@@ -785,5 +785,5 @@ def _settle(waiters: list[asyncio.Future[None]]) -> None:
             done.set_result(None)
 
 
-writer = LogWriter()
+writer = RowWriter()
 atexit.register(writer.stop)
