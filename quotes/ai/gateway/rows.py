@@ -535,7 +535,7 @@ class RowWriter:
         self._pending: list[_Entry] = []
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._closing = False
         self._busy = False  # a batch is being written
         #: the writer thread has written since it last closed its connection
         self._connected = False
@@ -598,9 +598,9 @@ class RowWriter:
             time.sleep(0.01)
         return False
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0) -> None:
         """Write what is queued (to the outbox, if the database is down), then end the thread."""
-        self._stopping = True
+        self._closing = True
         thread = self._thread
         if thread is not None and thread.is_alive():
             self._wake.set()
@@ -623,7 +623,7 @@ class RowWriter:
     def _run(self) -> None:
         self._take_over()
         while True:
-            if not self._stopping:
+            if not self._closing:
                 wait = self._until_retry()
                 if self._connected:
                     wait = IDLE_CLOSE_S if wait is None else min(wait, IDLE_CLOSE_S)
@@ -640,7 +640,7 @@ class RowWriter:
                 self._busy = bool(batch)
                 if self._pending:
                     self._wake.set()
-            if self.outbox.depth and not self._stopping and time.monotonic() >= self._retry_at:
+            if self.outbox.depth and not self._closing and time.monotonic() >= self._retry_at:
                 self._replay()
                 self._connected = True
             if batch:
@@ -649,7 +649,7 @@ class RowWriter:
                 self._resolve(batch, lost)
                 with self._lock:
                     self._busy = False
-            elif self._stopping:
+            elif self._closing:
                 close_old_connections()
                 return
 
@@ -786,4 +786,4 @@ def _settle(waiters: list[asyncio.Future[None]]) -> None:
 
 
 writer = RowWriter()
-atexit.register(writer.stop)
+atexit.register(writer.close)

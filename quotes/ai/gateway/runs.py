@@ -293,7 +293,7 @@ class Run:
             self.stopped = True
             for listener in list(self.listeners):
                 listener.end(STOPPED)
-            self.publisher.stop_readers()  # the client's resumes on other processes end too
+            self.publisher.end_readers()  # the client's resumes on other processes end too
             return True
         if self.closing:
             return False

@@ -215,7 +215,7 @@ class Publisher:
         publishers[run.public_id] = self
         self.poke()
 
-    def stop_readers(self) -> None:
+    def end_readers(self) -> None:
         self.stop_due = True
         self.poke()
 
