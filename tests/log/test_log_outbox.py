@@ -532,7 +532,7 @@ async def test_a_line_planted_in_the_outbox_is_never_replayed(
         await until(lambda: asyncio.to_thread(lambda: not dead.exists()))
         assert await asyncio.to_thread(fresh.flush, 30.0, outbox=True, close=True)
     finally:
-        await asyncio.to_thread(fresh.stop)
+        await asyncio.to_thread(fresh.close)
 
     assert [(row.public_id, row.text) async for row in Generation.objects.all()] == [
         (genuine.public_id, "genuine")
