@@ -1,8 +1,6 @@
-"""The `Generation` rows: what a stream gathers for its row (`Record`, `RowFacts`), the rows written
-on a generation's behalf (`lost_row`, `refusal_row`), and the writer that group-commits them all
-from one thread (`RowWriter`), with an outbox on disk for the rows the database cannot take now
-(`Outbox`). docs/architecture.md ("One generation, one row", "The row writer") has the walk.
-"""
+"""The `Generation` rows (`Record` and `RowFacts` for a run's own; `lost_row`, `refusal_row`) and
+the writer that group-commits them from one thread (`RowWriter`), with an outbox on disk for those
+the database cannot take now (`Outbox`): docs/architecture.md, "One generation, one row"."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ RETRY_MAX_S = 5.0
 #: How long the writer keeps its database connection with nothing to write.
 IDLE_CLOSE_S = 1.0
 #: PostgreSQL SQLSTATEs (and classes) of a database that cannot take writes now but will: a lost
-#: connection, a read-only transaction (a hot standby), a serialization failure or deadlock, no
-#: resources, a lock not available, a statement cancelled, the server stopping or starting.
+#: connection, read-only (a hot standby), a deadlock, no resources, a lock, a cancel, a restart.
 TRANSIENT_SQLSTATES = ("08", "25006", "40001", "40P01", "53", "55P03", "57014", "57P", "58")
 #: The fields a row keeps through the outbox: those its stream sets. Never its id, its creation
 #: time, or what visitors did with it later (shared it, rated it).
@@ -72,15 +69,13 @@ OWNED = REPLAYED[1:]
 #: The outbox lines' signing salt: the module's old name, so lines already written stay readable.
 SIGNED_AS = "quotes.ai.gateway.log.outbox"
 
-_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 _Row = tuple[Generation, bool]  # a row, and whether its own run wrote it (its `owner`)
-_Entry = tuple[_Row, _Waiter | None, bool]
+_Entry = tuple[_Row, "asyncio.Future[None] | None", bool]
 
 
 @dataclass(frozen=True, slots=True)
 class RowFacts:
-    """What a generation's row says besides how it went: who asked what of whom, and how they
-    read it (for the metrics)."""
+    """What a generation's row says besides how it went: who asked what of whom, read how."""
 
     persona: Persona
     version: PersonaVersion | None
@@ -151,12 +146,9 @@ class Record:
 
     def row(self, facts: RowFacts) -> Generation:
         usage = self.usage
-        cost = None
+        estimate = estimate_cost(self.model, usage.prompt_tokens, usage.completion_tokens) if usage else None
         if self.cache_status == Generation.CacheStatus.HIT:
-            cost = Decimal(0)  # nothing was paid for a cached or shared answer
-        elif usage is not None:
-            estimate = estimate_cost(self.model, usage.prompt_tokens, usage.completion_tokens)
-            cost = Decimal(str(round(estimate, 8))) if estimate is not None else None
+            estimate = 0  # nothing was paid for a cached or shared answer
         return Generation(
             **facts.fields(self.model),
             public_id=self.public_id,
@@ -169,7 +161,7 @@ class Record:
             text=self.text.replace("\x00", ""),
             prompt_tokens=usage.prompt_tokens if usage else None,
             completion_tokens=usage.completion_tokens if usage else None,
-            cost_usd=cost,
+            cost_usd=None if estimate is None else Decimal(str(round(estimate, 8))),
             ttft_ms=(self.ttft - self.started) * 1000 if self.ttft is not None else None,
             duration_ms=(time.perf_counter() - self.started) * 1000,
             request=asdict(facts.request),
@@ -199,14 +191,11 @@ def _dump(row: Generation, owner: bool) -> bytes:
 
 
 def _load(line: bytes) -> _Row:
-    """A line as a new row of its REPLAYED fields only. Raises BadSignature if this site did not
-    write it."""
+    """A line as a new row of its REPLAYED fields only (BadSignature if this site did not sign it)."""
     (record,) = json.loads(Signer(salt=SIGNED_AS).unsign(line.decode().rstrip("\n")))
     fields = {name: value for name, value in record["fields"].items() if name in REPLAYED}
-    (deserialized,) = serializers.deserialize(
-        "json", json.dumps([{"model": "quotes.generation", "fields": fields}])
-    )
-    row = deserialized.object
+    data = json.dumps([{"model": "quotes.generation", "fields": fields}])
+    row = next(serializers.deserialize("json", data)).object
     assert isinstance(row, Generation)
     return row, record.get("owner") is True
 
@@ -234,7 +223,6 @@ def _claim(path: Path) -> tuple[int, os.stat_result] | None:
 
 
 def _fsync_directory(path: Path) -> None:
-    """Make a file's creation, rename or removal in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -243,7 +231,6 @@ def _fsync_directory(path: Path) -> None:
 
 
 def _expired(path: Path) -> bool:
-    """Whether `path` was last written longer than QUOTES_LOG_RETENTION_DAYS ago (never, at 0)."""
     retention_s = settings.QUOTES_LOG_RETENTION_DAYS * 86400
     with contextlib.suppress(OSError):
         return bool(retention_s) and time.time() - path.lstat().st_mtime > retention_s
@@ -280,9 +267,7 @@ class Outbox:
         kept = bisect.bisect_right(list(itertools.accumulate(map(len, lines))), self._room())
         if kept < len(rows):
             logger.error(
-                "the outbox %s is full (QUOTES_OUTBOX_MAX_BYTES): %d log rows are lost",
-                self.directory(),
-                len(rows) - kept,
+                "the outbox is full (QUOTES_OUTBOX_MAX_BYTES): %d log rows are lost", len(rows) - kept
             )
         try:
             self._add(b"".join(lines[:kept]))
@@ -300,9 +285,7 @@ class Outbox:
                     try:
                         yield _load(line)
                     except Exception:
-                        logger.exception(
-                            "line %d of the outbox %s is no log row of this site's", number, self._path
-                        )
+                        logger.exception("outbox %s line %d is no log row of this site's", self._path, number)
                         metrics.log_rows_lost(1)
         yield from self._memory
 
@@ -318,9 +301,8 @@ class Outbox:
         self.depth = 0
 
     def take_over(self) -> int:
-        """Move into this outbox the rows of this database's spool files whose process is gone (its
-        lock can be taken); delete other databases' files past QUOTES_LOG_RETENTION_DAYS. Returns
-        how many rows were taken."""
+        """Move here the rows of this database's spool files whose process is gone (its lock can be
+        taken); delete other databases' files past QUOTES_LOG_RETENTION_DAYS. Returns the rows taken."""
         directory = self._make_directory()
         taken = 0
         for path in sorted(directory.parent.glob("*/*.jsonl")):
@@ -374,9 +356,7 @@ class Outbox:
                 level.mkdir(mode=0o700)
             info = level.lstat()
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-                raise PermissionError(
-                    f"{level} is not a directory of this user's: the outbox will not use it"
-                )
+                raise PermissionError(f"{level} is not this user's directory: the outbox will not use it")
             if stat.S_IMODE(info.st_mode) != 0o700:
                 level.chmod(0o700)
         return directory
@@ -429,9 +409,8 @@ class RowWriter:
     async def write(self, row: Generation, *, owner: bool = False) -> None:
         """Queue `row` and wait until it is written (or in the outbox, or lost and logged), at
         most `wait_s`; cancelling the caller does not cancel the write. `owner`: see `_upsert`."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        self._enqueue((row, owner), (loop, done))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._enqueue((row, owner), done)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.wait_s):
                 await asyncio.shield(done)
@@ -443,7 +422,9 @@ class RowWriter:
     def start(self) -> None:
         """Start the writer thread now (at start-up), which takes over dead processes' outboxes."""
         with self._lock:
-            self._ensure_thread()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="quotes-log-writer", daemon=True)
+                self._thread.start()
 
     def flush(self, timeout: float = 30.0, *, outbox: bool = False, close: bool = False) -> bool:
         """Block until every queued row is written or in the outbox; with `outbox`, until the
@@ -456,10 +437,8 @@ class RowWriter:
             self._close_now = True
         while time.monotonic() < deadline:
             with self._lock:
-                alive = self._thread is not None and self._thread.is_alive()
-                if not (
-                    self._pending or (outbox and self.outbox.depth) or (close and self._connected and alive)
-                ):
+                held = close and self._connected and self._thread is not None and self._thread.is_alive()
+                if not (self._pending or (outbox and self.outbox.depth) or held):
                     return True
             self._wake.set()
             time.sleep(0.01)
@@ -473,17 +452,12 @@ class RowWriter:
             self._wake.set()
             thread.join(timeout)
 
-    def _enqueue(self, row: _Row, waiter: _Waiter | None) -> None:
+    def _enqueue(self, row: _Row, waiter: asyncio.Future[None] | None) -> None:
         counted = metrics.log_row_queued()
         with self._lock:
             self._pending.append((row, waiter, counted))
-            self._ensure_thread()
+        self.start()
         self._wake.set()
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="quotes-log-writer", daemon=True)
-            self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -549,14 +523,11 @@ class RowWriter:
     def _failed(self, exc: BaseException) -> None:
         """Retry the outbox later, twice as late as last time. One WARNING per outage."""
         detail = f"{type(exc).__name__}: {exc}".strip()[:300]
-        if self.failing:
-            self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
-        else:
-            directory = self.outbox.directory()
+        if not self.failing:
             logger.warning(
-                "the database takes no log rows (%s): they wait in the outbox %s", detail, directory
+                "the database takes no log rows (%s): they wait in %s", detail, self.outbox.directory()
             )
-            self._retry_s = RETRY_MIN_S
+        self._retry_s = min(self._retry_s * 2, RETRY_MAX_S) if self.failing else RETRY_MIN_S
         self._retry_at = time.monotonic() + self._retry_s
         self.failing = detail
         # The next attempt opens a new connection: an old one may be broken, or held by a server
@@ -565,9 +536,8 @@ class RowWriter:
             connection.close()
 
     def _insert(self, rows: Sequence[_Row]) -> set[int]:
-        """Write `rows` in one transaction or, if the database refuses one of them, one by one;
-        returns the indices of those refused (logged). Raises an `unavailable` error: rows
-        already in are kept once when written again."""
+        """Write `rows` in one transaction or, if the database refuses one, one by one: returns the
+        indices of those refused. Raises an `unavailable` error (rows in twice are kept once)."""
         error = self._attempt(rows)
         if error is None:
             return set()
@@ -597,7 +567,7 @@ class RowWriter:
         for index, (_, waiter, counted) in enumerate(batch):
             metrics.log_row_done(counted=counted, lost=index in lost)
             if waiter is not None:
-                by_loop.setdefault(waiter[0], []).append(waiter[1])
+                by_loop.setdefault(waiter.get_loop(), []).append(waiter)
         for loop, waiters in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, waiters)
