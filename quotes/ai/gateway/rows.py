@@ -1,6 +1,6 @@
-"""The `Generation` rows (`Record` and `RowFacts` for a run's own; `lost_row`, `refusal_row`) and
-the writer that group-commits them from one thread (`RowWriter`), with an outbox on disk for those
-the database cannot take now (`Outbox`): docs/architecture.md, "One generation, one row"."""
+"""The `Generation` rows (a run's own from `Record` and `RowFacts`; `lost_row`, `refusal_row`) and the
+writer that group-commits them from one thread (`RowWriter`), with an outbox on disk for the rows the
+database cannot take now (`Outbox`). docs/architecture.md: "One generation, one row", "The row writer"."""
 
 from __future__ import annotations
 
@@ -45,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 #: Most rows in one INSERT (SQLite allows 32,766 variables; a row has about 25 fields).
 BATCH_SIZE = 500
-#: The longest a stream waits for its row before its terminal event: `[DONE]` never waits on a
-#: slow or absent database (the row stays queued, or goes to the outbox).
+#: The longest a stream waits for its row before its terminal event (the row follows if late).
 ROW_WAIT_S = 0.5
 #: The outbox's replay backoff: RETRY_MIN_S, doubling on each failure up to RETRY_MAX_S.
 RETRY_MIN_S = 0.25
@@ -87,8 +86,7 @@ class RowFacts:
     transport: str
 
     def fields(self, model: str) -> dict[str, object]:
-        """As Generation fields: what another process needs to write this generation's row if
-        its own process dies (quotes.ai.gateway.shared_runs)."""
+        """As Generation fields: what another process needs to write this row if this one dies."""
         return {
             "persona_id": self.persona.pk,
             "persona_version_id": self.version.pk if self.version else None,
@@ -170,11 +168,10 @@ class Record:
 
 
 def unavailable(exc: BaseException) -> bool:
-    """Whether `exc` says the database cannot take writes now but will (the row goes to the
-    outbox), rather than that the row is wrong (an IntegrityError, a DataError): by the driver's
-    SQLSTATE where it has one, else an OperationalError (refused, lost, SQLite's "readonly
-    database", "database is locked") or an InterfaceError (not a DatabaseError in the DB-API)."""
-    if isinstance(exc, InterfaceError):
+    """Whether `exc` says the database cannot take writes now but will (the row waits in the outbox),
+    not that the row is wrong: by the driver's SQLSTATE, else an OperationalError (refused, lost,
+    SQLite's read-only or locked database) or an InterfaceError."""
+    if isinstance(exc, InterfaceError):  # not a DatabaseError in the DB-API's tree
         return True
     cause = exc.__cause__  # the driver's own exception, which Django's wraps
     sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
@@ -427,9 +424,8 @@ class RowWriter:
                 self._thread.start()
 
     def flush(self, timeout: float = 30.0, *, outbox: bool = False, close: bool = False) -> bool:
-        """Block until every queued row is written or in the outbox; with `outbox`, until the
-        outbox is written too, retrying it now; with `close`, until the writer has closed its
-        database connection too. True if done in time."""
+        """Block until every queued row is written or in the outbox; with `outbox`, until the outbox
+        is written too (retried now); with `close`, until the connection is closed. True if done."""
         deadline = time.monotonic() + timeout
         if outbox:
             self._retry_at = 0.0
@@ -472,9 +468,8 @@ class RowWriter:
                 self._replay()
                 self._connected = True
             if batch:
-                lost = self._write([row for row, _, _ in batch])
+                self._write(batch)
                 self._connected = True
-                self._resolve(batch, lost)
                 with self._lock:
                     del self._pending[: len(batch)]
             elif self._closing:
@@ -493,17 +488,27 @@ class RowWriter:
                         close_old_connections()  # idle: like the end of a request (per CONN_MAX_AGE)
                     self._connected = self._close_now = False
 
-    def _write(self, rows: list[_Row]) -> set[int]:
-        """Write a batch to the database, or to the outbox when the database cannot take it (or
-        the outbox already holds rows, which go first). Returns the indices of the rows lost."""
+    def _write(self, batch: Sequence[_Entry]) -> None:
+        """Write a batch to the database, or to the outbox when the database cannot take it (or the
+        outbox holds rows, which go first); then wake its waiters, one call per event loop."""
+        rows = [row for row, _, _ in batch]
+        lost = None
         if not self.outbox.depth:
             try:
-                return self._insert(rows)
+                lost = self._insert(rows)
             except (DatabaseError, InterfaceError) as exc:  # `_insert` raises only `unavailable` ones
                 self._failed(exc)
-        lost = self.outbox.append(rows)
-        metrics.log_outbox_depth(self.outbox.depth)
-        return lost
+        if lost is None:
+            lost = self.outbox.append(rows)
+            metrics.log_outbox_depth(self.outbox.depth)
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        for index, (_, done, counted) in enumerate(batch):
+            metrics.log_row_done(counted=counted, lost=index in lost)
+            if done is not None:
+                by_loop.setdefault(done.get_loop(), []).append(done)
+        for loop, waiters in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, waiters)
 
     def _replay(self) -> None:
         """Write the outbox to the database; it is cleared only when every row went in."""
@@ -560,17 +565,6 @@ class RowWriter:
             return exc
         self.written += len(rows)
         return None
-
-    def _resolve(self, batch: Sequence[_Entry], lost: set[int]) -> None:
-        # One wake-up per event loop for the whole batch, not one per row.
-        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
-        for index, (_, waiter, counted) in enumerate(batch):
-            metrics.log_row_done(counted=counted, lost=index in lost)
-            if waiter is not None:
-                by_loop.setdefault(waiter.get_loop(), []).append(waiter)
-        for loop, waiters in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(_settle, waiters)
 
 
 def _upsert(rows: Sequence[_Row]) -> None:
