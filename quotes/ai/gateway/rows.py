@@ -408,9 +408,7 @@ class RowWriter:
         most `wait_s`; cancelling the caller does not cancel the write. `owner`: see `_upsert`."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._enqueue((row, owner), done)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.wait_s):
-                await asyncio.shield(done)
+        await asyncio.wait([done], timeout=self.wait_s)  # on time-out or cancel, `done` stays
 
     def submit(self, row: Generation) -> None:
         """Queue `row`, written on a generation's behalf, without waiting for it."""
@@ -443,10 +441,9 @@ class RowWriter:
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued (to the outbox, if the database is down), then end the thread."""
         self._closing = True
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            self._wake.set()
-            thread.join(timeout)
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _enqueue(self, row: _Row, waiter: asyncio.Future[None] | None) -> None:
         counted = metrics.log_row_queued()
@@ -543,28 +540,21 @@ class RowWriter:
     def _insert(self, rows: Sequence[_Row]) -> set[int]:
         """Write `rows` in one transaction or, if the database refuses one, one by one: returns the
         indices of those refused. Raises an `unavailable` error (rows in twice are kept once)."""
-        error = self._attempt(rows)
-        if error is None:
-            return set()
-        logger.warning("a batch of %d log rows failed; writing them one by one", len(rows), exc_info=error)
-        lost: set[int] = set()
-        for index, (row, owner) in enumerate(rows):
-            row.pk = None  # as the batch's rollback left it: not in the database
-            if (error := self._attempt([(row, owner)])) is not None:
-                logger.error("could not write the log row %s", row.public_id, exc_info=error)
-                lost.add(index)
-        return lost
-
-    def _attempt(self, rows: Sequence[_Row]) -> Exception | None:
         try:
             with transaction.atomic():
                 _upsert(rows)
         except Exception as exc:
             if unavailable(exc):
                 raise
-            return exc
+            if len(rows) == 1:
+                logger.error("could not write the log row %s", rows[0][0].public_id, exc_info=exc)
+                return {0}
+            logger.warning("a batch of %d log rows failed; writing them one by one", len(rows), exc_info=exc)
+            for row, _ in rows:
+                row.pk = None  # as the batch's rollback left it: not in the database
+            return {index for index, row in enumerate(rows) if self._insert([row])}
         self.written += len(rows)
-        return None
+        return set()
 
 
 def _upsert(rows: Sequence[_Row]) -> None:
