@@ -465,10 +465,12 @@ class RowWriter:
                 self._replay()
                 self._connected = True
             if batch:
-                self._write(batch)
-                self._connected = True
-                with self._lock:
-                    del self._pending[: len(batch)]
+                try:
+                    self._write(batch)
+                    self._connected = True
+                finally:  # even if it raised: a batch is tried once
+                    with self._lock:
+                        del self._pending[: len(batch)]
             elif self._closing:
                 close_old_connections()
                 return
@@ -526,9 +528,8 @@ class RowWriter:
         """Retry the outbox later, twice as late as last time. One WARNING per outage."""
         detail = f"{type(exc).__name__}: {exc}".strip()[:300]
         if not self.failing:
-            logger.warning(
-                "the database takes no log rows (%s): they wait in %s", detail, self.outbox.directory()
-            )
+            where = self.outbox.directory()
+            logger.warning("the database takes no log rows (%s): they wait in the outbox %s", detail, where)
         self._retry_s = min(self._retry_s * 2, RETRY_MAX_S) if self.failing else RETRY_MIN_S
         self._retry_at = time.monotonic() + self._retry_s
         self.failing = detail
