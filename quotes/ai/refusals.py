@@ -1,9 +1,8 @@
 """Refused requests (429), counted instead of logged one row each.
 
-A client over its limit can send hundreds of requests a second (a WebSocket sent 181 `start`
-frames in 0.9 s). A full log row for each (the whole request, about 31 KB) grew the table
-without bound and, on SQLite, held the write lock against the rows of live streams. So the
-refusals of one client, persona and reason in one rate-limit window share one small row (no
+A client over its limit can send hundreds of requests a second: a full log row for each would
+grow the table without bound and, on SQLite, hold the write lock against the rows of live streams.
+So the refusals of one client, persona and reason in one rate-limit window share one small row (no
 request body, topic or text) whose `request_count` says how many there were:
 
 - the first refusal in the window writes the row, before the 429 goes out;
