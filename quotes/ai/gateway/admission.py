@@ -1,8 +1,6 @@
-"""Who may open a stream, decided once, before any work is done for it: the drain (503
-server_draining), the process's open-stream limit (capacity.py; 503 over_capacity, before any
-header, so the streams already held keep their pace), then the client's rate limits and
-concurrent-stream cap, shared across processes (429). An admitted connection holds a `Ticket`
-until it ends. docs/architecture.md walks the path; docs/deployment.md the drain.
+"""Who may open a stream, decided once before any work is done for it: the drain, the process's
+open-stream limit (capacity.py: 503 before any header, so the streams held keep their pace), then
+the client's rate limits and stream cap, shared across processes (429). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ DECIDED = "quotes.admission"
 @dataclass(slots=True, eq=False)
 class Entry:
     """A stream request let in by `enter`, counted in `open_streams.entering` until `admit` opens
-    its stream or its request ends (`close`): in a burst, those beyond the limit are refused at the
-    gate in milliseconds, not after waiting behind the admitted streams' set-up."""
+    its stream or it ends (`close`): in a burst, the gate itself refuses those beyond the limit."""
 
     waiting: bool = True
 
@@ -62,22 +59,14 @@ def enter(options: GatewaySettings, *, while_draining: bool = False) -> Entry | 
         return server_draining()
     limit = capacity.limit_now(options)
     if not open_streams.try_enter(limit):
-        return Error(
-            ErrorCode.OVER_CAPACITY,
-            "The site is busy writing other quotes right now. Please try again in a few seconds.",
-            503,
-            retry_after=open_streams.retry_after_s(limit),
-        )
+        message = "The site is busy writing other quotes right now. Please try again in a few seconds."
+        return Error(ErrorCode.OVER_CAPACITY, message, 503, retry_after=open_streams.retry_after_s(limit))
     return Entry()
 
 
 def server_draining() -> Error:
-    return Error(
-        ErrorCode.SERVER_DRAINING,
-        "This server is restarting. Please try again in a moment.",
-        503,
-        retry_after=DRAINING_RETRY_AFTER_S,
-    )
+    message = "This server is restarting. Please try again in a moment."
+    return Error(ErrorCode.SERVER_DRAINING, message, 503, retry_after=DRAINING_RETRY_AFTER_S)
 
 
 # With REDIS_URL a client's slots are leases in one sorted set per client (members lease ids,
@@ -257,10 +246,9 @@ async def _take_slot(
     client_key: str, lease: str, options: GatewaySettings, *, network_key: str, new: bool
 ) -> Error | str:
     """Count the request (when `new`: against the client's limit, then its network's) and take a
-    client slot unless `lease` is "": the Error that refuses it, or the lease as held (LOCAL + it
-    in this process's memory). On Redis, one atomic script (a request cancelled while it runs
-    leaves at most a lease that nobody renews: it expires). While Redis is down, or without it,
-    in this process's memory, with no await between the slot's check and its take."""
+    client slot unless `lease` is "": the Error that refuses it, or the lease as held. On Redis,
+    one atomic script (cancelled meanwhile, it leaves at most a lease nobody renews); else in this
+    process's memory (LOCAL + the lease), with no await between the slot's check and its take."""
     now = time.time()
     rate_key, limit, ttl, retry_after = _window("rate", client_key, options.rate_limit, now)
     net_key, net_limit, net_ttl, net_retry_after = _window(
@@ -324,9 +312,8 @@ CUT_GRACE_S = 5.0
 
 
 class Drain:
-    """This process's drain (begun on SIGTERM by quotes.server): new streams are refused at once,
-    the open ones run on until they end or the deadline, where the runs cut theirs
-    (quotes.ai.gateway.runs.end_for_drain)."""
+    """This process's drain (on SIGTERM, quotes.server): new streams are refused, the open ones run
+    on until they end or the deadline, where the runs cut theirs (runs.end_for_drain)."""
 
     def __init__(self) -> None:
         self.draining = False

@@ -1,11 +1,8 @@
 """How many streams this process takes at once: a limit that follows its own event loop's lag.
 
-Every token of every open stream passes through the one event loop; when it has more to do than
-it can, the tokens of all the streams arrive late together, and how many a loop holds depends on
-the host. So one timer (`LagProbe`) measures how late the loop runs, and `GradientLimit` (in the
-manner of Netflix's Gradient2 and Envoy's adaptive concurrency) grows the limit while the lag is
-under QUOTES_LOOP_LAG_TARGET_MS and shrinks it while over, within QUOTES_MIN_OPEN_STREAMS and the
-optional ceiling QUOTES_MAX_OPEN_STREAMS. docs/deployment.md explains the settings.
+Every token of every stream passes through the one loop, so an overloaded loop slows them all
+together, and how many it holds depends on the host: one timer (`LagProbe`) measures how late the
+loop runs, and `GradientLimit` (after Netflix's Gradient2) follows it. See docs/deployment.md.
 """
 
 from __future__ import annotations
