@@ -299,14 +299,10 @@ async def _take_slot(
 
 
 async def _count(key: str, ttl: int) -> int:
-    """Without REDIS_URL the counts are the cache's, shared with the WebSocket's count of refused
-    starts; while Redis is down (or the cache is a Redis that is down), this process's own."""
+    """Without REDIS_URL, the cache's count; while Redis is down, this process's own."""
     return limits.count_here(key, ttl) if redis_clients.enabled() else await limits.count(key, ttl)
 
 
-#: How long the client of a cut stream waits before it resumes (EventSource's `retry`), in ms: a
-#: random pick, so the streams of a whole process do not all land on the next one at once.
-RECONNECT_RETRY_MS = (250, 1500)
 #: After the cut, how long the cut streams get to send their last event and write their rows.
 CUT_GRACE_S = 5.0
 
@@ -336,7 +332,9 @@ class Drain:
 
 
 def reconnect_retry_ms() -> int:
-    return random.randint(*RECONNECT_RETRY_MS)
+    """How long the client of a cut stream waits before it resumes (EventSource's `retry`): random,
+    so the streams of a whole process do not all land on the next one at once."""
+    return random.randint(250, 1500)
 
 
 drain = Drain()

@@ -154,20 +154,19 @@ class LagProbe:
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._due = 0.0
 
     def ensure_running(self) -> None:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._loop = loop
-            self._due = loop.time() + PROBE_INTERVAL_S
-            loop.call_at(self._due, self._fire, loop)
+            due = loop.time() + PROBE_INTERVAL_S
+            loop.call_at(due, self._fire, loop, due)
 
-    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _fire(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
         if loop is not self._loop:
             return
         now = loop.time()
-        lag_s = max(0.0, now - self._due)
+        lag_s = max(0.0, now - due)
         options: GatewaySettings = settings.QUOTES_GATEWAY
         if options.loop_lag_target_ms > 0:
             gradient.sample(
@@ -180,8 +179,8 @@ class LagProbe:
         else:
             gradient.observe(lag_s)  # shown in /metrics all the same
         open_streams.peak = open_streams.count
-        self._due = now + PROBE_INTERVAL_S
-        loop.call_at(self._due, self._fire, loop)
+        due = now + PROBE_INTERVAL_S
+        loop.call_at(due, self._fire, loop, due)
 
 
 open_streams = OpenStreams()

@@ -61,7 +61,6 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
     first_token_deadline = loop.time() + options.ttft_timeout_s
     give_up_at = min(deadline, first_token_deadline)  # before the first token
     attempts_left = len(plan.models) * options.max_attempts
-    idle_s = options.idle_timeout_s
     error: Error = internal()
     meta = Meta()
     watchdog = Watchdog()
@@ -91,7 +90,7 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                 stream = guard_copies(plan.backend.stream(request), request.examples)
                 async with aclosing(stream) as events:
                     while True:
-                        due = loop.time() + idle_s if started else first_token_by
+                        due = loop.time() + options.idle_timeout_s if started else first_token_by
                         watchdog.expect(due if due < deadline else deadline)
                         try:
                             event = await anext(events)
