@@ -181,10 +181,8 @@ class Ticket:
         leases.discard(self.client_key, lease)
         if lease.startswith(LOCAL) or not redis_clients.usable():
             return
-        # Shielded: given back even if this task is cancelled meanwhile.
-        task = asyncio.ensure_future(redis_clients.client().zrem(lease_key(self.client_key), lease))
-        try:
-            await asyncio.shield(task)
+        try:  # shielded: given back even if this task is cancelled meanwhile
+            await asyncio.shield(redis_clients.client().zrem(lease_key(self.client_key), lease))
         except (RedisError, OSError) as exc:
             redis_clients.failed(exc)  # the breaker's one WARNING per outage, no traceback per stream
             logger.debug("could not give a stream slot back (it expires by itself): %r", exc)
