@@ -1,34 +1,18 @@
-"""Who may open a stream, checked before any work is done for it:
-
-1. the process's open-stream limit (quotes.ai.gateway.capacity): a count in this process's
-   memory, whoever asks, against a limit that follows the event loop's lag (within the static
-   ceiling QUOTES_MAX_OPEN_STREAMS, when set). Past it the answer is an immediate 503 with
-   Retry-After (when the open streams are likely to have made room), before any header of a
-   stream is sent, so the streams the process already holds keep their pace instead of every
-   stream slowing down together;
-2. the client's rate limit and concurrent-stream cap (quotes.ai.limits, in the shared cache, so
-   they hold across processes): 429 with Retry-After.
-
-An admitted stream holds a `Ticket` until it ends; `release()` gives back what it holds.
-
-And whether this process still takes streams at all: once it drains (`drain`, begun on SIGTERM by
-quotes.server) every new stream is refused at once (503 server_draining, with Retry-After, so
-nginx or the client goes to another process) and /healthz answers 503 "draining"; the open ones
-run on until they end or the drain's deadline (QUOTES_DRAIN_TIMEOUT_S), where each is cut: its
-transport tells the client to resume elsewhere (quotes.transports) and its log row says
-server_draining.
+"""Who may open a stream, decided once before any work is done for it: the drain, the process's
+open-stream limit (capacity.py: 503 before any header, so the streams held keep their pace), then
+the client's rate limits and stream cap, shared across processes (429). See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -42,23 +26,23 @@ from .tasks import detached_task
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a client refused by a draining process is told to wait: the other processes take it
-#: now (nginx retries there at once); a client of this one process alone finds it restarted.
+#: Retry-After of a draining process's refusal: the other processes take it now (nginx retries
+#: there at once); a client of this one process alone finds it restarted.
 DRAINING_RETRY_AFTER_S = 1
+#: Retry-After for a client at its concurrent-stream cap.
+TOO_MANY_STREAMS_RETRY_AFTER_S = 5
+#: Where StreamAdmissionGate puts its decision (`enter`) in the scope it passes on to Django.
+DECIDED = "quotes.admission"
 
 
 @dataclass(slots=True, eq=False)
 class Entry:
-    """A stream request let in (`enter`), counted in `open_streams.entering` until `admit` opens
-    its stream, deciding nothing again, or its request ends (`close`). At a burst, dozens pass the
-    gate under the limit in the same moment and would each wait behind the admitted streams'
-    set-up before the view refused them (a refusal p99 of 200-350 ms): counted, the gate refuses
-    those beyond the limit itself, in a few milliseconds."""
+    """A stream request let in by `enter`, counted in `open_streams.entering` until `admit` opens
+    its stream or it ends (`close`): in a burst, the gate itself refuses those beyond the limit."""
 
     waiting: bool = True
 
     def open(self) -> int:
-        """Its stream's slot of the open streams (capacity.OpenStreams.open)."""
         self.waiting = False
         return open_streams.open()
 
@@ -68,56 +52,35 @@ class Entry:
             open_streams.entering -= 1
 
 
-#: Where StreamAdmissionGate puts its decision (`enter`) in the scope it passes on to Django.
-DECIDED = "quotes.admission"
-
-
 def enter(options: GatewaySettings, *, while_draining: bool = False) -> Entry | Error:
-    """Whether this process takes one more stream, decided once per request where it comes in
-    (StreamAdmissionGate, the WebSocket consumer), before anything else is done for it: an Entry,
-    or the Error that refuses it (503 draining, or at its limit). `while_draining`: a resume of a
-    run this process holds, which the drain spares."""
+    """Whether this process takes one more stream: an Entry, or the 503 Error that refuses it.
+    `while_draining`: a resume of a run this process holds, which the drain spares."""
     if drain.draining and not while_draining:
         return server_draining()
     limit = capacity.limit_now(options)
     if not open_streams.try_enter(limit):
-        return over_capacity(open_streams.retry_after_s(limit))
+        message = "The site is busy writing other quotes right now. Please try again in a few seconds."
+        return Error(ErrorCode.OVER_CAPACITY, message, 503, retry_after=open_streams.retry_after_s(limit))
     return Entry()
 
 
 def server_draining() -> Error:
-    return Error(
-        ErrorCode.SERVER_DRAINING,
-        "This server is restarting. Please try again in a moment.",
-        503,
-        retry_after=DRAINING_RETRY_AFTER_S,
-    )
+    message = "This server is restarting. Please try again in a moment."
+    return Error(ErrorCode.SERVER_DRAINING, message, 503, retry_after=DRAINING_RETRY_AFTER_S)
 
 
-def over_capacity(retry_after: int = capacity.DEFAULT_RETRY_AFTER_S) -> Error:
-    return Error(
-        ErrorCode.OVER_CAPACITY,
-        "The site is busy writing other quotes right now. Please try again in a few seconds.",
-        503,
-        retry_after=retry_after,
-    )
-
-
-# -- the one admission -------------------------------------------------------------------------
-#
-# Every connection that reads a generation (a new stream, a resume, a WebSocket start or resume)
-# is admitted here, once, before any work is done for it, and holds a Ticket until it ends: a
-# slot of the process's open-stream count and a lease on one of the client's concurrent-stream
-# slots. With REDIS_URL the client's slots are leases in one sorted set per client (members are
-# lease ids, scores their expiry), taken in one atomic script with the rate count: a lease
-# whose process dies expires LEASE_TTL_S later at most, for this process renews the leases it
-# holds every LEASE_RENEW_S, and a refusal extends nothing. Without Redis they live in this
-# process's memory, which dies with it.
+# With REDIS_URL a client's slots are leases in one sorted set per client (members lease ids,
+# scores their expiry), taken in one atomic script with the rate counts. This process renews the
+# leases it holds every LEASE_RENEW_S, so a lease whose process dies lapses within LEASE_TTL_S;
+# a refusal extends nothing. Without Redis (or while it is down) they live in this process.
 
 #: How long a client's slot outlives the process that holds it (kill -9).
 LEASE_TTL_S = 10.0
 LEASE_RENEW_S = 3.0
+#: The prefix of a slot held in this process's memory, not in Redis.
+LOCAL = "here:"
 
+# Returns 0 (admitted), 1 (the client's rate limit), 2 (its stream cap), 3 (its network's rate limit).
 _ADMIT = """
 if ARGV[7] == '1' then
   local n = redis.call('INCR', KEYS[1])
@@ -138,33 +101,26 @@ return 0
 """
 
 
-#: The prefix of a slot taken in this process's memory (no Redis, or Redis down), not in Redis.
-LOCAL = "here:"
-
-
 def lease_key(client_key: str) -> str:
     return f"quotes:slots:{client_key}"
 
 
 class Leases:
-    """The client slots this process holds (lease ids by key), and the task that renews them
-    in Redis while there are any. Without Redis, the slots themselves (no expiry needed: they
-    die with the process)."""
+    """The client slots this process holds (lease ids by client key), and the task that renews
+    those in Redis while there are any."""
 
     def __init__(self) -> None:
         self.held: dict[str, set[str]] = {}
-        self._serial = 0
+        self.ids = itertools.count(1)
         self._keeper: asyncio.Task[None] | None = None
-
-    def new_id(self) -> str:
-        self._serial += 1
-        return f"{redis_clients.PROCESS}:{self._serial}"
-
-    def count(self, client_key: str) -> int:
-        return len(self.held.get(client_key, ()))
 
     def add(self, client_key: str, lease: str) -> None:
         self.held.setdefault(client_key, set()).add(lease)
+        keeper = self._keeper
+        if lease.startswith(LOCAL):
+            return  # dies with the process: nothing to renew
+        if keeper is None or keeper.done() or keeper.get_loop() is not asyncio.get_running_loop():
+            self._keeper = detached_task(self._renew())
 
     def discard(self, client_key: str, lease: str) -> None:
         mine = self.held.get(client_key)
@@ -187,11 +143,6 @@ class Leases:
         self.held.clear()
         limits.counts_here.clear()
 
-    def keep_renewed(self) -> None:
-        keeper = self._keeper
-        if keeper is None or keeper.done() or keeper.get_loop() is not asyncio.get_running_loop():
-            self._keeper = detached_task(self._renew())
-
     async def _renew(self) -> None:
         while self.held:
             await asyncio.sleep(LEASE_RENEW_S)
@@ -199,16 +150,13 @@ class Leases:
                 continue  # a lease that lapses meanwhile costs its client a slot's count, briefly
             expiry = time.time() * 1000 + LEASE_TTL_S * 1000
             pipe = redis_clients.client().pipeline(transaction=False)
-            for client_key, leases in list(self.held.items()):
-                shared = [lease for lease in leases if not lease.startswith(LOCAL)]
+            for client_key, held in list(self.held.items()):
+                shared = [lease for lease in held if not lease.startswith(LOCAL)]
                 if shared:
-                    key = lease_key(client_key)
-                    pipe.zadd(key, dict.fromkeys(shared, expiry), xx=True)
-                    pipe.pexpire(key, int(LEASE_TTL_S * 1000))
+                    pipe.zadd(lease_key(client_key), dict.fromkeys(shared, expiry), xx=True)
+                    pipe.pexpire(lease_key(client_key), int(LEASE_TTL_S * 1000))
             try:
                 await pipe.execute()
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
                 redis_clients.failed(exc)
 
@@ -221,19 +169,25 @@ class Ticket:
     client_key: str
     #: the lease id of the client's slot this connection holds ("" once given back)
     lease: str
-    #: the slot of this process's open streams it holds (capacity.OpenStreams.open; 0 once
-    #: given back)
+    #: its slot of this process's open streams (capacity.OpenStreams.open; 0 once given back)
     process_slot: int
 
     async def release_client_slot(self) -> None:
-        """Give the client's slot back (before the client hears "done" and asks again). A
-        lease in Redis that cannot be given back now (Redis down) expires by itself."""
+        """Give the client's slot back (before the client hears "done" and asks again). A lease in
+        Redis that cannot be given back now (Redis down) expires by itself."""
         lease, self.lease = self.lease, ""
         if not lease:
             return
         leases.discard(self.client_key, lease)
-        if not lease.startswith(LOCAL) and redis_clients.usable():
-            await _shielded(redis_clients.client().zrem(lease_key(self.client_key), lease))
+        if lease.startswith(LOCAL) or not redis_clients.usable():
+            return
+        try:  # shielded: given back even if this task is cancelled meanwhile
+            await asyncio.shield(redis_clients.client().zrem(lease_key(self.client_key), lease))
+        except (RedisError, OSError) as exc:
+            redis_clients.failed(exc)  # the breaker's one WARNING per outage, no traceback per stream
+            logger.debug("could not give a stream slot back (it expires by itself): %r", exc)
+        except Exception:
+            logger.warning("could not give a stream slot back (it expires by itself)", exc_info=True)
 
     async def release(self) -> None:
         slot, self.process_slot = self.process_slot, 0
@@ -251,173 +205,109 @@ async def admit(
     new: bool = True,
 ) -> Ticket | Error:
     """Admit one connection for `client_key`: a Ticket, or the Error (503 draining or over
-    capacity, 429 rate limited or too many streams) that refuses it. `admitted`: the process's
-    decision on it (`enter`), when made before; else it is made here. `new`: it starts a
-    generation, and counts against the client's rate limit (a resume does not).
-    `network_key`: the client's network, counted against the coarser network limit too."""
+    capacity, 429 rate limited or too many streams) that refuses it. `admitted`: `enter`'s
+    answer, when decided before. `new`: it starts a generation, and counts against the rate
+    limits (a resume does not). `network_key`: the client's network, with a coarser limit."""
     decided = enter(options) if admitted is None else admitted
     if isinstance(decided, Error):
         return decided
     slot = decided.open()
-    limit, window = options.rate_limit
-    lease = leases.new_id()
+    lease = f"{redis_clients.PROCESS}:{next(leases.ids)}"
     try:
-        refused, shared = await _take_slot(
-            client_key, lease, network_key=network_key, limit=limit, window=window, options=options, new=new
-        )
+        taken = await _take_slot(client_key, lease, options, network_key=network_key, new=new)
     except BaseException:
         open_streams.close(slot)
         raise
-    if refused is None:
-        if not shared:
-            lease = LOCAL + lease
-        leases.add(client_key, lease)
-        if shared:
-            leases.keep_renewed()
-        return Ticket(client_key, lease, slot)
-    open_streams.close(slot)
-    reason, retry_after, network = refused
-    return _refused(reason, retry_after, network, limit)
+    if isinstance(taken, Error):
+        open_streams.close(slot)
+        return taken
+    return Ticket(client_key, taken, slot)
 
 
 async def count(client_key: str, options: GatewaySettings, *, network_key: str = "") -> Error | None:
     """Count a request refused before admission (invalid, its socket busy) as `admit` counts a
     new stream, taking no slot: the 429 Error once over the client's or the network's limit."""
-    limit, window = options.rate_limit
-    refused, _ = await _take_slot(
-        client_key, "", network_key=network_key, limit=limit, window=window, options=options, new=True
-    )
-    return None if refused is None else _refused(*refused, limit)
+    refused = await _take_slot(client_key, "", options, network_key=network_key, new=True)
+    return refused if isinstance(refused, Error) else None
 
 
-def _refused(reason: ErrorCode, retry_after: int, network: bool, limit: int) -> Error:
-    if reason == ErrorCode.RATE_LIMITED and network:
-        message = f"Your network has asked for many quotes in a short while. Try again in {retry_after} s."
-    elif reason == ErrorCode.RATE_LIMITED:
-        message = f"You have asked for {limit} quotes in a short while. Try again in {retry_after} s."
-    else:
-        message = "You already have quotes being written. Wait for one to finish."
-    return Error(reason, message, 429, retry_after=retry_after)
-
-
-#: Seconds a client at its concurrent-stream cap is told to wait.
-TOO_MANY_STREAMS_RETRY_AFTER_S = 5
+def _window(bucket: str, key: str, limit: tuple[int, int], now: float) -> tuple[str, int, int, int]:
+    """`key`'s rate limit (count, seconds) now: its window's counter, the count allowed, the
+    counter's TTL, and the whole seconds until the next window."""
+    allowed, window = limit
+    index = int(now // window)
+    retry_after = max(1, math.ceil((index + 1) * window - now))
+    return limits.rate_key(bucket, key, window, index), allowed, window + 1, retry_after
 
 
 async def _take_slot(
-    client_key: str,
-    lease: str,
-    *,
-    network_key: str,
-    limit: int,
-    window: int,
-    options: GatewaySettings,
-    new: bool,
-) -> tuple[tuple[ErrorCode, int, bool] | None, bool]:
-    """Count the request (when `new`: against the client's limit, then its network's) and take
-    a slot unless `lease` is "": (None, or why not, when to try again, and whether the network's
-    limit refused it; whether the slot is a lease in Redis). On Redis, one atomic script (a request cancelled
-    while it runs leaves at most a lease that nobody renews: it expires). While Redis is down,
-    or without it, in this process's memory, with no await: atomic by itself."""
+    client_key: str, lease: str, options: GatewaySettings, *, network_key: str, new: bool
+) -> Error | str:
+    """Count the request (when `new`: against the client's limit, then its network's) and take a
+    client slot unless `lease` is "": the Error that refuses it, or the lease as held. On Redis,
+    one atomic script (cancelled meanwhile, it leaves at most a lease nobody renews); else in this
+    process's memory (LOCAL + the lease), with no await between the slot's check and its take."""
     now = time.time()
-    index = int(now // window)
-    rate_key = limits.rate_key("rate", client_key, window, index)
-    retry_after = max(1, math.ceil((index + 1) * window - now))
-    net_limit, net_window = options.network_rate_limit
-    net_index = int(now // net_window)
-    net_key = limits.rate_key("netrate", network_key, net_window, net_index) if network_key else ""
-    net_retry_after = max(1, math.ceil((net_index + 1) * net_window - now))
+    rate_key, limit, ttl, retry_after = _window("rate", client_key, options.rate_limit, now)
+    net_key, net_limit, net_ttl, net_retry_after = _window(
+        "netrate", network_key, options.network_rate_limit, now
+    )
+    answer: int | None = None
     if redis_clients.usable():
         try:
-            answer = await _take_shared(
-                client_key, lease, rate_key, net_key, limit=limit, window=window, options=options, new=new
+            answer = await redis_clients.client().eval(
+                _ADMIT,
+                3,
+                limits.cache_key(rate_key),
+                lease_key(client_key),
+                limits.cache_key(net_key) if network_key else "",
+                limit,
+                ttl,
+                options.max_concurrent_streams,
+                int(now * 1000),
+                int(LEASE_TTL_S * 1000),
+                lease,
+                "1" if new else "0",
+                net_limit,
+                net_ttl,
             )
         except (RedisError, OSError) as exc:
             redis_clients.failed(exc)  # served on this process's own counts meanwhile
         else:
             redis_clients.breaker.succeeded()
-            if answer == 1:
-                return (ErrorCode.RATE_LIMITED, retry_after, False), True
-            if answer == 2:
-                return (ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False), True
-            if answer == 3:
-                return (ErrorCode.RATE_LIMITED, net_retry_after, True), True
-            return None, True
-    if new and await _count(rate_key, window + 1) > limit:
-        return (ErrorCode.RATE_LIMITED, retry_after, False), False
-    if new and net_key and await _count(net_key, net_window + 1) > net_limit:
-        return (ErrorCode.RATE_LIMITED, net_retry_after, True), False
-    if lease and leases.count(client_key) >= options.max_concurrent_streams:
-        return (ErrorCode.TOO_MANY_STREAMS, TOO_MANY_STREAMS_RETRY_AFTER_S, False), False
-    return None, False
+    if answer is None:
+        lease = lease and LOCAL + lease
+        if new and await _count(rate_key, ttl) > limit:
+            answer = 1
+        elif new and network_key and await _count(net_key, net_ttl) > net_limit:
+            answer = 3
+        elif lease and len(leases.held.get(client_key, ())) >= options.max_concurrent_streams:
+            answer = 2
+    if answer in (1, 3):
+        who = f"You have asked for {limit}" if answer == 1 else "Your network has asked for many"
+        wait = retry_after if answer == 1 else net_retry_after
+        message = f"{who} quotes in a short while. Try again in {wait} s."
+        return Error(ErrorCode.RATE_LIMITED, message, 429, retry_after=wait)
+    if answer == 2:
+        message = "You already have quotes being written. Wait for one to finish."
+        return Error(ErrorCode.TOO_MANY_STREAMS, message, 429, retry_after=TOO_MANY_STREAMS_RETRY_AFTER_S)
+    if lease:
+        leases.add(client_key, lease)
+    return lease
 
 
 async def _count(key: str, ttl: int) -> int:
-    """Without REDIS_URL the counts are the cache's, shared with the WebSocket's count of refused
-    starts; while Redis is down (or the cache is a Redis that is down), this process's own."""
+    """Without REDIS_URL, the cache's count; while Redis is down, this process's own."""
     return limits.count_here(key, ttl) if redis_clients.enabled() else await limits.count(key, ttl)
 
 
-async def _take_shared(
-    client_key: str,
-    lease: str,
-    rate_key: str,
-    net_key: str,
-    *,
-    limit: int,
-    window: int,
-    options: GatewaySettings,
-    new: bool,
-) -> int:
-    net_limit, net_window = options.network_rate_limit
-    answer: int = await redis_clients.client().eval(
-        _ADMIT,
-        3,
-        limits.cache_key(rate_key),
-        lease_key(client_key),
-        limits.cache_key(net_key) if net_key else "",
-        limit,
-        window + 1,
-        options.max_concurrent_streams,
-        int(time.time() * 1000),
-        int(LEASE_TTL_S * 1000),
-        lease,
-        "1" if new else "0",
-        net_limit,
-        net_window + 1,
-    )
-    return answer
-
-
-async def _shielded(awaitable: Any) -> None:
-    """Finish `awaitable` even if this task is cancelled meanwhile."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        raise  # the task goes on by itself
-    except (RedisError, OSError) as exc:
-        # An outage: the breaker says so once (not once per stream, and with no traceback), and
-        # the lease expires by itself within LEASE_TTL_S.
-        redis_clients.failed(exc)
-        logger.debug("could not give a stream slot back (it expires by itself): %r", exc)
-    except Exception:
-        logger.warning("could not give a stream slot back (it expires by itself)", exc_info=True)
-
-
-# -- draining -------------------------------------------------------------------------------------
-
-#: How long the client of a cut stream waits before it resumes (EventSource's `retry`), in ms: a
-#: random pick in this range, so the streams of a whole process do not all land on the next one
-#: in the same instant.
-RECONNECT_RETRY_MS = (250, 1500)
 #: After the cut, how long the cut streams get to send their last event and write their rows.
 CUT_GRACE_S = 5.0
 
 
 class Drain:
-    """This process's drain (one per process: `drain`). It knows no connection: at its deadline
-    the runs end theirs (quotes.ai.gateway.runs.end_for_drain)."""
+    """This process's drain (on SIGTERM, quotes.server): new streams are refused, the open ones run
+    on until they end or the deadline, where the runs cut theirs (runs.end_for_drain)."""
 
     def __init__(self) -> None:
         self.draining = False
@@ -440,7 +330,9 @@ class Drain:
 
 
 def reconnect_retry_ms() -> int:
-    return random.randint(*RECONNECT_RETRY_MS)
+    """How long the client of a cut stream waits before it resumes (EventSource's `retry`): random,
+    so the streams of a whole process do not all land on the next one at once."""
+    return random.randint(250, 1500)
 
 
 drain = Drain()

@@ -1,34 +1,8 @@
 """How many streams this process takes at once: a limit that follows its own event loop's lag.
 
-Every token of every open stream passes through the process's one asyncio loop. When the loop
-has more to do than it can, each ready callback waits its turn, and the tokens of *all* the open
-streams arrive late together. How many streams a loop holds depends on the host (the core, the
-other tenants' CPU, the model's token rate), so a static cap right for one host is wrong for the
-next. Instead the process measures how late its loop runs and admits by that:
-
-- **The signal** (`LagProbe`): one timer on the running loop every `PROBE_INTERVAL_S`, which
-  notes how late it fired: how long a ready callback (a token's) waited for the loop. One timer
-  per process, nothing per token or per stream. The limit follows a high percentile of the
-  last two seconds of samples (the second-highest of `LAG_WINDOW`, about the 90th): what the
-  slowest tokens wait, not the typical one, is what the admitted streams feel. One stall (a
-  garbage collection, a first request's imports) moves nothing; a loop late one time in ten
-  does, within two late samples.
-- **The limit** (`GradientLimit`), hand-written in the manner of Netflix's concurrency-limits
-  (Gradient2) and Envoy's adaptive concurrency filter. The gradient is the target lag over the
-  measured lag (Envoy compares a sampled latency with a minimum plus a buffer; a loop's lag at
-  no load is about 0, so one target, QUOTES_LOOP_LAG_TARGET_MS, stands for both). At or under
-  the target, and while the limit is what holds streams back, the limit grows by its square
-  root per sample (Gradient2's queue allowance): quick from a small limit, careful near a large
-  one, and slower as the lag nears the target. Over the target, at each sample that is late
-  itself, it shrinks to what the process holds times the gradient, smoothed (at most a quarter
-  per sample); between late samples it holds. It never goes below
-  QUOTES_MIN_OPEN_STREAMS, nor above QUOTES_MAX_OPEN_STREAMS when that static ceiling is set.
-- **When to come back** (`OpenStreams.retry_after_s`): a refusal's Retry-After is when enough of
-  the open streams, oldest first, are expected to have ended (by the smoothed duration of the
-  streams that ended before) for the count to fall under the limit.
-
-quotes.ai.gateway.admission admits by `limit_now()`; /metrics shows the limit, the lag it follows
-and the open streams (quotes.metrics reads them when scraped).
+Every token of every stream passes through the one loop, so an overloaded loop slows them all
+together, and how many it holds depends on the host: one timer (`LagProbe`) measures how late the
+loop runs, and `GradientLimit` (after Netflix's Gradient2) follows it. See docs/deployment.md.
 """
 
 from __future__ import annotations
@@ -45,16 +19,14 @@ from django.conf import settings
 
 from ...conf import GatewaySettings
 
-#: Seconds between two lag samples: each is one timer on the loop.
 PROBE_INTERVAL_S = 0.1
 #: The limit a process starts with, before its loop has said anything.
 INITIAL_LIMIT = 50
 #: The lag the limit follows is the second-highest of this many samples (two seconds): about
-#: their 90th percentile, with one stall (a garbage collection, a first request's imports) left
-#: out.
+#: their 90th percentile, with one stall (a garbage collection, a first import) left out.
 LAG_WINDOW = 20
-#: Share of a shrink's gradient one sample applies (Gradient2's smoothing): a lag twice the
-#: target (or more) takes a quarter off per sample.
+#: Share of a shrink's gradient one sample applies: a lag twice the target (or more) takes a
+#: quarter off per sample.
 SHRINK_SMOOTHING = 0.5
 #: Weight of an ended stream's duration in the expected duration (Retry-After).
 DURATION_SMOOTHING = 0.1
@@ -65,16 +37,15 @@ MAX_RETRY_AFTER_S = 60
 
 
 class OpenStreams:
-    """The streams open in this process (HTTP and WebSocket connections alike: what admission
-    counts), when each opened, and its live generations (a run goes on for its resume grace with
-    no connection: a drain waits for those too)."""
+    """The streams open in this process (what admission counts), when each opened, and its live
+    generations (a run goes on for its resume grace with no connection: a drain waits for it)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.count = 0
         self.runs = 0
-        #: stream requests let in and neither admitted nor answered yet (quotes.ai.gateway.admission.Entry)
+        #: stream requests let in and neither admitted nor answered yet (admission.Entry)
         self.entering = 0
-        #: set when both fall to 0 (made by a drain, which waits for it)
+        #: set when both fall to 0 (made by a drain)
         self.emptied: asyncio.Event | None = None
         #: the most streams open or asked for since the limit's last sample
         self.peak = 0
@@ -82,7 +53,7 @@ class OpenStreams:
         self.expected_s: float | None = None
         self._clock = clock
         self._serial = 0
-        #: when each open stream opened, oldest first (a dict keeps its insertion order)
+        #: when each open stream opened, oldest first
         self._opened: dict[int, float] = {}
 
     def try_enter(self, limit: float) -> bool:
@@ -94,7 +65,7 @@ class OpenStreams:
         return True
 
     def open(self) -> int:
-        """Open the stream of a request counted in `entering`: its slot's number (give it to `close`)."""
+        """Open the stream of a request counted in `entering`: its slot, for `close`."""
         self.entering -= 1
         self.count += 1
         self._serial += 1
@@ -152,7 +123,9 @@ class GradientLimit:
 
     def sample(self, lag_s: float, *, peak: int, target_s: float, floor: int, ceiling: int = 0) -> float:
         """One lag sample (seconds). `peak`: the most streams open or asked for since the last
-        sample. `ceiling`: the static cap (0: none). Returns the new limit."""
+        sample. `ceiling`: the static cap (0: none). Returns the new limit, which grows by its
+        square root per sample (Gradient2's queue allowance) while the lag is under the target
+        and shrinks towards what is held times target/lag at each late sample."""
         lag = self.observe(lag_s)
         limit = self.limit
         headroom = math.sqrt(limit)
@@ -175,42 +148,39 @@ class GradientLimit:
 
 
 class LagProbe:
-    """A timer on the running loop every PROBE_INTERVAL_S, noting how late it fired and feeding
-    that to the limit. Started by the first admission in a loop; a new loop (a test's) starts
-    its own, and the old loop's timer stops at its next firing."""
+    """A timer on the running loop every PROBE_INTERVAL_S, feeding how late it fired to the limit:
+    one timer per process, nothing per token. A new loop (a test's) starts its own; the old
+    loop's timer stops at its next firing."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._due = 0.0
-        #: the last sample, in seconds
-        self.last_s = 0.0
 
     def ensure_running(self) -> None:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._loop = loop
-            self._due = loop.time() + PROBE_INTERVAL_S
-            loop.call_at(self._due, self._fire, loop)
+            due = loop.time() + PROBE_INTERVAL_S
+            loop.call_at(due, self._fire, loop, due)
 
-    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _fire(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
         if loop is not self._loop:
             return
         now = loop.time()
-        self.last_s = max(0.0, now - self._due)
+        lag_s = max(0.0, now - due)
         options: GatewaySettings = settings.QUOTES_GATEWAY
         if options.loop_lag_target_ms > 0:
             gradient.sample(
-                self.last_s,
+                lag_s,
                 peak=open_streams.peak,
                 target_s=options.loop_lag_target_ms / 1000,
                 floor=options.min_open_streams,
                 ceiling=options.max_open_streams,
             )
         else:
-            gradient.observe(self.last_s)  # shown in /metrics all the same
+            gradient.observe(lag_s)  # shown in /metrics all the same
         open_streams.peak = open_streams.count
-        self._due = now + PROBE_INTERVAL_S
-        loop.call_at(self._due, self._fire, loop)
+        due = now + PROBE_INTERVAL_S
+        loop.call_at(due, self._fire, loop, due)
 
 
 open_streams = OpenStreams()
@@ -219,16 +189,15 @@ probe = LagProbe()
 
 
 def limit_now(options: GatewaySettings) -> float:
-    """The number of streams this process admits now: the adaptive limit (within the static
-    ceiling, if one is set), or the ceiling alone with the adaptive limit off, or no limit
-    (infinity). Starts the lag probe in the running loop if it is not there yet (with the
-    adaptive limit off too: /metrics still shows the lag)."""
+    """The number of streams this process admits now (infinity: no limit). Starts the lag probe in
+    the running loop, with the adaptive limit off too: /metrics still shows the lag."""
     probe.ensure_running()
     return current_limit(options)
 
 
 def current_limit(options: GatewaySettings) -> float:
-    """`limit_now`, read only (for /metrics)."""
+    """`limit_now`, read only (for /metrics): the adaptive limit within the optional ceiling, or
+    the ceiling alone with the adaptive limit off."""
     ceiling = options.max_open_streams or math.inf
     if options.loop_lag_target_ms <= 0:
         return ceiling

@@ -1,14 +1,7 @@
-"""The retry and fallback policy: what one flight does to turn a plan into one stream of events.
-
-Each model in turn (the fallback `step`), each up to `max_attempts` times, until text flows.
-Retries and fallbacks happen only before the first token: once text has flowed, a failure ends
-the stream with an error and never repeats text. Three timeouts bound it: to the first token
-(QUOTES_TTFT_TIMEOUT, the total across every attempt and fallback: a visitor hears within it,
-whatever the retries; each attempt gets an equal share of what is left), between tokens (idle),
-and the whole generation (total). They are kept by one Watchdog for the whole flight, not by a
-timer per token (quotes.ai.watchdog), and they are the only deadlines: a backend keeps none (the
-first-token one covers its connect, the response headers and any error body), and only cleans
-up when the watchdog cancels it.
+"""The retry and fallback policy: each model in turn, each up to `max_attempts` times, before the
+first token only (after it a failure ends the stream: text is never repeated). It is the only
+place deadlines live: to the first token (across every attempt, each getting an equal share of
+what is left), between tokens, and in total, kept by one Watchdog; a backend keeps none.
 """
 
 from __future__ import annotations
@@ -16,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from django.conf import settings
 
@@ -25,7 +18,7 @@ from ...conf import GatewaySettings
 from ...models import Persona
 from ..backends import Backend
 from ..errors import ErrorCode, internal, upstream_timeout
-from ..events import Done, Error, Event, GenerationRequest, Message, Meta, Token
+from ..events import Done, Error, Event, GenerationRequest, Message, Meta
 from ..voice import guard_copies
 from ..watchdog import Watchdog
 
@@ -66,8 +59,8 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + options.total_timeout_s
     first_token_deadline = loop.time() + options.ttft_timeout_s
+    give_up_at = min(deadline, first_token_deadline)  # before the first token
     attempts_left = len(plan.models) * options.max_attempts
-    idle_s = options.idle_timeout_s
     error: Error = internal()
     meta = Meta()
     watchdog = Watchdog()
@@ -79,11 +72,11 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                 if loop.time() >= first_token_deadline:
                     error = timeout_error(started=False, total=False)
                     break
-                request = (
-                    plan.primary
-                    if model == plan.primary.model
-                    else plan.persona.build_request(topic=plan.topic, messages=plan.messages, model=model)
-                )
+                request = plan.primary
+                if model != plan.primary.model:
+                    request = plan.persona.build_request(
+                        topic=plan.topic, messages=plan.messages, model=model
+                    )
                 meta = Meta(model=plan.backend.model_name(model), step=step)
                 metrics.attempt_started(
                     backend=plan.backend.name, model=meta.model, step=step, attempt=attempt
@@ -97,7 +90,7 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                 stream = guard_copies(plan.backend.stream(request), request.examples)
                 async with aclosing(stream) as events:
                     while True:
-                        due = loop.time() + idle_s if started else first_token_by
+                        due = loop.time() + options.idle_timeout_s if started else first_token_by
                         watchdog.expect(due if due < deadline else deadline)
                         try:
                             event = await anext(events)
@@ -108,39 +101,25 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
                                 raise
                             event = timeout_error(started=started, total=loop.time() >= deadline)
                         watchdog.release()
-                        if type(event) is Token:
-                            if not started:
-                                started = True
-                                yield meta  # the model that answers is known once text flows
-                            yield event
-                            continue
                         if type(event) is Meta:
                             # Upstream headers are kept; the step and the answering model are ours.
-                            meta = Meta(
-                                model=meta.model, headers={**meta.headers, **event.headers}, step=step
-                            )
+                            meta = replace(meta, headers={**meta.headers, **event.headers})
                             continue
                         if type(event) is Error:
                             error = event
                             break
                         if not started:
                             started = True
-                            yield meta
+                            yield meta  # the model that answers is known once text flows
                         yield event
                         if type(event) is Done:
                             return
                 if started:
                     yield error  # after text, never retry or fall back: that would repeat text
                     return
-                if loop.time() >= deadline or loop.time() >= first_token_deadline:
-                    break
-                if error.code not in RETRYABLE:
-                    break  # this model will not do better on a second try
-            if (
-                error.code in NOT_FOR_FALLBACK
-                or loop.time() >= deadline
-                or loop.time() >= first_token_deadline
-            ):
+                if loop.time() >= give_up_at or error.code not in RETRYABLE:
+                    break  # out of time, or this model will not do better on a second try
+            if loop.time() >= give_up_at or error.code in NOT_FOR_FALLBACK:
                 break
     finally:
         watchdog.close()

@@ -11,15 +11,13 @@ from asgiref.sync import ThreadSensitiveContext
 
 T = TypeVar("T")
 
-#: The thread of detached tasks' thread-sensitive calls (what asgiref's one process-wide thread
-#: was for them outside any request).
+#: The thread of detached tasks' thread-sensitive calls.
 detached_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detached")
 
 
 def detached_task(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    """A task that may outlive the request that starts it: in a thread-sensitive context of its
-    own (asgiref's documented executor argument), not the request's, which refuses calls once
-    the request is over and must not wait on this task."""
+    """A task in a thread-sensitive context of its own, not the request's, which refuses calls
+    once the request is over and must not wait on this task."""
 
     async def detached() -> T:
         async with ThreadSensitiveContext(executor=detached_thread):
