@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import gc
 import hashlib
-import importlib
 import inspect
 import io
+import pkgutil
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -293,16 +293,9 @@ PINS: dict[str, str] = {
 
 def source_hash(dotted: str) -> str:
     """The SHA-256 of the source of the function named `dotted` (a module's, or a class's)."""
-    parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            target: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for name in parts[split:]:
-            target = getattr(target, name)
-        return hashlib.sha256(inspect.getsource(inspect.unwrap(target)).encode()).hexdigest()
-    raise ImportError(f"no module in {dotted!r}")
+    return hashlib.sha256(
+        inspect.getsource(inspect.unwrap(pkgutil.resolve_name(dotted))).encode()
+    ).hexdigest()
 
 
 def changed_pins() -> dict[str, str]:

@@ -1,13 +1,10 @@
-"""This process's Redis clients for the stream core (only when REDIS_URL is set): one module owns
-them, whoever calls (admission's leases, the shared runs in `shared_runs`).
+"""This process's Redis clients for the stream core (only when REDIS_URL is set): admission's
+leases and the shared runs. Two pools: a small blocking one for short calls, which wait for a
+free connection rather than fail when every run publishes at once; and one for blocking reads
+(XREAD BLOCK holds its connection), so that those never starve the short calls.
 
-Two pools per process: a small blocking one for short calls (publishing, claims, leases), which
-wait for a free connection within the socket timeout rather than fail when every run publishes
-at once; and one for blocking reads (a reader's XREAD BLOCK holds a connection while it waits),
-so that those never starve the short calls. Every call is bounded by REDIS_OPTIONS' timeouts.
-
-The clients are bound to the running event loop: daphne has one for its life; a test run has one
-per test, and `close()` (in the test's loop) or `forget()` (after it) ends each.
+The clients are bound to the running event loop: daphne has one for its life; a test has its
+own, and `close()` (in the test's loop) or `forget()` (after it) ends them.
 """
 
 from __future__ import annotations
@@ -24,15 +21,12 @@ from ..redis_health import RedisUnavailable, breaker
 #: This process, as the keys it holds name it (heartbeats, leases, its stop list).
 PROCESS = uuid.uuid4().hex
 
-#: Short calls share a few connections.
 SHORT_CONNECTIONS = 16
-#: Blocking reads, one connection each while they wait. Bounded: admission bounds the readers
-#: (every reader is an admitted connection), and this bounds what a fault could still open.
+#: Admission bounds the readers; this bounds what a fault could still open.
 BLOCKING_CONNECTIONS = 1_000
 
 
 def enabled() -> bool:
-    """REDIS_URL is set."""
     return bool(settings.REDIS_URL)
 
 
@@ -42,9 +36,8 @@ def usable() -> bool:
 
 
 def failed(error: BaseException) -> None:
-    """A call to Redis failed: the breaker opens (one WARNING per outage). The breaker's own
-    refusal (RedisUnavailable) leaves it as it is: re-opened by each refusal, it never closed
-    for a caller that only retries (the sender, while a run's end waited to be sent)."""
+    """A call to Redis failed: the breaker opens. Not on the breaker's own refusal: re-opened by
+    each, it would never close for a caller that only retries."""
     if not isinstance(error, RedisUnavailable):
         breaker.failed(error)
 
@@ -57,22 +50,17 @@ def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
     loop = asyncio.get_running_loop()
     if _clients is None or _clients[0] is not loop:
         forget()
-        options = settings.REDIS_OPTIONS
-        timeouts = {
-            "socket_timeout": options["socket_timeout"],
-            "socket_connect_timeout": options["socket_connect_timeout"],
+        timeout = settings.REDIS_OPTIONS["socket_timeout"]
+        options = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": settings.REDIS_OPTIONS["socket_connect_timeout"],
+            "timeout": timeout,  # the wait for a free connection
         }
         short = aioredis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL,
-            max_connections=SHORT_CONNECTIONS,
-            timeout=options["socket_timeout"],
-            **timeouts,
+            settings.REDIS_URL, max_connections=SHORT_CONNECTIONS, **options
         )
         blocking = aioredis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL,
-            max_connections=BLOCKING_CONNECTIONS,
-            timeout=options["socket_timeout"],
-            **timeouts,
+            settings.REDIS_URL, max_connections=BLOCKING_CONNECTIONS, **options
         )
         _clients = (loop, aioredis.Redis.from_pool(short), aioredis.Redis.from_pool(blocking))
     return _clients[1], _clients[2]
@@ -94,14 +82,12 @@ def block_ms() -> int:
 
 
 def forget() -> None:
-    """Drop clients whose loop is gone (a finished test's, or `manage.py quote`'s), closing their
-    sockets without it (quotes.forks)."""
+    """Drop clients whose loop is gone (a finished test's), closing their sockets without it."""
     global _clients
-    if _clients is None:
-        return
-    _, *redis_clients = _clients
-    _clients = None
-    forks.close_redis_clients_without_their_loop(redis_clients)
+    if _clients is not None:
+        _, *redis_clients = _clients
+        _clients = None
+        forks.close_redis_clients_without_their_loop(redis_clients)
 
 
 async def close() -> None:
