@@ -1,9 +1,6 @@
-"""Every use of a dependency's internals, quarantined here (docs/architecture.md).
-
-Each fork says in a line or two what it buys; the figures are in docs/benchmarks.md ("The forks").
-`PINS` hashes the upstream source each relies on, so an upgrade that changes it fails
-tests/deploy/test_forks.py and the `quotes.W002` check instead of breaking us silently.
-"""
+"""Every use of a dependency's internals, quarantined here (docs/architecture.md), each with what
+it buys (figures: docs/benchmarks.md, "The forks"). `PINS` hashes the upstream source each relies
+on: an upgrade that changes it fails tests/deploy/test_forks.py and the `quotes.W002` check."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import async_to_sync, sync_to_async
 from csp import middleware as csp_middleware
 
-# Safe to import once daphne.server has installed Twisted's asyncio reactor, which the daphne app
-# (first in INSTALLED_APPS) and daphne's CLI both do first.
+# After daphne.server installs Twisted's reactor: the daphne app (first in INSTALLED_APPS) does.
 from daphne import ws_protocol as daphne_ws
 from django.conf import settings
 from django.contrib import messages as messages_api
@@ -151,16 +147,15 @@ def _requests() -> list[HttpRequest]:
 def check_inline_middleware(app_configs: object = None, **kwargs: object) -> list[checks.CheckMessage]:
     """quotes.E001: each INLINED middleware has our `__acall__`, and a few requests come out of
     the chain the same through Django's `__acall__` and through ours."""
-    errors: list[checks.CheckMessage] = []
-    for cls in INLINED:
-        if cls.__acall__ is not (session_acall if cls is sessions.SessionMiddleware else inline_acall):
-            errors.append(
-                checks.Error(
-                    f"{cls.__module__}.{cls.__qualname__} is not run inline: its __acall__ is not quotes.forks'.",
-                    hint="quotes.forks.inline_middleware() runs from QuotesConfig.ready().",
-                    id="quotes.E001",
-                )
-            )
+    errors: list[checks.CheckMessage] = [
+        checks.Error(
+            f"{cls.__module__}.{cls.__qualname__} is not run inline: its __acall__ is not quotes.forks'.",
+            hint="quotes.forks.inline_middleware() runs from QuotesConfig.ready().",
+            id="quotes.E001",
+        )
+        for cls in INLINED
+        if cls.__acall__ is not (session_acall if cls is sessions.SessionMiddleware else inline_acall)
+    ]
     if errors:
         return errors
     with contextlib.suppress(RuntimeError):
@@ -172,19 +167,19 @@ def check_inline_middleware(app_configs: object = None, **kwargs: object) -> lis
             )
         ]
     djangos, ours = _chain(MiddlewareMixin.__acall__), _chain(lambda middleware, request: middleware(request))
-    for request, again in zip(_requests(), _requests(), strict=True):
-        theirs_out, ours_out = _outcome(djangos, request), _outcome(ours, again)
-        if theirs_out != ours_out:
-            errors.append(
-                checks.Error(
-                    f"{request.method} {request.get_full_path()} (secure: {request.is_secure()}) comes out of "
-                    f"the middleware differently inline than through Django's MiddlewareMixin.__acall__: "
-                    f"{ours_out!r} != {theirs_out!r}.",
-                    hint="Django's middleware changed: see quotes/forks.py, and update or drop the fork.",
-                    id="quotes.E001",
-                )
-            )
-    return errors
+    pairs = zip(_requests(), _requests(), strict=True)  # each request is read once
+    outcomes = [(r, _outcome(djangos, r), _outcome(ours, again)) for r, again in pairs]
+    return [
+        checks.Error(
+            f"{request.method} {request.get_full_path()} (secure: {request.is_secure()}) comes out of "
+            f"the middleware differently inline than through Django's MiddlewareMixin.__acall__: "
+            f"{ours_out!r} != {theirs_out!r}.",
+            hint="Django's middleware changed: see quotes/forks.py, and update or drop the fork.",
+            id="quotes.E001",
+        )
+        for request, theirs_out, ours_out in outcomes
+        if theirs_out != ours_out
+    ]
 
 
 # -- 2. daphne's WebSocket close codes -----------------------------------------------------------
@@ -236,25 +231,6 @@ def asgi_scope(request: HttpRequest) -> Mapping[str, Any]:
     return request.scope if isinstance(request, ASGIRequest) else {}
 
 
-# -- 5. redis-py clients whose event loop is gone ----------------------------------------------------
-# A loop that ends without closing its clients (a sync test's, `manage.py quote`'s) leaves sockets
-# redis-py cannot close any more (disconnect() awaits that loop) and that warn when collected.
-
-
-def close_redis_clients_without_their_loop(clients: list[Any]) -> None:
-    for client in clients:
-        pool = client.connection_pool
-        for connection in [*pool._available_connections, *pool._in_use_connections]:
-            writer, connection._writer, connection._reader = connection._writer, None, None
-            if writer is not None:
-                transport = writer.transport
-                with contextlib.suppress(RuntimeError):  # marked closing, then the closed loop refuses
-                    transport.close()
-                if transport._sock is not None:  # what would warn at garbage collection
-                    transport._sock.close()
-                    transport._sock = None
-
-
 #: The upstream code each fork relies on (SHA-256 of its source). When one changes, read the new
 #: code, check the fork still holds (or is still needed), then update the hash.
 PINS: dict[str, str] = {
@@ -283,11 +259,6 @@ PINS: dict[str, str] = {
     "autobahn.websocket.protocol.WebSocketProtocol.sendCloseFrame": "a511406d6b0d711e81f5067e322de0f628437b9f9dac0c74a001bc19c482b9fc",
     # 4: how asgi_request's ASGIRequest reads the scope and the body.
     "django.core.handlers.asgi.ASGIRequest.__init__": "5ff1464df4bf995e78cfc6ca2590fe9166c6565dee93a37020dba88f2c9c7bc0",
-    # 5: the pool's connection lists, a connection's _writer/_reader, the transport's _sock.
-    "redis.asyncio.connection.ConnectionPool.disconnect": "16fe6bc22d97481216a032996ce8d1f81b5880793b0379fab8126a78bfb922fc",
-    "redis.asyncio.connection.AbstractConnection.disconnect": "11194f01c2f6d3c2e23f187f73d0bfeea24109a6a5b85a20454ea4abd2c388b9",
-    "asyncio.selector_events._SelectorTransport.close": "92ff882936b07fb4b0e71b039f0d2f32f060ef0fe150ef574bf17357040110f2",
-    "asyncio.selector_events._SelectorTransport.__del__": "831509cbecbc4ddfd32b4d6e30e738996cae8dd8da786eb93c2a7085bf67889b",
 }
 
 

@@ -48,23 +48,18 @@ class RequestThreadPool:
 
     def give_back(self, executor: ThreadPoolExecutor, *, finished: bool = False) -> None:
         """`finished`: the request's last call there was Django's `response.close()`, whose
-        request_finished closed the obsolete connections already. Otherwise that hygiene runs on
-        the thread now, after what the request left queued there, as a thread of its own would."""
-        if not finished:
-            executor.submit(_connection_hygiene)
-        elif settings.DEBUG:
+        request_finished closed the obsolete connections already. Otherwise that runs on the
+        thread now, after what the request left queued there, as on a thread of its own."""
+        if settings.DEBUG:
             executor.submit(reset_queries)
+        if not finished:
+            executor.submit(close_old_connections)
         while self._waiting:
             waiter = self._waiting.popleft()
             if not waiter.done():
                 waiter.set_result(executor)
                 return
         self._idle.append(executor)
-
-
-def _connection_hygiene() -> None:
-    reset_queries()
-    close_old_connections()
 
 
 pool = RequestThreadPool()

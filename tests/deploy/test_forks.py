@@ -26,7 +26,7 @@ from tests.asgi import AsgiStream, request
 
 @pytest.mark.unit
 def test_the_upstream_code_each_fork_relies_on_is_unchanged() -> None:
-    """Fails when an upgrade of Django, django-csp, daphne, autobahn or redis-py changes a
+    """Fails when an upgrade of Django, django-csp, daphne or autobahn changes a
     function a fork replaces, overrides or calls: read the new code, check the fork still holds
     (or is still needed: docs/benchmarks.md, "The forks"), then update forks.PINS."""
     assert forks.changed_pins() == {}

@@ -3,19 +3,19 @@ leases and the shared runs. Two pools: a small blocking one for short calls, whi
 free connection rather than fail when every run publishes at once; and one for blocking reads
 (XREAD BLOCK holds its connection), so that those never starve the short calls.
 
-The clients are bound to the running event loop: daphne has one for its life; a test has its
-own, and `close()` (in the test's loop) or `forget()` (after it) ends them.
+The clients are bound to the running event loop: daphne has one for its life; tests and
+`manage.py quote` have loops that end, and the clients are closed in them as they do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from ... import forks
 from ..redis_health import RedisUnavailable, breaker
 
 #: This process, as the keys it holds name it (heartbeats, leases, its stop list).
@@ -42,16 +42,16 @@ def failed(error: BaseException) -> None:
         breaker.failed(error)
 
 
-_clients: tuple[asyncio.AbstractEventLoop, aioredis.Redis, aioredis.Redis] | None = None
+_clients: tuple[aioredis.Redis, aioredis.Redis, asyncio.Task[None]] | None = None
+#: Each loop's closer, until it has run (the loop holds only a weak reference).
+_closers: set[asyncio.Task[None]] = set()
 
 
 def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
     global _clients
-    loop = asyncio.get_running_loop()
-    if _clients is None or _clients[0] is not loop:
-        forget()
+    if _clients is None or _clients[2].get_loop() is not asyncio.get_running_loop():
         timeout = settings.REDIS_OPTIONS["socket_timeout"]
-        options = {
+        options: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": settings.REDIS_OPTIONS["socket_connect_timeout"],
             "timeout": timeout,  # the wait for a free connection
@@ -62,8 +62,23 @@ def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
         blocking = aioredis.BlockingConnectionPool.from_url(
             settings.REDIS_URL, max_connections=BLOCKING_CONNECTIONS, **options
         )
-        _clients = (loop, aioredis.Redis.from_pool(short), aioredis.Redis.from_pool(blocking))
-    return _clients[1], _clients[2]
+        pair = (aioredis.Redis.from_pool(short), aioredis.Redis.from_pool(blocking))
+        closer = asyncio.ensure_future(_close_with_the_loop(*pair))
+        _closers.add(closer)
+        closer.add_done_callback(_closers.discard)
+        _clients = (*pair, closer)
+    return _clients[0], _clients[1]
+
+
+async def _close_with_the_loop(*clients: aioredis.Redis) -> None:
+    """Waits until cancelled, by `close()` or by the end of its loop (asyncio.run, which
+    asgiref's async_to_sync and `manage.py quote` use, cancels the tasks left): the clients
+    close in their own loop, the only one that can close their sockets."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    finally:
+        for redis in clients:
+            await redis.aclose()
 
 
 def client() -> aioredis.Redis:
@@ -82,23 +97,15 @@ def block_ms() -> int:
 
 
 def forget() -> None:
-    """Drop clients whose loop is gone (a finished test's), closing their sockets without it."""
+    """Drop the clients of a loop that has ended (closed as it did)."""
     global _clients
-    if _clients is not None:
-        _, *redis_clients = _clients
-        _clients = None
-        forks.close_redis_clients_without_their_loop(redis_clients)
+    _clients = None
 
 
 async def close() -> None:
-    """Close the clients (the end of a test's loop, or of the process)."""
+    """Close the clients now (the end of a test's loop, or of the process)."""
     global _clients
-    if _clients is None:
-        return
-    loop, *redis_clients = _clients
+    if _clients is not None and _clients[2].get_loop() is asyncio.get_running_loop():
+        _clients[2].cancel()
+        await asyncio.wait([_clients[2]])
     _clients = None
-    if loop is asyncio.get_running_loop():
-        for redis in redis_clients:
-            await redis.aclose()
-    elif loop.is_closed():
-        forks.close_redis_clients_without_their_loop(redis_clients)
