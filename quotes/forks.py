@@ -71,20 +71,11 @@ async def inline_acall(self: Any, request: HttpRequest) -> HttpResponseBase:
     if hasattr(self, "process_request"):
         response = self.process_request(request)
     response = response or await self.get_response(request)
-    if hasattr(self, "process_response"):
-        response = self.process_response(request, response)
-    return response
-
-
-async def session_acall(self: Any, request: HttpRequest) -> HttpResponseBase:
-    """`inline_acall`, but saving a modified session (a database write) keeps its thread hop."""
-    if steps_aside(self):
-        return await MiddlewareMixin.__acall__(self, request)
-    self.process_request(request)
-    response = await self.get_response(request)
-    session = getattr(request, "session", None)
+    if not hasattr(self, "process_response"):
+        return response
+    session = getattr(request, "session", None) if isinstance(self, sessions.SessionMiddleware) else None
     if session is not None and (session.modified or settings.SESSION_SAVE_EVERY_REQUEST):
-        return await sync_to_async(self.process_response)(request, response)
+        return await sync_to_async(self.process_response)(request, response)  # saved: a database write
     return self.process_response(request, response)
 
 
@@ -92,7 +83,7 @@ def inline_middleware() -> None:
     """From QuotesConfig.ready(), before any handler loads its middleware. Decorators made from
     these classes (csrf_protect) call their methods directly and are untouched."""
     for cls in INLINED:
-        cls.__acall__ = session_acall if cls is sessions.SessionMiddleware else inline_acall  # type: ignore[method-assign]
+        cls.__acall__ = inline_acall  # type: ignore[method-assign]
 
 
 def _outcome(handler: Callable[[HttpRequest], Awaitable[HttpResponseBase]], request: HttpRequest) -> object:
@@ -154,7 +145,7 @@ def check_inline_middleware(app_configs: object = None, **kwargs: object) -> lis
             id="quotes.E001",
         )
         for cls in INLINED
-        if cls.__acall__ is not (session_acall if cls is sessions.SessionMiddleware else inline_acall)
+        if cls.__acall__ is not inline_acall
     ]
     if errors:
         return errors
@@ -234,7 +225,7 @@ def asgi_scope(request: HttpRequest) -> Mapping[str, Any]:
 #: The upstream code each fork relies on (SHA-256 of its source). When one changes, read the new
 #: code, check the fork still holds (or is still needed), then update the hash.
 PINS: dict[str, str] = {
-    # 1: what inline_acall / session_acall replace, and the methods they call on the loop.
+    # 1: what inline_acall replaces, and the methods they call on the loop.
     "django.utils.deprecation.MiddlewareMixin.__acall__": "adf8cbcaf9f11e45c4ac1953556ac422f2a6fe4193df5edbed186b2b66bea729",
     "django.utils.deprecation.MiddlewareMixin.__call__": "337be048dd62e01485fd5afaf5b79c473287430ccf369ff9dd80bb8f84fa569f",
     "django.middleware.security.SecurityMiddleware.process_request": "3373d262748cbe3ebf773432c2d3661231fade68467b673b1cde6f32a1ab2027",

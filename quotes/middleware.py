@@ -1,7 +1,4 @@
-"""The app's own middleware, each keeping the stream path on the event loop (docs/architecture.md):
-the request's thread given back, static files, the stream URLs' admission gate (ASGI, in front of
-Django's handler), and a database outage answered as a 503.
-"""
+"""The app's own middleware, each keeping the stream path on the event loop (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ class AsyncMiddleware:
 
 
 class ReleaseRequestThreadMiddleware(AsyncMiddleware):
-    """A streaming response's body flows for minutes on the event loop: its request's thread
-    goes back to the pool (quotes.request_threads) once the view has answered."""
+    """A streaming response's body flows for minutes: its request's thread goes back now."""
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
         response = await self.get_response(request)
@@ -49,9 +45,8 @@ class ReleaseRequestThreadMiddleware(AsyncMiddleware):
 
 
 class StaticFilesMiddleware(AsyncMiddleware):
-    """ServeStatic's middleware, asked only about STATIC_URL: in development it looks up every
-    request it sees in a thread, and the stream path must not pay that hop. A missing file is
-    Django's 404, not ServeStatic's development 500."""
+    """ServeStatic's, asked only about STATIC_URL: in development it looks every request up in a
+    thread, a hop the stream path must not pay. A missing file is Django's 404, as in production."""
 
     def __init__(self, get_response: GetResponse) -> None:
         super().__init__(get_response)
@@ -65,8 +60,7 @@ class StaticFilesMiddleware(AsyncMiddleware):
 
 
 class DatabaseOutageMiddleware(AsyncMiddleware):
-    """A view that meets the database down answers a 503 with Retry-After in its request's
-    dialect, not a 500 and a traceback per request (quotes.database logs the outage once)."""
+    """The database down: a 503 in the request's dialect, not a 500 and a traceback per request."""
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponseBase | None:
         if not isinstance(exception, UNREACHABLE):
@@ -78,15 +72,13 @@ class DatabaseOutageMiddleware(AsyncMiddleware):
 
 
 class NotRefused(Exception):
-    """Raised through StreamAdmissionGate's short chain when the request is not refused there."""
+    pass
 
 
 class StreamAdmissionGate:
-    """ASGI, in front of Django's handler: a stream URL's admission is decided here, once
-    (admission.enter), and passed on in the scope (admission.DECIDED). A refusal is answered here
-    by quotes.views.refuse_stream_when_full behind RequestIdMiddleware and SecurityMiddleware
-    alone, without Django's thread hops and middleware chain: an overload is mostly refusals.
-    Anything else goes on to Django with its body as it came."""
+    """ASGI, in front of Django's handler: a stream URL's admission is decided here, once, and
+    passed on in the scope. A refusal is answered here, behind two middleware alone and without
+    Django's thread hops (an overload is mostly refusals); anything else goes on to Django."""
 
     def __init__(self, app: Callable[[dict[str, Any], Any, Any], Awaitable[None]]) -> None:
         self.app = app
@@ -95,8 +87,6 @@ class StreamAdmissionGate:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         from .ai.gateway import admission  # the gateway imports Django's models: not before setup
 
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
         if self._chains is None:  # not in __init__: the URLconf may not load yet
             self._chains = {
                 reverse("quotes:stream"): _refusal_chain(form=False),

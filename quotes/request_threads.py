@@ -124,14 +124,12 @@ def replay(read: list[dict[str, Any]], receive: Any) -> Callable[[], Awaitable[d
 
 
 class RequestThreads:
-    """An ASGI application: `app` (Django's) with each HTTP request's thread leased."""
+    """An HTTP ASGI application: `app` (Django's) with each request's thread leased."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)  # Django's own refusal
         # The body first: a client that never finishes its body (under a server that streams
         # bodies) must hold no thread.
         read, _ = await read_body(receive)

@@ -2,13 +2,11 @@
 
     python -m quotes.server -b 127.0.0.1 -p 8000 config.asgi:application
 
-On SIGTERM (or Ctrl-C) the process refuses new streams, lets the open ones finish for up to
-QUOTES_DRAIN_TIMEOUT_S, ends the rest with an event telling their clients to resume elsewhere,
-closes the backends, writes the last log rows and exits; a second signal stops at once
-(docs/architecture.md). Not plain `daphne`: Twisted's own SIGTERM handler stops the reactor at
-once, and its "before shutdown" triggers (daphne's cancels every application) cannot be held
-back. So daphne's `Server` runs with Twisted's signal handlers off, and the reactor is stopped
-only once the drain is over.
+On SIGTERM it refuses new streams, lets the open ones finish (up to QUOTES_DRAIN_TIMEOUT_S), tells
+the rest to resume elsewhere, and exits (`drain_and_close`); a second signal stops at once. Not
+plain `daphne`: Twisted's SIGTERM handler stops the reactor at once, and daphne's "before
+shutdown" trigger, which cancels every application, cannot be held back. So daphne's `Server`
+runs with Twisted's signal handlers off, and the reactor is stopped once the drain is over.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ from daphne.server import Server
 
 logger = logging.getLogger("quotes.server")  # run as __main__ (python -m)
 
-#: After the drain, for Twisted to write out the streams' last bytes before the reactor stops.
-FLUSH_S = 0.5
+FLUSH_S = 0.5  # for Twisted to write out the streams' last bytes before the reactor stops
 
 ActionLogger = Callable[[str, str, dict[str, Any]], None]
 

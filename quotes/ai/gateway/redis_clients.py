@@ -1,10 +1,7 @@
-"""This process's Redis clients for the stream core (only when REDIS_URL is set): admission's
-leases and the shared runs. Two pools: a small blocking one for short calls, which wait for a
-free connection rather than fail when every run publishes at once; and one for blocking reads
-(XREAD BLOCK holds its connection), so that those never starve the short calls.
-
-The clients are bound to the running event loop: daphne has one for its life; tests and
-`manage.py quote` have loops that end, and the clients are closed in them as they do.
+"""This process's Redis clients for the stream core (only when REDIS_URL is set). Two pools: a
+small blocking one for short calls, which wait for a free connection rather than fail when every
+run publishes at once; and one for blocking reads (XREAD BLOCK), which never starve the short
+calls. The clients are bound to the running event loop, and close with it.
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ def failed(error: BaseException) -> None:
         breaker.failed(error)
 
 
+#: The clients of the running loop, and the task that closes them with it.
 _clients: tuple[aioredis.Redis, aioredis.Redis, asyncio.Task[None]] | None = None
-#: Each loop's closer, until it has run (the loop holds only a weak reference).
-_closers: set[asyncio.Task[None]] = set()
 
 
 def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
@@ -56,17 +52,13 @@ def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
             "socket_connect_timeout": settings.REDIS_OPTIONS["socket_connect_timeout"],
             "timeout": timeout,  # the wait for a free connection
         }
-        short = aioredis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL, max_connections=SHORT_CONNECTIONS, **options
+        short, blocking = (
+            aioredis.Redis.from_pool(
+                aioredis.BlockingConnectionPool.from_url(settings.REDIS_URL, max_connections=size, **options)
+            )
+            for size in (SHORT_CONNECTIONS, BLOCKING_CONNECTIONS)
         )
-        blocking = aioredis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL, max_connections=BLOCKING_CONNECTIONS, **options
-        )
-        pair = (aioredis.Redis.from_pool(short), aioredis.Redis.from_pool(blocking))
-        closer = asyncio.ensure_future(_close_with_the_loop(*pair))
-        _closers.add(closer)
-        closer.add_done_callback(_closers.discard)
-        _clients = (*pair, closer)
+        _clients = (short, blocking, asyncio.ensure_future(_close_with_the_loop(short, blocking)))
     return _clients[0], _clients[1]
 
 
@@ -105,7 +97,7 @@ def forget() -> None:
 async def close() -> None:
     """Close the clients now (the end of a test's loop, or of the process)."""
     global _clients
-    if _clients is not None and _clients[2].get_loop() is asyncio.get_running_loop():
-        _clients[2].cancel()
-        await asyncio.wait([_clients[2]])
-    _clients = None
+    clients, _clients = _clients, None
+    if clients is not None and clients[2].get_loop() is asyncio.get_running_loop():
+        clients[2].cancel()
+        await asyncio.wait([clients[2]])
