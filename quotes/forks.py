@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import inspect
@@ -96,26 +97,21 @@ def _outcome(handler: Callable[[HttpRequest], Awaitable[HttpResponseBase]], requ
     return (response.status_code, sorted(response.items()), cookies)
 
 
-def _chain(acall: Callable[[Any, HttpRequest], Awaitable[HttpResponseBase]]) -> Callable[..., Any]:
-    """The INLINED middleware in MIDDLEWARE's order, each called through `acall`, around a view
-    that adds a message."""
+def _chain(*, djangos: bool) -> Callable[..., Any]:
+    """The INLINED middleware in MIDDLEWARE's order, called through Django's `__acall__` or ours,
+    around a view that adds a message."""
 
     async def view(request: HttpRequest) -> HttpResponseBase:
         if request.GET.get("message"):
             messages_api.info(request, "stored in a cookie on the way out")
         return HttpResponse("ok")
 
-    def through(middleware: Any) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
-        async def call(request: HttpRequest) -> HttpResponseBase:
-            return await acall(middleware, request)
-
-        return call
-
     handler: Callable[..., Any] = view
     for dotted in reversed(settings.MIDDLEWARE):
         cls = import_string(dotted)
         if cls in INLINED:
-            handler = through(cls(handler))
+            middleware = cls(handler)
+            handler = functools.partial(MiddlewareMixin.__acall__, middleware) if djangos else middleware
     return handler
 
 
@@ -157,7 +153,7 @@ def check_inline_middleware(app_configs: object = None, **kwargs: object) -> lis
                 id="quotes.I001",
             )
         ]
-    djangos, ours = _chain(MiddlewareMixin.__acall__), _chain(lambda middleware, request: middleware(request))
+    djangos, ours = _chain(djangos=True), _chain(djangos=False)
     pairs = zip(_requests(), _requests(), strict=True)  # each request is read once
     outcomes = [(r, _outcome(djangos, r), _outcome(ours, again)) for r, again in pairs]
     return [

@@ -4,7 +4,7 @@ answered, so an open stream holds no OS thread (docs/architecture.md).
 Django's handler runs each request's sync calls on one thread that asgiref keeps until the last
 byte of the response: for a stream, minutes. `RequestThreads` runs each HTTP request in a
 `ThreadSensitiveContext(executor=Lease)` of its own (asgiref's documented API; the outermost
-context counts), whose thread comes from `pool` and goes back once the view has answered; the
+context counts), whose thread comes from a pool and goes back once the view has answered; the
 request's later sync calls (Django's `response.close()`) go to the shared `tail` thread.
 """
 
@@ -24,46 +24,38 @@ from django.db import close_old_connections, reset_queries
 #: Past this many request threads a request waits for one: overload queues requests, not threads.
 MAX_THREADS = 32
 
-
-class RequestThreadPool:
-    def __init__(self) -> None:
-        self._idle: list[ThreadPoolExecutor] = []
-        self._waiting: collections.deque[asyncio.Future[ThreadPoolExecutor]] = collections.deque()
-        self.started = 0
-
-    async def lease(self) -> ThreadPoolExecutor:
-        if self._idle:
-            return self._idle.pop()
-        if self.started < MAX_THREADS:
-            self.started += 1
-            return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
-        waiter: asyncio.Future[ThreadPoolExecutor] = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.give_back(waiter.result())  # handed over as this request was cancelled
-            raise
-
-    def give_back(self, executor: ThreadPoolExecutor, *, finished: bool = False) -> None:
-        """`finished`: the request's last call there was Django's `response.close()`, whose
-        request_finished closed the obsolete connections already. Otherwise that runs on the
-        thread now, after what the request left queued there, as on a thread of its own."""
-        if settings.DEBUG:
-            executor.submit(reset_queries)
-        if not finished:
-            executor.submit(close_old_connections)
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(executor)
-                return
-        self._idle.append(executor)
-
-
-pool = RequestThreadPool()
+_idle: list[ThreadPoolExecutor] = []
+_waiting: collections.deque[asyncio.Future[ThreadPoolExecutor]] = collections.deque()
+_started = 0
+#: Where a request's sync calls go once its thread is given back (microseconds each).
 tail = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-tail")
+
+
+async def _lease_thread() -> ThreadPoolExecutor:
+    global _started
+    if _idle:
+        return _idle.pop()
+    if _started < MAX_THREADS:
+        _started += 1
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
+    waiter: asyncio.Future[ThreadPoolExecutor] = asyncio.get_running_loop().create_future()
+    _waiting.append(waiter)
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        if waiter.done() and not waiter.cancelled():
+            _hand_on(waiter.result())  # handed over as this request was cancelled
+        raise
+
+
+def _hand_on(executor: ThreadPoolExecutor) -> None:
+    while _waiting:
+        waiter = _waiting.popleft()
+        if not waiter.done():
+            waiter.set_result(executor)
+            return
+    _idle.append(executor)
+
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -79,9 +71,17 @@ class Lease(Executor):
         return (self.executor or tail).submit(fn, *args, **kwargs)
 
     def give_back(self, *, finished: bool = False) -> None:
+        """`finished`: the request's last call there was Django's `response.close()`, whose
+        request_finished closed the obsolete connections already. Otherwise that runs on the
+        thread now, after what the request left queued there, as on a thread of its own."""
         executor, self.executor = self.executor, None
-        if executor is not None:
-            pool.give_back(executor, finished=finished)
+        if executor is None:
+            return
+        if settings.DEBUG:
+            executor.submit(reset_queries)
+        if not finished:
+            executor.submit(close_old_connections)
+        _hand_on(executor)
 
 
 _lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("request_thread_lease", default=None)
@@ -112,13 +112,10 @@ async def read_body(receive: Any) -> tuple[list[dict[str, Any]], bytes]:
 
 def replay(read: list[dict[str, Any]], receive: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
     """`receive`, with the messages already read given first."""
-    pending = list(read)
+    pending = iter(read)
 
     async def replayed() -> dict[str, Any]:
-        if pending:
-            return pending.pop(0)
-        message: dict[str, Any] = await receive()
-        return message
+        return next(pending, None) or await receive()
 
     return replayed
 
@@ -135,7 +132,7 @@ class RequestThreads:
         read, _ = await read_body(receive)
         if read[-1]["type"] != "http.request":
             return  # the client left during its body: Django's handler would do nothing either
-        lease = Lease(await pool.lease())
+        lease = Lease(await _lease_thread())
         token = _lease.set(lease)
         finished = False
         try:
