@@ -149,8 +149,7 @@ def check_inline_middleware(app_configs: object = None, **kwargs: object) -> lis
         asyncio.get_running_loop()  # async_to_sync cannot drive the chains from inside a loop
         return [
             checks.Info(
-                "The inline middleware were not compared with Django's: checks ran inside an event loop.",
-                id="quotes.I001",
+                "The inline middleware were not compared with Django's: in an event loop.", id="quotes.I001"
             )
         ]
     djangos, ours = _chain(djangos=True), _chain(djangos=False)

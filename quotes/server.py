@@ -25,10 +25,8 @@ logger = logging.getLogger("quotes.server")  # run as __main__ (python -m)
 
 FLUSH_S = 0.5  # for Twisted to write out the streams' last bytes before the reactor stops
 
-ActionLogger = Callable[[str, str, dict[str, Any]], None]
 
-
-def without_query(action_logger: ActionLogger) -> ActionLogger:
+def without_query(action_logger: Callable[..., None]) -> Callable[..., None]:
     """daphne's access log, given each path without its query string (where visitors' topics go)."""
 
     def log(protocol: str, action: str, details: dict[str, Any]) -> None:
