@@ -82,16 +82,14 @@ class StreamAdmissionGate:
 
     def __init__(self, app: Callable[[dict[str, Any], Any, Any], Awaitable[None]]) -> None:
         self.app = app
-        self._chains: dict[str, GetResponse] | None = None
+        self._chains = {
+            reverse("quotes:stream"): _refusal_chain(form=False),
+            reverse("quotes:stream-form"): _refusal_chain(form=True),
+        }
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         from .ai.gateway import admission  # the gateway imports Django's models: not before setup
 
-        if self._chains is None:  # not in __init__: the URLconf may not load yet
-            self._chains = {
-                reverse("quotes:stream"): _refusal_chain(form=False),
-                reverse("quotes:stream-form"): _refusal_chain(form=True),
-            }
         chain = self._chains.get(scope["path"])
         if chain is None:
             return await self.app(scope, receive, send)
