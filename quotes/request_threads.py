@@ -1,11 +1,7 @@
-"""Django's per-request thread, leased from a pool and given back as soon as a stream's view has
-answered, so an open stream holds no OS thread (docs/architecture.md).
-
-Django's handler runs each request's sync calls on one thread that asgiref keeps until the last
-byte of the response: for a stream, minutes. `RequestThreads` runs each HTTP request in a
-`ThreadSensitiveContext(executor=Lease)` of its own (asgiref's documented API; the outermost
-context counts), whose thread comes from a pool and goes back once the view has answered; the
-request's later sync calls (Django's `response.close()`) go to the shared `tail` thread.
+"""Django's per-request thread, leased from a pool and given back once a stream's view has answered
+(docs/architecture.md). Django's handler keeps a request's thread until the last byte of its
+response, for a stream minutes; here each request runs in a `ThreadSensitiveContext(executor=...)`
+of its own (asgiref's documented API), whose later sync calls go to the shared `tail` thread.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import collections
 import contextvars
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from asgiref.sync import ThreadSensitiveContext
 from django.conf import settings
@@ -57,7 +53,6 @@ def _hand_on(executor: ThreadPoolExecutor) -> None:
     _idle.append(executor)
 
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -67,7 +62,7 @@ class Lease(Executor):
     def __init__(self, executor: ThreadPoolExecutor) -> None:
         self.executor: ThreadPoolExecutor | None = executor
 
-    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         return (self.executor or tail).submit(fn, *args, **kwargs)
 
     def give_back(self, *, finished: bool = False) -> None:

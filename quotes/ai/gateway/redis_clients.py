@@ -1,8 +1,6 @@
-"""This process's Redis clients for the stream core (only when REDIS_URL is set). Two pools: a
-small blocking one for short calls, which wait for a free connection rather than fail when every
-run publishes at once; and one for blocking reads (XREAD BLOCK), which never starve the short
-calls. The clients are bound to the running event loop, and close with it.
-"""
+"""This process's Redis clients for the stream core, bound to the running event loop. Short calls
+wait for one of a few connections rather than fail; blocking reads (XREAD BLOCK) have a pool of
+their own, so that they never starve the short calls."""
 
 from __future__ import annotations
 
