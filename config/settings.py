@@ -58,6 +58,8 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    # ServeStatic's system checks (its middleware asks for them in development).
+    "servestatic",
     "channels",
     "csp",
     # Admin login throttling (failed attempts per client address, in the database).
@@ -81,8 +83,8 @@ MIDDLEWARE = [
     # handler (quotes.middleware.StreamAdmissionGate, config/asgi.py), behind these two alone.
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
-    # WhiteNoise with an async entry point: only static files touch a thread.
-    "quotes.forks.StaticFilesMiddleware",
+    # ServeStatic (async), asked only about STATIC_URL: no thread hop for any other request.
+    "quotes.middleware.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     # Sets request.htmx. Before CSRF: its failure view answers htmx in its own dialect. Sync- and
@@ -157,16 +159,16 @@ STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = Path(env.str("DJANGO_STATIC_ROOT", default=str(BASE_DIR / "staticfiles")))
 # Development serves files through the finders, as they are. Production serves collectstatic's
-# output: names carry a content hash (cached forever) and each file has .gz and .br siblings.
+# output: names carry a content hash (cached forever) and each file has a .gz sibling.
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {
         "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
         if DEBUG
-        else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        else "servestatic.storage.CompressedManifestStaticFilesStorage"
     },
 }
-WHITENOISE_USE_FINDERS = DEBUG
+SERVESTATIC_USE_FINDERS = DEBUG
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -1,70 +1,25 @@
-"""Every place where the app relies on a dependency's internals, quarantined here.
-
-The rule (docs/architecture.md): only the documented interfaces of Django, asgiref, daphne,
-redis-py and the rest, except in this module. Each piece below says what it buys, measured side
-by side with the framework's own way (docs/benchmarks.md, "The forks"), and what upstream code
-it relies on: `PINS` holds a hash of that code's source, so an upgrade that changes it fails
-tests/deploy/test_forks.py and this app's `quotes.W002` system check instead of breaking us silently.
-A fork that bought less than about 10% of a figure was removed instead of kept here.
-
-1. **Django's middleware on the event loop** (`inline_middleware`). Under ASGI, Django's
-   `MiddlewareMixin.__acall__` runs each `process_request` and `process_response` in a thread
-   (a `sync_to_async` hop to the request's thread and back, ~0.4 ms each on these machines):
-   with the eight middleware below that is a dozen hops per request, and the app added 72-82%
-   more to the first token (2.2-2.7 times what the naive proxy adds, instead of 1.3-1.6).
-   On these settings their methods do no I/O, so their `__acall__` is replaced by one that
-   calls them inline; a session that must be saved keeps its hop, and so does a middleware that
-   a setting makes touch a store (`steps_aside`: CSRF_USE_SESSIONS and the like). CSRF's
-   `process_view` is the handler's, with its hop (on the loop it bought 9%, under the bar).
-   They stay in MIDDLEWARE under Django's own dotted paths, so Django's deploy checks
-   (W001-W003 and the HSTS, SSL and cookie checks that depend on them) run unsilenced, and
-   `check_inline_middleware` (`quotes.E001`) runs a few requests through both Django's
-   `__acall__` and ours (with a session cookie) and compares what comes out.
-2. **WhiteNoise with an async entry** (`StaticFilesMiddleware`). WhiteNoise's middleware is
-   sync-only, and one sync middleware makes Django run the rest of the chain through a thread
-   (two hops per request, and the request's thread held while a stream waits for its first
-   token): 5-13% more added to the first token, at the edge of the 10% bar. This subclass serves
-   files under STATIC_URL from a worker thread and lets every other request straight through on
-   the loop.
-3. **daphne's WebSocket close codes** (`use_server_close_codes`). daphne hands an ASGI
-   `websocket.close` code to autobahn's `sendClose()`, which accepts only 1000 and 3000-4999 and
-   raises on any other, so a socket closed with 1012 (service restart: the drain) or 1009
-   (message too big) was never closed. A feature, not a speed-up: tests/deploy/test_drain.py and
-   tests/stream/test_consumers.py hold it.
-4. **The start-up heap out of the collector's full passes** (`freeze_startup_heap`). A full
-   (generation 2) collection walks every tracked object, Django and the app's modules included,
-   and stalls every open stream while it does: 67-68 ms of CPU at 100 streams (89-97 ms at 200),
-   about once every 30 s. With what start-up loaded frozen (`gc.freeze`, documented, but a
-   process-wide tuning that depends on the interpreter's collector) the same passes take 8-12 ms
-   (17-54 ms). Pinned to the Python it was measured on (`PYTHON`).
-5. **A request made before Django's handler** (`asgi_request`). quotes.middleware's
-   StreamAdmissionGate refuses a new stream at the open-stream limit in front of Django's
-   handler, and needs an HttpRequest for the refusal's view: Django's `ASGIRequest`, made from
-   the ASGI scope and the body read, is undocumented, and so is the scope it keeps, where the
-   view reads the gate's decision (`asgi_scope`). Through the handler a refusal cost about
-   twice the CPU (its thread hops, a request thread, the whole middleware chain;
-   docs/benchmarks.md, issue 22), and an overload is mostly refusals.
-"""
+"""Every use of a dependency's internals, quarantined here (docs/architecture.md), each with what
+it buys (figures: docs/benchmarks.md, "The forks"). `PINS` hashes the upstream source each relies
+on: an upgrade that changes it fails tests/deploy/test_forks.py and the `quotes.W002` check."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
-import importlib
 import inspect
 import io
-import os
+import pkgutil
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from asgiref.sync import async_to_sync, markcoroutinefunction, sync_to_async
+from asgiref.sync import async_to_sync, sync_to_async
 from csp import middleware as csp_middleware
 
-# daphne's WebSocket protocol: importing it is safe once daphne.server has installed Twisted's
-# asyncio reactor, which the daphne app (first in INSTALLED_APPS) and daphne's CLI both do first.
+# After daphne.server installs Twisted's reactor: the daphne app (first in INSTALLED_APPS) does.
 from daphne import ws_protocol as daphne_ws
 from django.conf import settings
 from django.contrib import messages as messages_api
@@ -77,14 +32,14 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware import clickjacking, common, csrf, security
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.module_loading import import_string
-from whitenoise import middleware as whitenoise_middleware
 
 if TYPE_CHECKING:
     from daphne.server import Server
 
 # -- 1. Django's middleware on the event loop ---------------------------------------------------
+# MiddlewareMixin.__acall__ hops to a thread for each method; on these settings they do no I/O, so
+# they run inline, for a much faster first token. quotes.E001 compares them with Django's way.
 
-#: The middleware whose `__acall__` runs their methods inline (in MIDDLEWARE under Django's paths).
 INLINED: tuple[type[MiddlewareMixin], ...] = (
     security.SecurityMiddleware,
     sessions.SessionMiddleware,
@@ -97,62 +52,42 @@ INLINED: tuple[type[MiddlewareMixin], ...] = (
 )
 
 
-#: The message storage whose methods touch nothing but the request and response (settings.py).
-COOKIE_STORAGE = "django.contrib.messages.storage.cookie.CookieStorage"
-
-
 def steps_aside(middleware: object) -> bool:
-    """Whether, under the current settings, this middleware's methods may read or write a store
-    (the database, a cache, files): then it keeps Django's `__acall__`, hops and all. CSRF's
-    secret in the session (CSRF_USE_SESSIONS), messages anywhere but their cookie
-    (MESSAGE_STORAGE: Django's default falls back to the session), a session engine not
-    Django's (whose SessionStore() may connect)."""
+    """Whether the settings make this middleware touch a store (so it keeps Django's hops): CSRF's
+    secret in the session, messages not in their cookie, a session engine not Django's."""
     if isinstance(middleware, csrf.CsrfViewMiddleware):
         return bool(settings.CSRF_USE_SESSIONS)
     if isinstance(middleware, messages.MessageMiddleware):
-        return bool(settings.MESSAGE_STORAGE != COOKIE_STORAGE)
+        return bool(settings.MESSAGE_STORAGE != "django.contrib.messages.storage.cookie.CookieStorage")
     if isinstance(middleware, sessions.SessionMiddleware):
         return not settings.SESSION_ENGINE.startswith("django.contrib.sessions.backends.")
     return False
 
 
 async def inline_acall(self: Any, request: HttpRequest) -> HttpResponseBase:
-    """`MiddlewareMixin.__acall__` with its two `sync_to_async` hops taken out."""
     if steps_aside(self):
         return await MiddlewareMixin.__acall__(self, request)
     response = None
     if hasattr(self, "process_request"):
         response = self.process_request(request)
     response = response or await self.get_response(request)
-    if hasattr(self, "process_response"):
-        response = self.process_response(request, response)
-    return response
-
-
-async def session_acall(self: Any, request: HttpRequest) -> HttpResponseBase:
-    """`inline_acall` for the session, whose `process_response` saves a modified session: that
-    write goes to the session store (the database), so it keeps Django's hop to a thread."""
-    if steps_aside(self):
-        return await MiddlewareMixin.__acall__(self, request)
-    self.process_request(request)
-    response = await self.get_response(request)
-    session = getattr(request, "session", None)
+    if not hasattr(self, "process_response"):
+        return response
+    session = getattr(request, "session", None) if isinstance(self, sessions.SessionMiddleware) else None
     if session is not None and (session.modified or settings.SESSION_SAVE_EVERY_REQUEST):
-        return await sync_to_async(self.process_response)(request, response)
+        return await sync_to_async(self.process_response)(request, response)  # saved: a database write
     return self.process_response(request, response)
 
 
 def inline_middleware() -> None:
-    """Swap the `__acall__` of each of INLINED (QuotesConfig.ready(): before any handler loads
-    its middleware). Only `__acall__`: Django's `csrf_protect` and the other decorators made
-    from these classes call their methods directly and are untouched."""
+    """From QuotesConfig.ready(), before any handler loads its middleware. Decorators made from
+    these classes (csrf_protect) call their methods directly and are untouched."""
     for cls in INLINED:
-        cls.__acall__ = session_acall if cls is sessions.SessionMiddleware else inline_acall  # type: ignore[method-assign]
+        cls.__acall__ = inline_acall  # type: ignore[method-assign]
 
 
 def _outcome(handler: Callable[[HttpRequest], Awaitable[HttpResponseBase]], request: HttpRequest) -> object:
-    """What `handler` makes of `request`: the status, headers and cookies (without their random
-    values: a CSRF token differs each time), or the exception it raised."""
+    """Status, headers and cookies (without their random values), or the exception raised."""
     try:
         response = async_to_sync(handler)(request)
     except Exception as exc:
@@ -161,9 +96,9 @@ def _outcome(handler: Callable[[HttpRequest], Awaitable[HttpResponseBase]], requ
     return (response.status_code, sorted(response.items()), cookies)
 
 
-def _chain(acall: Callable[[Any, HttpRequest], Awaitable[HttpResponseBase]]) -> Callable[..., Any]:
-    """The INLINED middleware in MIDDLEWARE's order around a view that adds a message, each
-    called through `acall`."""
+def _chain(*, djangos: bool) -> Callable[..., Any]:
+    """The INLINED middleware in MIDDLEWARE's order, called through Django's `__acall__` or ours,
+    around a view that adds a message."""
 
     async def view(request: HttpRequest) -> HttpResponseBase:
         if request.GET.get("message"):
@@ -174,15 +109,9 @@ def _chain(acall: Callable[[Any, HttpRequest], Awaitable[HttpResponseBase]]) -> 
     for dotted in reversed(settings.MIDDLEWARE):
         cls = import_string(dotted)
         if cls in INLINED:
-            handler = _through(cls(handler), acall)
+            middleware = cls(handler)
+            handler = functools.partial(MiddlewareMixin.__acall__, middleware) if djangos else middleware
     return handler
-
-
-def _through(middleware: Any, acall: Callable[[Any, HttpRequest], Awaitable[HttpResponseBase]]) -> Any:
-    async def call(request: HttpRequest) -> HttpResponseBase:
-        return await acall(middleware, request)
-
-    return call
 
 
 def _requests() -> list[HttpRequest]:
@@ -190,8 +119,7 @@ def _requests() -> list[HttpRequest]:
 
     allowed = [host.lstrip(".") for host in settings.ALLOWED_HOSTS if host != "*"]
     factory = RequestFactory(HTTP_HOST=(allowed or ["localhost"])[0])
-    # A session cookie naming a session: a middleware that loads it inline (the database's
-    # SynchronousOnlyOperation on the loop) comes out differently from Django's, in a thread.
+    # A middleware that loads this session inline (SynchronousOnlyOperation) comes out differently.
     factory.cookies[settings.SESSION_COOKIE_NAME] = "checking-the-inline-middleware"
     return [
         factory.get("/", secure=True),
@@ -204,105 +132,50 @@ def _requests() -> list[HttpRequest]:
 @checks.register(checks.Tags.security)
 def check_inline_middleware(app_configs: object = None, **kwargs: object) -> list[checks.CheckMessage]:
     """quotes.E001: each INLINED middleware has our `__acall__`, and a few requests come out of
-    the chain the same through Django's own `__acall__` (with its hops) and through ours."""
-    errors: list[checks.CheckMessage] = []
-    for cls in INLINED:
-        expected = session_acall if cls is sessions.SessionMiddleware else inline_acall
-        if cls.__acall__ is not expected:
-            errors.append(
-                checks.Error(
-                    f"{cls.__module__}.{cls.__qualname__} is not run inline: its __acall__ is not quotes.forks'.",
-                    hint="quotes.forks.inline_middleware() runs from QuotesConfig.ready().",
-                    id="quotes.E001",
-                )
-            )
+    the chain the same through Django's `__acall__` and through ours."""
+    errors: list[checks.CheckMessage] = [
+        checks.Error(
+            f"{cls.__module__}.{cls.__qualname__} is not run inline: its __acall__ is not quotes.forks'.",
+            hint="quotes.forks.inline_middleware() runs from QuotesConfig.ready().",
+            id="quotes.E001",
+        )
+        for cls in INLINED
+        if cls.__acall__ is not inline_acall
+    ]
     if errors:
         return errors
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass  # no event loop in this thread (manage.py check, migrate, runserver): async_to_sync works
-    else:
+    with contextlib.suppress(RuntimeError):
+        asyncio.get_running_loop()  # async_to_sync cannot drive the chains from inside a loop
         return [
             checks.Info(
-                "The inline middleware were not compared with Django's: checks ran inside an event loop.",
-                id="quotes.I001",
+                "The inline middleware were not compared with Django's: in an event loop.", id="quotes.I001"
             )
         ]
-    djangos, ours = _chain(MiddlewareMixin.__acall__), _chain(lambda middleware, request: middleware(request))
-    for request, again in zip(_requests(), _requests(), strict=True):
-        theirs_out, ours_out = _outcome(djangos, request), _outcome(ours, again)
-        if theirs_out != ours_out:
-            errors.append(
-                checks.Error(
-                    f"{request.method} {request.get_full_path()} (secure: {request.is_secure()}) comes out of "
-                    f"the middleware differently inline than through Django's MiddlewareMixin.__acall__: "
-                    f"{ours_out!r} != {theirs_out!r}.",
-                    hint="Django's middleware changed: see quotes/forks.py, and update or drop the fork.",
-                    id="quotes.E001",
-                )
-            )
-    return errors
+    djangos, ours = _chain(djangos=True), _chain(djangos=False)
+    pairs = zip(_requests(), _requests(), strict=True)  # each request is read once
+    outcomes = [(r, _outcome(djangos, r), _outcome(ours, again)) for r, again in pairs]
+    return [
+        checks.Error(
+            f"{request.method} {request.get_full_path()} (secure: {request.is_secure()}) comes out of "
+            f"the middleware differently inline than through Django's MiddlewareMixin.__acall__: "
+            f"{ours_out!r} != {theirs_out!r}.",
+            hint="Django's middleware changed: see quotes/forks.py, and update or drop the fork.",
+            id="quotes.E001",
+        )
+        for request, theirs_out, ours_out in outcomes
+        if theirs_out != ours_out
+    ]
 
 
-# -- 2. WhiteNoise with an async entry ----------------------------------------------------------
+# -- 2. daphne's WebSocket close codes -----------------------------------------------------------
+# autobahn's sendClose() accepts only 1000 and 3000-4999, so a socket daphne closed with 1012 (the
+# drain) or 1009 (message too big) was never closed. Behaviour, not speed.
 
-
-class StaticFilesMiddleware(whitenoise_middleware.WhiteNoiseMiddleware):
-    """WhiteNoise (its file finding, compression negotiation and caching headers), but only
-    requests under STATIC_URL touch a thread; everything else passes straight through on the
-    event loop."""
-
-    sync_capable = False
-    async_capable = True
-
-    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
-        super().__init__(get_response)
-        markcoroutinefunction(self)
-
-    def add_files(self, root: str, prefix: str | None = None) -> None:
-        # Before collectstatic has run (development, tests) the finders serve the files, so a
-        # missing STATIC_ROOT is expected; without finders WhiteNoise's warning stays.
-        if self.use_finders and not os.path.isdir(root):
-            return
-        super().add_files(root, prefix)
-
-    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        if request.path_info.startswith(self.static_prefix):
-            response = await sync_to_async(self._serve_static, thread_sensitive=False)(request)
-            if response is not None:
-                return response
-        return await self.get_response(request)
-
-    def _serve_static(self, request: HttpRequest) -> HttpResponse | None:
-        path = request.path_info
-        static_file: Any = self.find_file(path) if self.autorefresh else self.files.get(path)
-        if static_file is None:
-            return None
-        found = static_file.get_response(request.method, request.META)
-        # Static files are small: read them here, in the thread, so the event loop never does file I/O.
-        body = b""
-        if found.file is not None:
-            with found.file:
-                body = found.file.read()
-        response = HttpResponse(body, status=int(found.status))
-        del response["Content-Type"]
-        for key, value in found.headers:
-            response[key] = value
-        return response
-
-
-# -- 3. daphne's WebSocket close codes ----------------------------------------------------------
-
-#: Close codes a server sends of its own accord (IANA's registry): going away, policy violation,
-#: message too big, internal error, service restart, try again later.
+#: Close codes a server sends of its own accord (IANA's registry).
 SERVER_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011, 1012, 1013})
 
 
 class ServerCloseCodesProtocol(daphne_ws.WebSocketProtocol):
-    """daphne's WebSocket protocol, sending the close codes of SERVER_CLOSE_CODES as they are
-    instead of through autobahn's `sendClose()`, which refuses them."""
-
     def serverClose(self, code: int | None = None) -> None:
         if code in SERVER_CLOSE_CODES:
             self.sendCloseFrame(code=code, isReply=False)
@@ -311,31 +184,29 @@ class ServerCloseCodesProtocol(daphne_ws.WebSocketProtocol):
 
 
 def use_server_close_codes(server: Server) -> None:
-    """From daphne's `ready_callable`: `Server.run()` has made its WebSocket factory by then,
-    and no connection has come in yet."""
+    """From daphne's `ready_callable`: its WebSocket factory exists, no connection yet."""
     server.ws_factory.protocol = ServerCloseCodesProtocol
 
 
-# -- 4. The start-up heap out of the collector's full passes -------------------------------------
+# -- 3. The start-up heap out of the collector's full passes ---------------------------------------
+# A full collection stalls every open stream; without what start-up loaded it is far shorter. A
+# collector tuning, pinned to the interpreter it was measured on.
 
-#: The interpreter (major, minor) the freeze's gain was measured on: CPython 3.12 and 3.13 changed
-#: the collector's thresholds, and 3.14's is incremental (quotes.W002 says when it differs).
 PYTHON = (3, 11)
 
 
 def freeze_startup_heap() -> None:
-    """At the end of config.asgi, once Django, the URLconf and every module are loaded: what is
-    left lives as long as the process, so the collector's full passes need not walk it again.
-    Frozen objects are still freed by reference counting; only the collector's scans skip them."""
+    """At the end of config.asgi: what is loaded by then lives as long as the process."""
     gc.collect()
     gc.freeze()
 
 
-# -- 5. A request made before Django's handler --------------------------------------------------
+# -- 4. A request made before Django's handler ---------------------------------------------------
+# The StreamAdmissionGate answers a refusal without Django's handler, for far less CPU, with
+# Django's undocumented ASGIRequest; the view reads the gate's decision from its scope.
 
 
 def asgi_request(scope: dict[str, Any], body: bytes) -> HttpRequest:
-    """The HttpRequest Django's ASGI handler would make of `scope` and its whole `body`."""
     return ASGIRequest(scope, io.BytesIO(body))
 
 
@@ -344,46 +215,10 @@ def asgi_scope(request: HttpRequest) -> Mapping[str, Any]:
     return request.scope if isinstance(request, ASGIRequest) else {}
 
 
-# -- the pins ------------------------------------------------------------------------------------
-
-#: The upstream code each piece relies on (its source's SHA-256; quotes.W002, tests/deploy/test_forks.py).
-#: When one changes, read the new code, check the piece still holds (or is still needed), then
-#: update the hash here.
-# -- redis-py clients whose event loop is gone ------------------------------------------------------
-#
-# Not a speed-up: the Redis clients of the stream core (quotes.ai.gateway.redis_clients) are bound
-# to an event loop, and a loop that ends without closing them (a test's per-request loop under
-# async_to_sync, `manage.py quote`'s asyncio.run) leaves sockets that redis-py cannot close any
-# more (its disconnect() awaits the writer on that loop), and that warn at garbage collection.
-# daphne's one loop never ends so.
-
-
-def close_redis_clients_without_their_loop(clients: list[Any]) -> None:
-    """Close the sockets of redis-py asyncio clients whose loop is closed, and leave their
-    transports as closed ones would be (marked closing, no socket), so nothing warns."""
-    for client in clients:
-        pool = client.connection_pool
-        for connection in [*pool._available_connections, *pool._in_use_connections]:
-            writer = connection._writer
-            connection._writer = connection._reader = None
-            if writer is not None:
-                _close_transport_without_loop(writer.transport)
-
-
-def _close_transport_without_loop(transport: Any) -> None:
-    # close() marks the transport closing, then fails where it schedules connection_lost on the
-    # closed loop: that callback would only tell a protocol nobody reads any more.
-    with contextlib.suppress(RuntimeError):
-        transport.close()
-    sock = getattr(transport, "_sock", None)
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.close()
-        transport._sock = None
-
-
+#: The upstream code each fork relies on (SHA-256 of its source). When one changes, read the new
+#: code, check the fork still holds (or is still needed), then update the hash.
 PINS: dict[str, str] = {
-    # 1: what inline_acall / session_acall replace, and the methods they call on the loop.
+    # 1: what inline_acall replaces, and the methods they call on the loop.
     "django.utils.deprecation.MiddlewareMixin.__acall__": "adf8cbcaf9f11e45c4ac1953556ac422f2a6fe4193df5edbed186b2b66bea729",
     "django.utils.deprecation.MiddlewareMixin.__call__": "337be048dd62e01485fd5afaf5b79c473287430ccf369ff9dd80bb8f84fa569f",
     "django.middleware.security.SecurityMiddleware.process_request": "3373d262748cbe3ebf773432c2d3661231fade68467b673b1cde6f32a1ab2027",
@@ -400,42 +235,22 @@ PINS: dict[str, str] = {
     "django.middleware.clickjacking.XFrameOptionsMiddleware.process_response": "045e5788270860c67495f3749df26a405900ef54018858cf78a013692b61d926",
     "csp.middleware.CSPMiddleware.process_request": "bf5a743128a430b80d0d9cafd2a6b8e52232d1466cbdce510866436ef4e73f74",
     "csp.middleware.CSPMiddleware.process_response": "fa72a0cd0d633c49cb5318ebb621cb3b65bae3b8ac53a0a9edd5a6457df1080c",
-    # 2: what StaticFilesMiddleware overrides or reads.
-    "whitenoise.middleware.WhiteNoiseMiddleware.__init__": "3a5a52074a3bbd1ca2e17feea2bb6676f2cb0171675bab5545c1385a52e098a6",
-    "whitenoise.middleware.WhiteNoiseMiddleware.__call__": "538b06958308b801b205f7495dd97176dbf4e6f93ed8a3cf495b4b8e631ff73a",
-    "whitenoise.middleware.WhiteNoiseMiddleware.serve": "5858d32edfbb9db21ccab8dfa22a0062c13e99c41b7b112bfb271fccdd7a8d45",
-    "whitenoise.base.WhiteNoise.add_files": "dfbe7beb6dac6c00882da25ac2b2620fe24d2c37b1757a75ec611fdf22fc5ba0",
-    "whitenoise.base.WhiteNoise.find_file": "f338d02358b615c58f14532918be3b6f78b3c7d53394acfbac8b64a61099dd45",
-    "whitenoise.responders.StaticFile.get_response": "eae5fa4bd64d991dfe4a1e61e46668a4ccb4243bedf4acf9bae99f88749b0e5c",
-    # 3: daphne's close, autobahn's refusal of server codes, the frame we send instead, and
+    # 2: daphne's close, autobahn's refusal of server codes, the frame we send instead, and
     # where daphne makes its WebSocket factory (before it calls ready_callable).
     "daphne.ws_protocol.WebSocketProtocol.serverClose": "8302150efac698d62de45c277e79a177c67ae5ea3c4f437064000bbdb6545a7b",
     "daphne.server.Server.run": "447c6bd42c62e98cda21fbd603a045ff72abbccabd2b234d8b40c18d366cb7db",
     "autobahn.websocket.protocol.WebSocketProtocol.sendClose": "6ccfd325e62723095869fe62379a4a7ef1d1ebff86a8381c402bb6f40251764b",
     "autobahn.websocket.protocol.WebSocketProtocol.sendCloseFrame": "a511406d6b0d711e81f5067e322de0f628437b9f9dac0c74a001bc19c482b9fc",
-    # 5: how asgi_request's ASGIRequest reads the scope and the body.
+    # 4: how asgi_request's ASGIRequest reads the scope and the body.
     "django.core.handlers.asgi.ASGIRequest.__init__": "5ff1464df4bf995e78cfc6ca2590fe9166c6565dee93a37020dba88f2c9c7bc0",
-    # close_redis_clients_without_their_loop: the pool's connection lists and a connection's
-    # _writer/_reader (what disconnect() uses), asyncio's selector transport's _sock.
-    "redis.asyncio.connection.ConnectionPool.disconnect": "16fe6bc22d97481216a032996ce8d1f81b5880793b0379fab8126a78bfb922fc",
-    "redis.asyncio.connection.AbstractConnection.disconnect": "11194f01c2f6d3c2e23f187f73d0bfeea24109a6a5b85a20454ea4abd2c388b9",
-    "asyncio.selector_events._SelectorTransport.close": "92ff882936b07fb4b0e71b039f0d2f32f060ef0fe150ef574bf17357040110f2",
-    "asyncio.selector_events._SelectorTransport.__del__": "831509cbecbc4ddfd32b4d6e30e738996cae8dd8da786eb93c2a7085bf67889b",
 }
 
 
 def source_hash(dotted: str) -> str:
     """The SHA-256 of the source of the function named `dotted` (a module's, or a class's)."""
-    parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            target: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        for name in parts[split:]:
-            target = getattr(target, name)
-        return hashlib.sha256(inspect.getsource(inspect.unwrap(target)).encode()).hexdigest()
-    raise ImportError(f"no module in {dotted!r}")
+    return hashlib.sha256(
+        inspect.getsource(inspect.unwrap(pkgutil.resolve_name(dotted))).encode()
+    ).hexdigest()
 
 
 def changed_pins() -> dict[str, str]:

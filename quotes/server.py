@@ -2,30 +2,11 @@
 
     python -m quotes.server -b 127.0.0.1 -p 8000 config.asgi:application
 
-On SIGTERM (or Ctrl-C) the process stops taking new streams (a 503 `server_draining` with
-Retry-After; /healthz answers 503 "draining", so nginx and the rolling restart look elsewhere),
-lets the open ones finish for up to QUOTES_DRAIN_TIMEOUT_S, then ends those still open with an
-event that tells their clients to resume elsewhere (quotes.transports), closes the backends
-(the embedded model's threads, the HTTP pools), writes the last log rows and exits. A second
-signal stops at once.
-
-Why not plain `daphne`: daphne runs Twisted's reactor, whose own SIGTERM handler stops the
-reactor at once, and daphne's "before shutdown" trigger (`Server.kill_all_applications`) then
-cancels every application instance, open streams included. Twisted calls all of an event's
-"before" triggers one after the other without waiting for any (only the "during" phase waits
-for the Deferreds they return), so a trigger of ours, even one returning a Deferred, cannot hold
-daphne's back. So this runs daphne's own `Server` with Twisted's signal handlers off (its
-`signal_handlers` argument) and handles the signals itself, from daphne's `ready_callable`: the
-reactor is stopped (and daphne's shutdown runs) only once the drain is over. daphne's CLI parses
-the arguments and builds the server, through its `server_class` hook.
-
-WebSocket sockets closed with a server's close codes (1012 for a drain) need one fork of daphne's
-internals: quotes.forks.use_server_close_codes.
-
-daphne's access log (on stdout unless `--access-log` says otherwise, as under `make run`) writes
-each request's path as it came, query string included, and visitors' topics travel in query
-strings: here it gets the path without it (`without_query`). The app's own access line
-(quotes.request) has the request id too; the deploy files send daphne's to /dev/null.
+On SIGTERM it refuses new streams, lets the open ones finish (up to QUOTES_DRAIN_TIMEOUT_S), tells
+the rest to resume elsewhere, and exits (`drain_and_close`); a second signal stops at once. Not
+plain `daphne`: Twisted's SIGTERM handler stops the reactor at once, and daphne's "before
+shutdown" trigger, which cancels every application, cannot be held back. So daphne's `Server`
+runs with Twisted's signal handlers off, and the reactor is stopped once the drain is over.
 """
 
 from __future__ import annotations
@@ -42,17 +23,11 @@ from daphne.server import Server
 
 logger = logging.getLogger("quotes.server")  # run as __main__ (python -m)
 
-#: After the drain, for Twisted to write out the last bytes of the streams that just ended
-#: before the reactor's shutdown drops every connection.
-FLUSH_S = 0.5
+FLUSH_S = 0.5  # for Twisted to write out the streams' last bytes before the reactor stops
 
 
-ActionLogger = Callable[[str, str, dict[str, Any]], None]
-
-
-def without_query(action_logger: ActionLogger) -> ActionLogger:
-    """daphne's `action_logger` (its access log), given each request's path without its query
-    string: `GET /api/quotes/stream?persona=x&topic=...` is logged as `GET /api/quotes/stream`."""
+def without_query(action_logger: Callable[..., None]) -> Callable[..., None]:
+    """daphne's access log, given each path without its query string (where visitors' topics go)."""
 
     def log(protocol: str, action: str, details: dict[str, Any]) -> None:
         path = details.get("path")
@@ -64,8 +39,8 @@ def without_query(action_logger: ActionLogger) -> ActionLogger:
 
 
 def draining_server(**options: Any) -> Server:
-    """daphne's `Server`, as its CLI configures it, that drains on SIGTERM (see the docstring)."""
-    # Imported here: the app (and Django's settings) is loaded by daphne's CLI, after this module.
+    """daphne's `Server`, as its CLI configures it, that drains on SIGTERM."""
+    # Imported here: daphne's CLI loads the app (and Django's settings) after this module.
     from quotes import forks
     from quotes.ai.gateway.rows import writer
 
@@ -74,8 +49,7 @@ def draining_server(**options: Any) -> Server:
         loop = asyncio.get_event_loop()  # daphne's loop, which the reactor is about to run
         for number in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(number, _on_signal, server, number)
-        # Log rows left in the outbox of a process that is gone (killed while the database was
-        # down) are written now, by the writer's thread, not at this process's first stream.
+        # Rows left in the outbox by a process that is gone are written now, not at the first stream.
         writer.start()
 
     if options.get("action_logger") is not None:
@@ -84,7 +58,6 @@ def draining_server(**options: Any) -> Server:
     return server
 
 
-#: The drain under way (one per process), from the first signal.
 _draining: asyncio.Task[None] | None = None
 
 
@@ -108,7 +81,6 @@ async def _drain_then_stop(server: Server) -> None:
 
 
 async def drain_and_close() -> None:
-    # Imported here: the app (and Django's settings) is loaded by daphne's CLI, after this module.
     from django.conf import settings
 
     from quotes.ai import refusals
@@ -120,15 +92,13 @@ async def drain_and_close() -> None:
 
     await drain.run(settings.QUOTES_GATEWAY.drain_timeout_s)
     await end_for_drain()  # the runs still going end; their connections are told to resume elsewhere
-    # Those connections' last bytes must reach daphne before the reactor stops.
-    await drain.settle(CUT_GRACE_S)
+    await drain.settle(CUT_GRACE_S)  # those connections' last bytes reach daphne
     await shared_runs.flush(2.0)  # the cut runs' last events, for a resume on another process
-    await reset_backends()  # the embedded model's threads stop, the upstream pools close
+    await reset_backends()
     if not await asyncio.to_thread(writer.flush, 10.0):
         logger.warning("draining: some log rows were still unwritten after 10 s")
     await asyncio.sleep(FLUSH_S)
-    # Last: the process refuses new streams until it stops, and each refusal's count reaches its
-    # row a second later. Nothing may be awaited between this and the stop (see flush_now).
+    # Last, and nothing awaited after it: refusals go on until the stop, counted a second later.
     await refusals.flush_now()
     logger.info("drained")
 

@@ -136,7 +136,7 @@ def test_production_settings_are_secure_by_default() -> None:
         "SECURE_HSTS_SECONDS",
         "SECURE_PROXY_SSL_HEADER",
         "STORAGES",
-        "WHITENOISE_USE_FINDERS",
+        "SERVESTATIC_USE_FINDERS",
         "LOG_FORMAT",
         "CHANNEL_LAYERS",
         "QUOTES_LOG_CONTENT",
@@ -148,8 +148,8 @@ def test_production_settings_are_secure_by_default() -> None:
     assert values["SECURE_PROXY_SSL_HEADER"] is None  # only when told there is a proxy
     storages = values["STORAGES"]
     assert isinstance(storages, dict)
-    assert storages["staticfiles"]["BACKEND"] == "whitenoise.storage.CompressedManifestStaticFilesStorage"
-    assert values["WHITENOISE_USE_FINDERS"] is False
+    assert storages["staticfiles"]["BACKEND"] == "servestatic.storage.CompressedManifestStaticFilesStorage"
+    assert values["SERVESTATIC_USE_FINDERS"] is False
     assert values["LOG_FORMAT"] == "json"
     assert values["QUOTES_LOG_CONTENT"] is False
     assert values["CHANNEL_LAYERS"] == {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}

@@ -26,7 +26,7 @@ from tests.asgi import AsgiStream, request
 
 @pytest.mark.unit
 def test_the_upstream_code_each_fork_relies_on_is_unchanged() -> None:
-    """Fails when an upgrade of Django, django-csp, WhiteNoise, daphne or autobahn changes a
+    """Fails when an upgrade of Django, django-csp, daphne or autobahn changes a
     function a fork replaces, overrides or calls: read the new code, check the fork still holds
     (or is still needed: docs/benchmarks.md, "The forks"), then update forks.PINS."""
     assert forks.changed_pins() == {}
@@ -58,7 +58,7 @@ def test_the_served_app_freezes_its_start_up_heap() -> None:
 
 @pytest.mark.unit
 def test_source_hash_follows_the_source() -> None:
-    assert forks.source_hash("quotes.forks.inline_acall") != forks.source_hash("quotes.forks.session_acall")
+    assert forks.source_hash("quotes.forks.inline_acall") != forks.source_hash("quotes.forks.steps_aside")
     with pytest.raises(AttributeError):
         forks.source_hash("quotes.forks.no_such_function")
 
@@ -73,7 +73,7 @@ def test_every_middleware_runs_on_the_event_loop() -> None:
         # Sync- and async-capable, and not Django's MiddlewareMixin (whose async path hops to a
         # thread per method): under ASGI Django runs it as a coroutine (django-axes').
         dual = getattr(cls, "async_capable", False) and not issubclass(cls, MiddlewareMixin)
-        inlined = cls in forks.INLINED and cls.__acall__ in (forks.inline_acall, forks.session_acall)
+        inlined = cls in forks.INLINED and cls.__acall__ is forks.inline_acall
         assert inlined or async_only or dual, dotted
 
 

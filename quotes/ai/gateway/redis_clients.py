@@ -1,38 +1,27 @@
-"""This process's Redis clients for the stream core (only when REDIS_URL is set): one module owns
-them, whoever calls (admission's leases, the shared runs in `shared_runs`).
-
-Two pools per process: a small blocking one for short calls (publishing, claims, leases), which
-wait for a free connection within the socket timeout rather than fail when every run publishes
-at once; and one for blocking reads (a reader's XREAD BLOCK holds a connection while it waits),
-so that those never starve the short calls. Every call is bounded by REDIS_OPTIONS' timeouts.
-
-The clients are bound to the running event loop: daphne has one for its life; a test run has one
-per test, and `close()` (in the test's loop) or `forget()` (after it) ends each.
-"""
+"""This process's Redis clients for the stream core, bound to the running event loop. Short calls
+wait for one of a few connections rather than fail; blocking reads (XREAD BLOCK) have a pool of
+their own, so that they never starve the short calls."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from ... import forks
 from ..redis_health import RedisUnavailable, breaker
 
 #: This process, as the keys it holds name it (heartbeats, leases, its stop list).
 PROCESS = uuid.uuid4().hex
 
-#: Short calls share a few connections.
 SHORT_CONNECTIONS = 16
-#: Blocking reads, one connection each while they wait. Bounded: admission bounds the readers
-#: (every reader is an admitted connection), and this bounds what a fault could still open.
+#: Admission bounds the readers; this bounds what a fault could still open.
 BLOCKING_CONNECTIONS = 1_000
 
 
 def enabled() -> bool:
-    """REDIS_URL is set."""
     return bool(settings.REDIS_URL)
 
 
@@ -42,40 +31,44 @@ def usable() -> bool:
 
 
 def failed(error: BaseException) -> None:
-    """A call to Redis failed: the breaker opens (one WARNING per outage). The breaker's own
-    refusal (RedisUnavailable) leaves it as it is: re-opened by each refusal, it never closed
-    for a caller that only retries (the sender, while a run's end waited to be sent)."""
+    """A call to Redis failed: the breaker opens. Not on the breaker's own refusal: re-opened by
+    each, it would never close for a caller that only retries."""
     if not isinstance(error, RedisUnavailable):
         breaker.failed(error)
 
 
-_clients: tuple[asyncio.AbstractEventLoop, aioredis.Redis, aioredis.Redis] | None = None
+#: The clients of the running loop, and the task that closes them with it.
+_clients: tuple[aioredis.Redis, aioredis.Redis, asyncio.Task[None]] | None = None
 
 
 def _pools() -> tuple[aioredis.Redis, aioredis.Redis]:
     global _clients
-    loop = asyncio.get_running_loop()
-    if _clients is None or _clients[0] is not loop:
-        forget()
-        options = settings.REDIS_OPTIONS
-        timeouts = {
-            "socket_timeout": options["socket_timeout"],
-            "socket_connect_timeout": options["socket_connect_timeout"],
+    if _clients is None or _clients[2].get_loop() is not asyncio.get_running_loop():
+        timeout = settings.REDIS_OPTIONS["socket_timeout"]
+        options: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": settings.REDIS_OPTIONS["socket_connect_timeout"],
+            "timeout": timeout,  # the wait for a free connection
         }
-        short = aioredis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL,
-            max_connections=SHORT_CONNECTIONS,
-            timeout=options["socket_timeout"],
-            **timeouts,
+        short, blocking = (
+            aioredis.Redis.from_pool(
+                aioredis.BlockingConnectionPool.from_url(settings.REDIS_URL, max_connections=size, **options)
+            )
+            for size in (SHORT_CONNECTIONS, BLOCKING_CONNECTIONS)
         )
-        blocking = aioredis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL,
-            max_connections=BLOCKING_CONNECTIONS,
-            timeout=options["socket_timeout"],
-            **timeouts,
-        )
-        _clients = (loop, aioredis.Redis.from_pool(short), aioredis.Redis.from_pool(blocking))
-    return _clients[1], _clients[2]
+        _clients = (short, blocking, asyncio.ensure_future(_close_with_the_loop(short, blocking)))
+    return _clients[0], _clients[1]
+
+
+async def _close_with_the_loop(*clients: aioredis.Redis) -> None:
+    """Waits until cancelled, by `close()` or by the end of its loop (asyncio.run, which
+    asgiref's async_to_sync and `manage.py quote` use, cancels the tasks left): the clients
+    close in their own loop, the only one that can close their sockets."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    finally:
+        for redis in clients:
+            await redis.aclose()
 
 
 def client() -> aioredis.Redis:
@@ -94,25 +87,15 @@ def block_ms() -> int:
 
 
 def forget() -> None:
-    """Drop clients whose loop is gone (a finished test's, or `manage.py quote`'s), closing their
-    sockets without it (quotes.forks)."""
+    """Drop the clients of a loop that has ended (closed as it did)."""
     global _clients
-    if _clients is None:
-        return
-    _, *redis_clients = _clients
     _clients = None
-    forks.close_redis_clients_without_their_loop(redis_clients)
 
 
 async def close() -> None:
-    """Close the clients (the end of a test's loop, or of the process)."""
+    """Close the clients now (the end of a test's loop, or of the process)."""
     global _clients
-    if _clients is None:
-        return
-    loop, *redis_clients = _clients
-    _clients = None
-    if loop is asyncio.get_running_loop():
-        for redis in redis_clients:
-            await redis.aclose()
-    elif loop.is_closed():
-        forks.close_redis_clients_without_their_loop(redis_clients)
+    clients, _clients = _clients, None
+    if clients is not None and clients[2].get_loop() is asyncio.get_running_loop():
+        clients[2].cancel()
+        await asyncio.wait([clients[2]])
