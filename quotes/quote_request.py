@@ -34,8 +34,7 @@ class QuoteInput:
 
 
 async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
-    """Check `persona`, `topic`, `messages` and `fresh` the same way for every transport, or
-    raise the QuoteError (400/404) that says what is wrong."""
+    """`params` checked, or the QuoteError (400/404) that says what is wrong."""
     active = await _find_persona(params.get("persona"))
     persona = active.persona
     topic = clean_topic(params.get("topic"), default=persona.default_topic)
@@ -72,8 +71,8 @@ def events_for(
 async def resume_quote(
     last_event_id: object, client: Client, admitted: admission.Entry | Error | None = None
 ) -> Resumed | Error:
-    """The generation's events after `last_event_id` (quotes.ai.gateway.runs.resume), or the
-    admission's refusal; a QuoteError for an id this site never sent, or one it keeps no longer."""
+    """The generation's events after `last_event_id`, or the admission's refusal; a QuoteError
+    for an id this site never sent, or one it keeps no longer."""
     parsed = parse_event_id(last_event_id)
     if parsed is None:
         message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
@@ -103,9 +102,7 @@ async def _find_persona(slug: object) -> personas.ActivePersona:
         )
     if not isinstance(slug, str):
         raise QuoteError(ErrorCode.INVALID_PERSONA, "`persona` must be a string (a persona's slug).", 400)
-    if not _SLUG.fullmatch(slug):  # never a persona, and PostgreSQL refuses some bytes (NUL) outright
-        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
-    active = await personas.get_active(slug)
-    if active is None:
+    # Not a slug: never a persona, and PostgreSQL refuses some bytes (NUL) outright.
+    if not _SLUG.fullmatch(slug) or (active := await personas.get_active(slug)) is None:
         raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
     return active
