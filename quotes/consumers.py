@@ -29,7 +29,7 @@ from .ai.gateway import admission, runs
 from .ai.gateway.generation import Client, refuse_if_full
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import frame_too_large
-from .transports import Opening, WebSocketEncoder, encode_stream
+from .transports import WebSocketEncoder, encode_stream
 
 BUSY = QuoteError(ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409)
 FRAMES = '{"type": "start", ...}, {"type": "resume", ...} or {"type": "cancel"}'
@@ -89,10 +89,8 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
             return
         self.generation_id = resumed.meta.generation_id
-        opening = Opening(resumed.meta, None, resumed.after, resumed=True)
-        self.task = asyncio.create_task(
-            self._send_frames(encode_stream(resumed.events, WebSocketEncoder(), opening))
-        )
+        frames = encode_stream(resumed.events, WebSocketEncoder(), resumed)
+        self.task = asyncio.create_task(self._send_frames(frames))
 
     async def _start(self, content: dict[str, Any]) -> None:
         client = self._client()

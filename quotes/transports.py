@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
 from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
@@ -18,7 +18,7 @@ from .ai.catalog import doc_url
 from .ai.errors import QuoteError, envelope, internal
 from .ai.events import Done, Error, Event, Meta, Ping, Reconnect, Token, Usage
 from .ai.gateway.admission import reconnect_retry_ms, server_draining
-from .ai.gateway.runs import resume_key
+from .ai.gateway.runs import Resumed, resume_key
 from .request_threads import release_request_thread
 
 Out = TypeVar("Out")
@@ -72,16 +72,12 @@ _ENDED = internal()
 
 @dataclass(frozen=True, slots=True)
 class Opening:
-    """A stream's facts (Meta, merged) and its first real event, read before an HTTP status is
-    chosen. A resume's opening has the facts its client already had and no first event."""
+    """A new stream's facts (Meta, merged) and its first real event, read before an HTTP status
+    is chosen. A resume starts from its Resumed instead: the facts its client had, no first event."""
 
     meta: Meta
     first: Event | None
-    #: the generation's events before `first` (its Metas; pings are none), or, resumed, the
-    #: number of the last event its client had
-    before: int = 0
-    #: a resume sends no opening of its own, and may end without a terminal event
-    resumed: bool = False
+    after: int = 0  # the generation's events before `first` (its Metas; pings are none)
 
 
 #: A new stream's opening, before anything was read.
@@ -103,21 +99,24 @@ async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
 
 
 async def encode_stream(
-    events: AsyncGenerator[Event, None], encoder: Encoder[Out, Any], opening: Opening = NEW
+    events: AsyncGenerator[Event, None], encoder: Encoder[Out, Any], opening: Opening | Resumed = NEW
 ) -> AsyncGenerator[Out, None]:
     """Drive `events` into `encoder` until Done or Error, or until Reconnect (the encoder's
     `reconnect` is last). Every event is numbered: a reader yields the generation's events in
-    order from where it started, so the n-th read is the generation's n-th (pings are none)."""
-    meta, n, usage = opening.meta, opening.before, None
-    sent = n if opening.resumed else 0  # the last event sent with its id: where a cut stream resumes
+    order from where it started, so the n-th read is the generation's n-th (pings are none).
+    A resume sends no opening of its own, and may end without a terminal event (its client had
+    them)."""
+    resumed = type(opening) is Resumed
+    meta, n, usage = opening.meta, opening.after, None
+    sent = n if resumed else 0  # the last event sent with its id: where a cut stream resumes
     ids = EventIds(meta.generation_id) if meta.generation_id else None
     async with aclosing(events):
-        out = None if opening.resumed else encoder.start(meta)
+        out = None if resumed else encoder.start(meta)
         if out is not None:
             if ids is not None:  # it stands for the events read before the first one
                 sent, out = n, encoder.identify(out, ids, n)
             yield out
-        event = opening.first or await anext(events, _ENDED)
+        event = (None if isinstance(opening, Resumed) else opening.first) or await anext(events, _ENDED)
         while type(event) is not Reconnect:
             if type(event) is Ping:
                 out = encoder.ping()
@@ -135,7 +134,7 @@ async def encode_stream(
                 out = encoder.done(meta, usage)
             else:  # Error: after the first byte the status is sent, so the error is an event
                 assert type(event) is Error
-                if event is _ENDED and opening.resumed:
+                if event is _ENDED and resumed:
                     return  # resumed after the last event: nothing more to send
                 out = encoder.error(event)
             if type(event) is not Ping:
@@ -158,10 +157,12 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def stream_response(
-    events: AsyncGenerator[Event, None], encoder: Encoder[bytes, HttpResponse], opening: Opening | None = None
+    events: AsyncGenerator[Event, None],
+    encoder: Encoder[bytes, HttpResponse],
+    opening: Opening | Resumed | None = None,
 ) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error before any text gets
-    its real status; then stream. A resume comes with its `opening`."""
+    its real status; then stream. A resume comes with its Resumed (its client had the beginning)."""
     # The wait needs no request thread: a burst of new streams holds none (quotes.request_threads).
     release_request_thread()
     if opening is None:
@@ -212,13 +213,7 @@ def meta_payload(meta: Meta) -> dict[str, Any]:
 
 
 def usage_payload(usage: Usage | None) -> dict[str, int] | None:
-    if usage is None:
-        return None
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    }
+    return None if usage is None else {**asdict(usage), "total_tokens": usage.total_tokens}
 
 
 def error_payload(error: Error) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any, cast
 
@@ -36,15 +36,7 @@ from .forks import asgi_scope
 from .models import Generation, Persona
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import refuse_cross_site
-from .transports import (
-    Encoder,
-    EventSourceEncoder,
-    HtmxEncoder,
-    Opening,
-    WorkersAIEncoder,
-    error_response,
-    stream_response,
-)
+from .transports import EventSourceEncoder, HtmxEncoder, WorkersAIEncoder, error_response, stream_response
 
 
 class HtmxHttpRequest(HttpRequest):
@@ -81,10 +73,10 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             "stream_url": reverse("quotes:stream"),
             "form_stream_url": reverse("quotes:stream-form"),
             # The page script builds a quote's URLs from these patterns ("{id}" is its id).
-            "permalink_url": _url_pattern("quotes:permalink"),
-            "feedback_url": _url_pattern("quotes:feedback"),
-            "share_url": _url_pattern("quotes:share"),
-            "stop_url": _url_pattern("quotes:stop"),
+            **{
+                f"{name}_url": _url_pattern(f"quotes:{name}")
+                for name in ("permalink", "feedback", "share", "stop")
+            },
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
             # (static/js/quote-stream.js), which the browser tests use to prove that path too.
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
@@ -124,13 +116,11 @@ def unavailable_page(request: HttpRequest, error: QuoteError) -> HttpResponse:
 
 
 async def client_of(request: HttpRequest) -> Client:
-    if settings.SESSION_COOKIE_NAME not in request.COOKIES:
-        # No session, so no user: what request.auser() would find, without loading a session.
-        return Client.from_request(request.META.get("REMOTE_ADDR") or "")
-    user = await request.auser()
-    return Client.from_request(
-        request.META.get("REMOTE_ADDR") or "", user.pk if user.is_authenticated else None
-    )
+    user_id = None
+    if settings.SESSION_COOKIE_NAME in request.COOKIES:  # no session, no user: no session to load
+        user = await request.auser()
+        user_id = user.pk if user.is_authenticated else None
+    return Client.from_request(request.META.get("REMOTE_ADDR") or "", user_id)
 
 
 #: Marks a response no browser renders as a page (an SSE stream, a JSON error, an htmx event):
@@ -155,7 +145,7 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     return not_a_document(await _stream_quote(request, form=True, htmx=True))
 
 
-def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[Encoder[bytes, HttpResponse], str]:
+def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[WorkersAIEncoder | HtmxEncoder, str]:
     """The encoder a stream request is answered with, and its transport's name."""
     if htmx:
         return HtmxEncoder(), "htmx"
@@ -178,8 +168,7 @@ async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> Http
             if isinstance(resumed, Error):  # refused, and counted, like a new stream
                 await refuse_if_full(resumed, slug=params.get("persona"), client=client, transport=refused_as)
                 return encoder.error_answer(resumed, Meta())
-            opening = Opening(resumed.meta, None, resumed.after, resumed=True)
-            return await stream_response(resumed.events, encoder, opening)
+            return await stream_response(resumed.events, encoder, resumed)
         full = await refuse_if_full(admitted, slug=params.get("persona"), client=client, transport=refused_as)
         if full is not None:
             return encoder.error_answer(full, Meta())
@@ -285,16 +274,12 @@ def _read_params(request: HttpRequest) -> dict[str, Any]:
             raise QuoteError(ErrorCode.NOT_ACCEPTABLE, message, 406)
         return request.GET.dict()
     if request.method != "POST":
-        raise QuoteError(
-            ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body, or GET for EventSource.", 405
-        )
+        message = "Use POST with a JSON body, or GET for EventSource."
+        raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, message, 405)
     _check_body_size(request)
     if request.content_type != "application/json":
-        raise QuoteError(
-            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
-            "Send the body as JSON with Content-Type: application/json.",
-            415,
-        )
+        message = "Send the body as JSON with Content-Type: application/json."
+        raise QuoteError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, message, 415)
     try:
         params = json.loads(request.body)
     except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
@@ -319,16 +304,15 @@ def _form_params(request: HttpRequest) -> dict[str, Any]:
         try:
             params["messages"] = json.loads(raw)
         except (ValueError, RecursionError):
-            raise QuoteError(
-                ErrorCode.INVALID_MESSAGES, "`messages` must be a JSON list of turns.", 400
-            ) from None
+            message = "`messages` must be a JSON list of turns."
+            raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400) from None
     return params
 
 
 # --- stop, permalinks, share and feedback ---------------------------------------------------
 
 
-QuoteView = Callable[[HttpRequest, uuid.UUID], Awaitable[HttpResponseBase]]
+QuoteView = Callable[[HttpRequest, uuid.UUID], Coroutine[Any, Any, HttpResponseBase]]
 
 
 def post_only(message: str) -> Callable[[QuoteView], QuoteView]:
@@ -338,9 +322,8 @@ def post_only(message: str) -> Callable[[QuoteView], QuoteView]:
         @functools.wraps(view)
         async def post_view(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
             if request.method != "POST":
-                return error_response(
-                    QuoteError(ErrorCode.METHOD_NOT_ALLOWED, message, 405), {"Allow": "POST"}
-                )
+                error = QuoteError(ErrorCode.METHOD_NOT_ALLOWED, message, 405)
+                return error_response(error, {"Allow": "POST"})
             try:
                 return await view(request, public_id)
             except QuoteError as exc:
@@ -415,9 +398,8 @@ async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResp
     await count_action("feedback", client.key)
     value = _read_params(request).get("value")
     if type(value) is not int or value not in (1, -1):
-        raise QuoteError(
-            ErrorCode.INVALID_FEEDBACK, "`value` must be 1 (thumbs up) or -1 (thumbs down).", 400
-        )
+        message = "`value` must be 1 (thumbs up) or -1 (thumbs down)."
+        raise QuoteError(ErrorCode.INVALID_FEEDBACK, message, 400)
     try:
         generation = await Generation.objects.aget(public_id=public_id, is_preview=False)
     except Generation.DoesNotExist:
