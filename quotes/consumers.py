@@ -54,16 +54,15 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if (too_large := frame_too_large(text_data, bytes_data)) is not None:
             await self._refuse(too_large)
             await self.close(code=1009)  # "message too big"
-            return
-        if text_data is None:
+        elif text_data is None:
             await self._refuse(QuoteError(ErrorCode.INVALID_FRAME, "Send JSON text frames.", 400))
-            return
-        try:
-            content = json.loads(text_data)
-        except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
-            await self._refuse(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
-            return
-        await self.receive_json(content)
+        else:
+            try:
+                content = json.loads(text_data)
+            except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
+                await self._refuse(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
+                return
+            await self.receive_json(content)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         kind = content.get("type") if isinstance(content, dict) else None

@@ -41,21 +41,14 @@ class Encoder(Generic[Out, Answer]):
     __slots__ = ()
 
     def start(self, meta: Meta) -> Out | None: ...
-
     def meta(self, meta: Meta) -> Out | None: ...  # the facts changed while the stream flows
-
     def token(self, text: str) -> Out | None: ...
-
     def usage(self, usage: Usage) -> Out | None: ...
-
     def ping(self) -> Out | None: ...
-
     def done(self, meta: Meta, usage: Usage | None) -> Out | None: ...
-
     def error(self, error: Error) -> Out | None: ...
-
-    def reconnect(self, last_event_id: str | None, retry_ms: int) -> Out | None:
-        """The process drains: resume elsewhere after `retry_ms`, from `last_event_id`. Last."""
+    # The process drains: resume elsewhere after `retry_ms`, from `last_event_id`. Sent last.
+    def reconnect(self, last_event_id: str | None, retry_ms: int) -> Out | None: ...
 
     def identify(self, out: Out, ids: EventIds, n: int) -> Out:
         """`out` numbered as the generation's n-th event (its resume id)."""
@@ -82,20 +75,6 @@ class Opening:
 
 #: A new stream's opening, before anything was read.
 NEW = Opening(Meta(), None)
-
-
-async def open_stream(events: AsyncGenerator[Event, None]) -> Opening:
-    meta = Meta()
-    before = 0
-    first = await anext(events, _ENDED)
-    while type(first) is Meta or type(first) is Ping:
-        if type(first) is Meta:
-            meta = meta.merged(first)
-            before += 1
-        first = await anext(events, _ENDED)
-    if type(first) is Reconnect:
-        first = server_draining()  # cut by the drain, nothing sent yet: refused like a new stream
-    return Opening(meta, first, before)
 
 
 async def encode_stream(
@@ -166,10 +145,18 @@ async def stream_response(
     # The wait needs no request thread: a burst of new streams holds none (quotes.request_threads).
     release_request_thread()
     if opening is None:
-        opening = await open_stream(events)
-        if type(opening.first) is Error:
+        meta, after = Meta(), 0
+        first = await anext(events, _ENDED)
+        while type(first) is Meta or type(first) is Ping:
+            if type(first) is Meta:
+                meta, after = meta.merged(first), after + 1
+            first = await anext(events, _ENDED)
+        if type(first) is Reconnect:
+            first = server_draining()  # cut by the drain, nothing sent yet: refused like a new stream
+        if type(first) is Error:
             await events.aclose()
-            return encoder.error_answer(opening.first, opening.meta)
+            return encoder.error_answer(first, meta)
+        opening = Opening(meta, first, after)
     headers = {**SSE_HEADERS, **meta_headers(opening.meta)}
     if opening.meta.generation_id:
         headers["X-Generation-Id"] = opening.meta.generation_id

@@ -50,9 +50,11 @@ async def index(request: HttpRequest) -> HttpResponse:
     return render(request, "quotes/index.html", {"personas": personas_})
 
 
+ID_SLOT = uuid.UUID(int=0)
+
+
 async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
-    # The stream's own persona cache: while the database is down, a persona this process has
-    # served keeps its page, as it keeps its quotes (quotes.personas).
+    # While the database is down, a persona this process has served keeps its page (quotes.personas).
     try:
         active = await personas.get_active(slug)
     except QuoteError as exc:  # the database is down, and this process never loaded the persona
@@ -74,7 +76,7 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             "form_stream_url": reverse("quotes:stream-form"),
             # The page script builds a quote's URLs from these patterns ("{id}" is its id).
             **{
-                f"{name}_url": _url_pattern(f"quotes:{name}")
+                f"{name}_url": reverse(f"quotes:{name}", args=[ID_SLOT]).replace(str(ID_SLOT), "{id}")
                 for name in ("permalink", "feedback", "share", "stop")
             },
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
@@ -82,14 +84,6 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
         },
     )
-
-
-_ID_SLOT = uuid.UUID(int=0)
-
-
-def _url_pattern(name: str) -> str:
-    """The URL `name` takes a quote's public id in, with `{id}` where the id goes."""
-    return reverse(name, args=[_ID_SLOT]).replace(str(_ID_SLOT), "{id}")
 
 
 # --- the database down --------------------------------------------------------------------
