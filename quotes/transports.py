@@ -38,8 +38,6 @@ class EventIds:
 class Encoder(Generic[Out, Answer]):
     """How each event looks on one transport. None (the default): nothing to send for it."""
 
-    __slots__ = ()
-
     def start(self, meta: Meta) -> Out | None: ...
     def meta(self, meta: Meta) -> Out | None: ...  # the facts changed while the stream flows
     def token(self, text: str) -> Out | None: ...
@@ -80,11 +78,9 @@ NEW = Opening(Meta(), None)
 async def encode_stream(
     events: AsyncGenerator[Event, None], encoder: Encoder[Out, Any], opening: Opening | Resumed = NEW
 ) -> AsyncGenerator[Out, None]:
-    """Drive `events` into `encoder` until Done or Error, or until Reconnect (the encoder's
-    `reconnect` is last). Every event is numbered: a reader yields the generation's events in
-    order from where it started, so the n-th read is the generation's n-th (pings are none).
-    A resume sends no opening of its own, and may end without a terminal event (its client had
-    them)."""
+    """Drive `events` into `encoder` until Done, Error or Reconnect. Events are numbered as read (a
+    reader yields the generation's events in order from where it started; pings are none). A
+    resume sends no opening, and may end without a terminal event: its client had them."""
     resumed = type(opening) is Resumed
     meta, n, usage = opening.meta, opening.after, None
     sent = n if resumed else 0  # the last event sent with its id: where a cut stream resumes
@@ -208,8 +204,6 @@ def error_payload(error: Error) -> dict[str, Any]:
 
 
 class SSEEncoder(Encoder[bytes, HttpResponse]):
-    __slots__ = ()
-
     def ping(self) -> bytes:
         return sse.PING
 
@@ -223,8 +217,6 @@ class SSEEncoder(Encoder[bytes, HttpResponse]):
 class WorkersAIEncoder(SSEEncoder):
     """The JSON stream: Workers AI's own wire format, whichever backend answers (the facts go out
     as headers)."""
-
-    __slots__ = ()
 
     def token(self, text: str) -> bytes:
         return sse.token(text)
@@ -243,33 +235,23 @@ class WorkersAIEncoder(SSEEncoder):
         return error_response(error, meta_headers(meta))
 
 
-#: How long EventSource waits before it reconnects (and resumes with Last-Event-ID), in ms.
-RETRY_MS = 1000
-
-
 class EventSourceEncoder(WorkersAIEncoder):
     """EventSource reconnects when a body ends, which would write a second quote: a named `done`
     after `[DONE]` tells the client to close() first. A body cut short resumes after `retry` ms."""
 
-    __slots__ = ()
-
     def start(self, meta: Meta) -> bytes:
-        return b"retry: %d\n\n" % RETRY_MS
+        return b"retry: 1000\n\n"  # how long EventSource waits to reconnect (and resume), in ms
 
     def done(self, meta: Meta, usage: Usage | None) -> bytes:
-        return sse.DONE + sse.named(
-            "done", {"id": meta.generation_id, "permalink": permalink_of(meta.generation_id)}
-        )
+        id_ = meta.generation_id
+        return sse.DONE + sse.named("done", {"id": id_, "permalink": permalink_of(id_)})
 
 
 class HtmxEncoder(SSEEncoder):
     """hx-sse appends each unnamed message's data to the target as HTML and dispatches each named
     event as a DOM event: text goes out HTML-escaped, facts as named JSON events."""
 
-    __slots__ = ("_space",)
-
-    def __init__(self) -> None:
-        self._space = ""  # whitespace held back for the next token
+    _space = ""  # whitespace held back for the next token
 
     def start(self, meta: Meta) -> bytes:
         return sse.named("meta", meta_payload(meta))
@@ -305,8 +287,6 @@ class HtmxEncoder(SSEEncoder):
 class WebSocketEncoder(Encoder[dict[str, Any], dict[str, Any]]):
     """JSON frames: `meta` whenever the facts change, `token`, then `done` or `error`. The socket
     has its own pings."""
-
-    __slots__ = ()
 
     def meta(self, meta: Meta) -> dict[str, Any]:
         return {"type": "meta", **meta_payload(meta)}

@@ -40,9 +40,7 @@ from .transports import EventSourceEncoder, HtmxEncoder, WorkersAIEncoder, error
 
 
 class HtmxHttpRequest(HttpRequest):
-    """A request that has been through django-htmx's HtmxMiddleware (settings.MIDDLEWARE)."""
-
-    htmx: HtmxDetails
+    htmx: HtmxDetails  # set by django-htmx's HtmxMiddleware
 
 
 async def index(request: HttpRequest) -> HttpResponse:
@@ -84,9 +82,6 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
         },
     )
-
-
-# --- the database down --------------------------------------------------------------------
 
 
 def unavailable_response(request: HttpRequest, error: QuoteError) -> HttpResponseBase:
@@ -143,8 +138,7 @@ def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[WorkersAIEncoder | Ht
     """The encoder a stream request is answered with, and its transport's name."""
     if htmx:
         return HtmxEncoder(), "htmx"
-    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
-    # Workers AI wire format.
+    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) gets Workers AI's format.
     if request.method == "GET" and "text/event-stream" in request.headers.get("Accept", ""):
         return EventSourceEncoder(), "eventsource"
     return WorkersAIEncoder(), "api"
@@ -188,10 +182,7 @@ def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
     # a post without an Origin through on plain http on a token alone (and a sibling subdomain can
     # plant the CSRF cookie): its Sec-Fetch-Site still says where it comes from.
     refuse_cross_site(request)
-    if not form:
-        return _read_params(request)
-    _check_body_size(request)
-    return _form_params(request)
+    return _form_params(request) if form else _read_params(request)
 
 
 def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> object:
@@ -283,27 +274,21 @@ def _read_params(request: HttpRequest) -> dict[str, Any]:
     return params
 
 
-FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
-
-
 def _form_params(request: HttpRequest) -> dict[str, Any]:
-    if request.content_type not in FORM_TYPES:
+    _check_body_size(request)
+    if request.content_type not in ("application/x-www-form-urlencoded", "multipart/form-data"):
         raise QuoteError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, "Post the page's form.", 415)
     params: dict[str, Any] = request.POST.dict()
     params.pop("csrfmiddlewaretoken", None)
     if not params.get("topic"):
         params.pop("topic", None)
-    raw = params.pop("messages", "")
-    if raw:
+    if raw := params.pop("messages", ""):
         try:
             params["messages"] = json.loads(raw)
         except (ValueError, RecursionError):
             message = "`messages` must be a JSON list of turns."
             raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400) from None
     return params
-
-
-# --- stop, permalinks, share and feedback ---------------------------------------------------
 
 
 QuoteView = Callable[[HttpRequest, uuid.UUID], Coroutine[Any, Any, HttpResponseBase]]
