@@ -6,7 +6,8 @@ Server -> client (a generation's frames carry their `event_id`, quotes.transport
 `meta` (may repeat), `token`, `done`, `error`, `cancelled` (after a cancel that stopped a
 generation), `reconnect` (the process drains: the socket then closes with 1012, resume elsewhere).
 
-One generation at a time per socket (`busy_socket`); it runs on for QUOTES_RESUME_GRACE_S after
+One generation at a time per socket (`busy_socket`), read in a task of its own (Channels handles
+one message at a time, and a cancel must get through); it runs on for QUOTES_RESUME_GRACE_S after
 its socket drops. Every start and every refused frame counts against the client's rate limit.
 """
 
@@ -24,7 +25,7 @@ from django.conf import settings
 from django.urls import path
 
 from .ai.errors import ErrorCode, QuoteError
-from .ai.events import Error
+from .ai.events import Error, Meta
 from .ai.gateway import admission, runs
 from .ai.gateway.generation import Client, refuse_if_full
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
@@ -154,7 +155,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         await self._send_error(error.as_event())
 
     async def _send_error(self, error: Error) -> None:
-        await self.send_json(WebSocketEncoder().error(error))
+        await self.send_json(WebSocketEncoder().error_answer(error, Meta()))
 
 
 websocket_urlpatterns = [path("ws/quotes/", QuoteConsumer.as_asgi())]

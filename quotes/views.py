@@ -207,6 +207,8 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
         return None
     if _last_event_id(request, params) is not None:
         return None  # the view admits it (a draining process serves the runs it holds)
+    # Before Django's CSRF check: a refusal starts nothing, and only a same-site form that carries
+    # a CSRF cookie and token is answered here (anything else meets Django's check).
     if form and not (request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)):
         return None
     htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
