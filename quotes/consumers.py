@@ -1,32 +1,14 @@
 """The WebSocket transport: the same quote stream as the HTTP endpoint, as JSON frames.
 
-Client -> server:
-    {"type": "start", "persona": slug, "topic": "...", "messages": [...], "fresh": false}
-    {"type": "resume", "last_event_id": "<generation id>.<key>:<n>"}   (after a dropped socket)
-    {"type": "cancel"}
-Server -> client (each frame of a generation with its `event_id`, "<generation id>.<key>:<n>",
-the key a secret of this stream's own: quotes.ai.gateway.runs.resume_key):
-    {"type": "meta", "model", "model_url", "cache_status", "id", "permalink"}  (may repeat)
-    {"type": "token", "text": "..."}
-    {"type": "done", "usage": {...} | null, "id", "permalink"}
-    {"type": "error", "code", "message", "retry_after"}
-    {"type": "cancelled"}   after a cancel that stopped a generation
-    {"type": "reconnect", "last_event_id", "retry_ms"}   the process is restarting: the socket
-        is then closed with code 1012 (service restart); resume on another connection
+Client -> server: {"type": "start", "persona", "topic", "messages", "fresh"},
+{"type": "resume", "last_event_id"} (after a dropped socket), {"type": "cancel"}.
+Server -> client (a generation's frames carry their `event_id`, quotes.transports.WebSocketEncoder):
+`meta` (may repeat), `token`, `done`, `error`, `cancelled` (after a cancel that stopped a
+generation), `reconnect` (the process drains: the socket then closes with 1012, resume elsewhere).
 
-A socket that drops leaves its generation running for QUOTES_RESUME_GRACE_S: a new socket's
-`resume` frame gets the frames after `last_event_id`, then the live rest (an unknown or
-expired id gets an error frame, `resume_unavailable`). A `cancel` stops it at once.
-
-A `start` on a process that is restarting gets an error frame (`server_draining`), then the
-socket is closed with code 1012, so the client reconnects (through nginx, to another process).
-One generation at a time per socket: a `start` while one runs gets an error frame with code
-`busy_socket` (cancel first). Every `start` counts against the client's rate limit (and its
-network's), refused ones included, and so does every refused frame (malformed, a failed resume).
-A frame over QUOTES_MAX_FRAME_BYTES gets an error frame (`frame_too_large`), and the socket is
-closed with code 1009. The socket reads its generation in a task of its own
-(Channels handles one message at a time); a `cancel` stops the generation at once, and the
-gateway logs the row as cancelled (`stopped`) and closes the upstream or stops the model.
+One generation at a time per socket (`busy_socket`), read in a task of its own (Channels handles
+one message at a time, and a cancel must get through); it runs on for QUOTES_RESUME_GRACE_S after
+its socket drops. Every start and every refused frame counts against the client's rate limit.
 """
 
 from __future__ import annotations
@@ -48,9 +30,11 @@ from .ai.gateway import admission, runs
 from .ai.gateway.generation import Client, refuse_if_full
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import frame_too_large
-from .transports import Opening, WebSocketEncoder, encode_stream
+from .transports import WebSocketEncoder, encode_stream
 
 BUSY = QuoteError(ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409)
+FRAMES = '{"type": "start", ...}, {"type": "resume", ...} or {"type": "cancel"}'
+UNKNOWN_FRAME = QuoteError(ErrorCode.INVALID_FRAME, f"A frame must be {FRAMES}.", 400)
 
 
 class QuoteConsumer(AsyncJsonWebsocketConsumer):
@@ -60,11 +44,6 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     task: asyncio.Task[None] | None = None
     #: the generation this socket reads (its id, from its first frame that has it): a cancel stops it
     generation_id: str | None = None
-
-    async def connect(self) -> None:
-        self.task = None
-        self.generation_id = None
-        await self.accept()
 
     async def disconnect(self, code: int) -> None:
         # Gone, not stopped: the generation runs on for the resume grace.
@@ -76,20 +55,21 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if (too_large := frame_too_large(text_data, bytes_data)) is not None:
             await self._refuse(too_large)
             await self.close(code=1009)  # "message too big"
-            return
-        if text_data is None:
+        elif text_data is None:
             await self._refuse(QuoteError(ErrorCode.INVALID_FRAME, "Send JSON text frames.", 400))
-            return
-        try:
-            content = json.loads(text_data)
-        except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
-            await self._refuse(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
-            return
-        await self.receive_json(content)
+        else:
+            try:
+                content = json.loads(text_data)
+            except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
+                await self._refuse(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
+                return
+            await self.receive_json(content)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         kind = content.get("type") if isinstance(content, dict) else None
-        if kind == "start":
+        if kind in ("start", "resume") and self.task is not None and not self.task.done():
+            await self._refuse(BUSY)
+        elif kind == "start":
             await self._start(content)
         elif kind == "resume":
             await self._resume(content.get("last_event_id"))
@@ -97,18 +77,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             if await self._cancel(stop=True):
                 await self.send_json({"type": "cancelled"})
         else:
-            await self._refuse(
-                QuoteError(
-                    ErrorCode.INVALID_FRAME,
-                    'A frame must be {"type": "start", ...}, {"type": "resume", ...} or {"type": "cancel"}.',
-                    400,
-                )
-            )
+            await self._refuse(UNKNOWN_FRAME)
 
     async def _resume(self, last_event_id: object) -> None:
-        if self.task is not None and not self.task.done():
-            await self._refuse(BUSY)
-            return
         try:
             resumed = await resume_quote(last_event_id, self._client())
         except QuoteError as exc:
@@ -118,18 +89,11 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
             return
         self.generation_id = resumed.meta.generation_id
-        opening = Opening(resumed.meta, None, resumed.after, resumed=True)
-        self.task = asyncio.create_task(
-            self._send_frames(encode_stream(resumed.events, WebSocketEncoder(), opening))
-        )
+        frames = encode_stream(resumed.events, WebSocketEncoder(), resumed)
+        self.task = asyncio.create_task(self._send_frames(frames))
 
     async def _start(self, content: dict[str, Any]) -> None:
-        # Every start counts against the rate limit: the gateway counts those it runs, and
-        # `_refuse` those refused here.
         client = self._client()
-        if self.task is not None and not self.task.done():
-            await self._refuse(BUSY)
-            return
         admitted = admission.enter(settings.QUOTES_GATEWAY)  # decided once, here: passed on as it is
         full = await refuse_if_full(
             admitted, slug=content.get("persona"), client=client, transport="websocket"
@@ -187,7 +151,6 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         return True
 
     async def _refuse(self, error: QuoteError) -> None:
-        """Answer a refused frame, counted as the HTTP endpoint counts its refused requests."""
         error = await count_refused(self._client()) or error
         await self._send_error(error.as_event())
 

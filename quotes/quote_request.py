@@ -24,8 +24,6 @@ from .security import RateLimited
 
 @dataclass(frozen=True, slots=True)
 class QuoteInput:
-    """A checked request for one quote, whatever the transport (HTTP, htmx, WebSocket)."""
-
     persona: Persona
     version: PersonaVersion | None
     topic: str
@@ -33,10 +31,20 @@ class QuoteInput:
     fresh: bool
 
 
+_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
+
+
 async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
-    """Check `persona`, `topic`, `messages` and `fresh` the same way for every transport, or
-    raise the QuoteError (400/404) that says what is wrong."""
-    active = await _find_persona(params.get("persona"))
+    """`params` checked, or the QuoteError (400/404) that says what is wrong."""
+    slug = params.get("persona")
+    if slug is None or slug == "":
+        message = "Say which persona should speak: the `persona` field."
+        raise QuoteError(ErrorCode.MISSING_PERSONA, message, 400)
+    if not isinstance(slug, str):
+        raise QuoteError(ErrorCode.INVALID_PERSONA, "`persona` must be a string (a persona's slug).", 400)
+    # Not a slug: never a persona, and PostgreSQL refuses some bytes (NUL) outright.
+    if not _SLUG.fullmatch(slug) or (active := await personas.get_active(slug)) is None:
+        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
     persona = active.persona
     topic = clean_topic(params.get("topic"), default=persona.default_topic)
     messages = parse_messages(params.get("messages"))
@@ -45,13 +53,8 @@ async def parse_quote_request(params: dict[str, Any]) -> QuoteInput:
         model=backend_for(persona).model_name(persona.model),
     )
     fresh = params.get("fresh")
-    return QuoteInput(
-        persona=persona,
-        version=active.version,
-        topic=topic,
-        messages=messages,
-        fresh=fresh is True or (isinstance(fresh, str) and fresh.lower() in ("1", "true", "yes")),
-    )
+    fresh = fresh is True or (isinstance(fresh, str) and fresh.lower() in ("1", "true", "yes"))
+    return QuoteInput(persona, active.version, topic, messages, fresh)
 
 
 def events_for(
@@ -72,8 +75,8 @@ def events_for(
 async def resume_quote(
     last_event_id: object, client: Client, admitted: admission.Entry | Error | None = None
 ) -> Resumed | Error:
-    """The generation's events after `last_event_id` (quotes.ai.gateway.runs.resume), or the
-    admission's refusal; a QuoteError for an id this site never sent, or one it keeps no longer."""
+    """The generation's events after `last_event_id`, or the admission's refusal; a QuoteError
+    for an id this site never sent, or one it keeps no longer."""
     parsed = parse_event_id(last_event_id)
     if parsed is None:
         message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
@@ -91,21 +94,3 @@ async def count_refused(client: Client) -> RateLimited | None:
     client's and its network's limits: the 429 to answer instead of its own error once over."""
     refused = await admission.count(client.key, settings.QUOTES_GATEWAY, network_key=client.network_key)
     return None if refused is None else RateLimited(refused.message, refused.retry_after or 1)
-
-
-_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
-
-
-async def _find_persona(slug: object) -> personas.ActivePersona:
-    if slug is None or slug == "":
-        raise QuoteError(
-            ErrorCode.MISSING_PERSONA, "Say which persona should speak: the `persona` field.", 400
-        )
-    if not isinstance(slug, str):
-        raise QuoteError(ErrorCode.INVALID_PERSONA, "`persona` must be a string (a persona's slug).", 400)
-    if not _SLUG.fullmatch(slug):  # never a persona, and PostgreSQL refuses some bytes (NUL) outright
-        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
-    active = await personas.get_active(slug)
-    if active is None:
-        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
-    return active

@@ -1,19 +1,13 @@
 """Thin views: parse input, call the gateway, hand its events to a transport (quotes.transports).
-
-Three ways in to one stream:
-- `stream_quote`: the public JSON API (POST a JSON body, or GET for EventSource), exempt from
-  CSRF because it only takes `Content-Type: application/json`, which a cross-site page cannot
-  send without CORS; a request from htmx (`HX-Request: true`) gets the htmx dialect;
-- `stream_quote_form`: the persona page's form, posted by htmx, with Django's normal CSRF check
-  (a failed check is answered by `csrf_failure`, readably for htmx);
-- the WebSocket consumer (quotes.consumers).
-"""
+Two URLs stream a quote: the JSON API (`stream_quote`) and the persona page's form
+(`stream_quote_form`); the WebSocket is quotes.consumers."""
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any, cast
 
@@ -42,21 +36,11 @@ from .forks import asgi_scope
 from .models import Generation, Persona
 from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
 from .security import refuse_cross_site
-from .transports import (
-    Encoder,
-    EventSourceEncoder,
-    HtmxEncoder,
-    Opening,
-    WorkersAIEncoder,
-    error_response,
-    stream_response,
-)
+from .transports import EventSourceEncoder, HtmxEncoder, WorkersAIEncoder, error_response, stream_response
 
 
 class HtmxHttpRequest(HttpRequest):
-    """A request that has been through django-htmx's HtmxMiddleware (settings.MIDDLEWARE)."""
-
-    htmx: HtmxDetails
+    htmx: HtmxDetails  # set by django-htmx's HtmxMiddleware
 
 
 async def index(request: HttpRequest) -> HttpResponse:
@@ -64,9 +48,11 @@ async def index(request: HttpRequest) -> HttpResponse:
     return render(request, "quotes/index.html", {"personas": personas_})
 
 
+ID_SLOT = uuid.UUID(int=0)
+
+
 async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
-    # The stream's own persona cache: while the database is down, a persona this process has
-    # served keeps its page, as it keeps its quotes (quotes.personas).
+    # While the database is down, a persona this process has served keeps its page (quotes.personas).
     try:
         active = await personas.get_active(slug)
     except QuoteError as exc:  # the database is down, and this process never loaded the persona
@@ -87,10 +73,10 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
             "stream_url": reverse("quotes:stream"),
             "form_stream_url": reverse("quotes:stream-form"),
             # The page script builds a quote's URLs from these patterns ("{id}" is its id).
-            "permalink_url": _url_pattern("quotes:permalink"),
-            "feedback_url": _url_pattern("quotes:feedback"),
-            "share_url": _url_pattern("quotes:share"),
-            "stop_url": _url_pattern("quotes:stop"),
+            **{
+                f"{name}_url": reverse(f"quotes:{name}", args=[ID_SLOT]).replace(str(ID_SLOT), "{id}")
+                for name in ("permalink", "feedback", "share", "stop")
+            },
             # htmx drives the page; ?transport=fetch runs the same page on the fetch client
             # (static/js/quote-stream.js), which the browser tests use to prove that path too.
             "transport": "fetch" if request.GET.get("transport") == "fetch" else "htmx",
@@ -98,21 +84,8 @@ async def persona_page(request: HttpRequest, slug: str) -> HttpResponse:
     )
 
 
-_ID_SLOT = uuid.UUID(int=0)
-
-
-def _url_pattern(name: str) -> str:
-    """The URL `name` takes a quote's public id in, with `{id}` where the id goes."""
-    return reverse(name, args=[_ID_SLOT]).replace(str(_ID_SLOT), "{id}")
-
-
-# --- the database down --------------------------------------------------------------------
-
-
 def unavailable_response(request: HttpRequest, error: QuoteError) -> HttpResponseBase:
-    """The 503 for a request the database was needed for and is down (quotes.database), in the
-    request's own dialect: the htmx error event, the JSON error for the API (and any client that
-    asks for JSON), a readable page for everyone else. All three carry Retry-After."""
+    """The 503 of a request that met the database down (quotes.database), in its own dialect."""
     response: HttpResponseBase
     if request.headers.get("HX-Request") == "true":
         response = not_a_document(HtmxEncoder().error_answer(error.as_event(), Meta()))
@@ -125,7 +98,6 @@ def unavailable_response(request: HttpRequest, error: QuoteError) -> HttpRespons
 
 
 def unavailable_page(request: HttpRequest, error: QuoteError) -> HttpResponse:
-    """The readable 503 page (templates/503.html); it reads nothing from the database."""
     response = render(request, "503.html", {"message": error.message}, status=503)
     if error.retry_after is not None:
         response["Retry-After"] = str(error.retry_after)
@@ -133,52 +105,40 @@ def unavailable_page(request: HttpRequest, error: QuoteError) -> HttpResponse:
 
 
 async def client_of(request: HttpRequest) -> Client:
-    if settings.SESSION_COOKIE_NAME not in request.COOKIES:
-        # No session, so no user: what request.auser() would find, without loading a session.
-        return Client.from_request(request.META.get("REMOTE_ADDR") or "")
-    user = await request.auser()
-    return Client.from_request(
-        request.META.get("REMOTE_ADDR") or "", user.pk if user.is_authenticated else None
-    )
+    user_id = None
+    if settings.SESSION_COOKIE_NAME in request.COOKIES:  # no session, no user: no session to load
+        user = await request.auser()
+        user_id = user.pk if user.is_authenticated else None
+    return Client.from_request(request.META.get("REMOTE_ADDR") or "", user_id)
 
 
-def not_a_document(response: HttpResponseBase) -> HttpResponseBase:
-    """Mark a response that no browser renders as a page (an SSE stream, a JSON error, an htmx
-    event): django-csp leaves it without a Content-Security-Policy."""
-    return _csp_exempt(response)
-
-
-# django-csp's `csp_exempt` marks what the function it wraps returns, and cannot wrap an async
-# view: around the identity, it marks a response.
-_csp_exempt: Callable[[HttpResponseBase], HttpResponseBase] = cast(
+#: Marks a response no browser renders as a page (an SSE stream, a JSON error, an htmx event):
+#: django-csp leaves it without a CSP. `csp_exempt` marks what the function it wraps returns and
+#: cannot wrap an async view: around the identity, it marks a response.
+not_a_document: Callable[[HttpResponseBase], HttpResponseBase] = cast(
     Any, csp_exempt()(csp_exempt(REPORT_ONLY=True)(cast(Any, lambda response: response)))
 )
 
 
 @csrf_exempt  # the JSON API requires Content-Type: application/json instead, which needs CORS cross-site
 async def stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
-    """POST a JSON body, or GET with query parameters (for EventSource); answer an SSE stream.
-
-    A request from htmx (`HX-Request: true`) gets the htmx dialect (see HtmxEncoder), so every
-    answer varies on that header."""
+    """POST a JSON body, or GET with query parameters (for EventSource); answer an SSE stream, in
+    htmx's dialect for a request from htmx (so every answer varies on HX-Request)."""
     response = not_a_document(await _stream_quote(request, form=False, htmx=bool(request.htmx)))
     patch_vary_headers(response, ("HX-Request",))
     return response
 
 
 async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
-    """The persona page's form (form-encoded, with its CSRF token, which Django's middleware has
-    checked by now: a form from another site never gets here), posted by htmx: answered in the
-    htmx dialect."""
+    """The persona page's form, posted by htmx (Django's middleware has checked its CSRF token)."""
     return not_a_document(await _stream_quote(request, form=True, htmx=True))
 
 
-def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[Encoder[bytes, HttpResponse], str]:
+def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[WorkersAIEncoder | HtmxEncoder, str]:
     """The encoder a stream request is answered with, and its transport's name."""
     if htmx:
         return HtmxEncoder(), "htmx"
-    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) keeps the exact
-    # Workers AI wire format.
+    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) gets Workers AI's format.
     if request.method == "GET" and "text/event-stream" in request.headers.get("Accept", ""):
         return EventSourceEncoder(), "eventsource"
     return WorkersAIEncoder(), "api"
@@ -193,21 +153,20 @@ async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> Http
         client = await client_of(request)
         if (last_event_id := _last_event_id(request, params)) is not None:
             resumed = await resume_quote(last_event_id, client, admitted)
-            if isinstance(resumed, Error):
-                # Refused like a new stream (the client's slots, the process's cap, a draining
-                # process: 503, nginx asks another one), and counted like one when the process
-                # refuses it (when the request names its persona, as the page's and the API's do).
+            if isinstance(resumed, Error):  # refused, and counted, like a new stream
                 await refuse_if_full(resumed, slug=params.get("persona"), client=client, transport=refused_as)
                 return encoder.error_answer(resumed, Meta())
-            # 200 and a stream, whatever its events are: the client has had the stream's beginning.
-            opening = Opening(resumed.meta, None, resumed.after, resumed=True)
-            return await stream_response(resumed.events, encoder, opening)
+            return await stream_response(resumed.events, encoder, resumed)
         full = await refuse_if_full(admitted, slug=params.get("persona"), client=client, transport=refused_as)
         if full is not None:
             return encoder.error_answer(full, Meta())
         quote = await parse_quote_request(params)
     except QuoteError as exc:
-        error = await _counted(request, exc)
+        # A refusal of the request's own input counts against the client's rate limit, so that
+        # invalid requests are not free; a cross-site one (403) does not: it spends a victim's.
+        error = exc
+        if exc.status in (400, 404, 405, 406, 413, 415):
+            error = await count_refused(await client_of(request)) or exc
         response = encoder.error_answer(error.as_event(), Meta())
         if error.status == 405:
             response["Allow"] = "POST" if form else "GET, POST"
@@ -219,47 +178,37 @@ def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
     """A stream request's parameters: the page's form, or the API's JSON body or query."""
     if form and request.method != "POST":
         raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Post the page's form.", 405)
-    # Another site's page must not start a (paid) generation. The form's check comes after
-    # Django's CSRF check, which lets a post without an Origin through on plain http on a token
-    # alone (and a sibling subdomain can plant the CSRF cookie): its Sec-Fetch-Site still says
-    # where it comes from.
+    # Another site's page must not start a (paid) generation. After Django's CSRF check, which lets
+    # a post without an Origin through on plain http on a token alone (and a sibling subdomain can
+    # plant the CSRF cookie): its Sec-Fetch-Site still says where it comes from.
     refuse_cross_site(request)
-    if not form:
-        return _read_params(request)
-    _check_body_size(request)
-    return _form_params(request)
+    return _form_params(request) if form else _read_params(request)
 
 
 def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> object:
-    """The event a reconnecting client saw last (quote_request.resume_quote checks it), or None:
-    EventSource's own header, else the `last_event_id` parameter (the fetch and htmx clients)."""
+    """EventSource's Last-Event-ID, else the `last_event_id` parameter (the fetch and htmx clients)."""
     value = request.headers.get("Last-Event-ID") or params.get("last_event_id")
-    return None if value is None or value == "" else value
+    return None if value == "" else value
 
 
 async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
-    """The over-capacity (or server-draining) 503 of `stream_quote` (`form`: of
-    `stream_quote_form`), as the view gives it (Retry-After, the JSON envelope or the htmx error
-    event, the refusal counted), or None when the view must answer: the gate let the request in,
-    it carries a session (a user's refusal is counted under their key, which only
-    the session knows), or it is not a well-formed request for a persona this process knows.
-
-    Called by quotes.middleware.StreamAdmissionGate before Django's handler runs: at the limit,
-    refusals come by the hundred, and each one's cost is taken from the streams the process
-    holds. A refusal starts nothing, so answering the form's before its CSRF check spends
-    nothing on anyone's behalf; still, only a same-site post that carries a CSRF cookie and
-    token is answered here, and anything else meets Django's check."""
-    refused = asgi_scope(request).get(admission.DECIDED)  # StreamAdmissionGate's decision
+    """The gate's refusal (quotes.middleware.StreamAdmissionGate, before Django's handler: at the
+    limit, refusals come by the hundred) of `stream_quote` (`form`: `stream_quote_form`), as the
+    view gives it, or None when the view must answer: let in, a session (a user's refusal is
+    counted under their key), a resume, bad input, or, for the form, no CSRF cookie and token."""
+    refused = asgi_scope(request).get(admission.DECIDED)
     if not isinstance(refused, Error) or settings.SESSION_COOKIE_NAME in request.COOKIES:
         return None
     if form and settings.CSRF_COOKIE_NAME not in request.COOKIES:
         return None
     try:
         params = _stream_params(request, form=form)
-        if _last_event_id(request, params) is not None:
-            return None  # a resume: the view admits it (a draining process serves the runs it holds)
     except QuoteError:
-        return None  # the view answers it, as it answers any bad request
+        return None
+    if _last_event_id(request, params) is not None:
+        return None  # the view admits it (a draining process serves the runs it holds)
+    # Before Django's CSRF check: a refusal starts nothing, and only a same-site form that carries
+    # a CSRF cookie and token is answered here (anything else meets Django's check).
     if form and not (request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)):
         return None
     htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
@@ -275,26 +224,9 @@ async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -
     return response
 
 
-#: The refusals of a request's own input (bad JSON, an unknown persona, a body too large...):
-#: each counts against the client's rate limit, as a quote it asked for would, so that invalid
-#: requests are not free (each may cost a look-up). A cross-site refusal (403) does not: another
-#: site's page would spend its visitor's budget.
-_COUNTED_STATUSES = frozenset({400, 404, 405, 406, 413, 415})
-
-
-async def _counted(request: HttpRequest, error: QuoteError) -> QuoteError:
-    """Count a refused request against its client: the 429 to answer instead once the client is
-    over its limit, else the request's own error."""
-    if error.status not in _COUNTED_STATUSES:
-        return error
-    return await count_refused(await client_of(request)) or error
-
-
 def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
-    """CSRF_FAILURE_VIEW: htmx gets the refusal as an error event the page can show (hx-sse
-    handles any text/event-stream response, whatever its status), a client that asks for JSON
-    (the page's share button) the JSON error, and everyone else Django's own page. One URL
-    answers all three, so the answer varies on HX-Request and Accept."""
+    """CSRF_FAILURE_VIEW: an error event for htmx, the JSON error for a client that asks for JSON
+    (the page's share button), Django's own page for everyone else."""
     response: HttpResponse
     error = Error(ErrorCode.CSRF_FAILED, "This page has expired. Reload it, then try again.", 403)
     if request.htmx:
@@ -308,17 +240,13 @@ def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
 
 
 def _check_body_size(request: HttpRequest) -> None:
-    too_large = QuoteError(
-        ErrorCode.BODY_TOO_LARGE, f"The body is over {settings.QUOTES_MAX_BODY_BYTES} bytes.", 413
-    )
-    if int(request.headers.get("Content-Length") or 0) > settings.QUOTES_MAX_BODY_BYTES:
-        raise too_large
-    try:
-        # A chunked body has no Content-Length: measure what arrived.
-        if len(request.body) > settings.QUOTES_MAX_BODY_BYTES:
-            raise too_large
+    limit = settings.QUOTES_MAX_BODY_BYTES
+    try:  # a chunked body has no Content-Length: measure what arrived
+        too_large = int(request.headers.get("Content-Length") or 0) > limit or len(request.body) > limit
     except RequestDataTooBig:
-        raise too_large from None
+        too_large = True
+    if too_large:
+        raise QuoteError(ErrorCode.BODY_TOO_LARGE, f"The body is over {limit} bytes.", 413)
 
 
 def _read_params(request: HttpRequest) -> dict[str, Any]:
@@ -333,16 +261,12 @@ def _read_params(request: HttpRequest) -> dict[str, Any]:
             raise QuoteError(ErrorCode.NOT_ACCEPTABLE, message, 406)
         return request.GET.dict()
     if request.method != "POST":
-        raise QuoteError(
-            ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body, or GET for EventSource.", 405
-        )
+        message = "Use POST with a JSON body, or GET for EventSource."
+        raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, message, 405)
     _check_body_size(request)
     if request.content_type != "application/json":
-        raise QuoteError(
-            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
-            "Send the body as JSON with Content-Type: application/json.",
-            415,
-        )
+        message = "Send the body as JSON with Content-Type: application/json."
+        raise QuoteError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, message, 415)
     try:
         params = json.loads(request.body)
     except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
@@ -352,51 +276,59 @@ def _read_params(request: HttpRequest) -> dict[str, Any]:
     return params
 
 
-FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
-
-
 def _form_params(request: HttpRequest) -> dict[str, Any]:
-    if request.content_type not in FORM_TYPES:
+    _check_body_size(request)
+    if request.content_type not in ("application/x-www-form-urlencoded", "multipart/form-data"):
         raise QuoteError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, "Post the page's form.", 415)
     params: dict[str, Any] = request.POST.dict()
     params.pop("csrfmiddlewaretoken", None)
     if not params.get("topic"):
         params.pop("topic", None)
-    raw = params.pop("messages", "")
-    if raw:
+    if raw := params.pop("messages", ""):
         try:
             params["messages"] = json.loads(raw)
         except (ValueError, RecursionError):
-            raise QuoteError(
-                ErrorCode.INVALID_MESSAGES, "`messages` must be a JSON list of turns.", 400
-            ) from None
+            message = "`messages` must be a JSON list of turns."
+            raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400) from None
     return params
 
 
-# --- stop --------------------------------------------------------------------------------
+QuoteView = Callable[[HttpRequest, uuid.UUID], Coroutine[Any, Any, HttpResponseBase]]
+
+
+def post_only(message: str) -> Callable[[QuoteView], QuoteView]:
+    """A POST-only JSON view: a QuoteError it raises is its JSON error (`message` for a 405)."""
+
+    def decorator(view: QuoteView) -> QuoteView:
+        @functools.wraps(view)
+        async def post_view(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
+            if request.method != "POST":
+                error = QuoteError(ErrorCode.METHOD_NOT_ALLOWED, message, 405)
+                return error_response(error, {"Allow": "POST"})
+            try:
+                return await view(request, public_id)
+            except QuoteError as exc:
+                return error_response(exc)
+
+        return post_view
+
+    return decorator
 
 
 @csrf_exempt  # refuse_cross_site instead: a page of another site cannot stop a visitor's quote
+@post_only("Use POST.")
 async def stop_quote(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
-    """POST: stop a generation at once (the upstream is closed now, its row says `stopped`),
-    for the client that started it, whichever process holds it. `stopped` is false when it had
-    ended already. Anyone else, and an unknown id, gets the same 404: an id says nothing about
-    someone else's quote."""
-    try:
-        if request.method != "POST":
-            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
-        refuse_cross_site(request)
-        client = await client_of(request)
-        await count_action("stop", client.key)
-        stopped = await stop_run(str(public_id), client.key)
-        if stopped is None:
-            raise QuoteError(ErrorCode.UNKNOWN_STREAM, "You have no quote with this id.", 404)
-    except QuoteError as exc:
-        return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
+    """Stop a generation at once (its row says `stopped`), for the client that started it,
+    whichever process holds it; `stopped` is false when it had ended. Anyone else, and an unknown
+    id, gets the same 404: an id says nothing about someone else's quote."""
+    refuse_cross_site(request)
+    client = await client_of(request)
+    await count_action("stop", client.key)
+    stopped = await stop_run(str(public_id), client.key)
+    if stopped is None:
+        raise QuoteError(ErrorCode.UNKNOWN_STREAM, "You have no quote with this id.", 404)
     return JsonResponse({"id": str(public_id), "stopped": stopped})
 
-
-# --- permalinks and feedback --------------------------------------------------------------
 
 #: How long after it was written a quote can still be rated.
 FEEDBACK_WINDOW = timedelta(days=1)
@@ -409,16 +341,14 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
         )
     except Generation.DoesNotExist:
         raise Http404("No such quote.") from None
-    # Showing writes nothing: a link preview's bot, a crawler or a prefetch is no share. Only the
-    # page's buttons keep a quote past the log's retention (share_quote).
-    text = generation.text.strip()
+    # Showing writes nothing: a link preview's bot, a crawler or a prefetch is no share.
     return render(
         request,
         "quotes/permalink.html",
         {
             "generation": generation,
             "persona": generation.persona,
-            "text": text,
+            "text": generation.text.strip(),
             "model_url": doc_url(generation.model),
             "absolute_url": request.build_absolute_uri(),
             "persona_url": request.build_absolute_uri(
@@ -428,49 +358,36 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
     )
 
 
+@post_only("Use POST.")
 async def share_quote(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
-    """POST: the visitor shared this quote (the persona page's Permalink or Copy button, with
-    the page's CSRF token, which Django's middleware has checked by now): retention keeps it
-    (quotes.services.generation_share). Opening the permalink page does not, so link previews
-    and crawlers keep nothing. Sharing again changes nothing."""
-    try:
-        if request.method != "POST":
-            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
-        await count_action("share", (await client_of(request)).key)
-        if not await services.generation_share(public_id=public_id):
-            raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404)
-    except QuoteError as exc:
-        return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
+    """The visitor shared this quote (the page's Permalink or Copy button, CSRF-checked by
+    Django's middleware): retention keeps it (quotes.services.generation_share)."""
+    await count_action("share", (await client_of(request)).key)
+    if not await services.generation_share(public_id=public_id):
+        raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404)
     return JsonResponse(
         {"id": str(public_id), "shared": True, "permalink": reverse("quotes:permalink", args=[public_id])}
     )
 
 
 @csrf_exempt  # JSON only, like the stream API: a cross-site form cannot send application/json
+@post_only("Use POST with a JSON body.")
 async def quote_feedback(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
-    """POST {"value": 1 | -1}: a visitor's thumbs up or down on a quote, one per visitor (see
-    quotes.services.generation_feedback_set). Setting the same value again changes nothing (idempotent); a new value
-    replaces that visitor's old one. Rate-limited per visitor (QUOTES_FEEDBACK_RATE_LIMIT)."""
+    """{"value": 1 | -1}: a visitor's thumbs up or down, one per visitor, rate-limited
+    (QUOTES_FEEDBACK_RATE_LIMIT); a new value replaces the visitor's old one."""
+    client = await client_of(request)
+    await count_action("feedback", client.key)
+    value = _read_params(request).get("value")
+    if type(value) is not int or value not in (1, -1):
+        message = "`value` must be 1 (thumbs up) or -1 (thumbs down)."
+        raise QuoteError(ErrorCode.INVALID_FEEDBACK, message, 400)
     try:
-        if request.method != "POST":
-            raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body.", 405)
-        client = await client_of(request)
-        await count_action("feedback", client.key)
-        params = _read_params(request)
-        value = params.get("value")
-        if type(value) is not int or value not in (1, -1):
-            raise QuoteError(
-                ErrorCode.INVALID_FEEDBACK, "`value` must be 1 (thumbs up) or -1 (thumbs down).", 400
-            )
-        try:
-            generation = await Generation.objects.aget(public_id=public_id, is_preview=False)
-        except Generation.DoesNotExist:
-            raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404) from None
-        if generation.status != Generation.Status.OK:
-            raise QuoteError(ErrorCode.NOT_RATEABLE, "Only a finished quote can be rated.", 409)
-        if generation.created_at < timezone.now() - FEEDBACK_WINDOW:
-            raise QuoteError(ErrorCode.FEEDBACK_CLOSED, "This quote is too old to be rated now.", 403)
-    except QuoteError as exc:
-        return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
+        generation = await Generation.objects.aget(public_id=public_id, is_preview=False)
+    except Generation.DoesNotExist:
+        raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404) from None
+    if generation.status != Generation.Status.OK:
+        raise QuoteError(ErrorCode.NOT_RATEABLE, "Only a finished quote can be rated.", 409)
+    if generation.created_at < timezone.now() - FEEDBACK_WINDOW:
+        raise QuoteError(ErrorCode.FEEDBACK_CLOSED, "This quote is too old to be rated now.", 403)
     await services.generation_feedback_set(generation_id=generation.pk, client_key=client.key, value=value)
     return JsonResponse({"id": str(generation.public_id), "feedback": value})
