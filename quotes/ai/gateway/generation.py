@@ -71,25 +71,19 @@ _PROCESS_REFUSALS = frozenset({ErrorCode.OVER_CAPACITY, ErrorCode.SERVER_DRAININ
 
 
 async def _refuse(
-    error: Error,
-    *,
-    persona: Persona,
-    version: Any,
-    backend: str,
-    model: str,
-    client: Client,
-    preview: bool,
-    transport: str,
+    error: Error, *, persona: Persona, version: Any, client: Client, transport: str, preview: bool = False
 ) -> None:
     """Count a refused stream in the metrics and in its refusal row (one per client and window,
     see refusals.py). A refusal for this process's own state (its cap, its drain) is a busy row
     counted in this process; a client's limit is counted where the limit is (the shared cache)."""
-    metrics.stream_refused(transport=transport, backend=backend, model=model, code=error.code)
+    backend = backend_for(persona)
+    model = backend.model_name(persona.model)
+    metrics.stream_refused(transport=transport, backend=backend.name, model=model, code=error.code)
     mine = error.code in _PROCESS_REFUSALS
     await record_refusal(
         persona=persona,
         version=version,
-        backend=backend,
+        backend=backend.name,
         model=model,
         client_key=client.key,
         client_hash=client.ip_hash,
@@ -105,25 +99,14 @@ async def _refuse(
 async def refuse_if_full(
     decided: admission.Entry | Error | None, *, slug: object, client: Client, transport: str
 ) -> Error | None:
-    """`decided` (admission.enter's answer, or a resume's) when it is this process's refusal (its
-    cap, its drain), counted (process-local, no round trip) against the persona if this process
-    knows it, else None (stream_generation, given the same answer, counts it). Meant to run
-    before anything else a stream request costs, so a refusal stays quick when it matters."""
+    """`decided` (admission.enter's answer) when it is this process's refusal (its cap, its
+    drain), counted against the persona if this process knows it (no round trip); else None, and
+    stream_generation, given the same answer, counts it."""
     active = personas.peek(slug) if isinstance(slug, str) else None
     if not isinstance(decided, Error) or decided.code not in _PROCESS_REFUSALS or active is None:
         return None
-    backend = backend_for(active.persona)
     metrics.stream_opened(transport)
-    await _refuse(
-        decided,
-        persona=active.persona,
-        version=active.version,
-        backend=backend.name,
-        model=backend.model_name(active.persona.model),
-        client=client,
-        preview=False,
-        transport=transport,
-    )
+    await _refuse(decided, persona=active.persona, version=active.version, client=client, transport=transport)
     return decided
 
 
@@ -182,14 +165,7 @@ async def stream_generation(
             # Counted per client and window, not logged one full row each (see refusals.py).
             logged = True
             await _refuse(
-                answer,
-                persona=persona,
-                version=version,
-                backend=backend.name,
-                model=record.model,
-                client=client,
-                preview=preview,
-                transport=transport,
+                answer, persona=persona, version=version, client=client, preview=preview, transport=transport
             )
             yield answer
             return
