@@ -85,15 +85,14 @@ async def drain_and_close() -> None:
 
     from quotes.ai import refusals
     from quotes.ai.backends import reset_backends
-    from quotes.ai.gateway import shared_runs
+    from quotes.ai.gateway import runs
     from quotes.ai.gateway.admission import CUT_GRACE_S, drain
     from quotes.ai.gateway.rows import writer
-    from quotes.ai.gateway.runs import end_for_drain
 
     await drain.run(settings.QUOTES_GATEWAY.drain_timeout_s)
-    await end_for_drain()  # the runs still going end; their connections are told to resume elsewhere
+    await runs.end_for_drain()  # the runs still going end; their connections are told to resume elsewhere
     await drain.settle(CUT_GRACE_S)  # those connections' last bytes reach daphne
-    await shared_runs.flush(2.0)  # the cut runs' last events, for a resume on another process
+    await runs.flush(2.0)  # the cut runs' last events, for a resume on another process
     await reset_backends()
     if not await asyncio.to_thread(writer.flush, 10.0):
         logger.warning("draining: some log rows were still unwritten after 10 s")

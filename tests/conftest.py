@@ -159,7 +159,7 @@ def _fresh_cache() -> Iterator[None]:
 @pytest.fixture
 async def _end_of_async_test() -> AsyncIterator[None]:
     yield
-    from quotes.ai.gateway import admission, runs, shared_runs, tasks
+    from quotes.ai.gateway import admission, runs, tasks
     from quotes.ai.gateway.rows import writer
 
     # Generations the test left going (a run in its resume grace, a follower waiting on Redis)
@@ -167,7 +167,7 @@ async def _end_of_async_test() -> AsyncIterator[None]:
     # the next test (or the end of the session) flushes or drops the database under the writer.
     await runs.end_for_drain()
     await asyncio.to_thread(writer.flush, 10.0)
-    await shared_runs.close()
+    await runs.close()
     await admission.leases.close()
     # An async test's ORM calls run on asgiref's thread, whose connection outlives the test (and,
     # on PostgreSQL, kept the test database from being dropped at the end of the session).
@@ -180,9 +180,10 @@ def _no_relay_left() -> Iterator[None]:
     """With REDIS_URL, runs publish to Redis (quotes.ai.gateway.shared_runs) from a pool bound to the
     test's loop: it goes with the test."""
     yield
-    from quotes.ai.gateway import admission, shared_runs
+    from quotes.ai.gateway import admission, runs, shared_runs
     from quotes.ai.redis_health import breaker
 
+    runs.reset()
     shared_runs.reset()
     admission.leases.reset()
     breaker.reset()  # a test's Redis outage is not the next one's

@@ -30,7 +30,7 @@ from harness.services import free_port
 from harness.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, Scenario
 from quotes.ai.backends import _backends, reset_backends
 from quotes.ai.backends.local import LocalBackend
-from quotes.ai.gateway.flights import flights
+from quotes.ai.gateway.runs import flights
 from quotes.models import Generation, Persona
 from tests.asgi import StreamedResponse, parse_sse, post_stream, read_events
 from tests.fixtures import upstream_configs

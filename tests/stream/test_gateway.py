@@ -35,8 +35,8 @@ from quotes.ai.backends.local import LocalBackend
 from quotes.ai.cache import answer_key
 from quotes.ai.catalog import estimate_cost
 from quotes.ai.events import Done, Token
-from quotes.ai.gateway.flights import flights
 from quotes.ai.gateway.policy import Plan, generate
+from quotes.ai.gateway.runs import flights
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
 from tests.abuse.test_redis_limits import logged

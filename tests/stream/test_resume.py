@@ -26,7 +26,7 @@ from quotes.ai.events import Done, Event, Meta, Token, Usage, decode_events, enc
 from quotes.ai.gateway import admission
 from quotes.ai.gateway import runs as runs_module
 from quotes.ai.gateway.rows import Record, RowFacts
-from quotes.ai.gateway.runs import STOPPED, EventLog, Run
+from quotes.ai.gateway.runs import STOPPED, EventLog, Flight, Run, merged
 from quotes.models import Generation, Persona
 from tests.asgi import TEST_CLIENT, AsgiStream, htmx_form_post, parse_sse, post_stream, read_events, request
 
@@ -107,8 +107,9 @@ def test_resume_event_log_gives_back_every_event_after_the_caches_json() -> None
     kept = EventLog.of(decode_events(stored))
 
     assert [kept.at(i) for i in range(len(kept))] == events
-    assert kept.text == "".join(e.text for e in events if isinstance(e, Token))
-    assert kept.meta_until(5) == events[0]
+    assert kept.text(len(kept)) == "".join(e.text for e in events if isinstance(e, Token))
+    assert kept.text(3) == "".join(e.text for e in events[:3] if isinstance(e, Token))
+    assert merged(map(kept.at, range(5))) == events[0]
 
 
 # -- the ids ----------------------------------------------------------------------------------------
@@ -400,12 +401,13 @@ async def test_a_stop_ends_a_connection_before_the_events_it_has_not_sent(person
         preview=False,
         transport="other",
     )
-    run = Run(record=Record(started=time.perf_counter()), facts=facts, client_key="k", grace_s=0, ttl=0)
+    flight = Flight()
+    run = Run(record=Record(started=time.perf_counter()), facts=facts, client_key="k", flight=flight)
     for n in range(10):
-        run.feed(Token(f" w{n}"))
+        flight.publish(Token(f" w{n}"))
     ticket = await admission.admit("k", django_settings.QUOTES_GATEWAY)
     assert isinstance(ticket, admission.Ticket)
-    events = run.subscribe(0, ticket=ticket, keepalive_s=30).events()
+    events = run.subscribe(1, ticket=ticket).events()  # after its opening Meta
     assert await anext(events) == Token(" w0")
 
     assert await run.stop()

@@ -25,13 +25,12 @@ from ...security import client_address, client_network
 from ..backends import backend_for
 from ..cache import answer_key, get_answer
 from ..errors import ErrorCode, internal
-from ..events import Error, Event, Message, Meta
+from ..events import Error, Event, Message
 from ..refusals import record_refusal
 from . import admission, shared_runs
-from .flights import Flight, flights
 from .policy import Plan
 from .rows import Record, RowFacts, write_row
-from .runs import ABANDONED, EventLog, Run, replay
+from .runs import Flight, Run, flights
 
 logger = logging.getLogger(__name__)
 
@@ -72,25 +71,19 @@ _PROCESS_REFUSALS = frozenset({ErrorCode.OVER_CAPACITY, ErrorCode.SERVER_DRAININ
 
 
 async def _refuse(
-    error: Error,
-    *,
-    persona: Persona,
-    version: Any,
-    backend: str,
-    model: str,
-    client: Client,
-    preview: bool,
-    transport: str,
+    error: Error, *, persona: Persona, version: Any, client: Client, transport: str, preview: bool = False
 ) -> None:
     """Count a refused stream in the metrics and in its refusal row (one per client and window,
     see refusals.py). A refusal for this process's own state (its cap, its drain) is a busy row
     counted in this process; a client's limit is counted where the limit is (the shared cache)."""
-    metrics.stream_refused(transport=transport, backend=backend, model=model, code=error.code)
+    backend = backend_for(persona)
+    model = backend.model_name(persona.model)
+    metrics.stream_refused(transport=transport, backend=backend.name, model=model, code=error.code)
     mine = error.code in _PROCESS_REFUSALS
     await record_refusal(
         persona=persona,
         version=version,
-        backend=backend,
+        backend=backend.name,
         model=model,
         client_key=client.key,
         client_hash=client.ip_hash,
@@ -106,25 +99,14 @@ async def _refuse(
 async def refuse_if_full(
     decided: admission.Entry | Error | None, *, slug: object, client: Client, transport: str
 ) -> Error | None:
-    """`decided` (admission.enter's answer, or a resume's) when it is this process's refusal (its
-    cap, its drain), counted (process-local, no round trip) against the persona if this process
-    knows it, else None (stream_generation, given the same answer, counts it). Meant to run
-    before anything else a stream request costs, so a refusal stays quick when it matters."""
+    """`decided` (admission.enter's answer) when it is this process's refusal (its cap, its
+    drain), counted against the persona if this process knows it (no round trip); else None, and
+    stream_generation, given the same answer, counts it."""
     active = personas.peek(slug) if isinstance(slug, str) else None
     if not isinstance(decided, Error) or decided.code not in _PROCESS_REFUSALS or active is None:
         return None
-    backend = backend_for(active.persona)
     metrics.stream_opened(transport)
-    await _refuse(
-        decided,
-        persona=active.persona,
-        version=active.version,
-        backend=backend.name,
-        model=backend.model_name(active.persona.model),
-        client=client,
-        preview=False,
-        transport=transport,
-    )
+    await _refuse(decided, persona=active.persona, version=active.version, client=client, transport=transport)
     return decided
 
 
@@ -183,14 +165,7 @@ async def stream_generation(
             # Counted per client and window, not logged one full row each (see refusals.py).
             logged = True
             await _refuse(
-                answer,
-                persona=persona,
-                version=version,
-                backend=backend.name,
-                model=record.model,
-                client=client,
-                preview=preview,
-                transport=transport,
+                answer, persona=persona, version=version, client=client, preview=preview, transport=transport
             )
             yield answer
             return
@@ -206,69 +181,48 @@ async def stream_generation(
         )
         record.cache_status = Generation.CacheStatus.MISS if use_cache else Generation.CacheStatus.BYPASS
         cached = await get_answer(key) if use_cache else None
-        # From here the run owns the row: it outlives this request if the client drops.
-        run = Run(
-            record=record,
-            facts=facts,
-            client_key=client.key,
-            grace_s=options.resume_grace_s,
-            ttl=options.resume_ttl_s,
-        )
-        run.feed(
-            Meta(
-                model=record.model,
-                cache_status="MISS" if use_cache else "BYPASS",
-                generation_id=record.public_id,
-            )
-        )
+        claim = ""
         if cached is not None:
             record.cache_status = Generation.CacheStatus.HIT
-            run.hit = True
-            run.drive(replay(EventLog.of(cached), pacing=options.replay_pacing_ms / 1000))
+            flight = Flight()
+            flight.replay(cached, options.replay_pacing_ms / 1000)
+        elif use_cache and key in flights:
+            record.cache_status = Generation.CacheStatus.HIT  # shared: the upstream is called once
+            metrics.coalesced_listener()
+            flight = flights[key]
         else:
-            flight = flights.get(key) if use_cache else None
-            if flight is not None:
-                record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
-                run.hit = True
-                metrics.coalesced_listener()
+            models = [primary.model, *persona.fallback_models, *options.fallback_models]
+            plan = Plan(
+                backend=backend,
+                persona=persona,
+                topic=topic,
+                messages=messages,
+                primary=primary,
+                models=list(dict.fromkeys(models)),
+            )
+            flight = Flight(key, ttl)  # with a key: registered now, so identical requests join it
+            owner = None
+            if use_cache and shared_runs.available():
+                # Across processes, one of them claims the upstream call; the others follow its run.
+                try:
+                    owner = await shared_runs.claim(key, record.public_id)
+                except BaseException:
+                    if flight.runs:  # requests joined meanwhile: they get their answer
+                        flight.start(plan)
+                    else:
+                        flight.unregister()
+                    raise
+                claim = "" if owner else key
+            if owner is None:
+                flight.start(plan)
             else:
-                models = [primary.model, *persona.fallback_models, *options.fallback_models]
-                plan = Plan(
-                    backend=backend,
-                    persona=persona,
-                    topic=topic,
-                    messages=messages,
-                    primary=primary,
-                    models=list(dict.fromkeys(models)),
-                )
-                flight = Flight(key, ttl) if use_cache else Flight(None)
-                owner = None
-                if use_cache and run.publisher is not None:
-                    # Across processes: one of them claims the upstream call, the others follow
-                    # its owner's run. Registered first, so that identical requests of this
-                    # process join this flight while Redis is asked, whatever it answers.
-                    flight.register()
-                    try:
-                        owner = await shared_runs.claim(key, run.public_id)
-                    except BaseException:
-                        if flight.runs:  # requests joined meanwhile: they get their answer
-                            flight.start(plan)
-                        else:
-                            flight.unregister()
-                        run.fail(ABANDONED, status=Generation.Status.CANCELLED)
-                        raise
-                    if owner is None:
-                        run.publisher.claim = key
-                if owner is None:
-                    flight.start(plan)
-                else:
-                    record.cache_status = Generation.CacheStatus.HIT  # shared: upstream called once
-                    run.hit = True
-                    metrics.coalesced_listener()
-                    # The owner's events after its own opening Meta (this run has its own).
-                    flight.follow_elsewhere(shared_runs.follow(owner, for_run=True, skip=1), plan)
-            run.attach(flight)
-        listener = run.subscribe(0, ticket=ticket, keepalive_s=options.keepalive_s)
+                record.cache_status = Generation.CacheStatus.HIT
+                metrics.coalesced_listener()
+                # The owner's events after its own opening Meta (this run has its own).
+                flight.follow(shared_runs.follow(owner, for_run=True, skip=1), plan)
+        # From here the run owns the row: it outlives this request if the client drops.
+        run = Run(record=record, facts=facts, client_key=client.key, flight=flight, claim=claim)
+        listener = run.subscribe(0, ticket=ticket)
         ticket = None  # the connection's now: given back when it ends
         async with aclosing(listener.events()) as events:
             async for event in events:

@@ -1,58 +1,41 @@
-"""Runs: one generation (one public id, one log row), which outlives the connections reading it.
+"""Runs: one generation (its public id, its row), outliving the connections that read it.
 
-    listener (one per connection, at an offset)  <-  run (one per generation)  <-  flight or replay
+    listener (a connection, at an offset) <- run (a generation) <- flight (one source, one log)
 
-A run keeps the generation's events as clients see them (`log`, an EventLog: its Meta first,
-then what its flight or its cache replay publishes, the terminal Done or Error last) and
-gathers its row as they come. The event numbered n (1-based) in the log is the one a client
-names with `Last-Event-ID: <public_id>.<resume key>:<n>` (`resume_key`), whatever its transport:
-a connection is a Listener reading the log by index, so a resume is a Listener that starts at n.
-
-How a run ends decides its row:
-- its flight or replay reaches Done or Error: the row (ok, error), then the terminal event;
-- `stop()` (the Stop button, the stop endpoint, a WebSocket `cancel`): the upstream is closed
-  at once, the row says cancelled/`stopped`;
-- its last connection drops (`unsubscribe`): it keeps running for QUOTES_RESUME_GRACE_S, so the
-  client can resume; if nobody does, the upstream is closed and the row says
-  cancelled/`abandoned`;
-- the drain's deadline (`end_for_drain`): the upstream is closed, the row says
-  cancelled/`server_draining`, and its connections hear Reconnect (they resume elsewhere).
-
-Exactly one row per run, written before its terminal event is published, however many
-connections come and go. A finished run's events stay in Django's cache for
-QUOTES_RESUME_TTL_S (`resume` reads them from there once the run has left this process's
-registry): with Redis as the cache that already works across processes. With REDIS_URL set, a
-live run's events also go to Redis as they come (shared_runs.py), so `resume()` on a process that does
-not hold the run reads them there and follows the live rest.
-
-Feeding a run is synchronous (the flight's task calls `feed`): a token costs a few field
-updates, one list append and one future wake-up per waiting connection, and no task hop.
+A flight is one source of events: an upstream call under the retry policy, a cached answer
+replayed, or another process's run followed. Its events go into one log, and every run on it
+reads that log behind its own opening Meta: the request that started it, and identical requests
+that joined it. A run ends with its own terminal event (the flight's, or its client's stop, its
+abandonment, the drain's cut) and writes its row before that event can be read. The n-th event
+of a run is the one a client names with `Last-Event-ID: <public id>.<resume key>:<n>`.
+docs/architecture.md has the walk, and how each ending is logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import re
 import time
 from array import array
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from django.conf import settings
 from django.core.cache import cache
 
 from ...models import Generation
-from ..cache import misfit
-from ..errors import ErrorCode, stopped
+from ..cache import misfit, store_answer
+from ..errors import ErrorCode, internal, stopped
 from ..events import Done, Error, Event, Meta, Ping, Reconnect, Token, Usage, decode_events, encode_events
 from ..limits import run_on_cache
 from ..redis_health import report
 from . import shared_runs
 from .admission import CUT_GRACE_S, Entry, Ticket, admit, drain, enter, open_streams, server_draining
-from .flights import Flight
+from .policy import Plan, generate
 from .rows import Record, RowFacts, lost_row, write_row, writer
 from .tasks import detached_task
 
@@ -64,6 +47,7 @@ EVENT_ID = re.compile(r"([0-9a-fA-F-]{36})\.([0-9a-f]{16}):(\d{1,9})")
 STOPPED = stopped()
 RECONNECT = Reconnect()
 ABANDONED = Error(ErrorCode.ABANDONED, "Nobody came back for this quote: it was stopped.", 410)
+HIT = Generation.CacheStatus.HIT
 
 
 def finished_key(public_id: str) -> str:
@@ -75,25 +59,17 @@ JOIN_EVERY = 64
 
 
 class EventLog:
-    """A generation's events in order, numbered from 1, kept compactly: a stream may run for
-    minutes, and a Token (or even a str) per token would cost about 50 bytes each besides its
-    characters. Token texts are joined every JOIN_EVERY tokens, each token remembered by its
-    end offset (4 bytes); other events are kept as they are. Reading one back makes a Token
-    again. A finished log goes to the cache as JSON (events.encode_events).
-
-    This is the interface a log kept elsewhere (Redis, for a resume on another process) would
-    offer: `append`, `len`, `at(i)`, `meta_until(n)`, `text`.
-    """
+    """Events in order, kept compactly (a Token object per token would cost about 50 bytes
+    besides its text): token texts are joined every JOIN_EVERY tokens and remembered by their
+    end offsets; other events are kept as they are. `at(i)` makes a Token again."""
 
     __slots__ = ("_chunks", "_ends", "_others", "_slots", "_tail")
 
     def __init__(self) -> None:
-        #: per event: a token's ordinal (>= 0), or -1 - its index in `_others`
-        self._slots = array("i")
-        #: per token: the offset its text ends at, within its chunk
-        self._ends = array("I")
-        self._chunks: list[str] = []  # JOIN_EVERY tokens' texts each
-        self._tail: list[str] = []  # the latest tokens' texts, not yet joined
+        self._slots = array("i")  # per event: a token's ordinal (>= 0), or -1 - its index in _others
+        self._ends = array("I")  # per token: where its text ends in its chunk
+        self._chunks: list[str] = []
+        self._tail: list[str] = []  # the latest tokens' texts, not joined yet
         self._others: list[Event] = []
 
     @classmethod
@@ -109,10 +85,8 @@ class EventLog:
     def append(self, event: Event) -> None:
         if type(event) is Token:
             tail = self._tail
-            ordinal = len(self._ends)
-            self._slots.append(ordinal)
-            start = self._ends[-1] if tail else 0
-            self._ends.append(start + len(event.text))
+            self._slots.append(len(self._ends))
+            self._ends.append((self._ends[-1] if tail else 0) + len(event.text))
             tail.append(event.text)
             if len(tail) == JOIN_EVERY:
                 self._chunks.append("".join(tail))
@@ -122,191 +96,255 @@ class EventLog:
             self._others.append(event)
 
     def at(self, index: int) -> Event:
-        """The event at 0-based `index` (the event numbered index + 1)."""
         slot = self._slots[index]
         if slot < 0:
             return self._others[-1 - slot]
         chunk, position = divmod(slot, JOIN_EVERY)
         if chunk == len(self._chunks):
             return Token(self._tail[position])
-        start = self._ends[slot - 1] if position else 0
-        return Token(self._chunks[chunk][start : self._ends[slot]])
+        return Token(self._chunks[chunk][self._ends[slot - 1] if position else 0 : self._ends[slot]])
 
-    def meta_until(self, count: int) -> Meta:
-        """What the first `count` events said about the generation (merged)."""
-        meta = Meta()
-        for index in range(count):
-            slot = self._slots[index]
-            if slot < 0 and type(event := self._others[-1 - slot]) is Meta:
-                meta = meta.merged(event)
-        return meta
+    def others(self, count: int) -> list[Event]:
+        """The events other than tokens among the first `count`."""
+        return [self._others[-1 - slot] for slot in self._slots[:count] if slot < 0]
 
-    @property
-    def text(self) -> str:
-        return "".join(self._chunks) + "".join(self._tail)
+    def text(self, count: int) -> str:
+        """The text of the tokens among the first `count` events."""
+        tokens = next((slot + 1 for slot in reversed(self._slots[:count]) if slot >= 0), 0)
+        whole, rest = divmod(tokens, JOIN_EVERY)
+        text = "".join(self._chunks[:whole])
+        if rest and whole < len(self._chunks):
+            text += self._chunks[whole][: self._ends[tokens - 1]]
+        elif rest:
+            text += "".join(self._tail[:rest])
+        return text
+
+
+def merged(events: Iterable[Event], meta: Meta | None = None) -> Meta:
+    """What the Meta events among `events` say, merged in order."""
+    meta = meta or Meta()
+    for event in events:
+        if type(event) is Meta:
+            meta = meta.merged(event)
+    return meta
+
+
+class Flight:
+    """One source of events, kept in one log that every run on it reads. A flight with an answer
+    key is joined by identical requests (`flights`) and keeps its complete answer for `ttl` s.
+    When its last run leaves, it is cancelled: the upstream closes, or the model thread stops."""
+
+    def __init__(self, key: str = "", ttl: int = 0) -> None:
+        self.key = key
+        self.ttl = ttl
+        self.log = EventLog()
+        self.runs: list[Run] = []
+        self.task: asyncio.Task[None] | None = None
+        #: the terminal event, once published (a run joining later ends with it)
+        self.ended: Event | None = None
+        #: the first token's index in the log, and when it came
+        self.first_token: tuple[int, float] | None = None
+        if key:
+            flights[key] = self
+
+    def start(self, plan: Plan) -> None:
+        self.task = detached_task(self._fly(plan))
+
+    def follow(self, events: AsyncIterator[Event], plan: Plan) -> None:
+        """Publish another process's upstream call (shared_runs.follow); if its owner gives it up
+        before a token, call the upstream with `plan` after all; after a token, it is lost."""
+        self.task = detached_task(self._follow(events, plan))
+
+    def replay(self, events: list[Event], pacing: float) -> None:
+        """A cached answer, one token every `pacing` seconds, so that it still reads as writing."""
+        self.task = detached_task(self._replay(events, pacing))
+
+    def join(self, run: Run) -> None:
+        self.runs.append(run)
+        if self.ended is not None:
+            run.source_ended(self.ended)
+
+    def leave(self, run: Run) -> None:
+        if run in self.runs:
+            self.runs.remove(run)
+        if not self.runs and self.task is not None and not self.task.done():
+            self.unregister()  # now: a request arriving while it unwinds starts its own
+            self.task.cancel()  # nobody reads it: the upstream closes now
+
+    def unregister(self) -> None:
+        if self.key and flights.get(self.key) is self:
+            del flights[self.key]
+
+    def publish(self, event: Event) -> None:
+        kind = type(event)
+        if kind is Done or kind is Error:
+            self.ended = event
+            self.unregister()
+            for run in list(self.runs):
+                run.source_ended(event)
+            return
+        if kind is Token and self.first_token is None:
+            self.first_token = (len(self.log), time.perf_counter())
+        self.log.append(event)
+        for run in self.runs:
+            run.wake()
+
+    async def _fly(self, plan: Plan) -> None:
+        try:
+            async for event in generate(plan):
+                if self.key and type(event) is Done:
+                    # Cached before [DONE] goes out: a client that has seen the end can count on it.
+                    await store_answer(self.key, [*map(self.log.at, range(len(self.log)))], ttl=self.ttl)
+                self.publish(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("generation failed for persona %s", plan.persona.slug)
+            self.publish(internal())
+        finally:
+            self.unregister()
+
+    async def _follow(self, events: AsyncIterator[Event], plan: Plan) -> None:
+        try:
+            async for event in events:
+                self.publish(event)
+        except asyncio.CancelledError:
+            raise
+        except shared_runs.OwnerGone:
+            if self.first_token is not None:
+                self.publish(shared_runs.generation_lost())
+                return
+            if self.runs:  # this process's own call now: one of its rows counts what it costs
+                self.runs[0].record.cache_status = Generation.CacheStatus.MISS
+            await self._fly(plan)
+        except Exception:
+            logger.exception("following another process's generation failed")
+            self.publish(internal())
+        finally:
+            self.unregister()
+
+    async def _replay(self, events: list[Event], pacing: float) -> None:
+        paced = False
+        for event in events:
+            if pacing and type(event) is Token:
+                if paced:
+                    await asyncio.sleep(pacing)
+                paced = True
+            self.publish(event)
+
+
+#: Flights that identical requests may join, by answer-cache key.
+flights: dict[str, Flight] = {}
 
 
 class Run:
+    """One generation: its opening Meta, then its flight's log up to `cut`, then its terminal
+    event (`end`), readable once its row is written. `stop()` ends its client's connections now;
+    a run nobody reads any more ends after QUOTES_RESUME_GRACE_S (see docs/architecture.md)."""
+
     __slots__ = (
         "_grace",
         "client_key",
         "closing",
-        "ended",
+        "cut",
+        "end",
+        "facts",
         "finishing",
         "flight",
-        "grace_s",
-        "hit",
         "listeners",
-        "log",
+        "opening",
         "public_id",
         "publisher",
         "record",
-        "row_facts",
         "stopped",
-        "task",
-        "ttl",
     )
 
     def __init__(
-        self,
-        *,
-        record: Record,
-        facts: RowFacts,
-        client_key: str,
-        grace_s: float,
-        ttl: int,
+        self, *, record: Record, facts: RowFacts, client_key: str, flight: Flight, claim: str = ""
     ) -> None:
         self.record = record
         self.public_id = record.public_id
-        #: what its row says besides its outcome (and what another process needs to write it)
-        self.row_facts = facts
+        self.facts = facts
         self.client_key = client_key
-        self.grace_s = grace_s
-        self.ttl = ttl
-        self.log = EventLog()
+        self.opening = Meta(
+            model=record.model, cache_status=record.cache_status.upper(), generation_id=record.public_id
+        )
+        self.flight = flight
         self.listeners: set[Listener] = set()
-        self.flight: Flight | None = None
-        self.task: asyncio.Task[None] | None = None  # a cache replay's driver
-        #: a shared or cached answer: its Meta events say HIT
-        self.hit = False
-        #: the terminal event is known (the row and its publication may be on their way)
+        #: closed: its events end at this length of the flight's log
+        self.cut: int | None = None
+        self.end: Event | None = None
         self.closing = False
-        #: the terminal event is in the log
-        self.ended = False
         self.finishing: asyncio.Task[None] | None = None
-        #: its client stopped it while another process read it: it goes on for that reader, and
-        #: its row says stopped
+        #: its client stopped it while another process's follower read it: it goes on for that
+        #: follower, and its row says stopped
         self.stopped = False
         self._grace: asyncio.TimerHandle | None = None
-        #: sends the events to Redis for the other processes (only with REDIS_URL)
-        self.publisher = shared_runs.Publisher(self) if shared_runs.available() else None
+        self.publisher = shared_runs.Publisher(self.public_id, claim) if shared_runs.available() else None
         runs[self.public_id] = self
         open_streams.run_started()
-
-    @property
-    def facts(self) -> dict[str, object]:
-        """What another process needs to write this run's row (shared_runs), as Generation fields."""
-        return self.row_facts.fields(self.record.model)
-
-    # -- the source -----------------------------------------------------------------------------
-
-    def attach(self, flight: Flight) -> None:
-        self.flight = flight
         flight.join(self)
+        self.wake()
 
-    def calls_upstream(self) -> None:
-        """The other process's call this run's flight followed was given up before a token
-        came, and the flight calls the upstream itself after all: not a shared answer any more
-        (the row says miss, the Meta events say what the upstream's say)."""
-        self.hit = False
-        self.record.cache_status = Generation.CacheStatus.MISS
+    # -- its events -------------------------------------------------------------------------------
 
-    def drive(self, events: AsyncGenerator[Event, None]) -> None:
-        """Feed `events` (a cache replay) from a task of the run's own."""
+    def __len__(self) -> int:
+        cut = self.cut
+        return (len(self.flight.log) if cut is None else cut) + (1 if self.end is None else 2)
 
-        async def replay() -> None:
-            try:
-                async for event in events:
-                    self.feed(event)
-                    if self.closing:
-                        return
-            finally:
-                await events.aclose()
+    def at(self, index: int) -> Event:
+        if index == 0:
+            return self.opening
+        cut = self.cut
+        if index <= (len(self.flight.log) if cut is None else cut):
+            event = self.flight.log.at(index - 1)
+            if type(event) is Meta and self.record.cache_status == HIT:
+                return Meta(model=event.model, headers=event.headers, step=event.step, cache_status="HIT")
+            return event
+        assert self.end is not None
+        return self.end
 
-        self.task = detached_task(replay())
+    def meta_until(self, count: int) -> Meta:
+        return merged(map(self.at, range(count)))
 
-    def _detach(self) -> None:
-        flight, self.flight = self.flight, None
-        if flight is not None:
-            flight.leave(self)  # the last run to leave cancels the flight: the upstream closes now
-        task = self.task
-        if task is not None and not task.done() and task is not asyncio.current_task():
-            task.cancel()
-
-    # -- events in ------------------------------------------------------------------------------
-
-    def feed(self, event: Event) -> None:
-        """One event from the source (hot path: no await, nothing computed twice)."""
-        if self.closing:
-            return
-        if type(event) is Token:
-            if self.record.ttft is None:
-                self.record.ttft = time.perf_counter()
-        elif type(event) is Usage:
-            self.record.usage = event
-        elif type(event) is Meta:
-            record = self.record
-            record.model = event.model or record.model
-            record.headers.update(event.headers)
-            if event.step is not None:
-                record.step = event.step
-            if self.hit:
-                event = Meta(model=event.model, headers=event.headers, step=event.step, cache_status="HIT")
-        elif type(event) is Done:
-            self._close(Generation.Status.OK, None, event)
-            return
-        elif type(event) is Error:
-            busy = event.code is ErrorCode.BUSY
-            self._close(Generation.Status.BUSY if busy else Generation.Status.ERROR, event, event)
-            return
-        self._publish(event)
-
-    def _publish(self, event: Event) -> None:
-        self.log.append(event)
+    def wake(self) -> None:
         if self.publisher is not None:
-            self.publisher.poke()
+            poke(self)
         for listener in self.listeners:
             waiter = listener.waiter
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
+    # -- how it ends ------------------------------------------------------------------------------
+
+    def source_ended(self, event: Event) -> None:
+        if type(event) is Done:
+            self._close(Generation.Status.OK, None, event)
+        elif type(event) is Error:
+            busy = event.code is ErrorCode.BUSY
+            self._close(Generation.Status.BUSY if busy else Generation.Status.ERROR, event, event)
+
     async def stop(self) -> bool:
-        """Stop, because its client asked: its connections end with `stopped` now. Unless
-        another process reads it (a follower, a resume: then it goes on for them, and ends
-        when nobody reads it), the upstream closes now and the row says `stopped`. False when
-        it was ending already."""
+        """Its client's stop: its connections end with `stopped` now. Unless a follower on another
+        process reads it (then it goes on for that one), the upstream closes now and the row says
+        `stopped`. False when it was ending already."""
         if self.closing:
             return False
         if self.publisher is not None and await shared_runs.has_readers(self.public_id, followers=True):
             if self.closing:
                 return False
             self.stopped = True
-            for listener in list(self.listeners):
-                listener.end(STOPPED)
-            self.publisher.end_readers()  # the client's resumes on other processes end too
-            return True
-        if self.closing:
-            return False
-        self.fail(STOPPED, status=Generation.Status.CANCELLED)
-        if self.finishing is not None:
-            await asyncio.shield(self.finishing)  # the row is written when the answer says "stopped"
+            self.publisher.stop_due = True  # its client's resumes on other processes end too
+            self.wake()
+        else:
+            if self.closing:
+                return False
+            self.fail(STOPPED, status=Generation.Status.CANCELLED)
+            if self.finishing is not None:
+                await asyncio.shield(self.finishing)  # the row is written when the answer says "stopped"
         for listener in list(self.listeners):
             listener.end(STOPPED)  # now, not after what it has yet to send
         return True
-
-    def stop_asked(self) -> None:
-        """Another process asked to stop this run for its client (shared_runs' sender)."""
-        detached_task(self.stop())
 
     def abandon(self) -> None:
         """Nobody came back within the grace: end, unless another process reads it still."""
@@ -314,7 +352,7 @@ class Run:
         if self.closing or self.listeners:
             return
         if self.publisher is None:
-            self._abandon_now()
+            self.fail(STOPPED if self.stopped else ABANDONED, status=Generation.Status.CANCELLED)
         else:
             detached_task(self._abandon_unless_read())
 
@@ -325,53 +363,48 @@ class Run:
         if read:  # look again a moment later: it ends once the last reader has gone
             self._grace = asyncio.get_running_loop().call_later(shared_runs.READER_RENEW_S, self.abandon)
         else:
-            self._abandon_now()
-
-    def _abandon_now(self) -> None:
-        if self.stopped:
-            self.fail(STOPPED, status=Generation.Status.CANCELLED)
-        else:
-            self.fail(ABANDONED, status=Generation.Status.CANCELLED)
+            self.fail(STOPPED if self.stopped else ABANDONED, status=Generation.Status.CANCELLED)
 
     def fail(self, error: Error, *, status: str = Generation.Status.ERROR) -> None:
-        """End early with `error` (not from the source): the upstream is closed now."""
-        if self.closing:
-            return
-        self._close(status, error, error)
-        self._detach()
+        """End now with `error`, not its flight's: the run leaves its flight at once."""
+        if not self.closing:
+            self._close(status, error, error)
+            self.flight.leave(self)
 
     def _close(self, status: str, error: Error | None, terminal: Event) -> None:
-        # The source is left in _finish, not here: feed() may be running inside the flight's
-        # loop over its runs, which must not change under it.
         self.closing = True
+        self.cut = len(self.flight.log)
         if self.stopped and status == Generation.Status.OK:
-            # Its client stopped it; it went on for another process's reader: the row says
-            # stopped (with the whole text and its usage, which that reader was given).
+            # Stopped by its client, gone on for a follower elsewhere: its row says stopped.
             status, error = Generation.Status.CANCELLED, STOPPED
-        self.record.status = status
-        self.record.error = error
+        self.record.status, self.record.error = status, error
         self._cancel_grace()
         self.finishing = detached_task(self._finish(terminal))
 
     async def _finish(self, terminal: Event) -> None:
         try:
-            self._detach()
-            self.record.text = self.log.text
-            # The row, before anyone hears the end (waited for at most log.ROW_WAIT_S).
-            await write_row(self.record, self.row_facts)
-            self._publish(terminal)
-            self.ended = True
-            if self.ttl > 0:
+            # Not in _close: it may run inside the flight's loop over its runs.
+            self.flight.leave(self)
+            record, log, cut = self.record, self.flight.log, self.cut or 0
+            others = log.others(cut)
+            meta = merged(others)
+            record.model = meta.model or record.model
+            record.headers.update(meta.headers)
+            record.step = record.step if meta.step is None else meta.step
+            record.usage = next((e for e in reversed(others) if type(e) is Usage), None)
+            first = self.flight.first_token
+            if first is not None and first[0] < cut:
+                record.ttft = max(first[1], record.started)
+            record.text = log.text(cut)
+            await write_row(record, self.facts)  # before anyone hears the end (rows.ROW_WAIT_S at most)
+            self.end = terminal
+            self.wake()
+            ttl = settings.QUOTES_GATEWAY.resume_ttl_s
+            if ttl > 0:
+                events = encode_events(map(self.at, range(len(self))))
                 try:
-                    await run_on_cache(
-                        cache.set,
-                        finished_key(self.public_id),
-                        {
-                            "client": self.client_key,
-                            "events": encode_events(map(self.log.at, range(len(self.log)))),
-                        },
-                        timeout=self.ttl,
-                    )
+                    stored = {"client": self.client_key, "events": events}
+                    await run_on_cache(cache.set, finished_key(self.public_id), stored, timeout=ttl)
                 except Exception as exc:  # a cache that is down costs a late resume, never this answer
                     report(logger, "could not keep a finished generation for resuming", exc)
         finally:
@@ -379,11 +412,11 @@ class Run:
                 del runs[self.public_id]
             open_streams.run_ended()
 
-    # -- connections ----------------------------------------------------------------------------
+    # -- its connections --------------------------------------------------------------------------
 
-    def subscribe(self, index: int, *, ticket: Ticket, keepalive_s: float) -> Listener:
+    def subscribe(self, index: int, *, ticket: Ticket) -> Listener:
         self._cancel_grace()
-        listener = Listener(self, index, ticket=ticket, keepalive_s=keepalive_s)
+        listener = Listener(self, index, ticket=ticket)
         self.listeners.add(listener)
         if drain.cut and not self.closing:  # made as the drain's deadline passed: cut at once
             self.fail(server_draining(), status=Generation.Status.CANCELLED)
@@ -394,10 +427,11 @@ class Run:
         self.listeners.discard(listener)
         if self.listeners or self.closing:
             return
-        if self.grace_s <= 0:
+        grace_s = settings.QUOTES_GATEWAY.resume_grace_s
+        if grace_s <= 0:
             self.abandon()
         else:
-            self._grace = asyncio.get_running_loop().call_later(self.grace_s, self.abandon)
+            self._grace = asyncio.get_running_loop().call_later(grace_s, self.abandon)
 
     def _cancel_grace(self) -> None:
         if self._grace is not None:
@@ -410,9 +444,8 @@ runs: dict[str, Run] = {}
 
 
 async def end_for_drain() -> None:
-    """The drain's deadline (and a test's end): every run still going ends as drained, upstream
-    closed and row written, before the process closes its backends under it; its connections
-    are told to resume elsewhere (Reconnect), once the row is written."""
+    """The drain's deadline (and a test's end): every run still going ends as drained, its row
+    written, and its connections are told to resume elsewhere (Reconnect)."""
     cut = 0
     for run in list(runs.values()):
         if not run.closing:
@@ -428,9 +461,8 @@ async def end_for_drain() -> None:
 
 
 class Listener:
-    """One connection's view of a run: its events from `index` on, and keep-alive pings while it
-    is quiet. Timeouts are not its business: the flight's policy enforces them, once (a flight
-    that follows another process's run hears of its owner's death by its heartbeat)."""
+    """One connection's view of a run: its events from `index` on, and a keep-alive Ping after
+    each quiet `keepalive_s`. Timeouts are the flight's policy's, not its business."""
 
     __slots__ = (
         "_ending",
@@ -444,15 +476,12 @@ class Listener:
         "waiter",
     )
 
-    def __init__(self, run: Run, index: int, *, ticket: Ticket, keepalive_s: float) -> None:
+    def __init__(self, run: Run, index: int, *, ticket: Ticket) -> None:
         self.run = run
-        #: this connection's admission (quotes.ai.gateway.admission): given back at its end
-        self.ticket = ticket
-        #: the event this connection ends with, before its backlog (its client stopped it, or
-        #: the drain's deadline passed)
+        self.ticket = ticket  # this connection's admission: given back at its end
+        #: what this connection ends with before its backlog (its client's stop, the drain's cut)
         self._ending: Error | Reconnect | None = None
-        self.keepalive_s = keepalive_s
-        #: the next event of the run's history to hand on; after a yield, the event's number n
+        self.keepalive_s = settings.QUOTES_GATEWAY.keepalive_s
         self.index = index
         self.waiter: asyncio.Future[None] | None = None
         self._quiet_since = 0.0
@@ -462,28 +491,26 @@ class Listener:
     async def events(self) -> AsyncGenerator[Event, None]:
         loop = asyncio.get_running_loop()
         run = self.run
-        log = run.log
         self._quiet_since = loop.time()
         try:
             while True:
-                if self._ending is not None:  # a stop ends the connection now, not after its backlog
+                if self._ending is not None:
                     if run.finishing is not None:  # the row first (a drain's Reconnect)
                         await asyncio.shield(run.finishing)
                     await self.ticket.release_client_slot()
                     yield self._ending
                     return
-                if self.index < len(log):
-                    event = log.at(self.index)
+                if self.index < len(run):
+                    event = run.at(self.index)
                     self.index += 1
-                    kind = type(event)
                     self._quiet_since = loop.time()
-                    if kind is Done or kind is Error:
+                    if type(event) is Done or type(event) is Error:
                         await self.ticket.release_client_slot()  # before the client hears the end
                         yield event
                         return
                     yield event
                     continue
-                if run.ended:
+                if run.end is not None:
                     return  # resumed at the last event: nothing more to say
                 self.waiter = loop.create_future()
                 if self._handle is None:
@@ -503,38 +530,117 @@ class Listener:
             await self.ticket.release()
 
     def end(self, last: Error | Reconnect) -> None:
-        """End this connection with `last` (the run goes on for other readers, or ends: a drain)."""
         self._ending = last
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         self._handle = loop.call_at(self._quiet_since + self.keepalive_s, self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The one timer: re-armed at the next due time while the listener is waiting; left
-        off while it is busy (the next wait arms it again)."""
+        """The one timer: re-armed while the listener waits, left off while it is busy."""
         self._handle = None
         waiter = self.waiter
         if waiter is None or waiter.done():
             return
         now = loop.time()
         if now >= self._quiet_since + self.keepalive_s:
-            self._quiet_since = now  # the next ping, another interval on
+            self._quiet_since = now
             self._ping_due = True
             waiter.set_result(None)
         else:
             self._arm(loop)
 
 
+# -- across processes: this process's one sender --------------------------------------------------
+
+_dirty: set[Run] = set()
+_sending: dict[str, Run] = {}
+_wake: asyncio.Event | None = None
+_sender: asyncio.Task[None] | None = None
+
+
+def poke(run: Run) -> None:
+    """`run` has something to send to Redis (new events, a stop for its readers, its end)."""
+    global _wake, _sender
+    _sending[run.public_id] = run
+    _dirty.add(run)
+    if _sender is None or _sender.done():
+        _wake = asyncio.Event()
+        _sender = detached_task(_send())
+    assert _wake is not None
+    _wake.set()
+
+
+async def _send() -> None:
+    """Every run's new events, heartbeats, stops and ends in one pipeline per round trip (under
+    load, one round trip carries many runs' tokens); the stops other processes asked of this
+    process's runs come back in the same round trip."""
+    assert _wake is not None
+    wake = _wake
+    while _sending:
+        if not _dirty:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), shared_runs.HEARTBEAT_EVERY_S)
+        wake.clear()
+        now = time.monotonic()
+        batch = _dirty | {run for run in _sending.values() if run.publisher and now >= run.publisher.beat_due}
+        _dirty.clear()
+        outgoing = []
+        for run in batch:
+            publisher = run.publisher
+            assert publisher is not None
+            events = [*map(run.at, range(publisher.sent, len(run)))]
+            ended = run.end is not None
+            outgoing.append(
+                shared_runs.Outgoing(
+                    publisher, events, ended, run.client_key, run.facts.fields(run.record.model)
+                )
+            )
+        done, again, asked = await shared_runs.send(outgoing, now)
+        for run in batch:
+            if run.publisher in done:
+                _sending.pop(run.public_id, None)
+            elif run.publisher in again:
+                _dirty.add(run)
+        if asked is None:  # Redis failed: other processes miss these runs for now, their clients do not
+            if shared_runs.cancelled():
+                return
+            await asyncio.sleep(shared_runs.HEARTBEAT_EVERY_S)
+            continue
+        for public_id in asked:
+            if (asked_run := runs.get(public_id)) is not None:
+                detached_task(asked_run.stop())
+
+
+async def flush(timeout_s: float) -> None:
+    """Wait (up to `timeout_s`) until every run's last events are in Redis (before an exit)."""
+    if _sender is not None and not _sender.done():
+        await asyncio.wait([_sender], timeout=timeout_s)
+
+
+async def close() -> None:
+    """Stop sending and close the Redis clients (the end of a test's loop)."""
+    reset()
+    await shared_runs.close()
+
+
+def reset() -> None:
+    """Forget a loop that is gone (a finished test's): its sender, its clients."""
+    global _sender
+    if _sender is not None and not _sender.done() and _sender.get_loop().is_running():
+        _sender.cancel()
+    _sender = None
+    _sending.clear()
+    _dirty.clear()
+
+
 # -- resuming -------------------------------------------------------------------------------------
 
 
-def _elsewhere(event: Event) -> Event:
-    """An event of a run read back from outside the process that held it: a drain's cut, which
-    told the client to resume elsewhere, is a lost generation there (the drained process has
-    closed its upstream; resuming again would only hear the same)."""
+def elsewhere(event: Event) -> Event:
+    """An event of a run read back outside the process that held it: a drain's cut, which told
+    the client to resume elsewhere, is a lost generation there."""
     if type(event) is Error and event.code is ErrorCode.SERVER_DRAINING:
         return shared_runs.generation_lost()
     return event
@@ -552,59 +658,44 @@ async def _held(events: AsyncGenerator[Event, None], ticket: Ticket) -> AsyncGen
         await ticket.release()
 
 
-async def replay(log: EventLog, index: int = 0, *, pacing: float = 0) -> AsyncGenerator[Event, None]:
-    """A finished generation's events from the cache, from `index` on: a late resume's, or a
-    cached answer's (generation.py), one token every `pacing` seconds so it still reads as writing."""
-    paced = False
-    for event in map(log.at, range(index, len(log))):
-        if pacing and type(event) is Token:
-            if paced:
-                await asyncio.sleep(pacing)
-            paced = True
-        yield _elsewhere(event)
-
-
-async def _read_elsewhere(
-    public_id: str,
-    log: EventLog,
-    last: str,
-    index: int,
-    *,
-    keepalive_s: float,
-    facts: dict[str, object],
+async def read(
+    public_id: str, held: list[Event], after: int, last: str | None, facts: dict[str, object]
 ) -> AsyncGenerator[Event, None]:
-    """A generation live (or just ended) in another process: what Redis held of it (`log`, up
-    to entry `last`) from `index` on, then the live rest (shared_runs.follow) until its terminal
-    event. A resume that ends with `generation_lost` (the owner died, or drained it) writes the
-    generation's row, under its own id, if nobody has: the owner may never write it, and however
-    many resumes find it lost, it has one row."""
-    for i in range(index, len(log)):
-        event = _elsewhere(log.at(i))
-        await _row_if_lost(public_id, event, facts, log)
-        yield event
-    if len(log) and type(log.at(len(log) - 1)) in (Done, Error):
-        return  # it had ended
-    async for event in shared_runs.follow(public_id, last=last, keepalive_s=keepalive_s, seen=len(log)):
-        event = _elsewhere(event)
-        await _row_if_lost(public_id, event, facts, log)
+    """A generation's events after the `after`-th, from a list read from the cache (`last` None)
+    or from Redis (up to entry `last`), then, from Redis, the live rest. A generation that ends
+    `generation_lost` (its owner died, or drained it) gets its row, under its own id, if none
+    is there: its process may never write it."""
+    text = "".join(e.text for e in held[:after] if type(e) is Token)
+    ended = bool(held) and type(held[-1]) in (Done, Error)
+    keepalive_s = settings.QUOTES_GATEWAY.keepalive_s
+    live = None
+    if last and not ended:
+        live = shared_runs.follow(public_id, last=last, keepalive_s=keepalive_s, seen=len(held))
+    rest: AsyncIterator[Event] = _after(held[after:], live)
+    async for event in rest:
+        event = elsewhere(event)
+        if type(event) is Token:
+            text += event.text
+        elif type(event) is Error and event.code is ErrorCode.GENERATION_LOST and facts:
+            with contextlib.suppress(Exception):  # queued at once: written even if cancelled here
+                await writer.write(lost_row(public_id, facts, text, event.message))
         yield event
 
 
-async def _row_if_lost(public_id: str, event: Event, facts: dict[str, object], log: EventLog) -> None:
-    if type(event) is not Error or event.code is not ErrorCode.GENERATION_LOST or not facts:
-        return
-    try:
-        await writer.write(lost_row(public_id, facts, log.text, event.message))
-    except asyncio.CancelledError:
-        raise  # the row is queued: it is written all the same
-    except Exception:
-        logger.exception("could not write the log row of a resume")
+async def _after(
+    events: list[Event], live: AsyncGenerator[Event, None] | None
+) -> AsyncGenerator[Event, None]:
+    for event in events:
+        yield event
+    if live is not None:
+        async with contextlib.aclosing(live):
+            async for event in live:
+                yield event
 
 
 def resume_key(public_id: str) -> str:
-    """The secret half of a generation's event ids, which only its own stream carries: its id
-    (a permalink's) alone reads nothing. Keyed with the SECRET_KEY, so every process checks it
-    with nothing stored, and not tied to an address (a phone that changes networks resumes)."""
+    """The secret half of a generation's event ids, which only its own stream carries: its id (a
+    permalink's) alone reads nothing. Keyed with SECRET_KEY: every process checks it, nothing stored."""
     return hmac.new(
         settings.SECRET_KEY.encode(), b"resume:" + public_id.encode(), hashlib.sha256
     ).hexdigest()[:16]
@@ -612,12 +703,8 @@ def resume_key(public_id: str) -> str:
 
 def parse_event_id(value: object) -> tuple[str, str, int] | None:
     """(public id, resume key, number) of a well-formed event id, else None."""
-    if not isinstance(value, str):
-        return None
-    match = EVENT_ID.fullmatch(value.strip())
-    if match is None:
-        return None
-    return match[1].lower(), match[2], int(match[3])
+    match = EVENT_ID.fullmatch(value.strip()) if isinstance(value, str) else None
+    return None if match is None else (match[1].lower(), match[2], int(match[3]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,30 +716,19 @@ class Resumed:
     after: int
     events: AsyncGenerator[Event, None]
 
-    @classmethod
-    def of(cls, public_id: str, log: EventLog, after: int, events: AsyncGenerator[Event, None]) -> Resumed:
-        return cls(log.meta_until(after).merged(Meta(generation_id=public_id)), after, events)
-
 
 async def resume(
     public_id: str, key: str, after: int, *, client_key: str, admitted: Entry | Error | None = None
 ) -> Resumed | Error | None:
-    """The events of generation `public_id` after the `after`-th, then the live rest: from the
-    run in this process, else from its finished events in the cache, else (with REDIS_URL) from
-    its events in Redis, live in another process; None when none has it (unknown, expired, or
-    `after` beyond what it sent), or when `key` is not its resume key (then as for an unknown
-    id, before any run is touched). A draining process serves only the runs it holds: any
-    other resume is refused like a new stream (the server_draining Error; nginx asks another
-    process), for it could outlive the drain's cut and be closed at exit without a word.
-
-    A resume is a connection like a new stream's: admitted (quotes.ai.gateway.admission) before
-    anything is read for it, refused with the admission's Error (429 too many streams, 503 at
-    the cap), and holding its ticket while it reads. `admitted`: the process's decision on it
-    (admission.enter), but for the drain's refusal, which spares a run held here."""
+    """The events of generation `public_id` after the `after`-th, then the live rest: from its run
+    here, else (with REDIS_URL) from Redis, live in another process, else from its finished events
+    in the cache. None when none has it, or when `key` is not its resume key. A resume is admitted
+    like a new stream (`admitted`: the process's decision, but for the drain's refusal, which
+    spares a run held here); a draining process serves only the runs it holds."""
     if not hmac.compare_digest(key, resume_key(public_id)):
         return None
     run = runs.get(public_id)
-    here = run is not None and after <= len(run.log)
+    here = run is not None and after <= len(run)
     if drain.draining and not here:
         return server_draining()
     options = settings.QUOTES_GATEWAY
@@ -662,7 +738,7 @@ async def resume(
     if isinstance(ticket, Error):
         return ticket
     try:
-        found = await _resume(public_id, after, ticket=ticket, keepalive_s=options.keepalive_s)
+        found = await _resume(public_id, after, ticket)
     except BaseException:
         await ticket.release()
         raise
@@ -671,67 +747,42 @@ async def resume(
     return found
 
 
-async def _resume(
-    public_id: str, after: int, *, ticket: Ticket, keepalive_s: float
-) -> Resumed | Error | None:
+async def _resume(public_id: str, after: int, ticket: Ticket) -> Resumed | Error | None:
     run = runs.get(public_id)
-    if run is not None and after <= len(run.log):
-        listener = run.subscribe(after, ticket=ticket, keepalive_s=keepalive_s)
-        return Resumed.of(public_id, run.log, after, listener.events())
+    if run is not None and after <= len(run):
+        return Resumed(run.meta_until(after), after, run.subscribe(after, ticket=ticket).events())
     if drain.draining:
         return server_draining()
-    if shared_runs.available():
-        # Redis first: it has the run live in another process, or just ended (with what a
-        # resume needs to log itself if the run was lost).
-        elsewhere = await _resume_elsewhere(public_id, after, ticket=ticket, keepalive_s=keepalive_s)
-        if elsewhere is not None:
-            return elsewhere
-    finished = await _finished(public_id)
-    if finished is None:
-        return None
-    log = finished[1]
-    if after > len(log):
-        return None
-    return Resumed.of(public_id, log, after, _held(replay(log, after), ticket))
-
-
-async def _resume_elsewhere(
-    public_id: str, after: int, *, ticket: Ticket, keepalive_s: float
-) -> Resumed | None:
-    found = await shared_runs.read(public_id)
-    if found is None:
-        return None
-    held, last, facts = found
+    found = await shared_runs.read(public_id) if shared_runs.available() else None
+    if found is not None:
+        held, last, facts = found
+    else:
+        finished = await _finished(public_id)
+        if finished is None:
+            return None
+        held, last, facts = finished[1], None, {}
     if after > len(held):
         return None
-    log = EventLog()
-    for event in held:
-        log.append(event)
-    events = _read_elsewhere(public_id, log, last, after, keepalive_s=keepalive_s, facts=facts)
-    return Resumed.of(public_id, log, after, _held(events, ticket))
+    meta = merged(held[:after]).merged(Meta(generation_id=public_id))
+    return Resumed(meta, after, _held(read(public_id, held, after, last, facts), ticket))
 
 
 async def stop(public_id: str, client_key: str) -> bool | None:
-    """Stop generation `public_id` at once for the client that started it, wherever it runs:
-    in this process, or (with REDIS_URL) in another one. True when it was stopped now, False
-    when it had ended already (nothing left to stop), None when this client has no such
-    generation (unknown, someone else's, or forgotten)."""
+    """Stop generation `public_id` now for the client that started it, wherever it runs. True when
+    stopped now, False when it had ended, None when this client has no such generation."""
     run = runs.get(public_id)
     if run is not None:
-        if run.client_key != client_key:
-            return None
-        return await run.stop()
+        return await run.stop() if run.client_key == client_key else None
     if shared_runs.available():
-        stopped = await shared_runs.stop_elsewhere(public_id, client_key)
-        if stopped is not None:
-            return stopped
+        stopped_there = await shared_runs.stop_elsewhere(public_id, client_key)
+        if stopped_there is not None:
+            return stopped_there
     finished = await _finished(public_id)
     return False if finished is not None and finished[0] == client_key else None
 
 
-async def _finished(public_id: str) -> tuple[str, EventLog] | None:
-    """A finished generation's (client key, events), kept in the cache for resumes
-    (QUOTES_RESUME_TTL_S); None when gone, or when the cache cannot say."""
+async def _finished(public_id: str) -> tuple[str, list[Event]] | None:
+    """A finished generation's (client key, events), kept for resumes (QUOTES_RESUME_TTL_S)."""
     try:
         stored = await run_on_cache(cache.get, finished_key(public_id))
     except Exception as exc:
@@ -739,9 +790,7 @@ async def _finished(public_id: str) -> tuple[str, EventLog] | None:
         return None
     match stored:
         case {"client": str() as client_key, "events": list() as items, **rest} if not rest:
-            try:
-                return client_key, EventLog.of(decode_events(items))
-            except ValueError:
-                pass
+            with contextlib.suppress(ValueError):
+                return client_key, decode_events(items)
     misfit("a finished generation", stored)
     return None

@@ -1,39 +1,16 @@
-"""Runs shared across processes: a live run's events in Redis (only when REDIS_URL is set).
+"""Runs across processes, in Redis (only with REDIS_URL): the wire format and the calls.
 
-    owner process:  run -> Publisher -> XADD quotes:live:<public_id>   (+ heartbeat key)
-    other process:  follow() <- XREAD BLOCK quotes:live:<public_id>    (a resume, or a follower)
+    owner process:  runs' sender -> XADD quotes:live:<public_id>  (+ heartbeat key, claim)
+    other process:  follow() <- XREAD BLOCK quotes:live:<public_id>  (a resume, or a follower)
 
-While a run is live, its process publishes its events to one Redis Stream per run and keeps a
-heartbeat key (`quotes:owner:<public_id>`, HEARTBEAT_TTL_S, refreshed every HEARTBEAT_EVERY_S)
-saying that it still holds it. Publishing is batched: this process's one sender sends what
-every run's log gained since the last send, one XADD per run (one JSON list of events,
-numbered from the index it starts at) in one pipeline per round trip.
-
-Another process reads a run it does not hold with `follow()`: what the stream has, then new
-entries as they come (XREAD BLOCK), until the terminal event. While it reads, it holds a reader
-lease on the run (`quotes:readers:<public_id>`, a sorted set of lease ids by expiry, renewed
-every READER_RENEW_S), so the owner knows that someone still reads the run: a run its client
-left ends only when nobody reads it on any process (`has_readers`). A run its client stopped
-ends unless a *follower* reads it (another client's identical request, whose generation feeds
-on this one; its lease says so): the client's own resumes on other processes are its client's
-connections, which a stop ends (the owner adds a stop entry, `x`, to the stream: a resume
-reading it ends with `stopped`).
-When the heartbeat key has expired and nothing more comes (the owner was killed), the reader
-ends with `generation_lost` (retryable) instead of waiting forever.
-
-Ownership expires in seconds. The first process to start an upstream call for an answer-cache
-key claims it (`quotes:flight:<key>` = its run id, HEARTBEAT_TTL_S, renewed with the heartbeat);
-an identical request elsewhere follows that run's events (`claim()` returns the owner's run id).
-A claim whose owner's heartbeat is gone is taken over at once, so a killed owner costs identical
-requests nothing after a few seconds.
-
-Stopping across processes: the heartbeat key holds the owner process's id. A stop asked of
-another process (`stop_elsewhere`, the stop endpoint behind nginx) pushes the run's id onto the
-owner's list `quotes:stops:<process>`; the owner's sender pops that list in each of its round
-trips and stops the run (for the client that asked: the run's first entry names it).
-
-A Redis that fails costs the cross-process parts (logged), never the stream of the process that
-holds the run.
+A live run's events go to one Redis Stream per run, as JSON (numbered from the index each entry
+starts at), with a heartbeat key naming its process. A reader elsewhere holds a lease on the run
+(`quotes:readers:<id>`), so its owner knows it is still read (`has_readers`); a reader whose
+owner's heartbeat has gone ends with `generation_lost`. The first process to call the upstream
+for an answer key claims it (`claim`); identical requests elsewhere follow its run. A stop asked
+of another process goes to that process's list (`stop_elsewhere`), popped by its sender. A Redis
+that fails costs the cross-process parts (logged), never the stream of the process holding the
+run. docs/architecture.md, "Across processes", has the rest.
 """
 
 from __future__ import annotations
@@ -45,7 +22,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ErrorCode, stopped
 from ..events import Done, Error, Event, Ping, Reconnect, Token, from_json, to_json
@@ -96,6 +74,7 @@ return 0
 """
 
 OWNER_PREFIX = "quotes:owner:"
+_NO_EVENTS = to_json([])
 
 
 class OwnerGone(Exception):
@@ -144,51 +123,13 @@ SWEEP_EVERY_S = 5.0
 available = redis_clients.usable
 
 
-class Shared(Protocol):
-    """What the sender needs of a run (quotes.ai.gateway.runs.Run)."""
-
-    @property
-    def public_id(self) -> str: ...
-    @property
-    def client_key(self) -> str: ...
-    @property
-    def facts(self) -> dict[str, object]: ...
-    @property
-    def ended(self) -> bool: ...
-    @property
-    def log(self) -> Any: ...  # an EventLog: len() and at(i)
-
-    def stop_asked(self) -> None:
-        """Another process asked (for this run's client) to stop it."""
-
-
-#: The publishers of this process still sending, by run id.
-publishers: dict[str, Publisher] = {}
-
-
-async def flush(timeout_s: float) -> None:
-    """Wait (up to `timeout_s`) until every run's last events are in Redis (before an exit)."""
-    if _sender is not None and not _sender.done():
-        await asyncio.wait([_sender], timeout=timeout_s)  # it stops once every run is out
-
-
 def reset() -> None:
-    """Forget everything of a loop that is gone (a finished test's): its sender, its clients."""
-    global _sender
-    _sender = None
-    _dirty.clear()
-    publishers.clear()
+    """Forget the clients of a loop that is gone (a finished test's)."""
     redis_clients.forget()
 
 
 async def close() -> None:
-    """Stop publishing and close the clients (the end of a test's loop)."""
-    global _sender
-    if _sender is not None:
-        _sender.cancel()
-        _sender = None
-    publishers.clear()
-    _dirty.clear()
+    """Close the clients (the end of a test's loop)."""
     await redis_clients.close()
 
 
@@ -196,170 +137,120 @@ async def close() -> None:
 
 
 class Publisher:
-    """A run's place in this process's one sender: what of its log is in Redis (`sent`), its
-    heartbeat, the answer key it claimed. `poke()` (a run's event, synchronous) marks it."""
+    """What of one run is in Redis (`sent`), its heartbeat, the answer key it claimed, and whether
+    its readers elsewhere must hear its client's stop. quotes.ai.gateway.runs sends it."""
 
-    __slots__ = ("beat_due", "claim", "end_tries", "run", "sent", "stop_due")
+    __slots__ = ("beat_due", "claim", "end_tries", "public_id", "sent", "stop_due")
 
-    def __init__(self, run: Shared) -> None:
-        self.run = run
+    def __init__(self, public_id: str, claim: str = "") -> None:
+        self.public_id = public_id
         self.sent = 0
         self.beat_due = 0.0
-        #: the answer key this run claimed for its upstream call (renewed with the heartbeat,
-        #: released at its end)
-        self.claim = ""
-        #: the run's client stopped it, and it goes on for followers: its resumes elsewhere end
+        self.claim = claim  # renewed with the heartbeat, released at the run's end
         self.stop_due = False
-        #: rounds that failed to send its end
-        self.end_tries = 0
-        publishers[run.public_id] = self
-        self.poke()
-
-    def end_readers(self) -> None:
-        self.stop_due = True
-        self.poke()
-
-    def poke(self) -> None:
-        _dirty.add(self)
-        _wake_sender()
-
-    def stage(self, pipe: Any, now: float) -> tuple[int, bool]:
-        """Queue this run's commands on `pipe`: its new events, its heartbeat (and claim) when
-        due, and at its end the stream's expiry, the heartbeat's removal and the claim's
-        release. Returns the log length sent, and whether that is the end."""
-        run = self.run
-        log = run.log
-        end = len(log)
-        ended = run.ended and end > 0
-        stream = stream_key(run.public_id)
-        if end > self.sent:
-            fields = {
-                "i": self.sent,
-                "d": to_json([log.at(i) for i in range(self.sent, end)]),
-            }
-            if not self.sent:
-                fields["r"] = json.dumps(run.facts)
-                fields["c"] = run.client_key  # who may stop it from another process
-            pipe.xadd(stream, fields)
-            if not self.sent or ended:
-                # Set once live (a bound for a run whose process dies), once ended: not per
-                # batch, which would double the commands per token.
-                pipe.expire(stream, STREAM_TTL_S if ended else LIVE_TTL_S)
-            if not self.sent and not ended:
-                pipe.sadd(LIVE_RUNS, run.public_id)
-        if self.stop_due:
-            self.stop_due = False
-            pipe.xadd(stream, {"i": end, "d": _NO_EVENTS, "x": 1})
-        if ended:
-            pipe.delete(owner_key(run.public_id))
-            pipe.srem(LIVE_RUNS, run.public_id)
-            if self.claim:
-                pipe.eval(_RELEASE, 1, claim_key(self.claim), run.public_id)
-        elif now >= self.beat_due:
-            ttl_ms = int(HEARTBEAT_TTL_S * 1000)
-            pipe.set(owner_key(run.public_id), redis_clients.PROCESS, px=ttl_ms)
-            if self.claim:
-                pipe.eval(_RENEW, 1, claim_key(self.claim), run.public_id, ttl_ms)
-            self.beat_due = now + HEARTBEAT_EVERY_S
-        return end, ended
+        self.end_tries = 0  # rounds that failed to send its end
 
 
-def _forget(publisher: Publisher) -> None:
-    if publishers.get(publisher.run.public_id) is publisher:
-        del publishers[publisher.run.public_id]
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A run's part of one round trip: its events not sent yet, whether they end it, and who it is."""
+
+    publisher: Publisher
+    events: list[Event]
+    ended: bool
+    client_key: str
+    facts: dict[str, object]
+
+
+def _stage(pipe: Any, out: Outgoing, now: float) -> None:
+    """Queue one run's commands: its new events, its heartbeat (and claim) when due; at its end
+    the stream's expiry, the heartbeat's removal and the claim's release."""
+    publisher, public_id = out.publisher, out.publisher.public_id
+    stream = stream_key(public_id)
+    end = publisher.sent + len(out.events)
+    if out.events:
+        fields = {"i": publisher.sent, "d": to_json(out.events)}
+        if not publisher.sent:
+            fields["r"] = json.dumps(out.facts)
+            fields["c"] = out.client_key  # who may stop it from another process
+        pipe.xadd(stream, fields)
+        if not publisher.sent or out.ended:  # once live, once ended: not per batch
+            pipe.expire(stream, STREAM_TTL_S if out.ended else LIVE_TTL_S)
+        if not publisher.sent and not out.ended:
+            pipe.sadd(LIVE_RUNS, public_id)
+    if publisher.stop_due:
+        publisher.stop_due = False
+        pipe.xadd(stream, {"i": end, "d": _NO_EVENTS, "x": 1})
+    if out.ended:
+        pipe.delete(owner_key(public_id))
+        pipe.srem(LIVE_RUNS, public_id)
+        if publisher.claim:
+            pipe.eval(_RELEASE, 1, claim_key(publisher.claim), public_id)
+    elif now >= publisher.beat_due:
+        ttl_ms = int(HEARTBEAT_TTL_S * 1000)
+        pipe.set(owner_key(public_id), redis_clients.PROCESS, px=ttl_ms)
+        if publisher.claim:
+            pipe.eval(_RENEW, 1, claim_key(publisher.claim), public_id, ttl_ms)
+        publisher.beat_due = now + HEARTBEAT_EVERY_S
 
 
 #: Rounds a run's end is tried (about a second apart while Redis fails) before it is given up.
 END_TRIES = 30
 
 
-def _again(publisher: Publisher, ended: bool) -> None:
-    """Send it next round. Its end too: given up, its readers elsewhere would hear that a quote
-    that finished was lost."""
-    if ended:
-        publisher.end_tries += 1
-        if publisher.end_tries >= END_TRIES:
-            logger.warning("gave up publishing the end of run %s to Redis", publisher.run.public_id)
-            _forget(publisher)
-            return
-    _dirty.add(publisher)
-    publisher.beat_due = 0.0
-
-
-#: Publishers with something to send (new events, or their end).
-_dirty: set[Publisher] = set()
-_wake: asyncio.Event | None = None
-_sender: asyncio.Task[None] | None = None
-
-
-def _wake_sender() -> None:
-    global _wake, _sender
-    if _sender is None or _sender.done():
-        _wake = asyncio.Event()
-        _sender = detached_task(_send())
-    assert _wake is not None
-    _wake.set()
-
-
-async def _send() -> None:
-    """This process's one sender: every run's pending events, heartbeats and ends in one
-    pipeline per round trip, so that under load a round trip carries many runs' tokens (and
-    a drain's hundreds of ends), on one connection."""
-    assert _wake is not None
-    wake = _wake
-    while publishers:
-        if not _dirty:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), HEARTBEAT_EVERY_S)
-        wake.clear()
-        now = time.monotonic()
-        due = {p for p in publishers.values() if now >= p.beat_due}
-        batch = list(_dirty | due)
-        _dirty.clear()
-        if not batch:
-            continue
-        pipe = redis_clients.client().pipeline(transaction=False)
-        staged = []
-        for publisher in batch:
-            before = len(pipe)
-            end, ended = publisher.stage(pipe, now)
-            staged.append((publisher, end, ended, before, len(pipe)))
-        # The stops other processes were asked for this process's runs, in the same round trip.
-        pipe.lpop(stops_key(redis_clients.PROCESS), STOPS_PER_ROUND)
-        try:
-            redis_clients.breaker.check()
-            results = await pipe.execute(raise_on_error=False)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if _cancelled():
-                return
-            # Other processes miss these runs for now; their own connections do not.
-            redis_clients.failed(exc)
-            for publisher, _, ended, _, _ in staged:
-                _again(publisher, ended)
-            await asyncio.sleep(HEARTBEAT_EVERY_S)
-            continue
+async def send(
+    outgoing: list[Outgoing], now: float
+) -> tuple[set[Publisher], set[Publisher], list[str] | None]:
+    """One round trip for every run in `outgoing`, and the stops asked of this process's runs:
+    the publishers done (their end is in Redis, or given up), those to send again, and the run
+    ids to stop (None when Redis failed). A run's end that fails is sent again: given up, its
+    readers elsewhere would hear that a quote that finished was lost."""
+    pipe = redis_clients.client().pipeline(transaction=False)
+    spans = []
+    for out in outgoing:
+        before = len(pipe)
+        _stage(pipe, out, now)
+        spans.append((before, len(pipe)))
+    pipe.lpop(stops_key(redis_clients.PROCESS), STOPS_PER_ROUND)
+    try:
+        redis_clients.breaker.check()
+        results: list[Any] | None = await pipe.execute(raise_on_error=False)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        redis_clients.failed(exc)
+        results = None
+    else:
         redis_clients.breaker.succeeded()
-        for publisher, end, ended, first, last in staged:
-            if any(isinstance(result, Exception) for result in results[first:last]):
-                logger.warning("could not publish run %s's events to Redis", publisher.run.public_id)
-                _again(publisher, ended)
+    done: set[Publisher] = set()
+    again: set[Publisher] = set()
+    for out, (first, last) in zip(outgoing, spans, strict=True):
+        publisher = out.publisher
+        if results is not None and not any(isinstance(result, Exception) for result in results[first:last]):
+            publisher.sent += len(out.events)
+            if out.ended:
+                done.add(publisher)
+            continue
+        if results is not None:
+            logger.warning("could not publish run %s's events to Redis", publisher.public_id)
+        if out.ended:
+            publisher.end_tries += 1
+            if publisher.end_tries >= END_TRIES:
+                logger.warning("gave up publishing the end of run %s to Redis", publisher.public_id)
+                done.add(publisher)
                 continue
-            publisher.sent = end
-            if ended:
-                _forget(publisher)
-        if isinstance(results[-1], list):
-            for public_id in results[-1]:
-                asked = publishers.get(public_id.decode(errors="replace"))
-                if asked is not None:
-                    asked.run.stop_asked()
+        publisher.beat_due = 0.0
+        again.add(publisher)
+    if results is None:
+        return done, again, None
+    stops = results[-1] if isinstance(results[-1], list) else []
+    return done, again, [public_id.decode(errors="replace") for public_id in stops]
 
 
-def _cancelled() -> bool:
+def cancelled() -> bool:
     """This task was asked to stop, even if the call it was in answered with another exception
-    (redis-py's connection may turn a cancel that meets its own read timeout into an error): a
-    loop that retried would outlive its event loop's shutdown (asyncio.run waits for it)."""
+    (redis-py may turn a cancel that meets its own read timeout into an error): a loop that
+    retried would outlive its event loop's shutdown."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
 
@@ -463,9 +354,6 @@ async def claim(answer_key: str, public_id: str) -> str | None:
     if not owner:
         return None
     return owner.decode() if isinstance(owner, bytes) else str(owner)
-
-
-_NO_EVENTS = to_json([])
 
 
 def _new(fields: dict[bytes, bytes], seen: int) -> list[Event]:
