@@ -23,6 +23,7 @@ import time
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.core.cache import cache
@@ -646,40 +647,33 @@ def elsewhere(event: Event) -> Event:
     return event
 
 
-async def _held(events: AsyncGenerator[Event, None], ticket: Ticket) -> AsyncGenerator[Event, None]:
-    """`events` read by a connection that holds `ticket` (a resume not served by a Listener)."""
+async def read(
+    public_id: str, held: list[Event], after: int, last: str | None, facts: dict[str, object], ticket: Ticket
+) -> AsyncGenerator[Event, None]:
+    """A generation's events after the `after`-th, from a list read from the cache (`last` None)
+    or from Redis (up to entry `last`), then, from Redis, the live rest; read by a connection that
+    holds `ticket`. A generation that ends `generation_lost` (its owner died, or drained it) gets
+    its row, under its own id, if none is there: its process may never write it."""
+    text = "".join(e.text for e in held[:after] if type(e) is Token)
+    live = None
+    if last and not (held and type(held[-1]) in (Done, Error)):
+        keepalive_s = settings.QUOTES_GATEWAY.keepalive_s
+        live = shared_runs.follow(public_id, last=last, keepalive_s=keepalive_s, seen=len(held))
     try:
-        async for event in events:
+        async for event in _after(held[after:], live):
+            event = elsewhere(event)
+            if type(event) is Token:
+                text += event.text
+                yield event
+                continue
+            if type(event) is Error and event.code is ErrorCode.GENERATION_LOST and facts:
+                with contextlib.suppress(Exception):  # queued at once: written even if cancelled here
+                    await writer.write(lost_row(public_id, facts, text, event.message))
             if type(event) is Done or type(event) is Error:
                 await ticket.release_client_slot()  # before the client hears the end
             yield event
     finally:
-        await events.aclose()
         await ticket.release()
-
-
-async def read(
-    public_id: str, held: list[Event], after: int, last: str | None, facts: dict[str, object]
-) -> AsyncGenerator[Event, None]:
-    """A generation's events after the `after`-th, from a list read from the cache (`last` None)
-    or from Redis (up to entry `last`), then, from Redis, the live rest. A generation that ends
-    `generation_lost` (its owner died, or drained it) gets its row, under its own id, if none
-    is there: its process may never write it."""
-    text = "".join(e.text for e in held[:after] if type(e) is Token)
-    ended = bool(held) and type(held[-1]) in (Done, Error)
-    keepalive_s = settings.QUOTES_GATEWAY.keepalive_s
-    live = None
-    if last and not ended:
-        live = shared_runs.follow(public_id, last=last, keepalive_s=keepalive_s, seen=len(held))
-    rest: AsyncIterator[Event] = _after(held[after:], live)
-    async for event in rest:
-        event = elsewhere(event)
-        if type(event) is Token:
-            text += event.text
-        elif type(event) is Error and event.code is ErrorCode.GENERATION_LOST and facts:
-            with contextlib.suppress(Exception):  # queued at once: written even if cancelled here
-                await writer.write(lost_row(public_id, facts, text, event.message))
-        yield event
 
 
 async def _after(
@@ -738,33 +732,25 @@ async def resume(
     if isinstance(ticket, Error):
         return ticket
     try:
-        found = await _resume(public_id, after, ticket)
+        if run is not None and after <= len(run):
+            return Resumed(run.meta_until(after), after, run.subscribe(after, ticket=ticket).events())
+        if drain.draining:  # its run here ended meanwhile: a draining process reads no other
+            await ticket.release()
+            return server_draining()
+        found: tuple[list[Event], str | None, dict[str, Any]] | None = None
+        if shared_runs.available():
+            found = await shared_runs.read(public_id)
+        if found is None and (finished := await _finished(public_id)) is not None:
+            found = finished[1], None, {}
+        if found is None or after > len(found[0]):
+            await ticket.release()
+            return None
     except BaseException:
         await ticket.release()
         raise
-    if not isinstance(found, Resumed):
-        await ticket.release()
-    return found
-
-
-async def _resume(public_id: str, after: int, ticket: Ticket) -> Resumed | Error | None:
-    run = runs.get(public_id)
-    if run is not None and after <= len(run):
-        return Resumed(run.meta_until(after), after, run.subscribe(after, ticket=ticket).events())
-    if drain.draining:
-        return server_draining()
-    found = await shared_runs.read(public_id) if shared_runs.available() else None
-    if found is not None:
-        held, last, facts = found
-    else:
-        finished = await _finished(public_id)
-        if finished is None:
-            return None
-        held, last, facts = finished[1], None, {}
-    if after > len(held):
-        return None
+    held, last, facts = found
     meta = merged(held[:after]).merged(Meta(generation_id=public_id))
-    return Resumed(meta, after, _held(read(public_id, held, after, last, facts), ticket))
+    return Resumed(meta, after, read(public_id, held, after, last, facts, ticket))
 
 
 async def stop(public_id: str, client_key: str) -> bool | None:
