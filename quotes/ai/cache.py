@@ -75,10 +75,10 @@ async def get_answer(key: str) -> list[Event] | None:
     return answer
 
 
-async def store_answer(key: str, history: list[Event], *, ttl: int) -> None:
+async def store_answer(key: str, answer: list[Event], *, ttl: int) -> None:
     """Keep a complete answer (what its flight published, then Done). Its upstream headers
     (cf-aig-log-id, ...) name that call, not a replay: left out."""
-    events = [Meta(model=event.model, step=event.step) if type(event) is Meta else event for event in history]
+    events = [Meta(model=event.model, step=event.step) if type(event) is Meta else event for event in answer]
     try:
         await run_on_cache(cache.set, key, encode_events([*events, Done()]), timeout=ttl)
     except Exception as exc:  # a cache that is down costs a future hit, never this answer
