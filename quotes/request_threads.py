@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from asgiref.sync import ThreadSensitiveContext
 from django.conf import settings
+from django.core.signals import request_started
 from django.db import close_old_connections, reset_queries
 
 #: Past this many request threads a request waits for one: overload queues requests, not threads.
@@ -120,6 +121,11 @@ class RequestThreads:
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        # A request starts with no thread hop: Django's receivers of request_started are the
+        # connection hygiene a leased thread had when it was given back (Lease.give_back, or
+        # request_finished), so they are not run again (as Django's test client does).
+        request_started.disconnect(close_old_connections)
+        request_started.disconnect(reset_queries)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         # The body first: a client that never finishes its body (under a server that streams
