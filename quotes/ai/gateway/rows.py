@@ -394,9 +394,8 @@ class RowWriter:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False
-        self._connected = False  # written since the thread last closed its connection
+        self._connected = False  # `_insert` used the connection since the thread last closed it
         self._close_now = False
-        self.written = 0
         self.wait_s = ROW_WAIT_S  # the test suite waits longer
         self.outbox = Outbox()
         self.failing = ""  # why the database takes no rows now, or ""
@@ -463,11 +462,9 @@ class RowWriter:
                 batch = self._pending[:BATCH_SIZE]  # left queued until written: `flush` waits for it
             if self.outbox.depth and not self._closing and time.monotonic() >= self._retry_at:
                 self._replay()
-                self._connected = True
             if batch:
                 try:
                     self._write(batch)
-                    self._connected = True
                 finally:  # even if it raised: a batch is tried once
                     with self._lock:
                         del self._pending[: len(batch)]
@@ -541,6 +538,7 @@ class RowWriter:
     def _insert(self, rows: Sequence[_Row]) -> set[int]:
         """Write `rows` in one transaction or, if the database refuses one, one by one: returns the
         indices of those refused. Raises an `unavailable` error (rows in twice are kept once)."""
+        self._connected = True
         try:
             with transaction.atomic():
                 _upsert(rows)
@@ -554,7 +552,6 @@ class RowWriter:
             for row, _ in rows:
                 row.pk = None  # as the batch's rollback left it: not in the database
             return {index for index, row in enumerate(rows) if self._insert([row])}
-        self.written += len(rows)
         return set()
 
 
