@@ -21,20 +21,16 @@ from django.db import close_old_connections, reset_queries
 #: Past this many request threads a request waits for one: overload queues requests, not threads.
 MAX_THREADS = 32
 
-_idle: list[ThreadPoolExecutor] = []
+#: The request threads; each starts at its executor's first call (a request may make none).
+_idle = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="request") for _ in range(MAX_THREADS)]
 _waiting: collections.deque[asyncio.Future[ThreadPoolExecutor]] = collections.deque()
-_started = 0
 #: Where a request's sync calls go once its thread is given back (microseconds each).
 tail = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-tail")
 
 
 async def _lease_thread() -> ThreadPoolExecutor:
-    global _started
     if _idle:
         return _idle.pop()
-    if _started < MAX_THREADS:
-        _started += 1
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="request")
     waiter: asyncio.Future[ThreadPoolExecutor] = asyncio.get_running_loop().create_future()
     _waiting.append(waiter)
     try:

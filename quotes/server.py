@@ -1,12 +1,8 @@
-"""`python -m quotes.server`: daphne, taking exactly daphne's arguments, that drains on SIGTERM.
+"""`python -m quotes.server`: daphne, taking exactly daphne's arguments, that drains on SIGTERM
+(`drain_and_close`; a second signal stops at once). Not plain `daphne`: Twisted's SIGTERM handler
+and daphne's shutdown trigger would cancel every open stream at once (docs/deployment.md).
 
     python -m quotes.server -b 127.0.0.1 -p 8000 config.asgi:application
-
-On SIGTERM it refuses new streams, lets the open ones finish (up to QUOTES_DRAIN_TIMEOUT_S), tells
-the rest to resume elsewhere, and exits (`drain_and_close`); a second signal stops at once. Not
-plain `daphne`: Twisted's SIGTERM handler stops the reactor at once, and daphne's "before
-shutdown" trigger, which cancels every application, cannot be held back. So daphne's `Server`
-runs with Twisted's signal handlers off, and the reactor is stopped once the drain is over.
 """
 
 from __future__ import annotations

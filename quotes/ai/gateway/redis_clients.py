@@ -27,7 +27,7 @@ def enabled() -> bool:
 
 def usable() -> bool:
     """REDIS_URL is set, and Redis has not failed a moment ago (quotes.ai.redis_health)."""
-    return bool(settings.REDIS_URL) and breaker.available()
+    return enabled() and breaker.available()
 
 
 def failed(error: BaseException) -> None:
