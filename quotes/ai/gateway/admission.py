@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 #: Retry-After of a draining process's refusal: the other processes take it now (nginx retries
 #: there at once); a client of this one process alone finds it restarted.
 DRAINING_RETRY_AFTER_S = 1
-#: Retry-After for a client at its concurrent-stream cap.
 TOO_MANY_STREAMS_RETRY_AFTER_S = 5
 #: Where StreamAdmissionGate puts its decision (`enter`) in the scope it passes on to Django.
 DECIDED = "quotes.admission"
@@ -308,14 +307,12 @@ class Drain:
         self.cut = False
 
     async def run(self, timeout_s: float) -> None:
-        """Refuse new streams from now on; let the open ones run for up to `timeout_s`."""
         self.draining = True
         logger.info("draining: %d open streams, deadline in %g s", open_streams.count, timeout_s)
         await self.settle(timeout_s)
         self.cut = True
 
     async def settle(self, timeout_s: float) -> None:
-        """Wait (up to `timeout_s`) until no stream is open and no run is going."""
         emptied = open_streams.emptied = asyncio.Event()
         if open_streams.count or open_streams.runs:
             with contextlib.suppress(TimeoutError):

@@ -57,7 +57,6 @@ class OpenStreams:
         self._opened: dict[int, float] = {}
 
     def try_enter(self, limit: float) -> bool:
-        """Count a stream request in `entering` if fewer than `limit` are open or entering."""
         self.peak = max(self.peak, self.count + self.entering + 1)
         if self.count + self.entering >= limit:
             return False
@@ -74,13 +73,9 @@ class OpenStreams:
 
     def close(self, slot: int) -> None:
         self.count -= 1
-        opened = self._opened.pop(slot, None)
-        if opened is not None:
-            held = self._clock() - opened
-            if self.expected_s is None:
-                self.expected_s = held
-            else:
-                self.expected_s += DURATION_SMOOTHING * (held - self.expected_s)
+        held = self._clock() - self._opened.pop(slot)
+        expected = held if self.expected_s is None else self.expected_s  # the first sets it
+        self.expected_s = expected + DURATION_SMOOTHING * (held - expected)
         self._check_empty()
 
     def run_started(self) -> None:
