@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import random
@@ -29,7 +28,6 @@ logger = logging.getLogger(__name__)
 #: Retry-After of a draining process's refusal: the other processes take it now (nginx retries
 #: there at once); a client of this one process alone finds it restarted.
 DRAINING_RETRY_AFTER_S = 1
-#: Retry-After for a client at its concurrent-stream cap.
 TOO_MANY_STREAMS_RETRY_AFTER_S = 5
 #: Where StreamAdmissionGate puts its decision (`enter`) in the scope it passes on to Django.
 DECIDED = "quotes.admission"
@@ -111,7 +109,6 @@ class Leases:
 
     def __init__(self) -> None:
         self.held: dict[str, set[str]] = {}
-        self.ids = itertools.count(1)
         self._keeper: asyncio.Task[None] | None = None
 
     def add(self, client_key: str, lease: str) -> None:
@@ -123,11 +120,10 @@ class Leases:
             self._keeper = detached_task(self._renew())
 
     def discard(self, client_key: str, lease: str) -> None:
-        mine = self.held.get(client_key)
-        if mine is not None:
-            mine.discard(lease)
-            if not mine:
-                del self.held[client_key]
+        mine = self.held.get(client_key, set())
+        mine.discard(lease)
+        if not mine:
+            self.held.pop(client_key, None)
 
     async def close(self) -> None:
         """Stop renewing (the end of a test's loop)."""
@@ -212,9 +208,8 @@ async def admit(
     if isinstance(decided, Error):
         return decided
     slot = decided.open()
-    lease = f"{redis_clients.PROCESS}:{next(leases.ids)}"
     try:
-        taken = await _take_slot(client_key, lease, options, network_key=network_key, new=new)
+        taken = await _take_slot(client_key, slot, options, network_key=network_key, new=new)
     except BaseException:
         open_streams.close(slot)
         raise
@@ -227,7 +222,7 @@ async def admit(
 async def count(client_key: str, options: GatewaySettings, *, network_key: str = "") -> Error | None:
     """Count a request refused before admission (invalid, its socket busy) as `admit` counts a
     new stream, taking no slot: the 429 Error once over the client's or the network's limit."""
-    refused = await _take_slot(client_key, "", options, network_key=network_key, new=True)
+    refused = await _take_slot(client_key, 0, options, network_key=network_key, new=True)
     return refused if isinstance(refused, Error) else None
 
 
@@ -241,12 +236,13 @@ def _window(bucket: str, key: str, limit: tuple[int, int], now: float) -> tuple[
 
 
 async def _take_slot(
-    client_key: str, lease: str, options: GatewaySettings, *, network_key: str, new: bool
+    client_key: str, slot: int, options: GatewaySettings, *, network_key: str, new: bool
 ) -> Error | str:
     """Count the request (when `new`: against the client's limit, then its network's) and take a
-    client slot unless `lease` is "": the Error that refuses it, or the lease as held. On Redis,
-    one atomic script (cancelled meanwhile, it leaves at most a lease nobody renews); else in this
-    process's memory (LOCAL + the lease), with no await between the slot's check and its take."""
+    client slot named after the process's `slot` (none for 0): the Error that refuses it, or the
+    lease held. On Redis, one atomic script (cancelled meanwhile, it leaves at most a lease nobody
+    renews); else in this process's memory (LOCAL + the lease), no await between check and take."""
+    lease = f"{redis_clients.PROCESS}:{slot}" if slot else ""
     now = time.time()
     rate_key, limit, ttl, retry_after = _window("rate", client_key, options.rate_limit, now)
     net_key, net_limit, net_ttl, net_retry_after = _window(
@@ -277,9 +273,10 @@ async def _take_slot(
             redis_clients.breaker.succeeded()
     if answer is None:
         lease = lease and LOCAL + lease
-        if new and await _count(rate_key, ttl) > limit:
+        # Without REDIS_URL, counted in the cache; with it (down: the breaker is open), here alone.
+        if new and await limits.count(rate_key, ttl) > limit:
             answer = 1
-        elif new and network_key and await _count(net_key, net_ttl) > net_limit:
+        elif new and network_key and await limits.count(net_key, net_ttl) > net_limit:
             answer = 3
         elif lease and len(leases.held.get(client_key, ())) >= options.max_concurrent_streams:
             answer = 2
@@ -296,11 +293,6 @@ async def _take_slot(
     return lease
 
 
-async def _count(key: str, ttl: int) -> int:
-    """Without REDIS_URL, the cache's count; while Redis is down, this process's own."""
-    return limits.count_here(key, ttl) if redis_clients.enabled() else await limits.count(key, ttl)
-
-
 #: After the cut, how long the cut streams get to send their last event and write their rows.
 CUT_GRACE_S = 5.0
 
@@ -315,14 +307,12 @@ class Drain:
         self.cut = False
 
     async def run(self, timeout_s: float) -> None:
-        """Refuse new streams from now on; let the open ones run for up to `timeout_s`."""
         self.draining = True
         logger.info("draining: %d open streams, deadline in %g s", open_streams.count, timeout_s)
         await self.settle(timeout_s)
         self.cut = True
 
     async def settle(self, timeout_s: float) -> None:
-        """Wait (up to `timeout_s`) until no stream is open and no run is going."""
         emptied = open_streams.emptied = asyncio.Event()
         if open_streams.count or open_streams.runs:
             with contextlib.suppress(TimeoutError):

@@ -1,7 +1,7 @@
 """How many streams this process takes at once: a limit that follows its own event loop's lag.
 
 Every token of every stream passes through the one loop, so an overloaded loop slows them all
-together, and how many it holds depends on the host: one timer (`LagProbe`) measures how late the
+together, and how many it holds depends on the host: one timer (`_probe`) measures how late the
 loop runs, and `GradientLimit` (after Netflix's Gradient2) follows it. See docs/deployment.md.
 """
 
@@ -57,7 +57,6 @@ class OpenStreams:
         self._opened: dict[int, float] = {}
 
     def try_enter(self, limit: float) -> bool:
-        """Count a stream request in `entering` if fewer than `limit` are open or entering."""
         self.peak = max(self.peak, self.count + self.entering + 1)
         if self.count + self.entering >= limit:
             return False
@@ -74,13 +73,9 @@ class OpenStreams:
 
     def close(self, slot: int) -> None:
         self.count -= 1
-        opened = self._opened.pop(slot, None)
-        if opened is not None:
-            held = self._clock() - opened
-            if self.expected_s is None:
-                self.expected_s = held
-            else:
-                self.expected_s += DURATION_SMOOTHING * (held - self.expected_s)
+        held = self._clock() - self._opened.pop(slot)
+        expected = held if self.expected_s is None else self.expected_s  # the first sets it
+        self.expected_s = expected + DURATION_SMOOTHING * (held - expected)
         self._check_empty()
 
     def run_started(self) -> None:
@@ -147,51 +142,44 @@ class GradientLimit:
         return self.limit
 
 
-class LagProbe:
-    """A timer on the running loop every PROBE_INTERVAL_S, feeding how late it fired to the limit:
-    one timer per process, nothing per token. A new loop (a test's) starts its own; the old
-    loop's timer stops at its next firing."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def ensure_running(self) -> None:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._loop = loop
-            due = loop.time() + PROBE_INTERVAL_S
-            loop.call_at(due, self._fire, loop, due)
-
-    def _fire(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
-        if loop is not self._loop:
-            return
-        now = loop.time()
-        lag_s = max(0.0, now - due)
-        options: GatewaySettings = settings.QUOTES_GATEWAY
-        if options.loop_lag_target_ms > 0:
-            gradient.sample(
-                lag_s,
-                peak=open_streams.peak,
-                target_s=options.loop_lag_target_ms / 1000,
-                floor=options.min_open_streams,
-                ceiling=options.max_open_streams,
-            )
-        else:
-            gradient.observe(lag_s)  # shown in /metrics all the same
-        open_streams.peak = open_streams.count
-        due = now + PROBE_INTERVAL_S
-        loop.call_at(due, self._fire, loop, due)
-
-
 open_streams = OpenStreams()
 gradient = GradientLimit()
-probe = LagProbe()
+#: The loop the lag probe times: a new loop (a test's) starts its own, the old one's stops.
+_probed: asyncio.AbstractEventLoop | None = None
+
+
+def _probe(loop: asyncio.AbstractEventLoop, due: float) -> None:
+    """A timer on the loop every PROBE_INTERVAL_S, feeding how late it fired to the limit: one
+    timer per process, nothing per token."""
+    if loop is not _probed:
+        return
+    now = loop.time()
+    lag_s = max(0.0, now - due)
+    options: GatewaySettings = settings.QUOTES_GATEWAY
+    if options.loop_lag_target_ms > 0:
+        gradient.sample(
+            lag_s,
+            peak=open_streams.peak,
+            target_s=options.loop_lag_target_ms / 1000,
+            floor=options.min_open_streams,
+            ceiling=options.max_open_streams,
+        )
+    else:
+        gradient.observe(lag_s)  # shown in /metrics all the same
+    open_streams.peak = open_streams.count
+    due = now + PROBE_INTERVAL_S
+    loop.call_at(due, _probe, loop, due)
 
 
 def limit_now(options: GatewaySettings) -> float:
     """The number of streams this process admits now (infinity: no limit). Starts the lag probe in
     the running loop, with the adaptive limit off too: /metrics still shows the lag."""
-    probe.ensure_running()
+    global _probed
+    loop = asyncio.get_running_loop()
+    if loop is not _probed:
+        _probed = loop
+        due = loop.time() + PROBE_INTERVAL_S
+        loop.call_at(due, _probe, loop, due)
     return current_limit(options)
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from django.conf import settings
 
 from ... import metrics
-from ...conf import GatewaySettings
 from ...models import Persona
 from ..backends import Backend
 from ..errors import ErrorCode, internal, upstream_timeout
@@ -68,7 +67,8 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
         for step, model in enumerate(plan.models):
             for attempt in range(options.max_attempts):
                 if attempt:
-                    await asyncio.sleep(retry_delay(attempt, options))
+                    growth = {"linear": attempt, "exponential": 2 ** (attempt - 1)}.get(options.backoff, 1)
+                    await asyncio.sleep(options.retry_delay_ms / 1000 * growth)
                 if loop.time() >= first_token_deadline:
                     error = timeout_error(started=False, total=False)
                     break
@@ -125,15 +125,6 @@ async def generate(plan: Plan) -> AsyncGenerator[Event, None]:
         watchdog.close()
     yield meta  # the last attempt's upstream headers (its cf-aig-log-id) belong in the log
     yield error
-
-
-def retry_delay(attempt: int, options: GatewaySettings) -> float:
-    base = float(options.retry_delay_ms) / 1000
-    if options.backoff == "linear":
-        return base * attempt
-    if options.backoff == "exponential":
-        return base * 2 ** (attempt - 1)
-    return base
 
 
 def timeout_error(*, started: bool, total: bool) -> Error:
