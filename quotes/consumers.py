@@ -89,7 +89,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
             return
         self.generation_id = resumed.meta.generation_id
-        frames = encode_stream(resumed.events, WebSocketEncoder(), resumed)
+        frames = encode_stream(resumed.events, WebSocketEncoder(), resumed.meta, resumed.after, resumed=True)
         self.task = asyncio.create_task(self._send_frames(frames))
 
     async def _start(self, content: dict[str, Any]) -> None:
