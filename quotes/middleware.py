@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -71,10 +72,6 @@ class DatabaseOutageMiddleware(AsyncMiddleware):
         return unavailable_response(request, outage.error())
 
 
-class NotRefused(Exception):
-    pass
-
-
 class StreamAdmissionGate:
     """ASGI, in front of Django's handler: a stream URL's admission is decided here, once, and
     passed on in the scope. A refusal is answered here, behind two middleware alone and without
@@ -89,6 +86,7 @@ class StreamAdmissionGate:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         from .ai.gateway import admission  # the gateway imports Django's models: not before setup
+        from .views import NotRefused
 
         chain = self._chains.get(scope["path"])
         if chain is None:
@@ -117,12 +115,7 @@ class StreamAdmissionGate:
 
 def _refusal_chain(*, form: bool) -> GetResponse:
     from .logging import RequestIdMiddleware
-    from .views import refuse_stream_when_full
+    from .views import stream_quote, stream_quote_form
 
-    async def refuse(request: HttpRequest) -> HttpResponseBase:
-        response = await refuse_stream_when_full(request, form=form)
-        if response is None:
-            raise NotRefused
-        return response
-
-    return RequestIdMiddleware(cast(GetResponse, SecurityMiddleware(refuse)))
+    view = functools.partial(stream_quote_form if form else stream_quote, gate=True)
+    return RequestIdMiddleware(cast(GetResponse, SecurityMiddleware(view)))
