@@ -74,8 +74,7 @@ async def encode_stream(
     sent = n if resumed else 0  # the last event sent with its id: where a cut stream resumes
     prefix = id_prefix(meta.generation_id) if meta.generation_id else None
     async with aclosing(events):
-        out = None if resumed else encoder.start(meta)
-        if out is not None:
+        if not resumed and (out := encoder.start(meta)) is not None:
             if prefix is not None:  # it stands for the events read before the first one
                 sent, out = n, encoder.identify(out, prefix, n)
             yield out

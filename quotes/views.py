@@ -150,7 +150,8 @@ async def _stream_quote(request: HttpRequest, *, form: bool, gate: bool) -> Http
         settings.SESSION_COOKIE_NAME in cookies or (form and settings.CSRF_COOKIE_NAME not in cookies)
     ):
         raise NotRefused
-    htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
+    # request.htmx's test, by hand: the gate runs no HtmxMiddleware.
+    htmx = form or request.headers.get("HX-Request") == "true"
     encoder, transport = _dialect(request, htmx=htmx)
     refused_as = "htmx" if htmx else "api"  # a refusal is counted under its URL's transport
     admitted: admission.Entry | Error | None = asgi_scope(request).get(admission.DECIDED)  # the gate's
