@@ -78,10 +78,16 @@ class StreamAdmissionGate:
     Django's thread hops (an overload is mostly refusals); anything else goes on to Django."""
 
     def __init__(self, app: Callable[[dict[str, Any], Any, Any], Awaitable[None]]) -> None:
+        from .logging import RequestIdMiddleware
+        from .views import stream_quote, stream_quote_form
+
         self.app = app
+        # A refusal's chain: the two middleware in front of the rest, then the view at the gate.
         self._chains = {
-            reverse("quotes:stream"): _refusal_chain(form=False),
-            reverse("quotes:stream-form"): _refusal_chain(form=True),
+            reverse(name): RequestIdMiddleware(
+                cast(GetResponse, SecurityMiddleware(functools.partial(view, gate=True)))
+            )
+            for name, view in (("quotes:stream", stream_quote), ("quotes:stream-form", stream_quote_form))
         }
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -111,11 +117,3 @@ class StreamAdmissionGate:
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": response.content})
         return None
-
-
-def _refusal_chain(*, form: bool) -> GetResponse:
-    from .logging import RequestIdMiddleware
-    from .views import stream_quote, stream_quote_form
-
-    view = functools.partial(stream_quote_form if form else stream_quote, gate=True)
-    return RequestIdMiddleware(cast(GetResponse, SecurityMiddleware(view)))
