@@ -1,10 +1,5 @@
-"""The WebSocket transport: the same quote stream as the HTTP endpoint, as JSON frames.
-
-Client -> server: {"type": "start", "persona", "topic", "messages", "fresh"},
-{"type": "resume", "last_event_id"} (after a dropped socket), {"type": "cancel"}.
-Server -> client (a generation's frames carry their `event_id`, quotes.transports.WebSocketEncoder):
-`meta` (may repeat), `token`, `done`, `error`, `cancelled` (after a cancel that stopped a
-generation), `reconnect` (the process drains: the socket then closes with 1012, resume elsewhere).
+"""The WebSocket transport: the same quote stream as the HTTP endpoint, as JSON frames (README.md,
+"WebSocket", says which).
 
 One generation at a time per socket (`busy_socket`), read in a task of its own (Channels handles
 one message at a time, and a cancel must get through); it runs on for QUOTES_RESUME_GRACE_S after
@@ -89,7 +84,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
             return
         self.generation_id = resumed.meta.generation_id
-        frames = encode_stream(resumed.events, WebSocketEncoder(), resumed)
+        frames = encode_stream(resumed.events, WebSocketEncoder(), resumed.meta, resumed.after, resumed=True)
         self.task = asyncio.create_task(self._send_frames(frames))
 
     async def _start(self, content: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -71,24 +72,27 @@ class DatabaseOutageMiddleware(AsyncMiddleware):
         return unavailable_response(request, outage.error())
 
 
-class NotRefused(Exception):
-    pass
-
-
 class StreamAdmissionGate:
     """ASGI, in front of Django's handler: a stream URL's admission is decided here, once, and
     passed on in the scope. A refusal is answered here, behind two middleware alone and without
     Django's thread hops (an overload is mostly refusals); anything else goes on to Django."""
 
     def __init__(self, app: Callable[[dict[str, Any], Any, Any], Awaitable[None]]) -> None:
+        from .logging import RequestIdMiddleware
+        from .views import stream_quote, stream_quote_form
+
         self.app = app
+        # A refusal's chain: the two middleware in front of the rest, then the view at the gate.
         self._chains = {
-            reverse("quotes:stream"): _refusal_chain(form=False),
-            reverse("quotes:stream-form"): _refusal_chain(form=True),
+            reverse(name): RequestIdMiddleware(
+                cast(GetResponse, SecurityMiddleware(functools.partial(view, gate=True)))
+            )
+            for name, view in (("quotes:stream", stream_quote), ("quotes:stream-form", stream_quote_form))
         }
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         from .ai.gateway import admission  # the gateway imports Django's models: not before setup
+        from .views import NotRefused
 
         chain = self._chains.get(scope["path"])
         if chain is None:
@@ -113,16 +117,3 @@ class StreamAdmissionGate:
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": response.content})
         return None
-
-
-def _refusal_chain(*, form: bool) -> GetResponse:
-    from .logging import RequestIdMiddleware
-    from .views import refuse_stream_when_full
-
-    async def refuse(request: HttpRequest) -> HttpResponseBase:
-        response = await refuse_stream_when_full(request, form=form)
-        if response is None:
-            raise NotRefused
-        return response
-
-    return RequestIdMiddleware(cast(GetResponse, SecurityMiddleware(refuse)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Generic, TypeVar
 
 from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
@@ -25,14 +25,9 @@ Out = TypeVar("Out")
 Answer = TypeVar("Answer")
 
 
-class EventIds:
-    """A generation's event ids (`<public_id>.<resume key>:<n>`), made once per stream."""
-
-    __slots__ = ("prefix", "sse_prefix")
-
-    def __init__(self, public_id: str) -> None:
-        self.prefix = f"{public_id}.{resume_key(public_id)}:"
-        self.sse_prefix = b"id: " + self.prefix.encode()
+def id_prefix(public_id: str) -> str:
+    """What a generation's event ids start with: `<public_id>.<resume key>:` (then its number)."""
+    return f"{public_id}.{resume_key(public_id)}:"
 
 
 class Encoder(Generic[Out, Answer]):
@@ -48,7 +43,7 @@ class Encoder(Generic[Out, Answer]):
     # The process drains: resume elsewhere after `retry_ms`, from `last_event_id`. Sent last.
     def reconnect(self, last_event_id: str | None, retry_ms: int) -> Out | None: ...
 
-    def identify(self, out: Out, ids: EventIds, n: int) -> Out:
+    def identify(self, out: Out, prefix: str, n: int) -> Out:
         """`out` numbered as the generation's n-th event (its resume id)."""
         return out
 
@@ -61,37 +56,29 @@ class Encoder(Generic[Out, Answer]):
 _ENDED = internal()
 
 
-@dataclass(frozen=True, slots=True)
-class Opening:
-    """A new stream's facts (Meta, merged) and its first real event, read before an HTTP status
-    is chosen. A resume starts from its Resumed instead: the facts its client had, no first event."""
-
-    meta: Meta
-    first: Event | None
-    after: int = 0  # the generation's events before `first` (its Metas; pings are none)
-
-
-#: A new stream's opening, before anything was read.
-NEW = Opening(Meta(), None)
-
-
 async def encode_stream(
-    events: AsyncGenerator[Event, None], encoder: Encoder[Out, Any], opening: Opening | Resumed = NEW
+    events: AsyncGenerator[Event, None],
+    encoder: Encoder[Out, Any],
+    meta: Meta | None = None,
+    after: int = 0,
+    *,
+    first: Event | None = None,
+    resumed: bool = False,
 ) -> AsyncGenerator[Out, None]:
-    """Drive `events` into `encoder` until Done, Error or Reconnect. Events are numbered as read (a
-    reader yields the generation's events in order from where it started; pings are none). A
-    resume sends no opening, and may end without a terminal event: its client had them."""
-    resumed = type(opening) is Resumed
-    meta, n, usage = opening.meta, opening.after, None
+    """Drive `events` into `encoder` until Done, Error or Reconnect. `meta`: the facts read so far,
+    `after`: the generation's events before `events` (a new stream's Metas, read before an HTTP
+    status is chosen with its `first` real event; a resume's, its client had). Events are numbered
+    as read (a reader yields the generation's events in order from where it started; pings are
+    none). A resume sends no opening, and may end without a terminal event: its client had them."""
+    meta, n, usage = meta or Meta(), after, None
     sent = n if resumed else 0  # the last event sent with its id: where a cut stream resumes
-    ids = EventIds(meta.generation_id) if meta.generation_id else None
+    prefix = id_prefix(meta.generation_id) if meta.generation_id else None
     async with aclosing(events):
-        out = None if resumed else encoder.start(meta)
-        if out is not None:
-            if ids is not None:  # it stands for the events read before the first one
-                sent, out = n, encoder.identify(out, ids, n)
+        if not resumed and (out := encoder.start(meta)) is not None:
+            if prefix is not None:  # it stands for the events read before the first one
+                sent, out = n, encoder.identify(out, prefix, n)
             yield out
-        event = (None if isinstance(opening, Resumed) else opening.first) or await anext(events, _ENDED)
+        event = first or await anext(events, _ENDED)
         while type(event) is not Reconnect:
             if type(event) is Ping:
                 out = encoder.ping()
@@ -103,8 +90,8 @@ async def encode_stream(
                 merged = meta.merged(event)
                 out = encoder.meta(merged) if merged != meta else None
                 meta = merged
-                if ids is None and meta.generation_id:
-                    ids = EventIds(meta.generation_id)
+                if prefix is None and meta.generation_id:
+                    prefix = id_prefix(meta.generation_id)
             elif type(event) is Done:
                 out = encoder.done(meta, usage)
             else:  # Error: after the first byte the status is sent, so the error is an event
@@ -116,14 +103,14 @@ async def encode_stream(
                 n += 1
             if out is not None:
                 # A ping is no event, nor is _ENDED: no id.
-                if ids is not None and type(event) is not Ping and event is not _ENDED:
-                    sent, out = n, encoder.identify(out, ids, n)
+                if prefix is not None and type(event) is not Ping and event is not _ENDED:
+                    sent, out = n, encoder.identify(out, prefix, n)
                 yield out
             if type(event) is Done or type(event) is Error:
                 return
             event = await anext(events, _ENDED)
     # Cut by the drain (the run's row is written): the client hears where to go.
-    out = encoder.reconnect(f"{ids.prefix}{sent}" if ids is not None else None, reconnect_retry_ms())
+    out = encoder.reconnect(f"{prefix}{sent}" if prefix is not None else None, reconnect_retry_ms())
     if out is not None:
         yield out
 
@@ -134,13 +121,15 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def stream_response(
     events: AsyncGenerator[Event, None],
     encoder: Encoder[bytes, HttpResponse],
-    opening: Opening | Resumed | None = None,
+    resumed: Resumed | None = None,
 ) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error before any text gets
     its real status; then stream. A resume comes with its Resumed (its client had the beginning)."""
     # The wait needs no request thread: a burst of new streams holds none (quotes.request_threads).
     release_request_thread()
-    if opening is None:
+    if resumed is not None:
+        meta, after, first = resumed.meta, resumed.after, None
+    else:
         meta, after = Meta(), 0
         first = await anext(events, _ENDED)
         while type(first) is Meta or type(first) is Ping:
@@ -152,11 +141,10 @@ async def stream_response(
         if type(first) is Error:
             await events.aclose()
             return encoder.error_answer(first, meta)
-        opening = Opening(meta, first, after)
-    headers = {**SSE_HEADERS, **meta_headers(opening.meta)}
-    if opening.meta.generation_id:
-        headers["X-Generation-Id"] = opening.meta.generation_id
-    body: AsyncGenerator[bytes, None] = encode_stream(events, encoder, opening)
+    headers = {**SSE_HEADERS, **meta_headers(meta)}
+    if meta.generation_id:
+        headers["X-Generation-Id"] = meta.generation_id
+    body = encode_stream(events, encoder, meta, after, first=first, resumed=resumed is not None)
     return StreamingHttpResponse(body, content_type="text/event-stream", headers=headers)
 
 
@@ -210,8 +198,8 @@ class SSEEncoder(Encoder[bytes, HttpResponse]):
     def reconnect(self, last_event_id: str | None, retry_ms: int) -> bytes:
         return sse.reconnect(last_event_id, retry_ms)
 
-    def identify(self, out: bytes, ids: EventIds, n: int) -> bytes:
-        return ids.sse_prefix + b"%d\n" % n + out  # `id:` first: an SSE event's fields come in any order
+    def identify(self, out: bytes, prefix: str, n: int) -> bytes:
+        return f"id: {prefix}{n}\n".encode() + out  # `id:` first: an SSE event's fields come in any order
 
 
 class WorkersAIEncoder(SSEEncoder):
@@ -308,6 +296,6 @@ class WebSocketEncoder(Encoder[dict[str, Any], dict[str, Any]]):
         """Followed by closing the socket with 1012 (service restart): see quotes.consumers."""
         return {"type": "reconnect", "last_event_id": last_event_id, "retry_ms": retry_ms}
 
-    def identify(self, out: dict[str, Any], ids: EventIds, n: int) -> dict[str, Any]:
-        out["event_id"] = f"{ids.prefix}{n}"  # "id" is the generation's, in meta and done
+    def identify(self, out: dict[str, Any], prefix: str, n: int) -> dict[str, Any]:
+        out["event_id"] = f"{prefix}{n}"  # "id" is the generation's, in meta and done
         return out

@@ -120,38 +120,50 @@ not_a_document: Callable[[HttpResponseBase], HttpResponseBase] = cast(
 )
 
 
+class NotRefused(Exception):
+    """Raised by a stream view called with `gate` (quotes.middleware.StreamAdmissionGate, before
+    Django's handler: at the open-stream limit, refusals come by the hundred), which answers only
+    this process's refusal of a new stream there. A session goes on to Django's handler (a user's
+    refusal is counted under their key), and so does a resume (a draining process serves the runs
+    it holds)."""
+
+
 @csrf_exempt  # the JSON API requires Content-Type: application/json instead, which needs CORS cross-site
-async def stream_quote(request: HtmxHttpRequest) -> HttpResponseBase:
+async def stream_quote(request: HttpRequest, *, gate: bool = False) -> HttpResponseBase:
     """POST a JSON body, or GET with query parameters (for EventSource); answer an SSE stream, in
     htmx's dialect for a request from htmx (so every answer varies on HX-Request)."""
-    response = not_a_document(await _stream_quote(request, form=False, htmx=bool(request.htmx)))
+    response = not_a_document(await _stream_quote(request, form=False, gate=gate))
     patch_vary_headers(response, ("HX-Request",))
     return response
 
 
-async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
+async def stream_quote_form(request: HttpRequest, *, gate: bool = False) -> HttpResponseBase:
     """The persona page's form, posted by htmx (Django's middleware has checked its CSRF token)."""
-    return not_a_document(await _stream_quote(request, form=True, htmx=True))
+    return not_a_document(await _stream_quote(request, form=True, gate=gate))
 
 
-def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[WorkersAIEncoder | HtmxEncoder, str]:
-    """The encoder a stream request is answered with, and its transport's name."""
-    if htmx:
-        return HtmxEncoder(), "htmx"
-    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) gets Workers AI's format.
-    if request.method == "GET" and "text/event-stream" in request.headers.get("Accept", ""):
-        return EventSourceEncoder(), "eventsource"
-    return WorkersAIEncoder(), "api"
-
-
-async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> HttpResponseBase:
+async def _stream_quote(request: HttpRequest, *, form: bool, gate: bool) -> HttpResponseBase:
+    # The gate runs before Django's CSRF check: a refusal starts nothing, and only a same-site form
+    # that carries a CSRF cookie and token is answered there (anything else meets Django's check).
+    cookies = request.COOKIES
+    if gate and (
+        settings.SESSION_COOKIE_NAME in cookies or (form and settings.CSRF_COOKIE_NAME not in cookies)
+    ):
+        raise NotRefused
+    # request.htmx's test, by hand: the gate runs no HtmxMiddleware.
+    htmx = form or request.headers.get("HX-Request") == "true"
     encoder, transport = _dialect(request, htmx=htmx)
     refused_as = "htmx" if htmx else "api"  # a refusal is counted under its URL's transport
     admitted: admission.Entry | Error | None = asgi_scope(request).get(admission.DECIDED)  # the gate's
     try:
         params = _stream_params(request, form=form)
+        # EventSource's Last-Event-ID, else the `last_event_id` parameter (the fetch and htmx clients)
+        last_event_id = request.headers.get("Last-Event-ID") or params.get("last_event_id")
+        resuming = last_event_id not in (None, "")
+        if gate and (resuming or (form and not _csrf_token(request))):
+            raise NotRefused
         client = await client_of(request)
-        if (last_event_id := _last_event_id(request, params)) is not None:
+        if resuming:
             resumed = await resume_quote(last_event_id, client, admitted)
             if isinstance(resumed, Error):  # refused, and counted, like a new stream
                 await refuse_if_full(resumed, slug=params.get("persona"), client=client, transport=refused_as)
@@ -160,8 +172,12 @@ async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> Http
         full = await refuse_if_full(admitted, slug=params.get("persona"), client=client, transport=refused_as)
         if full is not None:
             return encoder.error_answer(full, Meta())
+        if gate:
+            raise NotRefused
         quote = await parse_quote_request(params)
     except QuoteError as exc:
+        if gate:
+            raise NotRefused from None
         # A refusal of the request's own input counts against the client's rate limit, so that
         # invalid requests are not free; a cross-site one (403) does not: it spends a victim's.
         error = exc
@@ -174,6 +190,20 @@ async def _stream_quote(request: HttpRequest, *, form: bool, htmx: bool) -> Http
     return await stream_response(events_for(quote, client, transport, admitted), encoder)
 
 
+def _dialect(request: HttpRequest, *, htmx: bool) -> tuple[WorkersAIEncoder | HtmxEncoder, str]:
+    """The encoder a stream request is answered with, and its transport's name."""
+    if htmx:
+        return HtmxEncoder(), "htmx"
+    # EventSource always sends `Accept: text/event-stream`; a plain GET (curl) gets Workers AI's format.
+    if request.method == "GET" and "text/event-stream" in request.headers.get("Accept", ""):
+        return EventSourceEncoder(), "eventsource"
+    return WorkersAIEncoder(), "api"
+
+
+def _csrf_token(request: HttpRequest) -> str | None:
+    return request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)
+
+
 def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
     """A stream request's parameters: the page's form, or the API's JSON body or query."""
     if form and request.method != "POST":
@@ -183,45 +213,6 @@ def _stream_params(request: HttpRequest, *, form: bool) -> dict[str, Any]:
     # plant the CSRF cookie): its Sec-Fetch-Site still says where it comes from.
     refuse_cross_site(request)
     return _form_params(request) if form else _read_params(request)
-
-
-def _last_event_id(request: HttpRequest, params: dict[str, Any]) -> object:
-    """EventSource's Last-Event-ID, else the `last_event_id` parameter (the fetch and htmx clients)."""
-    value = request.headers.get("Last-Event-ID") or params.get("last_event_id")
-    return None if value == "" else value
-
-
-async def refuse_stream_when_full(request: HttpRequest, *, form: bool = False) -> HttpResponseBase | None:
-    """The gate's refusal (quotes.middleware.StreamAdmissionGate, before Django's handler: at the
-    limit, refusals come by the hundred) of `stream_quote` (`form`: `stream_quote_form`), as the
-    view gives it, or None when the view must answer: let in, a session (a user's refusal is
-    counted under their key), a resume, bad input, or, for the form, no CSRF cookie and token."""
-    refused = asgi_scope(request).get(admission.DECIDED)
-    if not isinstance(refused, Error) or settings.SESSION_COOKIE_NAME in request.COOKIES:
-        return None
-    if form and settings.CSRF_COOKIE_NAME not in request.COOKIES:
-        return None
-    try:
-        params = _stream_params(request, form=form)
-    except QuoteError:
-        return None
-    if _last_event_id(request, params) is not None:
-        return None  # the view admits it (a draining process serves the runs it holds)
-    # Before Django's CSRF check: a refusal starts nothing, and only a same-site form that carries
-    # a CSRF cookie and token is answered here (anything else meets Django's check).
-    if form and not (request.POST.get("csrfmiddlewaretoken") or request.META.get(settings.CSRF_HEADER_NAME)):
-        return None
-    htmx = form or request.headers.get("HX-Request") == "true"  # what django-htmx's request.htmx says
-    client = Client.from_request(request.META.get("REMOTE_ADDR") or "")
-    full = await refuse_if_full(
-        refused, slug=params.get("persona"), client=client, transport="htmx" if htmx else "api"
-    )
-    if full is None:
-        return None
-    response = not_a_document(_dialect(request, htmx=htmx)[0].error_answer(full, Meta()))
-    if not form:
-        patch_vary_headers(response, ("HX-Request",))  # as stream_quote's answers
-    return response
 
 
 def csrf_failure(request: HtmxHttpRequest, reason: str = "") -> HttpResponse:
