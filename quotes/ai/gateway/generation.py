@@ -28,9 +28,9 @@ from ..errors import ErrorCode, internal
 from ..events import Error, Event, Message
 from ..refusals import record_refusal
 from . import admission, shared_runs
-from .policy import Plan
+from .policy import Plan, generate
 from .rows import Record, RowFacts, write_row
-from .runs import Flight, Run, flights
+from .runs import Flight, Run, flights, listed
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ async def stream_generation(
         if cached is not None:
             record.cache_status = Generation.CacheStatus.HIT
             flight = Flight()
-            flight.replay(cached, options.replay_pacing_ms / 1000)
+            flight.start(listed(cached), pacing=options.replay_pacing_ms / 1000)
         elif use_cache and key in flights:
             record.cache_status = Generation.CacheStatus.HIT  # shared: the upstream is called once
             metrics.coalesced_listener()
@@ -208,18 +208,18 @@ async def stream_generation(
                     owner = await shared_runs.claim(key, record.public_id)
                 except BaseException:
                     if flight.runs:  # requests joined meanwhile: they get their answer
-                        flight.start(plan)
+                        flight.start(generate(plan))
                     else:
                         flight.unregister()
                     raise
                 claim = "" if owner else key
             if owner is None:
-                flight.start(plan)
+                flight.start(generate(plan))
             else:
                 record.cache_status = Generation.CacheStatus.HIT
                 metrics.coalesced_listener()
                 # The owner's events after its own opening Meta (this run has its own).
-                flight.follow(shared_runs.follow(owner, for_run=True, skip=1), plan)
+                flight.start(shared_runs.follow(owner, for_run=True, skip=1), plan=plan)
         # From here the run owns the row: it outlives this request if the client drops.
         run = Run(record=record, facts=facts, client_key=client.key, flight=flight, claim=claim)
         listener = run.subscribe(0, ticket=ticket)

@@ -148,17 +148,12 @@ class Flight:
         if key:
             flights[key] = self
 
-    def start(self, plan: Plan) -> None:
-        self.task = detached_task(self._fly(plan))
-
-    def follow(self, events: AsyncIterator[Event], plan: Plan) -> None:
-        """Publish another process's upstream call (shared_runs.follow); if its owner gives it up
-        before a token, call the upstream with `plan` after all; after a token, it is lost."""
-        self.task = detached_task(self._follow(events, plan))
-
-    def replay(self, events: list[Event], pacing: float) -> None:
-        """A cached answer, one token every `pacing` seconds, so that it still reads as writing."""
-        self.task = detached_task(self._replay(events, pacing))
+    def start(self, events: AsyncIterator[Event], *, plan: Plan | None = None, pacing: float = 0) -> None:
+        """Publish `events` from a task of the flight's own: the policy's (an upstream call), a
+        cached answer's (one token every `pacing` s, so that it still reads as writing), or
+        another process's run's (shared_runs.follow; if its owner gives it up before a token,
+        `plan` is called here after all; after a token, the generation is lost)."""
+        self.task = detached_task(self._publish_all(events, plan, pacing))
 
     def join(self, run: Run) -> None:
         self.runs.append(run)
@@ -190,48 +185,37 @@ class Flight:
         for run in self.runs:
             run.wake()
 
-    async def _fly(self, plan: Plan) -> None:
+    async def _publish_all(self, events: AsyncIterator[Event], plan: Plan | None, pacing: float) -> None:
+        paced = False
         try:
-            async for event in generate(plan):
-                if self.key and type(event) is Done:
+            async for event in events:
+                if pacing and type(event) is Token:
+                    if paced:
+                        await asyncio.sleep(pacing)
+                    paced = True
+                if self.key and plan is None and type(event) is Done:  # its own upstream call's
                     # Cached before [DONE] goes out: a client that has seen the end can count on it.
                     await store_answer(self.key, [*map(self.log.at, range(len(self.log)))], ttl=self.ttl)
                 self.publish(event)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            logger.exception("generation failed for persona %s", plan.persona.slug)
-            self.publish(internal())
-        finally:
-            self.unregister()
-
-    async def _follow(self, events: AsyncIterator[Event], plan: Plan) -> None:
-        try:
-            async for event in events:
-                self.publish(event)
-        except asyncio.CancelledError:
-            raise
         except shared_runs.OwnerGone:
-            if self.first_token is not None:
+            if self.first_token is not None or plan is None:
                 self.publish(shared_runs.generation_lost())
                 return
             if self.runs:  # this process's own call now: one of its rows counts what it costs
                 self.runs[0].record.cache_status = Generation.CacheStatus.MISS
-            await self._fly(plan)
+            await self._publish_all(generate(plan), None, 0)
         except Exception:
-            logger.exception("following another process's generation failed")
+            logger.exception("a generation's source failed (flight %s)", self.key or "without a key")
             self.publish(internal())
         finally:
             self.unregister()
 
-    async def _replay(self, events: list[Event], pacing: float) -> None:
-        paced = False
-        for event in events:
-            if pacing and type(event) is Token:
-                if paced:
-                    await asyncio.sleep(pacing)
-                paced = True
-            self.publish(event)
+
+async def listed(events: Iterable[Event]) -> AsyncGenerator[Event, None]:
+    for event in events:
+        yield event
 
 
 #: Flights that identical requests may join, by answer-cache key.
@@ -304,9 +288,6 @@ class Run:
             return event
         assert self.end is not None
         return self.end
-
-    def meta_until(self, count: int) -> Meta:
-        return merged(map(self.at, range(count)))
 
     def wake(self) -> None:
         if self.publisher is not None:
@@ -733,7 +714,9 @@ async def resume(
         return ticket
     try:
         if run is not None and after <= len(run):
-            return Resumed(run.meta_until(after), after, run.subscribe(after, ticket=ticket).events())
+            return Resumed(
+                merged(map(run.at, range(after))), after, run.subscribe(after, ticket=ticket).events()
+            )
         if drain.draining:  # its run here ended meanwhile: a draining process reads no other
             await ticket.release()
             return server_draining()
