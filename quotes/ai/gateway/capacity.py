@@ -73,9 +73,11 @@ class OpenStreams:
 
     def close(self, slot: int) -> None:
         self.count -= 1
-        held = self._clock() - self._opened.pop(slot)
-        expected = held if self.expected_s is None else self.expected_s  # the first sets it
-        self.expected_s = expected + DURATION_SMOOTHING * (held - expected)
+        opened = self._opened.pop(slot, None)  # a stream's clean-up never raises
+        if opened is not None:
+            held = self._clock() - opened
+            expected = held if self.expected_s is None else self.expected_s  # the first sets it
+            self.expected_s = expected + DURATION_SMOOTHING * (held - expected)
         self._check_empty()
 
     def run_started(self) -> None:
