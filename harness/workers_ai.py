@@ -257,6 +257,8 @@ class RecordedRequest:
     disconnected_at: float | None = None
     #: set when the response was fully written (or deliberately dropped)
     finished: threading.Event = field(default_factory=threading.Event)
+    #: how it was answered (a scripted Scenario, or the default)
+    scenario: Scenario | None = None
 
 
 class _Piece:
@@ -452,6 +454,7 @@ class FakeWorkersAI:
                 and headers.get("authorization") != f"Bearer {self.expected_token}"
             ):
                 scenario = Scenario.unauthorized()
+            record.scenario = scenario
 
         # Notice the client going away while we stall or stream: the request has been read in
         # full, so the next thing the client's side of the socket can tell us is EOF.

@@ -3,7 +3,6 @@ and through AI Gateway, daphne in a subprocess, the fake in this process."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
+from harness.daphne import wait_for
 from harness.workers_ai import FakeWorkersAI, Scenario
 
 from .conftest import (
@@ -116,10 +116,15 @@ def open_persona(page: Page, site: DaphneServer, transport: str = "htmx") -> Non
     expect(page.locator("form[data-ready=true]")).to_have_count(1)
 
 
-def last_row(site: DaphneServer) -> tuple[object, ...]:
-    rows = site.query(
-        "SELECT backend, model, status, error_code, text FROM quotes_generation ORDER BY id DESC LIMIT 1"
+def rows_of(site: DaphneServer) -> list[tuple[object, ...]]:
+    """The log's rows, the newest first."""
+    return site.query(
+        "SELECT backend, model, status, error_code, text FROM quotes_generation ORDER BY id DESC"
     )
+
+
+def last_row(site: DaphneServer) -> tuple[object, ...]:
+    rows = rows_of(site)
     assert rows, "no Generation row"
     return rows[0]
 
@@ -242,7 +247,8 @@ def test_workers_ai_site_stop_cancels_the_upstream_and_logs_cancelled(
     direct_site: DaphneServer, fake: FakeWorkersAI, page: Page, transport: str
 ) -> None:
     problems = watch_console(page)
-    fake.script(Scenario(tokens=["tick "] * 400, token_delay_s=0.05))
+    ticks = Scenario(tokens=["tick "] * 400, token_delay_s=0.05)
+    fake.script(ticks)
     open_persona(page, direct_site, transport)
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "streaming")
     expect(page.get_by_test_id("quote-text")).to_contain_text("tick tick")  # visible, stream still open
@@ -251,11 +257,10 @@ def test_workers_ai_site_stop_cancels_the_upstream_and_logs_cancelled(
 
     expect(page.get_by_test_id("quote-card")).to_have_attribute("data-state", "stopped")
     expect(page.get_by_test_id("stopped")).to_be_visible()
-    upstream = fake.requests[-1]
-    assert upstream.client_disconnected.wait(5)
-    deadline = time.monotonic() + 5
-    while last_row(direct_site)[2] != "cancelled" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # The quote's own upstream call (a late request of an earlier test's may come after it).
+    [upstream] = [request for request in fake.requests if request.scenario is ticks]
+    assert upstream.client_disconnected.wait(5), [(r.received_at, r.scenario) for r in fake.requests]
+    wait_for(lambda: (rows_of(direct_site) or [("",)])[0][2:3] == ("cancelled",), "the row says cancelled")
     row = last_row(direct_site)
     assert (row[2], row[3]) == ("cancelled", "stopped")  # the stop endpoint, not a drop
     assert str(row[4]).startswith("tick tick") and len(str(row[4])) < 5 * 400

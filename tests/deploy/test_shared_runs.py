@@ -595,6 +595,54 @@ def test_shared_a_killed_process_runs_get_their_rows_from_a_live_one(
     )
 
 
+def test_shared_an_owner_paused_mid_stream_finishes_its_quote_with_its_own_row(
+    pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
+) -> None:
+    """Issue 28: A is paused (SIGSTOP) for 8 s mid-stream while B serves requests, whose sweep
+    finds A's heartbeat gone and writes the run's row on its behalf (`generation_lost`); then A
+    goes on. A's client gets the whole text, and the generation has one row: A's own, ok (a
+    run's own row wins over one written on its behalf, docs/architecture.md)."""
+    tokens = [f" word{n}" for n in range(60)]
+    fake_workers_ai.script(Scenario(tokens=tokens, token_delay_s=0.05), *[Scenario(tokens=TOKENS[:3])] * 3)
+    servers = pair(0)
+
+    def row_of(quote_id: str) -> list[tuple[str, str]]:
+        key = quote_id.replace("-", "")
+        return [
+            (status, code)
+            for public_id, status, code, _ in servers.rows()
+            if public_id.replace("-", "") == key
+        ]
+
+    with client_at("127.0.0.2") as alice, alice.stream("POST", servers.a.url + STREAM, json=QUOTE) as stream:
+        quote_id = stream.headers["X-Quote-Id"]
+        lines = stream.iter_lines()
+        head = lines_until_tokens(lines, 2)
+        paused_at = time.monotonic()
+        servers.a.process.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(4)  # A's heartbeat expires
+            with client_at("127.0.0.3") as bob:
+                for n in range(3):  # B serves requests, and sweeps now and then
+                    answer = bob.post(servers.b.url + STREAM, json={**QUOTE, "topic": f"b{n}"})
+                    assert answer.status_code == 200
+                    if row_of(quote_id):
+                        break
+                    time.sleep(2)
+            wait_for(
+                lambda: row_of(quote_id) == [("error", "generation_lost")],
+                "B's sweep writes the paused run's row on its behalf",
+                timeout_s=max(0.1, 8 - (time.monotonic() - paused_at)),
+            )
+            time.sleep(max(0.0, 8 - (time.monotonic() - paused_at)))
+        finally:
+            servers.a.process.send_signal(signal.SIGCONT)
+        rest = list(lines)
+
+    assert text_of(events_of(head + rest)) == "".join(tokens)
+    wait_for(lambda: row_of(quote_id) == [("ok", "")], "A's own row replaces the one B wrote")
+
+
 def test_shared_a_socket_that_resumed_a_run_held_elsewhere_stops_it_with_cancel(
     pair: Callable[[int], Pair], fake_workers_ai: FakeWorkersAI
 ) -> None:
