@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import asdict
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.urls import reverse
@@ -79,34 +79,35 @@ async def encode_stream(
                 sent, out = n, encoder.identify(out, prefix, n)
             yield out
         event = first or await anext(events, _ENDED)
-        while type(event) is not Reconnect:
-            if type(event) is Ping:
-                out = encoder.ping()
-            elif type(event) is Token:
-                out = encoder.token(event.text)
-            elif type(event) is Usage:
-                out, usage = encoder.usage(event), event
-            elif type(event) is Meta:
-                merged = meta.merged(event)
+        while (kind := type(event)) is not Reconnect:  # the event's type, taken once per event
+            if kind is Token:
+                out = encoder.token(cast(Token, event).text)
+            elif kind is Ping:  # no event: no number, no id
+                if (out := encoder.ping()) is not None:
+                    yield out
+                event = await anext(events, _ENDED)
+                continue
+            elif kind is Usage:
+                usage = cast(Usage, event)
+                out = encoder.usage(usage)
+            elif kind is Meta:
+                merged = meta.merged(cast(Meta, event))
                 out = encoder.meta(merged) if merged != meta else None
                 meta = merged
                 if prefix is None and meta.generation_id:
                     prefix = id_prefix(meta.generation_id)
-            elif type(event) is Done:
+            elif kind is Done:
                 out = encoder.done(meta, usage)
             else:  # Error: after the first byte the status is sent, so the error is an event
-                assert type(event) is Error
                 if event is _ENDED and resumed:
                     return  # resumed after the last event: nothing more to send
-                out = encoder.error(event)
-            if type(event) is not Ping:
-                n += 1
+                out = encoder.error(cast(Error, event))
+            n += 1
             if out is not None:
-                # A ping is no event, nor is _ENDED: no id.
-                if prefix is not None and type(event) is not Ping and event is not _ENDED:
+                if prefix is not None and event is not _ENDED:  # _ENDED is none of its events: no id
                     sent, out = n, encoder.identify(out, prefix, n)
                 yield out
-            if type(event) is Done or type(event) is Error:
+            if kind is Done or kind is Error:
                 return
             event = await anext(events, _ENDED)
     # Cut by the drain (the run's row is written): the client hears where to go.
