@@ -18,7 +18,7 @@ run:
 
 # daphne, with a drain on SIGTERM or Ctrl-C (quotes/server.py; a second Ctrl-C stops at once).
 serve:
-	.venv/bin/python -m quotes.server -b $(HOST) -p $(PORT) config.asgi:application
+	.venv/bin/python -m quotes.ops.server -b $(HOST) -p $(PORT) config.asgi:application
 
 # Two daphne processes behind a real nginx, sharing PostgreSQL and Redis (docs/deployment.md).
 scaleout:

@@ -6,7 +6,7 @@ streams that arrived whole, those that were resumed, and those that were lost.
     .venv/bin/python -m bench.rolling_restart --drain-timeout 3    # cut streams: reconnect + resume
 
 The layout is bench/scaleout_load.py's: two daphne processes started as
-deploy/systemd/persona-quotes@.service starts them (`python -m quotes.server`, which drains on
+deploy/systemd/persona-quotes@.service starts them (`python -m quotes.ops.server`, which drains on
 SIGTERM), nginx in front with deploy/nginx's proxy rules and its upstream block (least_conn,
 max_fails, keep-alive), one PostgreSQL, one Redis, and the stamping upstream of bench/load.py at
 50 tokens/s in `numbered` mode: token n is `n,`, so every answer is the same known text and the

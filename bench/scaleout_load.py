@@ -87,7 +87,7 @@ def daphnes(
     count: int, env: dict[str, str], workdir: Path
 ) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
     """`count` daphne processes started as deploy/systemd/persona-quotes@.service starts them
-    (`python -m quotes.server`, harness/daphne.py), each on its own 127.0.0.1 port."""
+    (`python -m quotes.ops.server`, harness/daphne.py), each on its own 127.0.0.1 port."""
     started: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     try:
         for index in range(count):
@@ -308,7 +308,7 @@ def cpu_by_role(roots: list[int]) -> dict[str, float]:
 WAITED = "daphne loops waiting for a core"
 #: (a piece of the command line, the role it names), first match wins
 ROLES = (
-    ("quotes.server", "daphne"),
+    ("quotes.ops.server", "daphne"),
     ("nginx", "nginx"),
     ("redis-server", "redis"),
     ("postgres", "postgres"),

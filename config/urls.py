@@ -3,8 +3,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 
-from quotes.health import healthz
-from quotes.metrics import metrics_view
+from quotes.ops.health import healthz
+from quotes.ops.metrics import metrics_view
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),

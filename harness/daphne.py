@@ -65,7 +65,7 @@ def daphne_command(source: str, port: int, application: str = APP) -> list[str]:
     same flags, so both pay for the same server."""
     prefix = "CMD " if source == "Dockerfile" else "ExecStart="
     args = command_args(instruction(source, prefix))
-    assert args[0].endswith("python") and args[1:3] == ["-m", "quotes.server"], args
+    assert args[0].endswith("python") and args[1:3] == ["-m", "quotes.ops.server"], args
     assert args[-1] == APP, args
     args = args[2:]  # daphne's own arguments follow quotes.server (daphne, draining on SIGTERM)
     if "--unix-socket" in args:
@@ -86,7 +86,7 @@ def make_command(target: str, port: int) -> list[str]:
     start = lines.index(f"{target}:")
     recipe = next(line.strip() for line in lines[start + 1 :] if line.startswith("\t"))
     args = shlex.split(recipe.replace("$(HOST)", "127.0.0.1").replace("$(PORT)", str(port)))
-    assert args[0].endswith("python") and args[1:3] == ["-m", "quotes.server"], args
+    assert args[0].endswith("python") and args[1:3] == ["-m", "quotes.ops.server"], args
     return [sys.executable, *args[1:]]
 
 
@@ -167,7 +167,7 @@ def start(
 def start_daphne(
     port: int, env: dict[str, str], log: Path, *, source: str = INSTANCE_UNIT
 ) -> subprocess.Popen[bytes]:
-    """daphne as deploy/`source` starts it (`python -m quotes.server ...`, draining on SIGTERM),
+    """daphne as deploy/`source` starts it (`python -m quotes.ops.server ...`, draining on SIGTERM),
     on 127.0.0.1:`port`, its output appended to `log`."""
     return start(daphne_command(source, port), env, log)
 

@@ -1,156 +1,161 @@
-"""The WebSocket transport: the same quote stream as the HTTP endpoint, as JSON frames (README.md,
-"WebSocket", says which).
-
-One generation at a time per socket (`busy_socket`), read in a task of its own (Channels handles
-one message at a time, and a cancel must get through); it runs on for QUOTES_RESUME_GRACE_S after
-its socket drops. Every start and every refused frame counts against the client's rate limit.
-"""
+"""The WebSocket transport: a thin one over the same generations as the HTTP stream, as JSON
+frames. A start is admitted and counted exactly like an HTTP stream; one generation is read at a
+time, in a task of its own (Channels handles one message at a time, and a cancel must get
+through). A client holds at most QUOTES_MAX_SOCKETS sockets here (its network six times that);
+a socket that starts nothing for QUOTES_SOCKET_IDLE_S, or keeps sending refused frames, is
+closed. Close codes are the application's own (4000-4999): daphne sends no other."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 from django.urls import path
 
-from .ai.errors import ErrorCode, QuoteError
-from .ai.events import Error, Meta
-from .ai.gateway import admission, runs
-from .ai.gateway.generation import Client, refuse_if_full
-from .quote_request import count_refused, events_for, parse_quote_request, resume_quote
-from .security import frame_too_large
-from .transports import WebSocketEncoder, encode_stream
+from streaming.events import Meta, merged
+from streaming.generation import Generation
 
+from . import generations, limits
+from .encoders import WebSocketEncoder, encode
+from .errors import ErrorCode, QuoteError
+from .security import frame_too_large
+from .views import refused
+
+CLOSE_POLICY = 4008  # too many refused frames, idle, too many sockets
+CLOSE_TOO_BIG = 4009
+CLOSE_RESTART = 4012  # the process is restarting: reconnect (to another)
+#: Refused frames in a row after which the socket is closed.
+MAX_REFUSED = 5
 BUSY = QuoteError(ErrorCode.BUSY_SOCKET, "A quote is already being written here. Cancel it first.", 409)
-FRAMES = '{"type": "start", ...}, {"type": "resume", ...} or {"type": "cancel"}'
-UNKNOWN_FRAME = QuoteError(ErrorCode.INVALID_FRAME, f"A frame must be {FRAMES}.", 400)
+UNKNOWN_FRAME = QuoteError(
+    ErrorCode.INVALID_FRAME, 'A frame must be {"type": "start"|"resume"|"cancel", ...}.', 400
+)
 
 
 class QuoteConsumer(AsyncJsonWebsocketConsumer):
-    # No channel layer: a socket streams its own generation and joins no group, so it need not
-    # hold a Redis connection (and a receive loop) open for every visitor.
-    channel_layer_alias = "quotes-none"
+    channel_layer_alias = "none"  # a socket streams its own generation: no channel layer
     task: asyncio.Task[None] | None = None
-    #: the generation this socket reads (its id, from its first frame that has it): a cancel stops it
-    generation_id: str | None = None
+    generation: Generation | None = None
+    client: limits.Client | None = None
+    idle: asyncio.TimerHandle | None = None
+    refusals = 0
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        user_id = user.pk if user is not None and user.is_authenticated else None
+        client = limits.Client.of((self.scope.get("client") or ("",))[0] or "", user_id)
+        if not limits.open_socket(client):
+            await self.close(code=CLOSE_POLICY)  # before accept: the handshake gets a 403
+            return
+        self.client = client
+        await self.accept()
+        self._idle_from_now()
 
     async def disconnect(self, code: int) -> None:
-        # Gone, not stopped: the generation runs on for the resume grace.
-        await self._cancel(stop=False)
+        if self.idle is not None:
+            self.idle.cancel()
+        if self.client is not None:
+            limits.close_socket(self.client)
+        await self._stop_reading()  # gone, not stopped: the generation runs on for its grace
 
-    async def receive(
-        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
-    ) -> None:
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
         if (too_large := frame_too_large(text_data, bytes_data)) is not None:
             await self._refuse(too_large)
-            await self.close(code=1009)  # "message too big"
-        elif text_data is None:
-            await self._refuse(QuoteError(ErrorCode.INVALID_FRAME, "Send JSON text frames.", 400))
-        else:
-            try:
-                content = json.loads(text_data)
-            except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
-                await self._refuse(QuoteError(ErrorCode.INVALID_JSON, "The frame is not valid JSON.", 400))
-                return
-            await self.receive_json(content)
-
-    async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        kind = content.get("type") if isinstance(content, dict) else None
-        if kind in ("start", "resume") and self.task is not None and not self.task.done():
-            await self._refuse(BUSY)
-        elif kind == "start":
-            await self._start(content)
-        elif kind == "resume":
-            await self._resume(content.get("last_event_id"))
-        elif kind == "cancel":
-            if await self._cancel(stop=True):
-                await self.send_json({"type": "cancelled"})
-        else:
-            await self._refuse(UNKNOWN_FRAME)
-
-    async def _resume(self, last_event_id: object) -> None:
+            await self.close(code=CLOSE_TOO_BIG)
+            return
         try:
-            resumed = await resume_quote(last_event_id, self._client())
+            content = json.loads(text_data) if text_data is not None else None
+        except (ValueError, RecursionError):
+            content = None
+        kind = content.get("type") if isinstance(content, dict) else None
+        try:
+            if kind in ("start", "resume") and self.task is not None and not self.task.done():
+                raise BUSY
+            if kind == "start":
+                await self._start(content)  # type: ignore[arg-type]
+            elif kind == "resume":
+                await limits.count_stream(self._client())
+                generation, after = generations.find(content.get("last_event_id"))  # type: ignore[union-attr]
+                self._read(generation, after)
+            elif kind == "cancel":
+                if await self._stop_reading(stop=True):
+                    await self.send_json({"type": "cancelled"})
+            else:
+                raise UNKNOWN_FRAME
         except QuoteError as exc:
             await self._refuse(exc)
-            return
-        if isinstance(resumed, Error):
-            await self._send_error(resumed)  # refused (too many streams, at the cap, draining)
-            return
-        self.generation_id = resumed.meta.generation_id
-        frames = encode_stream(resumed.events, WebSocketEncoder(), resumed.meta, resumed.after, resumed=True)
-        self.task = asyncio.create_task(self._send_frames(frames))
 
     async def _start(self, content: dict[str, Any]) -> None:
         client = self._client()
-        admitted = admission.enter(settings.QUOTES_GATEWAY)  # decided once, here: passed on as it is
-        full = await refuse_if_full(
-            admitted, slug=content.get("persona"), client=client, transport="websocket"
-        )
-        if full is not None:
-            await self._send_error(full)
-            if full.code is ErrorCode.SERVER_DRAINING:
-                await self.close(code=1012)  # this process is restarting: reconnect to another
-            return
+        slot = await limits.admit(client)
         try:
-            quote = await parse_quote_request(content)
-        except QuoteError as exc:
-            if isinstance(admitted, admission.Entry):
-                admitted.close()
-            await self._refuse(exc)
-            return
-        events = events_for(quote, client, "websocket", admitted)
-        self.task = asyncio.create_task(self._send_frames(encode_stream(events, WebSocketEncoder())))
-        if isinstance(admitted, admission.Entry):  # given back if cancelled before its generation opens it
-            self.task.add_done_callback(lambda _: admitted.close())
+            quote = await generations.parse(content)
+            generation = await generations.start(quote, client, slot, transport="websocket")
+        except BaseException:
+            slot.release()
+            raise
+        self._read(generation, 0)
 
-    def _client(self) -> Client:
-        ip = (self.scope.get("client") or ("",))[0] or ""
-        user = self.scope.get("user")
-        user_id = user.pk if user is not None and user.is_authenticated else None
-        return Client.from_request(ip, user_id)
+    def _read(self, generation: Generation, after: int) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+        self.refusals = 0
+        self.generation = generation
+        meta = merged(generation.events[:after]) if after else Meta()
+        frames = encode(generation.read(after), WebSocketEncoder(), generation.id, meta, after, resumed=bool(after))
+        self.task = asyncio.create_task(self._send(frames))
 
-    async def _send_frames(self, frames: AsyncGenerator[dict[str, Any], None]) -> None:
-        # aclosing: a cancelled task closes the generation's reader here, in this task.
-        async with aclosing(frames):
+    async def _send(self, frames: Any) -> None:
+        async with contextlib.aclosing(frames):
             async for frame in frames:
-                if frame["type"] == "meta" and self.generation_id is None:
-                    self.generation_id = frame["id"]
                 await self.send_json(frame)
                 if frame["type"] == "reconnect" or frame.get("code") == ErrorCode.SERVER_DRAINING:
-                    # The process is draining: this socket ends so the client resumes on another.
-                    await self.close(code=1012)  # "service restart"
+                    await self.close(code=CLOSE_RESTART)
+        self._idle_from_now()
 
-    async def _cancel(self, *, stop: bool) -> bool:
-        """Stop reading the running generation, if any; with `stop`, stop the generation too
-        and wait until its log row is written."""
-        task, self.task = self.task, None
-        generation_id, self.generation_id = self.generation_id, None
+    async def _stop_reading(self, *, stop: bool = False) -> bool:
+        """Stop reading the generation; with `stop`, stop it too and wait for its row."""
+        task, generation = self.task, self.generation
+        self.task = self.generation = None
         if task is None or task.done():
             return False
-        stopping = None
-        if stop and generation_id is not None:
-            # Wherever it runs (a resume may read another process's): the row says stopped.
-            stopping = asyncio.ensure_future(runs.stop(generation_id, self._client().key))
+        if stop and generation is not None:
+            await generations.stop(generation.id, self._client())
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        if stopping is not None:
-            await asyncio.shield(stopping)
+        self._idle_from_now()
         return True
 
-    async def _refuse(self, error: QuoteError) -> None:
-        error = await count_refused(self._client()) or error
-        await self._send_error(error.as_event())
+    def _client(self) -> limits.Client:
+        assert self.client is not None
+        return self.client
 
-    async def _send_error(self, error: Error) -> None:
-        await self.send_json(WebSocketEncoder().error_answer(error, Meta()))
+    def _idle_from_now(self) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+        loop = asyncio.get_running_loop()
+        self.idle = loop.call_later(settings.QUOTES_SOCKET_IDLE_S, lambda: asyncio.ensure_future(self._close_idle()))
+
+    async def _close_idle(self) -> None:
+        if self.task is None or self.task.done():
+            await self.close(code=CLOSE_POLICY)
+
+    async def _refuse(self, error: QuoteError) -> None:
+        """An error frame; MAX_REFUSED in a row close the socket (a start is counted against
+        the client's rate limit by its admission; a refused frame costs it nothing more)."""
+        refused(error, None, "websocket")
+        await self.send_json(WebSocketEncoder().error_answer(error.as_event(), Meta()))
+        if error.code == ErrorCode.SERVER_DRAINING:
+            await self.close(code=CLOSE_RESTART)
+            return
+        self.refusals += 1
+        if self.refusals >= MAX_REFUSED:
+            await self.close(code=CLOSE_POLICY)
 
 
 websocket_urlpatterns = [path("ws/quotes/", QuoteConsumer.as_asgi())]

@@ -10,8 +10,9 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.dispatch import Signal
 
-from .ai.events import GENERATION_FIELDS, SAMPLING_FIELDS, GenerationRequest, Message, VoiceExample
-from .ai.voice import example_problems, parse_examples
+from .backends.base import GENERATION_FIELDS, SAMPLING_FIELDS, GenerationRequest, Message, VoiceExample
+from .backends.catalog import get_model, validate_generation_settings
+from .backends.voice import example_problems, parse_examples
 
 TEMPLATE_VARIABLES = frozenset({"topic"})
 
@@ -124,6 +125,16 @@ class Persona(models.Model):
         blank=True,
         help_text="Overrides the site's cache TTL for this persona's quotes. 0 turns caching off.",
     )
+    daily_spend_limit_usd = models.DecimalField(
+        "daily spend ceiling (USD)",
+        max_digits=10,
+        decimal_places=4,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="The most this persona's quotes may cost on paid models in one day (UTC). "
+        "Empty: only the site's ceiling applies.",
+    )
     is_active = models.BooleanField(default=True)
     display_order = models.IntegerField(default=0)
 
@@ -136,8 +147,6 @@ class Persona(models.Model):
         return self.name
 
     def clean(self) -> None:
-        from .ai.catalog import get_model, validate_generation_settings
-
         errors = validate_generation_settings(
             self.model, max_tokens=self.max_tokens, lora=self.lora or None, **self.sampling()
         )
@@ -229,14 +238,15 @@ class PersonaVersion(models.Model):
 
 
 class Generation(models.Model):
-    """One row per stream request: the request log."""
+    """One row per generation: the request log. Inserted `running` when it starts, completed
+    once when it ends (quotes.rows). A `running` row older than the total deadline belongs to
+    a process that died: the admin and the analytics show it as lost."""
 
     class Status(models.TextChoices):
+        RUNNING = "running", "running"
         OK = "ok", "ok"
         ERROR = "error", "error"
         CANCELLED = "cancelled", "cancelled"
-        RATE_LIMITED = "rate_limited", "rate-limited"
-        BUSY = "busy", "busy"
 
     class CacheStatus(models.TextChoices):
         HIT = "hit", "hit"
@@ -269,13 +279,6 @@ class Generation(models.Model):
     upstream_headers = models.JSONField(default=dict, blank=True)
     client_hash = models.CharField(max_length=64, blank=True, help_text="A salted hash of the client IP.")
     is_preview = models.BooleanField(default=False)
-    #: 1, except on a rate-limited row: it stands for every refusal of its client, persona and
-    #: reason in one rate-limit window, so a flood of refusals writes one small row, not one each
-    request_count = models.PositiveIntegerField(
-        "requests",
-        default=1,
-        help_text="How many requests this row stands for (refusals are counted per window).",
-    )
     feedback = models.SmallIntegerField(
         null=True,
         blank=True,
@@ -298,6 +301,22 @@ class Generation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.persona} · {self.status} · {self.created_at:%Y-%m-%d %H:%M}"
+
+
+class Refusal(models.Model):
+    """Refused stream requests (429, 503), counted per persona, hour and code: a refusal is no
+    generation and gets no row of its own, so a flood of them cannot grow the log."""
+
+    persona = models.ForeignKey(Persona, on_delete=models.CASCADE, related_name="refusals")
+    hour = models.DateTimeField(db_index=True)
+    code = models.CharField(max_length=50)
+    count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["persona", "hour", "code"], name="one_count_per_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.persona} · {self.code} · {self.count}"
 
 
 class Vote(models.Model):

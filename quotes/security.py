@@ -33,7 +33,7 @@ from django.http.request import split_domain_port, validate_host
 from django.shortcuts import render
 from django.utils.http import is_same_domain
 
-from .ai.errors import ErrorCode, QuoteError
+from .errors import ErrorCode, QuoteError
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -212,9 +212,6 @@ def refuse_cross_site(request: HttpRequest) -> None:
     if comes_from_elsewhere(
         fetch_site=request.headers.get("Sec-Fetch-Site"),
         origin=origin,
-        # Only when there is an Origin to compare: get_host() raises for a host not allowed, and
-        # StreamAdmissionGate asks before Django's handler (and its CommonMiddleware) has
-        # answered that with its 400: the gate then hands the request on to it.
         own_origin=f"{request.scheme}://{request.get_host()}" if origin is not None else None,
     ):
         raise _cross_site()
@@ -292,14 +289,16 @@ def _websocket_own_origin(scope: Scope) -> str | None:
     return f"{scheme}://{hosts[0]}"
 
 
-# --- limits the gateway does not see ---------------------------------------------------------
-
-
-class RateLimited(QuoteError):
-    """A 429 with the seconds until asking again makes sense (sent as Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(ErrorCode.RATE_LIMITED, message, 429, retry_after=retry_after)
+def counts_bad_input(request: HttpRequest) -> bool:
+    """Whether a request's bad input may count against its client's budget: when it shows it
+    comes from this site (Sec-Fetch-Site same-origin or none, or this site's Origin), or from
+    no browser at all (neither header, and no browser's User-Agent). A browser that names no
+    origin (an <img> in an older Safari) may be another site's page spending a visitor's."""
+    fetch_site, origin = request.headers.get("Sec-Fetch-Site"), request.headers.get("Origin")
+    if fetch_site is not None or origin is not None:
+        own_origin = f"{request.scheme}://{request.get_host()}" if origin is not None else None
+        return not comes_from_elsewhere(fetch_site=fetch_site, origin=origin, own_origin=own_origin)
+    return not request.headers.get("User-Agent", "").startswith("Mozilla/")
 
 
 def frame_too_large(text_data: str | None, bytes_data: bytes | None) -> QuoteError | None:

@@ -1,7 +1,7 @@
 """The domain's actions: everything that changes personas, their versions, the votes on a quote or its being shared.
 
 The admin, the management commands and the views call these and nothing else to write; each is
-one transaction and takes keyword-only arguments. Reads live in quotes.selectors.
+one transaction and takes keyword-only arguments. Reads live in quotes.admin.analytics.
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ from django.db import transaction
 from django.db.models import Field, Sum
 from django.utils import timezone
 
-from .ai.events import GENERATION_FIELDS
+from .backends.base import GENERATION_FIELDS
 from .models import Generation, Persona, PersonaVersion, Vote
-from .selectors import persona_has_generations
+
+
+def persona_has_generations(persona: Persona) -> bool:
+    """Whether the request log refers to `persona` (then it is deactivated, never deleted)."""
+    return persona.pk is not None and persona.generations.exists()
 
 
 @transaction.atomic

@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from quotes.charts import BreakdownDisplay, breakdown_display, kpi_tiles
-from quotes.selectors import Stats, gateway_stats, parse_since
+from quotes.admin.analytics import Stats, gateway_stats, parse_since
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

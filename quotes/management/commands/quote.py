@@ -7,14 +7,15 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from quotes.ai.backends import reset_backends
-from quotes.ai.events import Error, Meta, Token
-from quotes.ai.gateway.generation import stream_generation
-from quotes.models import Persona
+from quotes import generations, limits
+from quotes.backends import reset_backends
+from quotes.errors import QuoteError
+from quotes.rows import writer
+from streaming.events import Error, Meta, Token
 
 
 class Command(BaseCommand):
-    help = "Stream a persona's quote to stdout as it is written (and log it like any request)."
+    help = "Stream a persona's quote to stdout as it is written (logged like any request)."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("persona", help="the persona's slug, e.g. alan-watts")
@@ -25,24 +26,20 @@ class Command(BaseCommand):
 
     async def _run(self, slug: str, topic: str | None) -> None:
         try:
-            await self._stream(slug, topic)
+            quote = await generations.parse({"persona": slug, "topic": topic})
+            generation = await generations.start(quote, limits.Client("cli"), await limits.admit(limits.Client("cli")), transport="cli")
+            model = ""
+            async for event in generation.read():
+                if type(event) is Meta:
+                    model = event.model or model
+                elif type(event) is Token:
+                    self.stdout.write(event.text, ending="")
+                    self.stdout.flush()
+                elif type(event) is Error:
+                    raise CommandError(f"{event.message} ({event.code})")
+            self.stdout.write(f"\n  — {model} as {quote.persona.name}")
+        except QuoteError as exc:
+            raise CommandError(f"{exc.message} ({exc.code})") from None
         finally:
+            await writer().flush(10.0)
             await reset_backends()
-
-    async def _stream(self, slug: str, topic: str | None) -> None:
-        try:
-            persona = await Persona.objects.active().aget(slug=slug)
-        except Persona.DoesNotExist:
-            slugs = ", ".join([p.slug async for p in Persona.objects.active()])
-            raise CommandError(f"No active persona {slug!r}. Try one of: {slugs}") from None
-        model = ""
-        events = stream_generation(persona=persona, topic=topic or persona.default_topic, transport="cli")
-        async for event in events:
-            if type(event) is Meta:
-                model = event.model or model
-            elif type(event) is Token:
-                self.stdout.write(event.text, ending="")
-                self.stdout.flush()
-            elif type(event) is Error:
-                raise CommandError(f"{event.message} ({event.code})")
-        self.stdout.write(f"\n  — {model} as {persona.name}")

@@ -1,0 +1,513 @@
+"""The domain's read queries: a persona's version history, and the gateway's analytics (what
+the request log, `Generation`, says about a time range). Writes live in quotes.services.
+
+## Analytics
+
+Everything is counted by the database (aggregate/annotate, buckets with TruncHour/TruncDay),
+except percentiles: SQLite has none and PostgreSQL's `percentile_cont` is not portable, so
+`gateway_stats` reads the range's `(bucket, persona, model, ttft_ms)` tuples once with
+`values_list` and ranks them in Python. That is four numbers a row, bounded by the range; at
+this site's scale (thousands of requests a day, 30 days at most from the admin) it is a few
+hundred thousand floats at worst. A much busier site would move this to `percentile_cont` or
+a rollup table.
+
+Definitions, the same in the admin page, the CSV and `manage.py gateway_stats`:
+
+- *Requests*: generations logged in `[since, until)`, one row each. Preview rows (the admin's
+  live preview) are left out unless asked for. A `running` row older than the total deadline
+  belongs to a process that died mid-stream: it counts as *lost*.
+- *Refused*: requests answered 429 or 503 before any generation, counted per persona, hour and
+  code (`Refusal`), never as rows.
+- *Cache hit rate*: hits / (hits + misses). Bypassed requests (caching off for the persona, or
+  refused before the cache was asked) are not lookups and do not count either way.
+- *Errors*: generations that failed (status `error`), and lost ones. A cancelled one is the
+  visitor leaving, not a failure. *Error rate* is errors / requests; *by code* groups
+  them by `error_code` (the stable code the visitor saw).
+- *Cost* is the gateway's estimate from the catalog's prices; requests on models without a
+  published price have no cost and are counted in `unpriced`.
+- *Percentiles* interpolate linearly between the closest ranks (numpy's default), over the
+  requests that produced a first token.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import difflib
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal
+from typing import Any, Literal
+
+from django.conf import settings
+from django.db.models import Case, CharField, Count, F, Q, QuerySet, Sum, Value, When
+from django.db.models.functions import TruncDay, TruncHour
+from django.utils import timezone
+
+from ..backends.base import GENERATION_FIELDS
+from ..backends.catalog import get_model
+from ..models import Generation, Persona, PersonaVersion, Refusal
+
+Bucket = Literal["hour", "day"]
+
+LOST = "lost"
+STATUSES: tuple[str, ...] = (*Generation.Status.values, LOST)
+FAILED_STATUSES = (Generation.Status.ERROR, LOST)
+
+
+def lost_before() -> dt.datetime:
+    """A `running` row created before this belongs to a process that died mid-stream."""
+    return timezone.now() - dt.timedelta(seconds=settings.QUOTES_POLICY.total_timeout_s + 60)
+
+
+def with_state(rows: QuerySet[Generation]) -> QuerySet[Generation]:
+    """`state`: a row's status, or `lost` for a `running` row older than the total deadline."""
+    lost = When(status=Generation.Status.RUNNING, created_at__lt=lost_before(), then=Value(LOST))
+    return rows.annotate(state=Case(lost, default=F("status"), output_field=CharField()))
+
+#: The admin's and the command's named ranges.
+PRESET_RANGES: dict[str, dt.timedelta] = {
+    "24h": dt.timedelta(hours=24),
+    "7d": dt.timedelta(days=7),
+    "30d": dt.timedelta(days=30),
+}
+
+#: The longest custom range the admin page accepts.
+MAX_RANGE = dt.timedelta(days=366)
+
+#: Ranges up to this long are bucketed by hour, longer ones by day.
+HOURLY_UP_TO = dt.timedelta(days=2)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) of `values`, sorted ascending; None for no values."""
+    if not values:
+        return None
+    rank = (len(values) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return values[low] + (values[high] - values[low]) * (rank - low)
+
+
+def _rate(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+@dataclass(frozen=True, slots=True)
+class TimeBucket:
+    start: dt.datetime
+    requests: int
+    by_status: dict[str, int]
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Decimal
+    ttft_p50: float | None
+    ttft_p95: float | None
+    refused: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BreakdownRow:
+    """One persona's or one model's share of the range."""
+
+    key: str
+    label: str
+    requests: int
+    errors: int
+    cache_hits: int
+    cache_lookups: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Decimal
+    #: Requests with tokens on a model without a published price: not in `cost_usd`.
+    unpriced: int
+    thumbs_up: int
+    thumbs_down: int
+    ttft_p50: float | None
+    refused: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.cache_hits, self.cache_lookups)
+
+    @property
+    def error_rate(self) -> float | None:
+        return _rate(self.errors, self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    since: dt.datetime
+    until: dt.datetime
+    bucket: Bucket
+    include_previews: bool
+    requests: int
+    by_status: dict[str, int]
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: Decimal
+    unpriced: int
+    cache_hits: int
+    cache_lookups: int
+    errors: int
+    errors_by_code: list[tuple[str, int]]
+    ttft_p50: float | None
+    ttft_p95: float | None
+    refused: int = 0
+    refused_by_code: list[tuple[str, int]] = field(default_factory=list)
+    buckets: list[TimeBucket] = field(default_factory=list)
+    by_persona: list[BreakdownRow] = field(default_factory=list)
+    by_model: list[BreakdownRow] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.cache_hits, self.cache_lookups)
+
+    @property
+    def error_rate(self) -> float | None:
+        return _rate(self.errors, self.requests)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: datetimes in ISO 8601, money as a decimal string."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, dt.datetime):
+                return value.isoformat()
+            if isinstance(value, Decimal):
+                return str(value)
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [plain(v) for v in value]
+            return value
+
+        data = plain(asdict(self))
+        data["errors_by_code"] = [{"code": code, "count": count} for code, count in self.errors_by_code]
+        data["refused_by_code"] = [{"code": code, "count": count} for code, count in self.refused_by_code]
+        data["hit_rate"] = self.hit_rate
+        data["error_rate"] = self.error_rate
+        for name in ("by_persona", "by_model"):
+            for row, obj in zip(data[name], getattr(self, name), strict=True):
+                row["hit_rate"] = obj.hit_rate
+                row["error_rate"] = obj.error_rate
+        return data
+
+
+def default_bucket(since: dt.datetime, until: dt.datetime) -> Bucket:
+    return "hour" if until - since <= HOURLY_UP_TO else "day"
+
+
+def generations_in_range(
+    *, since: dt.datetime, until: dt.datetime, include_previews: bool = False
+) -> QuerySet[Generation]:
+    rows = with_state(Generation.objects.filter(created_at__gte=since, created_at__lt=until))
+    return rows if include_previews else rows.filter(is_preview=False)
+
+
+def _bucket_starts(since: dt.datetime, until: dt.datetime, bucket: Bucket) -> list[dt.datetime]:
+    """Every bucket's start in the range, in the current time zone, so empty ones show as 0."""
+    tz = timezone.get_current_timezone()
+    start = since.astimezone(tz)
+    start = start.replace(minute=0, second=0, microsecond=0)
+    if bucket == "day":
+        start = start.replace(hour=0)
+    step = dt.timedelta(hours=1) if bucket == "hour" else dt.timedelta(days=1)
+    starts = []
+    while start < until:
+        starts.append(start)
+        # Add in UTC, then convert back: a DST change must not skip or repeat a bucket.
+        start = (start.astimezone(dt.UTC) + step).astimezone(tz)
+        if bucket == "day":
+            start = start.replace(hour=0)
+    return starts
+
+
+def _requests(**conditions: Any) -> Count:
+    return Count("id", filter=Q(**conditions) if conditions else None)
+
+
+def _totals() -> dict[str, Any]:
+    return {
+        "requests": _requests(),
+        "errors": _requests(state__in=FAILED_STATUSES),
+        "cache_hits": Count("id", filter=Q(cache_status=Generation.CacheStatus.HIT)),
+        "cache_lookups": Count(
+            "id", filter=Q(cache_status__in=[Generation.CacheStatus.HIT, Generation.CacheStatus.MISS])
+        ),
+        # Named apart from the fields they sum: an aggregate may not shadow a field.
+        "prompt_sum": Sum("prompt_tokens", default=0),
+        "completion_sum": Sum("completion_tokens", default=0),
+        "cost_sum": Sum("cost_usd", default=Decimal(0)),
+        "unpriced": Count("id", filter=Q(cost_usd__isnull=True, completion_tokens__isnull=False)),
+        "thumbs_up": Count("id", filter=Q(feedback=1)),
+        "thumbs_down": Count("id", filter=Q(feedback=-1)),
+    }
+
+
+def _breakdown(
+    rows: Iterable[dict[str, Any]], *, key: str, label: Any, ttft: dict[Any, list[float]], refused: dict[Any, int]
+) -> list[BreakdownRow]:
+    result = [
+        BreakdownRow(
+            key=str(row[key]),
+            label=label(row),
+            requests=row["requests"],
+            errors=row["errors"],
+            cache_hits=row["cache_hits"],
+            cache_lookups=row["cache_lookups"],
+            prompt_tokens=row["prompt_sum"],
+            completion_tokens=row["completion_sum"],
+            cost_usd=Decimal(row["cost_sum"]),
+            unpriced=row["unpriced"],
+            thumbs_up=row["thumbs_up"],
+            thumbs_down=row["thumbs_down"],
+            ttft_p50=percentile(sorted(ttft.get(row[key], [])), 50),
+            refused=refused.get(row[key], 0),
+        )
+        for row in rows
+    ]
+    return sorted(result, key=lambda r: (-r.requests, r.label))
+
+
+def _model_label(model_id: str) -> str:
+    info = get_model(model_id)
+    return info.name if info is not None else model_id
+
+
+def gateway_stats(
+    *,
+    since: dt.datetime,
+    until: dt.datetime,
+    bucket: Bucket | None = None,
+    include_previews: bool = False,
+) -> Stats:
+    """Requests, tokens, cost, cache, errors and time to first token in `[since, until)`."""
+    bucket = bucket or default_bucket(since, until)
+    rows = generations_in_range(since=since, until=until, include_previews=include_previews)
+    trunc = TruncHour if bucket == "hour" else TruncDay
+    tz = timezone.get_current_timezone()
+
+    totals = rows.aggregate(**_totals())
+    by_status = {status: 0 for status in STATUSES}
+    for row in rows.values("state").annotate(n=_requests()).order_by():
+        by_status[row["state"]] = row["n"]
+    errors_by_code = [
+        (row["error_code"] or row["state"], row["n"])
+        for row in rows.filter(state__in=FAILED_STATUSES)
+        .values("error_code", "state")
+        .annotate(n=_requests())
+        .order_by("-n", "error_code")
+    ]
+    refusals = Refusal.objects.filter(hour__gte=since, hour__lt=until)
+    refused_by_code = [
+        (row["code"], row["n"])
+        for row in refusals.values("code").annotate(n=Sum("count")).order_by("-n", "code")
+    ]
+    refused_by_persona = {
+        row["persona__slug"]: row["n"] for row in refusals.values("persona__slug").annotate(n=Sum("count")).order_by()
+    }
+    refused_by_bucket = {
+        row["bucket"]: row["n"]
+        for row in refusals.annotate(bucket=trunc("hour", tzinfo=tz)).values("bucket").annotate(n=Sum("count")).order_by()
+    }
+
+    # The one read of raw values: time to first token, for the percentiles.
+    samples = (
+        rows.filter(ttft_ms__isnull=False)
+        .annotate(bucket=trunc("created_at", tzinfo=tz))
+        .values_list("bucket", "persona__slug", "model", "ttft_ms")
+        .order_by()
+    )
+    all_ttft: list[float] = []
+    ttft_by_bucket: dict[dt.datetime, list[float]] = defaultdict(list)
+    ttft_by_persona: dict[str, list[float]] = defaultdict(list)
+    ttft_by_model: dict[str, list[float]] = defaultdict(list)
+    for start, slug, model, ttft in samples.iterator(chunk_size=5000):
+        if ttft is None:  # filtered out above; this tells the type checker
+            continue
+        all_ttft.append(ttft)
+        ttft_by_bucket[start].append(ttft)
+        ttft_by_persona[slug].append(ttft)
+        ttft_by_model[model].append(ttft)
+    all_ttft.sort()
+
+    per_bucket: dict[dt.datetime, dict[str, Any]] = {}
+    for row in (
+        rows.annotate(bucket=trunc("created_at", tzinfo=tz))
+        .values("bucket")
+        .annotate(
+            requests=_requests(),
+            prompt_sum=Sum("prompt_tokens", default=0),
+            completion_sum=Sum("completion_tokens", default=0),
+            cost_sum=Sum("cost_usd", default=Decimal(0)),
+            **{f"s_{status}": _requests(state=status) for status in STATUSES},
+        )
+        .order_by("bucket")
+    ):
+        per_bucket[row["bucket"]] = row
+    buckets = []
+    for start in _bucket_starts(since, until, bucket):
+        row = per_bucket.get(start, {})
+        values = sorted(ttft_by_bucket.get(start, []))
+        buckets.append(
+            TimeBucket(
+                start=start,
+                requests=row.get("requests", 0),
+                by_status={status: row.get(f"s_{status}", 0) for status in STATUSES},
+                prompt_tokens=row.get("prompt_sum", 0),
+                completion_tokens=row.get("completion_sum", 0),
+                cost_usd=Decimal(row.get("cost_sum", 0)),
+                ttft_p50=percentile(values, 50),
+                ttft_p95=percentile(values, 95),
+                refused=refused_by_bucket.get(start, 0),
+            )
+        )
+
+    by_persona = _breakdown(
+        rows.values("persona__slug", "persona__name").annotate(**_totals()).order_by(),
+        key="persona__slug",
+        label=lambda row: row["persona__name"],
+        ttft=ttft_by_persona,
+        refused=refused_by_persona,
+    )
+    by_model = _breakdown(
+        rows.values("model").annotate(**_totals()).order_by(),
+        key="model",
+        label=lambda row: _model_label(row["model"]),
+        ttft=ttft_by_model,
+        refused={},
+    )
+
+    return Stats(
+        since=since,
+        until=until,
+        bucket=bucket,
+        include_previews=include_previews,
+        requests=totals["requests"],
+        by_status=by_status,
+        prompt_tokens=totals["prompt_sum"],
+        completion_tokens=totals["completion_sum"],
+        cost_usd=Decimal(totals["cost_sum"]),
+        unpriced=totals["unpriced"],
+        cache_hits=totals["cache_hits"],
+        cache_lookups=totals["cache_lookups"],
+        errors=totals["errors"],
+        errors_by_code=errors_by_code,
+        ttft_p50=percentile(all_ttft, 50),
+        ttft_p95=percentile(all_ttft, 95),
+        refused=sum(count for _, count in refused_by_code),
+        refused_by_code=refused_by_code,
+        buckets=buckets,
+        by_persona=by_persona,
+        by_model=by_model,
+    )
+
+
+def parse_since(value: str, *, now: dt.datetime | None = None) -> dt.datetime:
+    """`24h`, `7d`, `90m`-style spans back from now. Raises ValueError on anything else."""
+    value = value.strip().lower()
+    units = {"m": "minutes", "h": "hours", "d": "days"}
+    number, unit = value[:-1], value[-1:]
+    if unit not in units or not number.isdigit() or int(number) <= 0:
+        raise ValueError(f"{value!r} is not a span such as 24h, 7d or 30d.")
+    try:
+        return (now or timezone.now()) - dt.timedelta(**{units[unit]: int(number)})
+    except OverflowError:  # past what a timedelta holds, or before year 1
+        raise ValueError(f"{value!r} reaches back further than the calendar does.") from None
+
+
+def spend_today(persona_id: int | None = None) -> Decimal:
+    """What today's (UTC) generations on paid models cost, as their rows estimate it."""
+    midnight = timezone.now().astimezone(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    rows = Generation.objects.filter(created_at__gte=midnight)
+    if persona_id is not None:
+        rows = rows.filter(persona_id=persona_id)
+    return Decimal(rows.aggregate(total=Sum("cost_usd", default=Decimal(0)))["total"])
+
+
+# --- the diff between two versions -----------------------------------------------------------
+
+LineKind = Literal["add", "remove", "same"]
+
+
+@dataclass(frozen=True, slots=True)
+class DiffLine:
+    kind: LineKind
+    text: str
+
+    @property
+    def sign(self) -> str:
+        return {"add": "+", "remove": "-", "same": " "}[self.kind]
+
+
+@dataclass(slots=True)
+class FieldDiff:
+    name: str
+    lines: list[DiffLine] = field(default_factory=list)
+
+
+def _display(value: object) -> str:
+    if value is None:
+        return "(not set)"
+    if value == "":
+        return "(empty)"
+    if isinstance(value, list):
+        return ", ".join(str(item) for item in value) if value else "(none)"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _text_lines(value: object) -> list[str]:
+    return _display(value).splitlines() or [""]
+
+
+def config_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> list[FieldDiff]:
+    """The fields that differ between two version configs, line by line (every field when
+    there is no older version). Plain text: the template escapes it."""
+    names = [n for n in GENERATION_FIELDS if n in new or (old and n in old)]
+    names += sorted(set(new) - set(names))
+    diffs = []
+    for name in names:
+        after = new.get(name)
+        if old is None:
+            diffs.append(FieldDiff(name, [DiffLine("add", line) for line in _text_lines(after)]))
+            continue
+        before = old.get(name)
+        if before == after:
+            continue
+        a, b = _text_lines(before), _text_lines(after)
+        lines: list[DiffLine] = []
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+            if tag == "equal":
+                lines += [DiffLine("same", line) for line in a[i1:i2]]
+                continue
+            lines += [DiffLine("remove", line) for line in a[i1:i2]]
+            lines += [DiffLine("add", line) for line in b[j1:j2]]
+        diffs.append(FieldDiff(name, lines))
+    return diffs
+
+
+@dataclass(slots=True)
+class VersionEntry:
+    version: PersonaVersion
+    diffs: list[FieldDiff]
+    is_current: bool
+
+
+def version_history(persona: Persona) -> list[VersionEntry]:
+    """The persona's versions, newest first, each with its diff against the one before."""
+    versions = list(persona.versions.select_related("created_by").order_by("-number"))
+    current = persona.generation_config()
+    entries = []
+    for index, version in enumerate(versions):
+        older = versions[index + 1] if index + 1 < len(versions) else None
+        entries.append(
+            VersionEntry(
+                version=version,
+                diffs=config_diff(older.config if older else None, version.config),
+                is_current=version.config == current,
+            )
+        )
+    return entries

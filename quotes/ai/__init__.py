@@ -1,1 +1,0 @@
-"""Everything that talks to a model. No Django views in here."""

@@ -1,0 +1,270 @@
+"""Any OpenAI-compatible `/chat/completions` server, streamed: llama.cpp's servers, vLLM,
+Workers AI's own OpenAI route, OpenAI itself.
+
+One `httpx.AsyncClient` per backend (so one per process through the registry), made on first
+use because it must be made inside a running event loop. The connect and pool timeouts are
+httpx's; every other wait (the headers, each event, the whole request) is bounded by the
+gateway's policy, which cancels the stream's task: the response is closed on the way out.
+
+Event order: `Meta` (once, before the first other event of an open stream), `Token`s, at most
+one `Usage`, then exactly one `Done` or `Error`. Failures before the stream opens yield only
+the `Error`. What the server says when it fails goes to the log, redacted (the API key among
+much else: `errors.upstream_text`); the visitor's message is ours, one per kind of failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import httpx
+from httpx_sse import SSEError
+
+from django.conf import settings
+
+from streaming.events import UPSTREAM_HEADERS, Done, Error, Event, Meta, Token, Usage
+
+from ..errors import (
+    upstream_dropped,
+    upstream_malformed,
+    upstream_status_error,
+    upstream_text,
+    upstream_timeout,
+    upstream_unavailable,
+    upstream_unreachable,
+)
+from .base import SAMPLING_FIELDS, GenerationRequest
+from .upstream_sse import upstream_events
+
+logger = logging.getLogger(__name__)
+
+#: How much of an error body we read: enough for any JSON error, bounded against a hostile one.
+_ERROR_BODY_LIMIT = 64 * 1024
+
+# The OpenAI sampling fields GenerationRequest can carry. Some (top_k, repetition_penalty) are
+# not OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
+_OPENAI_SAMPLING = tuple(name for name, field in SAMPLING_FIELDS.items() if field.openai)
+
+
+class _Failure(Exception):
+    """Internal: carries the Error event out of nested code to the single place that yields."""
+
+    def __init__(self, event: Error) -> None:
+        super().__init__(event.message)
+        self.event = event
+
+
+class OpenAICompatBackend:
+    name = "openai"
+    paid = True
+
+    def __init__(self, *, base_url: str, api_key: str, connect_timeout_s: float = 5.0) -> None:
+        self._url = base_url.rstrip("/") + "/chat/completions"
+        self._api_key = api_key
+        # No read or write timeout: the policy's deadlines bound those waits (module doc).
+        self._timeout = httpx.Timeout(None, connect=connect_timeout_s, pool=connect_timeout_s)
+        # Each open stream holds a connection (httpx's default would cap them at 100): the
+        # open-stream cap bounds them.
+        self._limits = httpx.Limits(max_connections=None, max_keepalive_connections=20)
+        self._headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._client: httpx.AsyncClient | None = None
+
+    @classmethod
+    def from_settings(cls) -> OpenAICompatBackend:
+        return cls(base_url=settings.OPENAI_BASE_URL, api_key=settings.OPENAI_API_KEY)
+
+    def model_name(self, requested: str) -> str:
+        return requested
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def _get_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+        return self._client
+
+    def _body(self, request: GenerationRequest) -> bytes:
+        body: dict[str, Any] = {
+            "model": request.model,
+            "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": request.max_tokens,
+        }
+        for field in _OPENAI_SAMPLING:
+            value = getattr(request, field)
+            if value is not None:
+                body[field] = value
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _said(self, text: str) -> str:
+        """`text` from the server, as the log may keep it: ": <redacted text>", or "." if none."""
+        text = upstream_text(text, secrets=(self._api_key,))
+        return f": {text}" if text else "."
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
+        client = self._get_client()
+        try:
+            http_request = client.build_request(
+                "POST", self._url, content=self._body(request), headers=self._headers
+            )
+            response = await client.send(http_request, stream=True)
+        except httpx.TimeoutException:  # connect or pool
+            yield upstream_timeout()
+            return
+        except (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.InvalidURL):
+            yield upstream_unreachable(
+                "Could not connect to the model server. Is it running, and is OPENAI_BASE_URL right?"
+            )
+            return
+        except httpx.HTTPError:
+            # Connected, but the peer hung up before answering.
+            yield upstream_dropped()
+            return
+
+        # From here on the response is open: it is closed on every way out, including the
+        # consumer stopping early (GeneratorExit at a yield) and task cancellation.
+        try:
+            if not response.is_success:
+                yield await self._status_error(response)
+                return
+            async for event in self._events(response, request):
+                yield event
+        finally:
+            await response.aclose()
+
+    async def _events(
+        self, response: httpx.Response, request: GenerationRequest
+    ) -> AsyncGenerator[Event, None]:
+        sse = upstream_events(response)
+        meta_sent = False
+        usage: Usage | None = None
+        loads = json.loads
+        try:
+            while True:
+                try:
+                    message = await anext(sse)
+                except StopAsyncIteration:
+                    raise _Failure(upstream_dropped()) from None
+                data = message.data
+                if not data:
+                    continue
+                if data == "[DONE]":
+                    if not meta_sent:
+                        yield self._meta(response, request.model)
+                    if usage is not None:
+                        yield usage
+                    yield Done()
+                    return
+                try:
+                    chunk = loads(data)
+                    if "error" in chunk:
+                        raise _Failure(self._stream_error(chunk["error"]))
+                    if not meta_sent:
+                        meta_sent = True
+                        yield self._meta(response, chunk.get("model") or request.model)
+                    choices = chunk.get("choices")
+                    if choices:
+                        delta = choices[0].get("delta")
+                        content = delta.get("content") if delta else None
+                        if content:
+                            yield Token(content)
+                    counts = chunk.get("usage")
+                    if counts:
+                        usage = Usage(
+                            int(counts.get("prompt_tokens") or 0), int(counts.get("completion_tokens") or 0)
+                        )
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                    raise _Failure(upstream_malformed()) from None
+        except _Failure as failure:
+            if usage is not None:
+                yield usage
+            yield failure.event
+        except SSEError:
+            # 2xx but not text/event-stream (e.g. a JSON body from a server ignoring "stream").
+            yield upstream_malformed()
+        except httpx.HTTPError:
+            # The peer closed or reset the connection mid-stream.
+            if usage is not None:
+                yield usage
+            yield upstream_dropped()
+        finally:
+            await sse.aclose()
+
+    def _meta(self, response: httpx.Response, model: str) -> Meta:
+        kept = {
+            name: value
+            for name, value in response.headers.items()
+            if name.lower().startswith(UPSTREAM_HEADERS)
+        }
+        return Meta(model=str(model), headers=kept)
+
+    async def _status_error(self, response: httpx.Response) -> Error:
+        status = response.status_code
+        detail = ""
+        try:
+            raw = bytearray()
+            async for piece in response.aiter_bytes():
+                raw += piece
+                if len(raw) >= _ERROR_BODY_LIMIT:
+                    break
+            detail = _error_detail(bytes(raw[:_ERROR_BODY_LIMIT]))
+        except httpx.HTTPError:
+            pass  # the status alone still says what happened
+        # For the operator only: what the server said can name our credentials, its hosts, its
+        # account. The visitor gets one fixed message per kind of failure (upstream_status_error).
+        error = upstream_status_error(status)
+        if status in (401, 403):
+            logger.warning(
+                "openai upstream_auth: the model server refused our credentials (HTTP %s). "
+                "Check OPENAI_API_KEY%s",
+                status,
+                self._said(detail),
+            )
+        else:
+            logger.warning(
+                "openai %s: the model server answered HTTP %s%s", error.code, status, self._said(detail)
+            )
+        return error
+
+    def _stream_error(self, error: object) -> Error:
+        logger.warning(
+            "openai upstream_unavailable: the model server failed mid-stream%s",
+            self._said(_message_of(error)),
+        )
+        return upstream_unavailable("The model service failed while writing the quote. Please try again.")
+
+
+def _message_of(error: object) -> str:
+    if isinstance(error, dict):
+        message = error.get("message") or error.get("detail")
+        if message is not None:
+            return message if isinstance(message, str) else json.dumps(message)
+        return ""
+    return error if isinstance(error, str) else ""
+
+
+def _error_detail(raw: bytes) -> str:
+    """The readable part of an error body: OpenAI's {"error": {"message"}}, FastAPI's
+    {"detail"}, Cloudflare's {"errors": [{"message"}]}, or the text itself."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(body, dict):
+        if "error" in body:
+            return _message_of(body["error"]) or text
+        if "detail" in body:
+            return _message_of(body)
+        errors = body.get("errors")
+        if isinstance(errors, list) and errors:
+            return _message_of(errors[0]) or text
+    return text

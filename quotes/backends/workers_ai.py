@@ -1,0 +1,481 @@
+"""Cloudflare Workers AI, directly or through AI Gateway, streamed over SSE.
+
+Wire facts: shared/reference/workers-ai.md. One
+`httpx.AsyncClient` per backend (the registry keeps one backend per process). The body is decoded
+by httpx-sse (`upstream_events`, which also drops a leading BOM and ends a line at a CR at once),
+so a network read cut anywhere (mid-line, mid-character) is handled.
+
+Timeouts: the connect and pool timeouts are httpx's. Every other wait (the headers, each event,
+the whole request) is bounded by the gateway's policy, which cancels the stream's task: the
+backend keeps no deadline of its own, and cleans up (closes the response) when cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from typing import Any
+
+import httpx
+
+from django.conf import settings
+
+from streaming.events import Done, Error, Event, Meta, Token, Usage
+
+from ..errors import (
+    ErrorCode,
+    upstream_dropped,
+    upstream_malformed,
+    upstream_status_error,
+    upstream_text,
+    upstream_timeout,
+    upstream_unreachable,
+)
+from .base import GenerationRequest
+from .upstream_sse import ServerSentEvent, upstream_events
+
+logger = logging.getLogger(__name__)
+
+#: Response headers worth keeping on the Meta event (cache hits, fallback step, log ids).
+META_HEADERS = ("cf-aig-cache-status", "cf-aig-step", "cf-aig-log-id", "cf-aig-request-id")
+#: How much of an error body is read: enough for any envelope, bounded against a runaway body.
+MAX_ERROR_BODY_BYTES = 64 * 1024
+
+# A model id: `@cf/meta/llama-3.1-8b-instruct`. It goes into the URL path, so nothing that could
+# climb out of it ("..", "?", "#", "%", spaces) is allowed.
+_MODEL_ID = re.compile(r"@?[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*", re.ASCII)
+_BEARER = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+")
+
+
+# -- stable errors ---------------------------------------------------------------------------------
+
+_RETRY = "Please try again shortly."
+
+# Documented Workers AI codes -> (our code, the status we answer, a message for the visitor).
+ERROR_CODES: dict[int, tuple[ErrorCode, int, str]] = {
+    5007: (ErrorCode.MODEL_NOT_FOUND, 400, "That model does not exist on Workers AI."),
+    3042: (ErrorCode.MODEL_NOT_FOUND, 400, "That model id is not valid on Workers AI."),
+    3003: (ErrorCode.UPSTREAM_BAD_REQUEST, 400, "The model service says the request was incomplete."),
+    5005: (ErrorCode.LORA_NOT_SUPPORTED, 400, "This model does not accept a LoRA adapter."),
+    5016: (
+        ErrorCode.UPSTREAM_FORBIDDEN,
+        403,
+        "This model's terms of use have not been accepted for this site.",
+    ),
+    5018: (ErrorCode.UPSTREAM_FORBIDDEN, 403, "This model is private and not available to this site."),
+    3041: (ErrorCode.UPSTREAM_FORBIDDEN, 403, "This model is private and not available to this site."),
+    3023: (ErrorCode.UPSTREAM_FORBIDDEN, 403, "The site's Workers AI account is blocked."),
+    3006: (ErrorCode.REQUEST_TOO_LARGE, 413, "The request is too large for the model. Try a shorter topic."),
+    3007: (ErrorCode.UPSTREAM_TIMEOUT, 408, f"The model took too long to answer. {_RETRY}"),
+    3008: (ErrorCode.UPSTREAM_TIMEOUT, 408, f"The model request was aborted. {_RETRY}"),
+    3036: (
+        ErrorCode.UPSTREAM_QUOTA_EXCEEDED,
+        429,
+        "Today's free model allowance is used up. Please try again tomorrow.",
+    ),
+    3040: (ErrorCode.UPSTREAM_CAPACITY, 429, f"The model is out of capacity right now. {_RETRY}"),
+}
+
+
+def invalid_model(model: str) -> Error:
+    return Error(ErrorCode.MODEL_NOT_FOUND, f"{model[:80]!r} is not a valid model id.", 400)
+
+
+def error_for_status(status: int, body: bytes) -> Error:
+    """The visitor's Error for a non-2xx answer: by documented envelope code first, then by
+    status. Our words only: what Workers AI said (`upstream_said`) is for the operator's log."""
+    codes, _ = _parse_envelope(body)
+    for number in codes:
+        if number in ERROR_CODES:
+            code, our_status, message = ERROR_CODES[number]
+            return Error(code, message, our_status)
+    return upstream_status_error(status)
+
+
+def upstream_said(body: bytes, secrets: Iterable[str]) -> str:
+    """What an error body says, for the operator's log: a v4 envelope's first message, else the
+    text itself (an HTML page's words), redacted (quotes.ai.errors.upstream_text)."""
+    _, message = _parse_envelope(body)
+    return upstream_text(message or body.decode("utf-8", "replace"), secrets=secrets)
+
+
+def _parse_envelope(body: bytes) -> tuple[list[int], str]:
+    """The error codes and the first message of a Cloudflare v4 envelope; ([], "") otherwise."""
+    try:
+        envelope = json.loads(body)
+    except ValueError:
+        return [], ""
+    errors = envelope.get("errors") if isinstance(envelope, dict) else None
+    if not isinstance(errors, list):
+        return [], ""
+    codes: list[int] = []
+    message = ""
+    for item in errors:
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("code"), int):
+            codes.append(item["code"])
+        if not message and isinstance(item.get("message"), str):
+            message = item["message"]
+    return codes, message
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """`text` without any of `secrets`, nor anything that follows the word Bearer."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "[redacted]")
+    return _BEARER.sub("Bearer [redacted]", text)
+
+
+# -- decoding --------------------------------------------------------------------------------------
+
+
+def _usage(value: Any) -> Usage | None:
+    if not isinstance(value, dict):
+        return None
+    prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        return Usage(prompt_tokens=prompt, completion_tokens=completion)
+    return None
+
+
+#: How long to wait for the end of the body after [DONE] (normally it is already there).
+BODY_END_WAIT_S = 0.05
+
+
+async def _finish_body(source: AsyncIterator[Any]) -> None:
+    """Read what follows [DONE] (normally only the end of the chunked body), so httpx can return
+    the connection to its pool: the next request then skips the TCP and TLS handshakes, which
+    to Cloudflare cost round trips on every first token. Bounded, so a lingering server cannot
+    hold the stream's end back."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(BODY_END_WAIT_S):
+            async for _ in source:
+                pass
+
+
+class StreamParser:
+    """The Workers AI wire format, event by event: `feed(event)` returns the events it carries;
+    the last one is Done or an Error once the stream has ended (`finished`).
+
+    - `response` is the text (a number is turned into a string); OpenAI-style chunks
+      (`choices[0].delta.content`) are read when it is absent; `p` padding is ignored.
+    - `usage` may come on any event, with or without text.
+    - `data: [DONE]` ends the stream (anything after it is not read).
+    - A data payload that is not a JSON object is `upstream_malformed`.
+
+    An error envelope that arrives inside the stream ends it with its Error; what it said is
+    kept in `said` for the log, redacted (`secrets` among the rest).
+    """
+
+    __slots__ = ("_secrets", "finished", "said")
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self._secrets = secrets
+        self.finished = False
+        self.said = ""
+
+    def feed(self, message: ServerSentEvent) -> list[Event]:
+        data = message.data
+        if data == "[DONE]":
+            self.finished = True
+            return [Done()]
+        if not data:
+            return []
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            self.finished = True
+            return [upstream_malformed()]
+        text = payload.get("response")
+        if text is None:
+            text = _openai_delta(payload)
+            if text is None and "errors" in payload:
+                # An error envelope inside the stream (seen from some proxies).
+                self.finished = True
+                self.said = upstream_said(data.encode(), self._secrets)
+                return [error_for_status(502, data.encode())]
+        elif type(text) is not str:
+            text = str(text) if isinstance(text, int | float) and not isinstance(text, bool) else None
+        events: list[Event] = [Token(text)] if text else []
+        if "usage" in payload:
+            usage = _usage(payload["usage"])
+            if usage is not None:
+                events.append(usage)
+        return events
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    content_type = response.headers.get("content-type", "")
+    return "text/event-stream" in content_type.partition(";")[0].lower()
+
+
+def _openai_delta(payload: dict[str, Any]) -> str | None:
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    content = delta.get("content") if isinstance(delta, dict) else None
+    return content if isinstance(content, str) else None
+
+
+# -- the backend -----------------------------------------------------------------------------------
+
+
+class WorkersAIBackend:
+    """Text generation on Workers AI; see `Backend` for the event contract.
+
+    Every response (any status) first yields `Meta` with the model and the cf-aig-* headers;
+    then Tokens and Usage; then exactly one Done or Error.
+    """
+
+    name = "workers-ai"
+    paid = True
+
+    def __init__(
+        self,
+        *,
+        account_id: str,
+        api_token: str,
+        base_url: str = "https://api.cloudflare.com/client/v4",
+        gateway_id: str = "",
+        gateway_base_url: str = "https://gateway.ai.cloudflare.com/v1",
+        gateway_token: str = "",
+        gateway_skip_cache: bool = False,
+        gateway_cache_ttl: int | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        headers = {
+            "Authorization": f"Bearer {api_token}",
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            # A compressed event stream can be buffered whole by the compressor: ask for none.
+            "Accept-Encoding": "identity",
+        }
+        if gateway_id:  # AI Gateway's options, as the Workers binding's `gateway` option names them
+            if gateway_skip_cache:
+                headers["cf-aig-skip-cache"] = "true"
+            if gateway_cache_ttl is not None:
+                headers["cf-aig-cache-ttl"] = str(gateway_cache_ttl)
+            if gateway_token:
+                headers["cf-aig-authorization"] = f"Bearer {gateway_token}"
+        self.account_id = account_id
+        self.base_url = base_url.rstrip("/")
+        self.gateway_id = gateway_id
+        self.gateway_base_url = gateway_base_url.rstrip("/")
+        self._headers = headers
+        self._connect_timeout_s = connect_timeout_s
+        self._secrets = tuple(s for s in (api_token, gateway_token) if s)
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_settings(cls) -> WorkersAIBackend:
+        return cls(
+            account_id=settings.CLOUDFLARE_ACCOUNT_ID,
+            api_token=settings.CLOUDFLARE_API_TOKEN,
+            base_url=settings.CLOUDFLARE_API_BASE_URL,
+            gateway_id=settings.AI_GATEWAY_ID,
+            gateway_base_url=settings.AI_GATEWAY_BASE_URL,
+            gateway_token=settings.AI_GATEWAY_TOKEN,
+            gateway_skip_cache=settings.AI_GATEWAY_SKIP_CACHE,
+            gateway_cache_ttl=settings.AI_GATEWAY_CACHE_TTL,
+        )
+
+    def model_name(self, requested: str) -> str:
+        return requested
+
+    def url(self, model: str) -> str:
+        if self.gateway_id:
+            return f"{self.gateway_base_url}/{self.account_id}/{self.gateway_id}/workers-ai/{model}"
+        return f"{self.base_url}/accounts/{self.account_id}/ai/run/{model}"
+
+    async def aclose(self) -> None:
+        client, self._client, self._client_loop = self._client, None, None
+        if client is not None:
+            await client.aclose()
+
+    def _http(self) -> httpx.AsyncClient:
+        # Pooled connections belong to the loop that opened them: a new loop (a test, a
+        # management command) gets a new client instead of a pool it cannot use.
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            connect_s = self._connect_timeout_s
+            self._client = httpx.AsyncClient(
+                # No read or write timeout: the policy's deadlines bound those waits (module doc).
+                timeout=httpx.Timeout(None, connect=connect_s, pool=connect_s),
+                # One connection per open stream: the open-stream cap bounds them.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=20, keepalive_expiry=30.0),
+                headers=self._headers,
+                follow_redirects=False,
+                trust_env=False,
+            )
+            self._client_loop = loop
+        return self._client
+
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+            "stream": True,
+            "max_tokens": request.max_tokens,
+            **request.sampling(),
+        }
+        if request.lora:
+            body["lora"] = request.lora
+            body["raw"] = True
+        return body
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
+        if not _MODEL_ID.fullmatch(request.model):
+            yield invalid_model(request.model)
+            return
+        client = self._http()
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(
+                    client.stream("POST", self.url(request.model), json=self._body(request))
+                )
+            except httpx.TimeoutException:  # connect or pool
+                yield self._log(upstream_timeout(), request)
+                return
+            except httpx.ConnectError:
+                yield self._log(upstream_unreachable(), request)
+                return
+            except httpx.TransportError:
+                yield self._log(upstream_dropped(), request)
+                return
+
+            headers = response.headers
+            yield Meta(
+                model=request.model,
+                headers={
+                    name: scrub(headers[name], self._secrets) for name in META_HEADERS if name in headers
+                },
+            )
+
+            if not response.is_success:
+                try:
+                    body = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
+                except httpx.TransportError:
+                    body = b""
+                said = upstream_said(body, self._secrets)
+                status = response.status_code
+                said = f"HTTP {status}: {said}" if said else f"HTTP {status}"
+                yield self._log(error_for_status(status, body), request, said)
+                return
+            if not is_event_stream(response):
+                yield self._log(upstream_malformed(), request)
+                return
+
+            parser = StreamParser(self._secrets)
+            scrubber = _Scrubber(self._secrets)
+            messages = upstream_events(response)
+            try:
+                while True:
+                    events: list[Event]
+                    try:
+                        events = parser.feed(await anext(messages))
+                    except StopAsyncIteration:
+                        events = [upstream_dropped()]
+                    except httpx.DecodingError:
+                        events = [upstream_malformed()]
+                    except httpx.TransportError:  # the connection broke
+                        events = [upstream_dropped()]
+                    for event in events:
+                        if type(event) is Token:
+                            text = scrubber.feed(event.text)
+                            if text:
+                                yield event if text is event.text else Token(text)
+                        elif type(event) is Done or type(event) is Error:
+                            tail = scrubber.flush()  # text held back in case it began a secret
+                            if tail:
+                                yield Token(tail)
+                            if type(event) is Error:
+                                self._log(event, request, parser.said)
+                            else:
+                                await _finish_body(messages)
+                            yield event
+                            return
+                        else:
+                            yield event
+            finally:
+                await messages.aclose()
+
+    def _log(self, error: Error, request: GenerationRequest, said: str = "") -> Error:
+        # The message is ours; what Workers AI said (`said`) is redacted already (upstream_said).
+        logger.warning(
+            "workers-ai %s: %s (model %s, status %s)%s",
+            error.code,
+            error.message,
+            request.model,
+            error.status,
+            f" Workers AI said: {said}" if said else "",
+        )
+        return error
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)[:limit]
+
+
+class _Scrubber:
+    """Removes the credentials from streamed text, even when one is cut across tokens.
+
+    A model never writes our token unless an upstream echoes it back; this makes sure it cannot
+    reach a visitor. The tail of a token that could be the start of a secret is held back until
+    the next token shows whether it is. Cost per token: one substring test per secret.
+    """
+
+    __slots__ = ("_held", "_secrets")
+
+    def __init__(self, secrets: tuple[str, ...]) -> None:
+        self._secrets = secrets
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self._secrets:
+            return text
+        if self._held:
+            text = self._held + text
+            self._held = ""
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, "[redacted]")
+        hold = 0
+        for secret in self._secrets:
+            hold = max(hold, _prefix_overlap(text, secret))
+        if hold:
+            self._held = text[-hold:]
+            return text[:-hold]
+        return text
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _prefix_overlap(text: str, secret: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `secret`."""
+    first = secret[0]
+    start = max(0, len(text) - len(secret) + 1)
+    index = text.find(first, start)
+    while index != -1:
+        if secret.startswith(text[index:]):
+            return len(text) - index
+        index = text.find(first, index + 1)
+    return 0

@@ -1,0 +1,111 @@
+"""The shared cache (Django's: in memory, or Redis with REDIS_URL): complete answers replayed as
+streams, and the safe way to call it.
+
+Redis is a cache here, never the source of truth. `call` runs a cache operation off the event
+loop; when Redis fails, it is left alone for RETRY_S (every caller gets None at once meanwhile,
+so a hung Redis costs one socket timeout, not one per request), with one WARNING per outage.
+Values are JSON (`JSONSerializer`), never pickle: whoever can write to Redis must not be able to
+run code here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.core.cache import cache
+from redis.exceptions import RedisError
+
+from streaming.events import Done, Event, Meta, from_json, to_json
+
+from .backends.base import GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How long the cache is left alone after it failed.
+RETRY_S = 2.0
+_down_until = 0.0
+_failing = False
+
+
+async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    """`operation(*args, **kwargs)` on a worker thread; None when the cache fails, or failed
+    less than RETRY_S ago."""
+    global _down_until, _failing
+    if time.monotonic() < _down_until:
+        return None
+    try:
+        result = await sync_to_async(operation, thread_sensitive=False)(*args, **kwargs)
+    except (RedisError, OSError) as exc:
+        if not _failing:
+            logger.warning("the cache is unavailable (%s); serving without it", type(exc).__name__)
+        _failing, _down_until = True, time.monotonic() + RETRY_S
+        return None
+    if _failing:
+        _failing = False
+        logger.info("the cache answers again")
+    return result
+
+
+def available() -> bool:
+    return not _failing
+
+
+class JSONSerializer:
+    """RedisCache's serializer (OPTIONS["serializer"]): JSON where Django's own pickles. Integers
+    stay integers (INCR). A value that is not JSON reads as None: a miss."""
+
+    def dumps(self, value: object) -> bytes | int:
+        if type(value) is int:
+            return value
+        return json.dumps(value, separators=(",", ":")).encode()
+
+    def loads(self, data: bytes) -> object:
+        with contextlib.suppress(ValueError):
+            return int(data)
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError):
+            logger.warning("a value in the cache is not JSON: read as a miss")
+            return None
+
+
+def answer_key(*, backend: str, request: GenerationRequest, version_id: int | None) -> str:
+    """A hash of the backend, the whole request and the persona's version."""
+    material = json.dumps(
+        {"backend": backend, "request": asdict(request), "version": version_id},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return "quotes:answer:" + hashlib.sha256(material.encode()).hexdigest()
+
+
+async def get_answer(key: str) -> list[Event] | None:
+    """The complete answer kept under `key` (ending with Done), or None."""
+    stored = await call(cache.get, key)
+    try:
+        answer = from_json(stored) if stored is not None else None
+    except ValueError:
+        logger.warning("an answer in the cache has an unexpected shape: read as a miss")
+        return None
+    return answer if answer and type(answer[-1]) is Done else None
+
+
+async def store_answer(key: str, events: list[Event], *, ttl: int) -> None:
+    """Keep a complete answer: its events without the generation's id, its cache status and its
+    upstream headers (they name that call, not a replay)."""
+    kept = [Meta(model=e.model, step=e.step) if type(e) is Meta else e for e in events if not _opening(e)]
+    await call(cache.set, key, to_json([*kept, Done()]), timeout=ttl)
+
+
+def _opening(event: Event) -> bool:
+    return type(event) is Meta and event.id is not None

@@ -1,0 +1,258 @@
+"""The error vocabulary: every stable code a client can see, the constructors for the errors
+that more than one module raises, and `upstream_text`, which makes what an upstream said fit for
+the operator's log (a visitor never gets it).
+
+A code is part of the wire format (JSON envelopes, SSE `error` events, WebSocket frames, the
+`error_code` column of the log), so its value never changes; `ErrorCode` is a `StrEnum`, so a
+member is the very string clients see (streaming.events.Error carries it as a str).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Any
+
+from streaming.events import Error
+
+
+class ErrorCode(StrEnum):
+    # The request: bad input, answered before any model is asked.
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    NOT_ACCEPTABLE = "not_acceptable"
+    BODY_TOO_LARGE = "body_too_large"
+    INVALID_JSON = "invalid_json"
+    INVALID_FRAME = "invalid_frame"
+    FRAME_TOO_LARGE = "frame_too_large"
+    INVALID_UNICODE = "invalid_unicode"
+    MISSING_PERSONA = "missing_persona"
+    INVALID_PERSONA = "invalid_persona"
+    UNKNOWN_PERSONA = "unknown_persona"
+    INVALID_TOPIC = "invalid_topic"
+    TOPIC_TOO_LONG = "topic_too_long"
+    INVALID_MESSAGES = "invalid_messages"
+    INVALID_MESSAGE_ROLE = "invalid_message_role"
+    MESSAGE_TOO_LONG = "message_too_long"
+    TOO_MANY_MESSAGES = "too_many_messages"
+    CONTEXT_WINDOW_EXCEEDED = "context_window_exceeded"
+    INVALID_FEEDBACK = "invalid_feedback"
+    UNKNOWN_QUOTE = "unknown_quote"
+    NOT_RATEABLE = "not_rateable"
+    FEEDBACK_CLOSED = "feedback_closed"
+    INVALID_LAST_EVENT_ID = "invalid_last_event_id"
+    RESUME_UNAVAILABLE = "resume_unavailable"
+    UNKNOWN_STREAM = "unknown_stream"
+    # Who may ask, and how often.
+    FORBIDDEN = "forbidden"
+    CROSS_SITE = "cross_site"
+    CSRF_FAILED = "csrf_failed"
+    RATE_LIMITED = "rate_limited"
+    TOO_MANY_STREAMS = "too_many_streams"
+    OVER_CAPACITY = "over_capacity"
+    SERVER_DRAINING = "server_draining"
+    #: the database cannot be reached and nothing this process holds can answer instead
+    SERVICE_UNAVAILABLE = "service_unavailable"
+    BUSY_SOCKET = "busy_socket"
+    # How a generation ended early (on its log row, and to a client still reading it).
+    STOPPED = "stopped"
+    ABANDONED = "abandoned"
+    #: the site's daily spend ceiling (or the persona's) is reached: paid models wait for tomorrow
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    # Our own model and gateway.
+    BUSY = "busy"
+    INTERNAL_ERROR = "internal_error"
+    LOCAL_MODEL_UNAVAILABLE = "local_model_unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    IDLE_TIMEOUT = "idle_timeout"
+    # The upstream model service.
+    MODEL_NOT_FOUND = "model_not_found"
+    LORA_NOT_SUPPORTED = "lora_not_supported"
+    REQUEST_TOO_LARGE = "request_too_large"
+    UPSTREAM_AUTH = "upstream_auth"
+    UPSTREAM_BAD_REQUEST = "upstream_bad_request"
+    UPSTREAM_FORBIDDEN = "upstream_forbidden"
+    UPSTREAM_QUOTA_EXCEEDED = "upstream_quota_exceeded"
+    UPSTREAM_CAPACITY = "upstream_capacity"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_REJECTED = "upstream_rejected"
+    UPSTREAM_DROPPED = "upstream_dropped"
+    UPSTREAM_MALFORMED = "upstream_malformed"
+
+
+class QuoteError(Exception):
+    """A failure with a stable `code`, a readable `message`, the HTTP `status` it maps to, and
+    (for a failure that passes) `retry_after`, the seconds after which trying again makes sense."""
+
+    def __init__(self, code: ErrorCode, message: str, status: int, *, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+        self.retry_after = retry_after
+
+    def as_event(self) -> Error:
+        return Error(code=self.code, message=self.message, status=self.status, retry_after=self.retry_after)
+
+
+def envelope(code: str, message: str, **extra: Any) -> dict[str, dict[str, Any]]:
+    """The one JSON error body: {"error": {"code", "message", ...extra}}. The views, the SSE
+    `error` event, the admin preview and the health check all answer with it."""
+    return {"error": {"code": str(code), "message": message, **extra}}
+
+
+# -- constructors for the errors more than one module raises ---------------------------------------
+
+_RETRY = "Please try again shortly."
+
+
+def busy(message: str = "The model is busy with other quotes. Please try again in a moment.") -> Error:
+    return Error(code=ErrorCode.BUSY, message=message, status=503)
+
+
+def stopped() -> Error:
+    """The client stopped its quote (the Stop button, the stop endpoint, a WebSocket cancel)."""
+    return Error(code=ErrorCode.STOPPED, message="The quote was stopped.", status=409)
+
+
+def internal(message: str = "Something went wrong while writing the quote.") -> Error:
+    return Error(code=ErrorCode.INTERNAL_ERROR, message=message, status=500)
+
+
+def upstream_auth() -> Error:
+    """Our credentials were refused upstream. The visitor did nothing wrong and can do nothing
+    about it, so they get no detail: the backend logs what the upstream said, for the operator."""
+    return Error(
+        code=ErrorCode.UPSTREAM_AUTH,
+        message="The site's connection to the model service is misconfigured. "
+        "This is not your fault; please try again later.",
+        status=502,
+    )
+
+
+def upstream_timeout(message: str = f"The model took too long to answer. {_RETRY}") -> Error:
+    return Error(code=ErrorCode.UPSTREAM_TIMEOUT, message=message, status=504)
+
+
+def upstream_unreachable(
+    message: str = f"The model service cannot be reached right now. {_RETRY}",
+) -> Error:
+    return Error(code=ErrorCode.UPSTREAM_UNREACHABLE, message=message, status=502)
+
+
+def upstream_dropped(
+    message: str = "The connection to the model was lost before the quote was finished.",
+) -> Error:
+    return Error(code=ErrorCode.UPSTREAM_DROPPED, message=message, status=502)
+
+
+def upstream_malformed(message: str = "The model service sent an answer we could not read.") -> Error:
+    return Error(code=ErrorCode.UPSTREAM_MALFORMED, message=message, status=502)
+
+
+def upstream_unavailable(message: str = f"The model service is having trouble right now. {_RETRY}") -> Error:
+    return Error(code=ErrorCode.UPSTREAM_UNAVAILABLE, message=message, status=502)
+
+
+def upstream_rejected(message: str, status: int) -> Error:
+    return Error(code=ErrorCode.UPSTREAM_REJECTED, message=message, status=status)
+
+
+def upstream_status_error(status: int) -> Error:
+    """The visitor's error for an upstream's non-2xx answer, from its status alone. Whatever the
+    upstream wrote with it (internal addresses, third-party keys, its account's billing) is for
+    the operator's log (`upstream_text`), never for the visitor, who can act on none of it."""
+    if status in (401, 403):
+        return upstream_auth()
+    if status == 429:
+        return upstream_rejected(f"The model service is receiving too many requests. {_RETRY}", 429)
+    if 400 <= status < 500:
+        return upstream_rejected(f"The model service rejected the request (HTTP {status}).", status)
+    if status >= 500:
+        return upstream_unavailable()
+    return upstream_malformed(f"The model service gave an unexpected answer (HTTP {status}).")
+
+
+# -- what an upstream said, for the operator's log ------------------------------------------------
+
+#: How much of an upstream's error text reaches a log line, and how much of it is read: every
+#: pattern below starts only where a word starts (linear in the text), and the bound keeps even
+#: a hostile 64 KB body cheap.
+UPSTREAM_TEXT_LIMIT = 300
+_READ_LIMIT = 4096
+_REDACTED = "[redacted]"
+#: `NAME=value`, `NAME: value`, `"name": "value"`; redacted when the name says it holds a
+#: credential (_CREDENTIAL_NAME). The name is matched possessively: no backtracking into it.
+_ASSIGNMENT = re.compile(r"""(?<![\w.-])([\w.-]++)(["']?\s*+[=:]\s*+)("[^"]*+"|'[^']*+'|[^\s,;&"'<>()]++)""")
+_CREDENTIAL_NAME = re.compile(r"(?i)pass|pwd|secret|token|key|auth|credential|cookie|session|dsn")
+_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s\"',;]+")
+_URL = re.compile(r"(?i)(?<![a-z0-9+.-])[a-z][a-z0-9+.-]*://[^\s\"'<>()]+")
+_EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+#: keys with a known prefix (sk-..., sk_live_..., org-...); then any run of 20 or more word
+#: characters with 4 digits and 4 letters at least (tokens, account and request ids), which
+#: leaves model names (`mistral-7b-instruct-v0.1`) alone
+_KEY = re.compile(r"(?i)(?<![\w-])(?:sk|pk|rk|org)[-_][\w-]{8,}")
+_WORD = re.compile(r"(?<![\w-])[\w-]{20,}")
+_IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\d.])")
+_IPV6 = re.compile(
+    r"(?<![\w:.])\[?(?P<address>(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4})(?:%[\w.-]+)?\]?(?::\d{1,5})?(?![\w:])"
+)
+#: `db:5432`, `inference-7.cluster.local:8080`; then names under the private-use suffixes
+_HOST_PORT = re.compile(r"(?i)(?<![\w.:-])(?=[\w.-]*[a-z])[a-z0-9-]+(?:\.[a-z0-9-]+)*:\d{2,5}\b")
+_PRIVATE_HOST = re.compile(
+    r"(?i)(?<![\w.-])(?:[a-z0-9-]+\.)+(?:internal|local|localdomain|lan|corp|intranet|svc|home\.arpa)\b"
+    r"|\blocalhost\b"
+)
+_TAG = re.compile(r"<[^<>]{0,200}>")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def _without_credential(match: re.Match[str]) -> str:
+    if _CREDENTIAL_NAME.search(match[1]):
+        return match[1] + match[2] + _REDACTED
+    return match.group(0)
+
+
+def _without_random(match: re.Match[str]) -> str:
+    word = match.group(0)
+    digits = sum(c.isdigit() for c in word)
+    return _REDACTED if digits >= 4 and sum(c.isalpha() for c in word) >= 4 else word
+
+
+def _without_ipv6(match: re.Match[str]) -> str:
+    try:
+        ipaddress.IPv6Address(match["address"])
+    except ValueError:
+        return match.group(0)  # a time of day, a ratio: not an address
+    return "[address]"
+
+
+def upstream_text(text: str, *, secrets: Iterable[str] = ()) -> str:
+    """What an upstream said in an error, for the operator's log line: our own credentials
+    (`secrets`), anything named as a credential (`DATABASE_PASSWORD=...`, `"api_key": ...`),
+    bearer tokens, keys and account ids, URLs, e-mail addresses, IP addresses and internal host
+    names out; HTML tags and control characters out; at most UPSTREAM_TEXT_LIMIT characters.
+    What is left says what went wrong ("pool to [address] failed, DATABASE_PASSWORD=[redacted]")."""
+    text = text[:_READ_LIMIT]
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _REDACTED)
+    text = _CONTROL.sub(" ", _TAG.sub(" ", text))
+    text = _BEARER.sub(r"\1 " + _REDACTED, text)
+    text = _ASSIGNMENT.sub(_without_credential, text)
+    text = _URL.sub("[url]", text)
+    text = _EMAIL.sub("[email]", text)
+    text = _KEY.sub(_REDACTED, text)
+    text = _IPV4.sub("[address]", text)
+    text = _IPV6.sub(_without_ipv6, text)
+    text = _HOST_PORT.sub("[address]", text)
+    text = _PRIVATE_HOST.sub("[host]", text)
+    text = _WORD.sub(_without_random, text)
+    text = " ".join(text.split())
+    if len(text) > UPSTREAM_TEXT_LIMIT:
+        text = text[: UPSTREAM_TEXT_LIMIT - 1].rstrip() + "…"
+    return text

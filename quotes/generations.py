@@ -1,0 +1,315 @@
+"""A quote's generation, from the request to its row.
+
+    quote = await parse(params)                      # the input, checked (400, 404)
+    generation = await start(quote, client, slot)    # its source, its row, its task
+    generation.read(after)                           # what a connection streams
+    find(last_event_id), stop(public_id, client)     # a resume, a stop
+
+A generation's source is one of: a cached answer replayed at a pace; another generation of an
+identical request in flight here (coalescing: one upstream call); or the persona's backend under
+the retry and fallback policy. Its task inserts the row as `running`, runs the source, completes
+the row from the generation's events, then lets its readers see the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from django.conf import settings
+
+from streaming.events import Done, Error, Event, Meta
+from streaming.generation import Generation, generations, replay
+from streaming.policy import generate
+
+from . import limits, personas
+from .backends import backend_for
+from .backends.base import Backend, GenerationRequest, Message
+from .backends.catalog import count_tokens_estimate, estimate_cost, get_model
+from .backends.voice import guard_copies
+from .cache import answer_key, get_answer, store_answer
+from .errors import ErrorCode, QuoteError, internal, stopped
+from .models import Generation as Row
+from .models import Persona, PersonaVersion
+from .ops import metrics
+from .rows import finish_fields, writer
+
+logger = logging.getLogger(__name__)
+
+STOPPED = stopped()
+DRAINED = Error(ErrorCode.SERVER_DRAINING, "This server is restarting: resume elsewhere.", 503, retry_after=1)
+
+# -- the input ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Quote:
+    persona: Persona
+    version: PersonaVersion | None
+    topic: str
+    messages: tuple[Message, ...] = ()
+    #: a new answer, not a cached one (the page's New quote button)
+    fresh: bool = False
+
+
+_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
+
+
+async def parse(params: dict[str, Any]) -> Quote:
+    """`params` checked: a Quote, or the QuoteError (400, 404) that says what is wrong."""
+    slug = params.get("persona")
+    if slug is None or slug == "":
+        raise QuoteError(ErrorCode.MISSING_PERSONA, "Say which persona should speak: the `persona` field.", 400)
+    if not isinstance(slug, str):
+        raise QuoteError(ErrorCode.INVALID_PERSONA, "`persona` must be a string (a persona's slug).", 400)
+    # Not a slug: never a persona, and PostgreSQL refuses some bytes (NUL) outright.
+    if not _SLUG.fullmatch(slug) or (active := await personas.get_active(slug)) is None:
+        raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
+    persona = active.persona
+    topic = clean_topic(params.get("topic"), default=persona.default_topic)
+    messages = parse_messages(params.get("messages"))
+    check_context_window(persona, persona.build_request(topic=topic, messages=messages))
+    fresh = params.get("fresh")
+    fresh = fresh is True or (isinstance(fresh, str) and fresh.lower() in ("1", "true", "yes"))
+    return Quote(persona, active.version, topic, messages, fresh)
+
+
+def _encodable(text: str, field: str) -> None:
+    """JSON can carry a lone surrogate ("\\ud800"), which no backend can send and PostgreSQL
+    refuses: not text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        message = f"{field} contains an unpaired surrogate (such as \\ud800), which is not text. Send valid Unicode."
+        raise QuoteError(ErrorCode.INVALID_UNICODE, message, 400) from None
+
+
+def clean_topic(topic: object, *, default: str) -> str:
+    if topic is None:
+        return default
+    if not isinstance(topic, str):
+        raise QuoteError(ErrorCode.INVALID_TOPIC, "`topic` must be a string.", 400)
+    _encodable(topic, "`topic`")
+    # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
+    topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
+    if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
+        message = f"The topic is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters."
+        raise QuoteError(ErrorCode.TOPIC_TOO_LONG, message, 400)
+    return topic or default
+
+
+def parse_messages(raw: object) -> tuple[Message, ...]:
+    """A follow-up conversation: user and assistant turns, ending on the visitor's."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise QuoteError(ErrorCode.INVALID_MESSAGES, "`messages` must be a list of {role, content} turns.", 400)
+    if len(raw) > settings.QUOTES_MAX_TURNS:
+        message = f"The conversation is too long: at most {settings.QUOTES_MAX_TURNS} turns."
+        raise QuoteError(ErrorCode.TOO_MANY_MESSAGES, message, 400)
+    turns = []
+    for number, turn in enumerate(raw, 1):
+        if not isinstance(turn, dict) or set(turn) != {"role", "content"}:
+            raise QuoteError(ErrorCode.INVALID_MESSAGES, f"Turn {number} must be exactly {{role, content}}.", 400)
+        role, content = turn["role"], turn["content"]
+        if role not in ("user", "assistant"):
+            message = f"Turn {number}: role must be 'user' or 'assistant'."
+            raise QuoteError(ErrorCode.INVALID_MESSAGE_ROLE, message, 400)
+        if not isinstance(content, str) or not content.strip() or "\x00" in content:
+            message = f"Turn {number}: content must be non-empty text, without NUL characters."
+            raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400)
+        _encodable(content, f"Turn {number}")
+        if len(content) > settings.QUOTES_MAX_MESSAGE_CHARS:
+            message = f"Turn {number} is too long: at most {settings.QUOTES_MAX_MESSAGE_CHARS} characters."
+            raise QuoteError(ErrorCode.MESSAGE_TOO_LONG, message, 400)
+        turns.append(Message(role, content))
+    if turns and turns[-1].role != "user":
+        message = "The conversation must end with the visitor's (user) turn."
+        raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400)
+    return tuple(turns)
+
+
+def check_context_window(persona: Persona, request: GenerationRequest) -> None:
+    """The prompts, the turns and the answer's max_tokens must fit the model's context."""
+    model = backend_for(persona).model_name(request.model)
+    info = get_model(model)
+    if info is None:
+        return
+    prompt = sum(count_tokens_estimate(m.content) + 4 for m in request.messages)
+    if prompt + request.max_tokens > info.context_window:
+        message = (
+            f"The conversation is too long for {model}: about {prompt} tokens plus {request.max_tokens} "
+            f"for the answer, over its {info.context_window}-token context window."
+        )
+        raise QuoteError(ErrorCode.CONTEXT_WINDOW_EXCEEDED, message, 400)
+
+
+# -- event ids ---------------------------------------------------------------------------------
+
+#: `<public id>.<resume key>:<n>`: the generation's id, its resume key, an event's number.
+EVENT_ID = re.compile(r"([0-9a-fA-F-]{36})\.([0-9a-f]{16}):(\d{1,9})")
+
+
+def resume_key(public_id: str) -> str:
+    """The secret half of a generation's event ids, which only its own stream carries: its id
+    (a permalink's) alone resumes nothing. Keyed with SECRET_KEY: nothing stored."""
+    return hmac.new(settings.SECRET_KEY.encode(), b"resume:" + public_id.encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def event_id(public_id: str, number: int) -> str:
+    return f"{public_id}.{resume_key(public_id)}:{number}"
+
+
+def find(last_event_id: object) -> tuple[Generation, int]:
+    """The generation a client resumes, and the number of the last event it had; the QuoteError
+    for an id this site never sent (400) or a generation this process keeps no longer (404)."""
+    match = EVENT_ID.fullmatch(last_event_id.strip()) if isinstance(last_event_id, str) else None
+    if match is None:
+        message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
+        raise QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
+    public_id, key, after = match[1].lower(), match[2], int(match[3])
+    generation = generations().by_id.get(public_id)
+    if generation is None or not hmac.compare_digest(key, resume_key(public_id)) or after > len(generation.events) + 1:
+        message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
+        raise QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)
+    return generation, after
+
+
+async def stop(public_id: str, client: limits.Client) -> bool | None:
+    """Stop the client's own generation now: True, or False when it had ended; None when the
+    client has no such generation here."""
+    generation = generations().by_id.get(public_id)
+    if generation is None or generation.client != client.key:
+        return None
+    if not generation.stop(STOPPED):
+        return False
+    await asyncio.wait([generation.closed], timeout=5)  # the upstream is closed, the row written
+    return True
+
+
+# -- starting one ------------------------------------------------------------------------------
+
+
+async def start(
+    quote: Quote, client: limits.Client, slot: limits.Slot, *, transport: str, preview: bool = False
+) -> Generation:
+    """Start `quote`'s generation for `client`, which holds `slot` until it ends. Raises the
+    503 `budget_exhausted` QuoteError when a paid model would pass today's spend ceiling."""
+    persona, registry = quote.persona, generations()
+    backend = backend_for(persona)
+    request = persona.build_request(topic=quote.topic, messages=quote.messages)
+    ttl = settings.QUOTES_CACHE_TTL if persona.cache_ttl is None else persona.cache_ttl
+    key = ""
+    if ttl > 0 and not (preview or quote.fresh or settings.AI_GATEWAY_SKIP_CACHE):
+        key = answer_key(backend=backend.name, request=request, version_id=quote.version.pk if quote.version else None)
+    cached = await get_answer(key) if key else None
+    joined = registry.by_key.get(key) if key and cached is None else None
+    if key:
+        metrics.cache_lookup(hit=cached is not None or joined is not None)
+    spend = None
+    if cached is None and joined is None and backend.paid:
+        spend = await limits.reserve(persona.pk, persona.daily_spend_limit_usd, _most_cost(persona, request))
+    generation = Generation(
+        str(uuid.uuid4()),
+        client=client.key,
+        grace_s=settings.QUOTES_RESUME_GRACE_S,
+        keepalive_s=settings.QUOTES_KEEPALIVE_S,
+    )
+    status = Row.CacheStatus.HIT if cached or joined else Row.CacheStatus.MISS if key else Row.CacheStatus.BYPASS
+    model = backend.model_name(request.model)
+    generation.events.append(Meta(model=model, cache_status=status.upper(), id=generation.id))
+    row = Row(
+        public_id=generation.id,
+        persona=persona,
+        persona_version=None if preview else quote.version,
+        backend=backend.name,
+        model=model,
+        topic=quote.topic,
+        status=Row.Status.RUNNING,
+        cache_status=status,
+        request=asdict(request),
+        client_hash=client.ip_hash,
+        is_preview=preview,
+    )
+    if cached is not None:
+        source, joinable = replay(cached, settings.QUOTES_CACHE_REPLAY_PACING_MS / 1000), False
+    elif joined is not None:
+        source, joinable = _joined(joined), False
+    else:
+        source, joinable = _upstream(backend, persona, quote, request), True
+    registry.add(generation, key if joinable else "")
+    task = asyncio.create_task(_live(generation, source, row, slot, key, ttl, spend))
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+    metrics.stream_started(transport)
+    return generation
+
+
+#: The generations' tasks (the event loop keeps only weak references to tasks).
+_tasks: set[asyncio.Task[None]] = set()
+
+
+async def _live(
+    generation: Generation,
+    source: AsyncGenerator[Event, None],
+    row: Row,
+    slot: limits.Slot,
+    key: str,
+    ttl: int,
+    spend: limits.Spend | None,
+) -> None:
+    """A generation's life: its row inserted, its source run, its row completed, its end told."""
+    rows = writer()
+    rows.insert(row)
+    end: Done | Error = internal()
+    try:
+        end = await generation.run(source)
+        finish_fields(row, generation, end)
+        metrics.stream_finished(row)
+        if key and type(end) is Done and row.cache_status == Row.CacheStatus.MISS:
+            await store_answer(key, generation.events, ttl=ttl)  # before [DONE]: a client who saw it finds it
+        if spend is not None:
+            await spend.settle(row.cost_usd)
+        await rows.finish(row)
+    finally:
+        slot.release()
+        generations().ended(generation, key, keep_s=settings.QUOTES_RESUME_TTL_S)
+        generation.close(end)
+
+
+def _upstream(
+    backend: Backend, persona: Persona, quote: Quote, primary: GenerationRequest
+) -> AsyncGenerator[Event, None]:
+    """The persona's backend under the retry and fallback policy; a quote never copies eight
+    words in a row from one of the persona's voice examples."""
+    models = list(dict.fromkeys([primary.model, *persona.fallback_models, *settings.QUOTES_FALLBACK_MODELS]))
+
+    def attempt(model: str) -> AsyncGenerator[Event, None]:
+        request = primary if model == primary.model else persona.build_request(
+            topic=quote.topic, messages=quote.messages, model=model
+        )
+        return guard_copies(backend.stream(request), request.examples)
+
+    return generate(attempt, models, settings.QUOTES_POLICY)
+
+
+async def _joined(other: Generation) -> AsyncGenerator[Event, None]:
+    """An identical generation's events, without its own id and cache status."""
+    async for event in other.follow():
+        yield Meta(event.model, event.headers, event.step) if type(event) is Meta else event
+
+
+def _most_cost(persona: Persona, request: GenerationRequest) -> float:
+    """The most this generation can cost on any of its models: every prompt character a token,
+    plus a chat template's, and max_tokens written."""
+    prompt = sum(len(m.content) + 16 for m in request.messages)
+    costs = [estimate_cost(model, prompt, request.max_tokens) for model in (request.model, *persona.fallback_models)]
+    return max((cost for cost in costs if cost is not None), default=0.0)
+

@@ -1,0 +1,213 @@
+"""Request ids, log levels and log formats.
+
+`RequestIdMiddleware` gives every request an id (the proxy's `X-Request-ID` when it looks sane,
+else a fresh one), keeps it in a context variable for the request's task, which is also the task
+that streams the body, and returns it as `X-Request-ID`. `RequestIdFilter` puts it on every log
+record, so lines from the view, the gateway and the backend of one request can be found together.
+`ClientErrorFilter` gives Django's request and security lines the level of what happened: a
+client's mistake is no ERROR. The formatters also blank out the configured credentials and every
+query string (visitors' topics travel in them), whatever a message contains.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any
+
+from asgiref.sync import markcoroutinefunction
+from django.conf import settings
+from django.http import HttpRequest
+from django.http.response import HttpResponseBase
+from django.views.debug import SafeExceptionReporterFilter
+from pythonjsonlogger.json import JsonFormatter as _JsonFormatter
+
+REQUEST_ID_HEADER = "X-Request-ID"
+#: ids we accept from outside: no spaces, quotes or newlines can reach a log line this way
+_VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_request_id: ContextVar[str] = ContextVar("request_id", default="-")
+
+access_logger = logging.getLogger("quotes.request")
+
+
+def current_request_id() -> str:
+    """The id of the request this code runs for, or "-" outside a request."""
+    return _request_id.get()
+
+
+class RequestIdMiddleware:
+    """Async-native (no thread hop): reads or makes the id, logs one access line per request."""
+
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]]) -> None:
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        incoming = request.headers.get(REQUEST_ID_HEADER, "")
+        request_id = incoming if _VALID_ID.fullmatch(incoming) else uuid.uuid4().hex
+        token = _request_id.set(request_id)
+        started = time.perf_counter()
+        response = await self.get_response(request)
+        response[REQUEST_ID_HEADER] = request_id
+        if response.status_code == 503 and response.has_header("Retry-After"):
+            # Read by ClientErrorFilter on django.request's line, logged after this returns.
+            request.announced_refusal = True  # type: ignore[attr-defined]
+        path = request.get_full_path() if settings.QUOTES_LOG_CONTENT else request.path
+        access_logger.info(
+            "%s %s %s",
+            request.method,
+            path,
+            response.status_code,
+            extra={
+                "method": request.method,
+                "path": path,
+                "status": response.status_code,
+                # For a stream: the time to its headers, i.e. to the first token.
+                "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+                "streaming": response.streaming,
+            },
+        )
+        if not response.streaming:
+            # A streamed body is sent later by this same task (each request has a task of its
+            # own under ASGI), and its log lines (gateway, backend) must keep the id. Otherwise
+            # forget it, so a caller that shares our context (async_to_sync) does not inherit it.
+            _request_id.reset(token)
+        return response
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = _request_id.get()
+        return True
+
+
+#: Django's loggers that log a request's failure, with its status on the record (`status_code`).
+_REQUEST_LOGGERS = ("django.request", "django.security")
+
+
+class ClientErrorFilter(logging.Filter):
+    """Django's request and security lines at the level of what happened (a handler's filter:
+    a logger's would not see the `django.security.<Exception>` loggers' records).
+
+    Django logs a SuspiciousOperation (a bad Host header, a body over DATA_UPLOAD_MAX_MEMORY_SIZE,
+    too many form fields) at ERROR with its traceback, and every 5xx at ERROR. Anyone can send
+    those requests: a 4xx is the client's doing, logged at WARNING at most and without a
+    traceback, and a 503 that says when to come back (Retry-After: a draining process or one at
+    its stream cap, marked by RequestIdMiddleware) is a refusal we meant, logged at INFO. An
+    ERROR is left for what we broke."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(_REQUEST_LOGGERS):
+            return True
+        status = getattr(record, "status_code", None)
+        if not isinstance(status, int):
+            return True
+        if status < 500:
+            _lower(record, logging.WARNING)
+            record.exc_info = record.exc_text = record.stack_info = None
+        elif status == 503 and getattr(getattr(record, "request", None), "announced_refusal", False):
+            _lower(record, logging.INFO)
+        elif status in _UPSTREAM_STATUSES:
+            # Only our views answer 502 and 504 (Django never does): the upstream failed or timed
+            # out, which the backend has logged with its detail; not something we broke.
+            _lower(record, logging.WARNING)
+        return True
+
+
+#: What our views answer when the model's upstream fails (a bad gateway) or is too slow.
+_UPSTREAM_STATUSES = frozenset({502, 504})
+
+
+def _lower(record: logging.LogRecord, level: int) -> None:
+    if record.levelno > level:
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+
+
+def _secrets() -> list[str]:
+    try:
+        values = [
+            settings.CLOUDFLARE_API_TOKEN,
+            settings.AI_GATEWAY_TOKEN,
+            settings.OPENAI_API_KEY,
+            settings.SECRET_KEY,
+            settings.QUOTES_METRICS_TOKEN,
+        ]
+    except Exception:  # settings not configured yet: nothing to hide
+        return []
+    return [value for value in values if isinstance(value, str) and len(value) >= 8]
+
+
+def redact(text: str) -> str:
+    for secret in _secrets():
+        if secret in text:
+            text = text.replace(secret, "[redacted]")
+    return text
+
+
+#: A query string right after a path or URL (`/x?topic=...`, `stream?persona=...`), up to the
+#: next blank. Visitors' topics travel in query strings (EventSource is GET), and a request line
+#: carries no blank, while a quote, a `>` or a bracket can be part of the topic (`?topic=it's`):
+#: the redaction may take a closing quote with it, never leave a topic's tail behind.
+_QUERY = re.compile(r"(?<=[^\s?])\?\S+")
+
+
+def redact_queries(text: str) -> str:
+    """Query strings out, unless QUOTES_LOG_CONTENT allows visitors' words in the logs."""
+    try:
+        if settings.QUOTES_LOG_CONTENT:
+            return text
+    except Exception:  # settings not configured yet: redact
+        pass
+    return _QUERY.sub("?[redacted]", text)
+
+
+def _scrubbed(value: Any) -> Any:
+    """A log field with query strings and secrets out. Objects become their text first: a
+    request (django.request puts it on the record) becomes its method and path, without the
+    query string its repr has."""
+    if isinstance(value, HttpRequest):
+        return redact(redact_queries(f"{value.method} {value.get_full_path()}"))
+    if isinstance(value, str):
+        return redact(redact_queries(value))
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {key: _scrubbed(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrubbed(item) for item in value]
+    return _scrubbed(str(value))
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(redact_queries(super().format(record)))
+
+
+class JsonFormatter(_JsonFormatter):
+    """One JSON object per line: timestamp, level, logger, message, request_id, and any extras."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("rename_fields", {"asctime": "timestamp", "levelname": "level", "name": "logger"})
+        kwargs.setdefault("timestamp", False)
+        super().__init__(*args, **kwargs)
+
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        # Each field before it is serialised: a regex over the JSON text could cut an escape.
+        return {key: _scrubbed(value) for key, value in log_data.items()}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+class SecretsFilter(SafeExceptionReporterFilter):
+    """DEFAULT_EXCEPTION_REPORTER_FILTER: the DEBUG error page masks, besides Django's own list,
+    the settings that carry a credential inside a URL (REDIS_URL, the caches' LOCATION)."""
+
+    hidden_settings = re.compile("API|AUTH|TOKEN|KEY|SECRET|PASS|SIGNATURE|HTTP_COOKIE|REDIS|LOCATION|_URL$", re.I)

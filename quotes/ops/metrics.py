@@ -1,0 +1,162 @@
+"""Prometheus metrics, served at `GET /metrics` (each process its own: docs/deployment.md).
+
+The stream path records a few counters per stream, never per token: a generation's outcome,
+tokens, cost, time to first token and duration are read from its row when it ends. What can be
+read when Prometheus scrapes (open streams, the embedded model's slots, rows waiting, today's
+spend) is read then. The endpoint answers only when QUOTES_METRICS_TOKEN (a bearer token) or
+QUOTES_METRICS_ALLOW (client networks) is set, and then only to requests that pass both.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.http import Http404, HttpRequest, HttpResponse
+from django.views.decorators.http import require_safe
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from streaming.generation import generations
+
+from ..backends import loaded_backends
+from ..backends.local import LocalBackend
+from ..limits import spent_today
+
+if TYPE_CHECKING:
+    from ..models import Generation
+
+disable_created_metrics()
+
+REQUESTS = Counter(
+    "quotes_requests",
+    "Generations by outcome (ok, error, cancelled) and error code: one per log row.",
+    ["transport", "backend", "model", "outcome", "code"],
+)
+REFUSED = Counter(
+    "quotes_refused",
+    "Stream requests refused before any generation (429 rate limits, 503 capacity, drain, budget).",
+    ["transport", "code"],
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "quotes_time_to_first_token_seconds",
+    "From the generation's start to its first token.",
+    ["backend", "model", "cache"],
+    buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0),
+)
+DURATION = Histogram(
+    "quotes_stream_duration_seconds",
+    "Whole generations, by outcome.",
+    ["backend", "outcome"],
+    buckets=(0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0),
+)
+TOKENS = Counter(
+    "quotes_tokens", "Tokens read (prompt) and written (completion); cached answers not.", ["backend", "model", "kind"]
+)
+COST = Counter("quotes_cost_usd", "Estimated cost in US dollars (the catalog's prices).", ["backend", "model"])
+CACHE_LOOKUPS = Counter("quotes_cache_lookups", "Answer-cache lookups, by result (hit or miss).", ["result"])
+FALLBACKS = Counter("quotes_fallbacks", "Generations answered by a fallback model.", ["backend", "model"])
+LOST_ROWS = Counter("quotes_log_rows_lost", "Log rows the database never got (logged instead). Must stay 0.")
+ROWS_WAITING = Gauge("quotes_log_rows_waiting", "Log rows waiting for the database (it is down, or slow).")
+SPENT = Gauge("quotes_spend_today_usd", "Today's spend on paid models (UTC), as the ceiling counts it.")
+CEILING = Gauge("quotes_spend_ceiling_usd", "The site's daily spend ceiling (NaN: none).")
+
+
+def enabled() -> bool:
+    return bool(settings.QUOTES_METRICS_ENABLED)
+
+
+def stream_started(transport: str) -> None:
+    """Nothing to record until it ends (the open streams are read at scrape time)."""
+
+
+def stream_finished(row: Generation) -> None:
+    if not enabled():
+        return
+    backend, model, outcome = row.backend, row.model, row.status
+    transport = "preview" if row.is_preview else "stream"
+    REQUESTS.labels(transport, backend, model, outcome, row.error_code).inc()
+    if row.ttft_ms is not None:
+        TIME_TO_FIRST_TOKEN.labels(backend, model, row.cache_status).observe(row.ttft_ms / 1000)
+    if row.duration_ms is not None:
+        DURATION.labels(backend, outcome).observe(row.duration_ms / 1000)
+    if row.cache_status != "hit":
+        if row.prompt_tokens:
+            TOKENS.labels(backend, model, "prompt").inc(row.prompt_tokens)
+        if row.completion_tokens:
+            TOKENS.labels(backend, model, "completion").inc(row.completion_tokens)
+    if row.cost_usd:
+        COST.labels(backend, model).inc(float(row.cost_usd))
+    if row.fallback_step:
+        FALLBACKS.labels(backend, model).inc()
+
+
+def stream_refused(transport: str, code: str) -> None:
+    if enabled():
+        REFUSED.labels(transport, code).inc()
+
+
+def cache_lookup(*, hit: bool) -> None:
+    if enabled():
+        CACHE_LOOKUPS.labels("hit" if hit else "miss").inc()
+
+
+def row_lost() -> None:
+    if enabled():
+        LOST_ROWS.inc()
+
+
+class ProcessCollector(Collector):
+    """Read when Prometheus scrapes (in the event loop, by metrics_view): this process's open
+    streams, and the embedded model's slots."""
+
+    NAMES = ("quotes_open_streams", *(f"quotes_local_model_{n}" for n in ("slots", "slots_in_use", "queue_length")))
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(name, name) for name in self.NAMES]
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("quotes_open_streams", "Open streams in this process.", value=generations().open)
+        for backend in loaded_backends():
+            if isinstance(backend, LocalBackend):
+                yield GaugeMetricFamily("quotes_local_model_slots", "Embedded-model slots.", value=backend.slots)
+                yield GaugeMetricFamily("quotes_local_model_slots_in_use", "Slots generating now.", value=backend.slots_in_use)
+                yield GaugeMetricFamily("quotes_local_model_queue_length", "Requests waiting for a slot.", value=backend.waiting)
+
+
+def _allowed(request: HttpRequest) -> bool:
+    token: str = settings.QUOTES_METRICS_TOKEN
+    if token:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            return False
+    if settings.QUOTES_METRICS_ALLOW:
+        try:
+            address = ipaddress.ip_address(request.META.get("REMOTE_ADDR") or "")
+        except ValueError:
+            return False
+        return any(address in network for network in settings.QUOTES_METRICS_ALLOW)
+    return True
+
+
+@require_safe
+async def metrics_view(request: HttpRequest) -> HttpResponse:
+    """This process's metrics (Prometheus text, or OpenMetrics if asked for). Off, or with
+    neither a token nor an allow-list set, it does not exist (404); refused: 403."""
+    if not enabled() or not (settings.QUOTES_METRICS_TOKEN or settings.QUOTES_METRICS_ALLOW):
+        raise Http404("No such page.")
+    if not _allowed(request):
+        return HttpResponse("Forbidden.\n", status=403, content_type="text/plain; charset=utf-8")
+    SPENT.set(float(await spent_today()))
+    ceiling = settings.QUOTES_DAILY_SPEND_LIMIT_USD
+    CEILING.set(float("nan") if ceiling is None else float(ceiling))
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return HttpResponse(encoder(REGISTRY), content_type=content_type, headers={"Cache-Control": "no-store"})
+
+
+REGISTRY.register(ProcessCollector())

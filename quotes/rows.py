@@ -1,0 +1,203 @@
+"""The request log's rows, written by one task per process through Django's async ORM.
+
+A generation's row is inserted `running` as it starts (`insert`) and completed once as it ends
+(`finish`, from the generation's events): neither write waits in front of the first token. While
+the database is down, rows wait in a bounded queue in memory, in order, and the site keeps
+streaming; they are written when it is back. A row that cannot be written (the queue is full,
+the row itself is refused, or the process exits first) is logged as one JSON line, so it is
+never lost silently. Refused requests are no rows: they are counted per persona, hour and code
+(`count_refusal`), and the counts written every FLUSH_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import weakref
+from collections import Counter, deque
+from decimal import Decimal
+
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
+from django.core import serializers
+from django.db import IntegrityError, close_old_connections
+from django.db.models import F
+from django.utils import timezone
+
+from streaming.events import Done, Error, Token, Usage, merged
+from streaming.generation import Generation as LiveGeneration
+
+from .backends.catalog import estimate_cost
+from .models import Generation, Refusal
+from .ops import metrics
+from .personas import UNREACHABLE, outage
+
+logger = logging.getLogger(__name__)
+
+#: Rows waiting at most (about 2 KiB each); past it a row is logged instead.
+MAX_WAITING = 10_000
+#: How long a generation's end waits for its row (the row follows if the database is slow).
+ROW_WAIT_S = 2.0
+FLUSH_S = 5.0
+CANCELLED = frozenset({"stopped", "abandoned", "server_draining"})
+
+
+def finish_fields(row: Generation, generation: LiveGeneration, end: Done | Error) -> None:
+    """What a generation's events say, onto its row: status, text, usage, cost, timings."""
+    events = generation.events
+    meta = merged(events)
+    usage = next((e for e in reversed(events) if type(e) is Usage), None)
+    row.model = meta.model or row.model
+    row.fallback_step = meta.step or 0
+    row.upstream_headers = meta.headers
+    # PostgreSQL cannot store NUL in text: a model that writes one must not cost the row.
+    row.text = "".join(e.text for e in events if type(e) is Token).replace("\x00", "")
+    if type(end) is Error:
+        row.status = Generation.Status.CANCELLED if end.code in CANCELLED else Generation.Status.ERROR
+        row.error_code, row.error_message = end.code, end.message
+    else:
+        row.status = Generation.Status.OK
+    if usage is not None:
+        row.prompt_tokens, row.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        cost = estimate_cost(row.model, usage.prompt_tokens, usage.completion_tokens)
+        if row.cache_status != Generation.CacheStatus.HIT and cost is not None:
+            row.cost_usd = Decimal(str(round(cost, 8)))
+    now = asyncio.get_running_loop().time()
+    if generation.first_token_at is not None:
+        row.ttft_ms = (generation.first_token_at - generation.started_at) * 1000
+    row.duration_ms = (now - generation.started_at) * 1000
+
+
+class RowWriter:
+    """This event loop's writer: a queue of rows in order, one task writing them."""
+
+    def __init__(self) -> None:
+        self.waiting: deque[tuple[Generation, bool, asyncio.Future[None]]] = deque()
+        self.refusals: Counter[tuple[int, dt.datetime, str]] = Counter()
+        self.failing = ""
+        self._wake = asyncio.Event()
+        self._flush_due: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def insert(self, row: Generation) -> None:
+        self._queue(row, final=False)
+
+    async def finish(self, row: Generation) -> None:
+        """Queue the whole row; wait (at most ROW_WAIT_S, and not while the database is down)
+        until it is written, so that a client who has seen the end finds it."""
+        done = self._queue(row, final=True)
+        if not self.failing:
+            await asyncio.wait([done], timeout=ROW_WAIT_S)
+
+    def count_refusal(self, persona_id: int, code: str) -> None:
+        hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+        self.refusals[persona_id, hour, code] += 1
+        if self._flush_due is None:
+            self._flush_due = asyncio.get_running_loop().call_later(FLUSH_S, self._start)
+
+    async def flush(self, timeout_s: float) -> None:
+        """Write what waits (within `timeout_s`); log the rest, one JSON line each."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (self.waiting or self.refusals) and loop.time() < deadline:
+            self._start()
+            await asyncio.sleep(0.05)
+        for row, _, done in self.waiting:
+            lost(row, "the process exited before the database took it")
+            done.set_result(None)
+        self.waiting.clear()
+
+    def _queue(self, row: Generation, *, final: bool) -> asyncio.Future[None]:
+        done = asyncio.get_running_loop().create_future()
+        if len(self.waiting) >= MAX_WAITING:
+            lost(row, "too many rows waiting for the database")
+            done.set_result(None)
+            return done
+        self.waiting.append((row, final, done))
+        metrics.ROWS_WAITING.set(len(self.waiting))
+        self._start()
+        return done
+
+    def _start(self) -> None:
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._write_all())
+
+    async def _write_all(self) -> None:
+        # A context of its own: its ORM calls go to one thread of its own, never to the
+        # thread of whichever request made it.
+        async with ThreadSensitiveContext():
+            backoff = 0.25
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                try:
+                    while self.waiting:
+                        row, final, done = self.waiting[0]
+                        await self._write(row, final)
+                        self.waiting.popleft()
+                        metrics.ROWS_WAITING.set(len(self.waiting))
+                        done.set_result(None)
+                    if self.refusals:
+                        await self._write_refusals()
+                except UNREACHABLE as exc:
+                    outage.failed(exc)
+                    self.failing = f"{type(exc).__name__}: {exc}"[:200]
+                    await sync_to_async(close_old_connections)()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    self._wake.set()
+                    continue
+                if self.failing:
+                    self.failing = ""
+                    outage.recovered()
+                backoff = 0.25
+
+    async def _write(self, row: Generation, final: bool) -> None:
+        try:
+            if not final:
+                await row.asave(force_insert=True)
+            elif not await Generation.objects.filter(public_id=row.public_id).aupdate(**_fields(row)):
+                await row.asave(force_insert=True)  # its insert was lost: the whole row now
+        except IntegrityError as exc:  # the row itself is refused (its persona deleted, say)
+            lost(row, f"the database refused it: {exc}")
+
+    async def _write_refusals(self) -> None:
+        if self._flush_due is not None:
+            self._flush_due.cancel()
+            self._flush_due = None
+        counts, self.refusals = self.refusals, Counter()
+        for (persona_id, hour, code), count in counts.items():
+            try:
+                keys = {"persona_id": persona_id, "hour": hour, "code": code}
+                if not await Refusal.objects.filter(**keys).aupdate(count=F("count") + count):
+                    await Refusal.objects.acreate(**keys, count=count)
+            except UNREACHABLE:
+                self.refusals.update(counts)  # kept for the next try
+                raise
+            except IntegrityError:
+                self.refusals[persona_id, hour, code] += count  # made meanwhile: updated next time
+
+
+def _fields(row: Generation) -> dict[str, object]:
+    names = [f.attname for f in Generation._meta.concrete_fields if f.attname not in ("id", "created_at")]
+    return {name: getattr(row, name) for name in names}
+
+
+def lost(row: Generation, why: str) -> None:
+    """A row the database will not get: its fields as one JSON line in the log, at ERROR."""
+    metrics.row_lost()
+    (record,) = json.loads(serializers.serialize("json", [row]))
+    logger.error("log row not written (%s): %s", why, json.dumps(record["fields"], ensure_ascii=False))
+
+
+_writers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RowWriter] = weakref.WeakKeyDictionary()
+
+
+def writer() -> RowWriter:
+    """The running event loop's row writer."""
+    loop = asyncio.get_running_loop()
+    if loop not in _writers:
+        _writers[loop] = RowWriter()
+    return _writers[loop]

@@ -1,0 +1,166 @@
+"""Retries and fallbacks, before the first token only, under one set of deadlines.
+
+Each model in turn, each up to `max_attempts` times; after the first token a failure ends the
+stream (a retry would repeat text). The deadlines live here and nowhere else: to the first token
+(across every attempt, each getting an equal share of what is left), between tokens, and in
+total. One timer per stream keeps them (`Watchdog`): an `asyncio.timeout` around each wait would
+push and cancel a timer per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from .events import Done, Error, Event, Meta
+
+#: Worth another attempt at the same model.
+RETRYABLE = frozenset(
+    {"upstream_unreachable", "upstream_unavailable", "upstream_capacity", "upstream_timeout", "upstream_dropped"}
+)
+#: Another model would not do better.
+FINAL = frozenset({"upstream_auth", "busy", "request_too_large", "context_window_exceeded"})
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    max_attempts: int = 2
+    retry_delay_s: float = 0.25
+    backoff: str = "exponential"  # or "linear", "constant"
+    ttft_timeout_s: float = 30.0
+    idle_timeout_s: float = 30.0
+    total_timeout_s: float = 120.0
+
+
+def timeout_error(*, started: bool, total: bool) -> Error:
+    if total:
+        return Error("deadline_exceeded", "The quote took too long to write.", 504)
+    if started:
+        return Error("idle_timeout", "The model stopped writing mid-quote.", 504)
+    return Error("upstream_timeout", "The model took too long to start writing. Please try again shortly.", 504)
+
+
+async def generate(
+    attempt: Callable[[str], AsyncGenerator[Event, None]], models: Sequence[str], policy: Policy
+) -> AsyncGenerator[Event, None]:
+    """`attempt(model)` under the policy: a Meta (the model that answers, its fallback step and
+    upstream headers) once text flows, Tokens and Usage, then one Done or Error. A failure
+    before any text ends with the last attempt's Meta (its headers belong in the log) and Error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + policy.total_timeout_s
+    first_token_deadline = min(deadline, loop.time() + policy.ttft_timeout_s)
+    attempts_left = len(models) * policy.max_attempts
+    error = Error("internal_error", "Something went wrong while writing the quote.", 500)
+    meta = Meta()
+    watchdog = Watchdog(loop)
+    try:
+        for step, model in enumerate(models):
+            for tried in range(policy.max_attempts):
+                if tried:
+                    growth = {"linear": tried, "exponential": 2 ** (tried - 1)}.get(policy.backoff, 1)
+                    await asyncio.sleep(policy.retry_delay_s * growth)
+                now = loop.time()
+                if now >= first_token_deadline:
+                    error = timeout_error(started=False, total=now >= deadline)
+                    break
+                first_token_by = now + (first_token_deadline - now) / attempts_left
+                attempts_left -= 1
+                meta, started = Meta(model=model, step=step), False
+                async with aclosing(attempt(model)) as events:
+                    while True:
+                        due = loop.time() + policy.idle_timeout_s if started else first_token_by
+                        watchdog.expect(min(due, deadline))
+                        try:
+                            event = await anext(events)
+                        except StopAsyncIteration:
+                            event = Error("internal_error", "The model ended without finishing the quote.", 500)
+                        except asyncio.CancelledError:
+                            if not watchdog.expired():
+                                raise
+                            event = timeout_error(started=started, total=loop.time() >= deadline)
+                        watchdog.release()
+                        if type(event) is Meta:
+                            meta = Meta(event.model or meta.model, {**meta.headers, **event.headers}, step)
+                            continue
+                        if type(event) is Error:
+                            error = event
+                            break
+                        if not started:
+                            started = True
+                            yield meta
+                        yield event
+                        if type(event) is Done:
+                            return
+                if started:
+                    yield error  # after text, never a retry: it would repeat text
+                    return
+                if loop.time() >= first_token_deadline or error.code not in RETRYABLE:
+                    break
+            if loop.time() >= first_token_deadline or error.code in FINAL:
+                break
+    finally:
+        watchdog.close()
+    yield meta
+    yield error
+
+
+class Watchdog:
+    """One timer for a task's successive deadlines. `expect(when)` guards the wait that follows,
+    `release()` ends it; on expiry the task is cancelled and `expired()` says it was this. The
+    timer fires at most once per deadline period (it re-arms itself when the deadline moved on),
+    not once per wait."""
+
+    __slots__ = ("_cancelling", "_fired", "_handle", "_loop", "_task", "_when", "deadline", "guarding")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._loop, self._task = loop, task
+        self._handle: asyncio.TimerHandle | None = None
+        self._when = math.inf
+        self._fired = False
+        self._cancelling = 0
+        self.deadline = math.inf
+        self.guarding = False
+
+    def expect(self, deadline: float) -> None:
+        self.deadline, self.guarding = deadline, True
+        if deadline < self._when:
+            self._arm(deadline)
+
+    def release(self) -> None:
+        self.guarding = False
+
+    def expired(self) -> bool:
+        """On a CancelledError from a guarded wait: was it this deadline (not a real cancel)?"""
+        self.guarding = False
+        if not self._fired:
+            return False
+        self._fired = False
+        return self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        self.guarding = False
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle, self._when = None, math.inf
+
+    def _arm(self, when: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._when = when
+        self._handle = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._handle, self._when = None, math.inf
+        if not self.guarding:
+            return
+        if self._loop.time() < self.deadline:
+            self._arm(self.deadline)
+            return
+        self._fired = True
+        self._cancelling = self._task.cancelling()
+        self._task.cancel()
