@@ -12,6 +12,7 @@ never lost silently. Refused requests are no rows: they are counted per persona,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -21,7 +22,7 @@ from decimal import Decimal
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.core import serializers
-from django.db import IntegrityError, close_old_connections
+from django.db import IntegrityError, close_old_connections, connections
 from django.db.models import F
 from django.utils import timezone
 
@@ -108,6 +109,14 @@ class RowWriter:
             done.set_result(None)
         self.waiting.clear()
 
+    async def close(self) -> None:
+        """Flush, then stop the writer (and close its database connection)."""
+        await self.flush(10.0)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
     def _queue(self, row: Generation, *, final: bool) -> asyncio.Future[None]:
         done = asyncio.get_running_loop().create_future()
         if len(self.waiting) >= MAX_WAITING:
@@ -128,31 +137,37 @@ class RowWriter:
         # A context of its own: its ORM calls go to one thread of its own, never to the
         # thread of whichever request made it.
         async with ThreadSensitiveContext():
+            try:
+                await self._write_until_cancelled()
+            finally:
+                await sync_to_async(connections.close_all)()
+
+    async def _write_until_cancelled(self) -> None:
+        backoff = 0.25
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                while self.waiting:
+                    row, final, done = self.waiting[0]
+                    await self._write(row, final)
+                    self.waiting.popleft()
+                    metrics.ROWS_WAITING.set(len(self.waiting))
+                    done.set_result(None)
+                if self.refusals:
+                    await self._write_refusals()
+            except UNREACHABLE as exc:
+                outage.failed(exc)
+                self.failing = f"{type(exc).__name__}: {exc}"[:200]
+                await sync_to_async(close_old_connections)()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                self._wake.set()
+                continue
+            if self.failing:
+                self.failing = ""
+                outage.recovered()
             backoff = 0.25
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                try:
-                    while self.waiting:
-                        row, final, done = self.waiting[0]
-                        await self._write(row, final)
-                        self.waiting.popleft()
-                        metrics.ROWS_WAITING.set(len(self.waiting))
-                        done.set_result(None)
-                    if self.refusals:
-                        await self._write_refusals()
-                except UNREACHABLE as exc:
-                    outage.failed(exc)
-                    self.failing = f"{type(exc).__name__}: {exc}"[:200]
-                    await sync_to_async(close_old_connections)()
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    self._wake.set()
-                    continue
-                if self.failing:
-                    self.failing = ""
-                    outage.recovered()
-                backoff = 0.25
 
     async def _write(self, row: Generation, final: bool) -> None:
         try:

@@ -7,7 +7,7 @@ Fixtures:
   server is started with one, so auth failures can be tested for real), `model_path`, `log_path`.
 - `llama_server_url` (session): just the base URL.
 
-The model file is assembled on first use at settings.LOCAL_MODEL.path. Start-up takes about 2 s.
+The model file is assembled on first use at settings.LOCAL_MODEL_PATH. Start-up takes about 2 s.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def _wait_ready(process: subprocess.Popen[bytes], base_url: str, api_key: str, l
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
     from django.conf import settings
 
-    from quotes.ai.backends.local import ensure_model_file
+    from quotes.backends.local import ensure_model_file
 
-    model_path = ensure_model_file(Path(settings.LOCAL_MODEL.path))
+    model_path = ensure_model_file(Path(settings.LOCAL_MODEL_PATH))
     port = free_port()
     api_key = secrets.token_hex(16)  # hex: a leading "-" would read as an option
     base_url = f"http://127.0.0.1:{port}/v1"

@@ -20,9 +20,6 @@ import pytest
 
 from harness import services
 
-REDIS_CACHE_BACKEND = "django.core.cache.backends.redis.RedisCache"
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
@@ -35,23 +32,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def redis_cache(settings: Any, redis_server: str) -> Iterator[Any]:
-    """Django's default cache on the real Redis; yields a redis-py client on the same database."""
+    """The site on the real Redis (REDIS_URL: the caches and the rate limits), emptied before
+    and after; yields a redis-py client on the same database, to look at the keys."""
     import redis
     from django.core.cache import close_caches
 
     client = redis.Redis.from_url(redis_server)
     client.flushdb()
-    settings.CACHES = {
-        "default": {
-            "BACKEND": REDIS_CACHE_BACKEND,
-            "LOCATION": redis_server,
-            "OPTIONS": settings.REDIS_OPTIONS,
-        }
+    shared = {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": redis_server,
+        "OPTIONS": {"serializer": "quotes.cache.JSONSerializer", "socket_connect_timeout": 2, "socket_timeout": 2},
     }
-    if settings.REDIS_URL:
-        # As deployed, REDIS_URL names the cache's Redis: the admission's counts and slots, and
-        # the runs shared across processes, go to the same server as the cache.
-        settings.REDIS_URL = redis_server
+    settings.CACHES = {"default": shared, "counters": shared}
+    settings.REDIS_URL = redis_server
     try:
         yield client
     finally:
