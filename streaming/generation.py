@@ -150,11 +150,14 @@ class Generation:
             if not self.readers and self.end is None and self.stopped is None:
                 self._grace = self._loop.call_later(self.grace_s, self.stop, ABANDONED)
 
-    async def follow(self) -> AsyncGenerator[Event, None]:
+    def follow(self) -> AsyncGenerator[Event, None]:
         """The source's events from the first, then its outcome: the source of an identical
-        request that joined this one. It keeps the source running while this one's own client
-        stops or leaves."""
+        request that joined this one. It keeps the source running (counted from now) while this
+        one's own client stops or leaves."""
         self.followers += 1
+        return self._follow()
+
+    async def _follow(self) -> AsyncGenerator[Event, None]:
         index = 0
         try:
             while True:
