@@ -72,7 +72,10 @@ MIDDLEWARE = [
     "axes.middleware.AxesMiddleware",
     "quotes.views.DatabaseOutageMiddleware",
 ]
-AUTHENTICATION_BACKENDS = ["quotes.security.LoginThrottleBackend", "django.contrib.auth.backends.ModelBackend"]
+AUTHENTICATION_BACKENDS = [
+    "quotes.security.LoginThrottleBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
 ROOT_URLCONF = "config.urls"
 ASGI_APPLICATION = "config.asgi.application"
 WSGI_APPLICATION = None
@@ -161,7 +164,11 @@ REDIS_URL = env.str("REDIS_URL", default="")
 _REDIS = {
     "BACKEND": "django.core.cache.backends.redis.RedisCache",
     "LOCATION": REDIS_URL,
-    "OPTIONS": {"serializer": "quotes.cache.JSONSerializer", "socket_connect_timeout": 2, "socket_timeout": 2},
+    "OPTIONS": {
+        "serializer": "quotes.cache.JSONSerializer",
+        "socket_connect_timeout": 2,
+        "socket_timeout": 2,
+    },
 }
 CACHES = {
     "default": _REDIS
@@ -189,12 +196,18 @@ AI_GATEWAY_BASE_URL = env.str("AI_GATEWAY_BASE_URL", default="https://gateway.ai
 AI_GATEWAY_TOKEN = env.str("AI_GATEWAY_TOKEN", default="")
 AI_GATEWAY_SKIP_CACHE = env.bool("AI_GATEWAY_SKIP_CACHE", default=False)
 AI_GATEWAY_CACHE_TTL = env.int("AI_GATEWAY_CACHE_TTL", default=None)
-_check("AI_GATEWAY_CACHE_TTL", AI_GATEWAY_CACHE_TTL is None or 60 <= AI_GATEWAY_CACHE_TTL <= 2592000, "60 to 2592000")
+_check(
+    "AI_GATEWAY_CACHE_TTL",
+    AI_GATEWAY_CACHE_TTL is None or 60 <= AI_GATEWAY_CACHE_TTL <= 2592000,
+    "60 to 2592000",
+)
 OPENAI_BASE_URL = env.str("OPENAI_BASE_URL", default="")
 OPENAI_API_KEY = env.str("OPENAI_API_KEY", default="")
 
 LOCAL_MODEL_PATH = Path(
-    env.str("LOCAL_MODEL_PATH", default=str(Path.home() / ".cache/persona-quotes/models/gemma-3-270m-q4_k_m.gguf"))
+    env.str(
+        "LOCAL_MODEL_PATH", default=str(Path.home() / ".cache/persona-quotes/models/gemma-3-270m-q4_k_m.gguf")
+    )
 )
 LOCAL_MODEL_THREADS = env.int("LOCAL_MODEL_THREADS", default=2)
 LOCAL_MODEL_SLOTS = env.int("LOCAL_MODEL_SLOTS", default=4)
@@ -251,7 +264,9 @@ for _proxy in QUOTES_TRUSTED_PROXIES:
         if _proxy != "unix":
             ipaddress.ip_network(_proxy, strict=False)
     except ValueError:
-        raise ImproperlyConfigured(f"QUOTES_TRUSTED_PROXIES: {_proxy!r} is no address, network or `unix`.") from None
+        raise ImproperlyConfigured(
+            f"QUOTES_TRUSTED_PROXIES: {_proxy!r} is no address, network or `unix`."
+        ) from None
 
 # --- Operations -------------------------------------------------------------------------------
 
@@ -294,7 +309,9 @@ X_FRAME_OPTIONS = "DENY"
 # The same in development, so the browser tests enforce it: nothing inline, this origin only.
 CONTENT_SECURITY_POLICY = {
     "DIRECTIVES": {
-        **{name: ["'self'"] for name in ("default-src", "script-src", "style-src", "font-src", "connect-src")},
+        **{
+            name: ["'self'"] for name in ("default-src", "script-src", "style-src", "font-src", "connect-src")
+        },
         **{name: ["'self'"] for name in ("base-uri", "form-action")},
         "img-src": ["'self'", "data:"],
         "object-src": ["'none'"],

@@ -19,11 +19,10 @@ from django.urls import path
 from streaming.events import Meta, merged
 from streaming.generation import Generation
 
-from . import generations, limits
+from . import generations, limits, rows
 from .encoders import WebSocketEncoder, encode
 from .errors import ErrorCode, QuoteError
 from .security import frame_too_large
-from .views import refused
 
 CLOSE_POLICY = 4008  # too many refused frames, idle, too many sockets
 CLOSE_TOO_BIG = 4009
@@ -148,7 +147,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     async def _refuse(self, error: QuoteError) -> None:
         """An error frame; MAX_REFUSED in a row close the socket (a start is counted against
         the client's rate limit by its admission; a refused frame costs it nothing more)."""
-        refused(error, None, "websocket")
+        rows.refused(error, None, "websocket")
         await self.send_json(WebSocketEncoder().error_answer(error.as_event(), Meta()))
         if error.code == ErrorCode.SERVER_DRAINING:
             await self.close(code=CLOSE_RESTART)

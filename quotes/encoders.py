@@ -248,7 +248,12 @@ class WebSocketEncoder(Encoder[dict[str, Any], dict[str, Any]]):
         return {"type": "token", "text": text} if text else None
 
     def done(self, meta: Meta, usage: Usage | None) -> dict[str, Any]:
-        return {"type": "done", "usage": usage_payload(usage), "id": meta.id, "permalink": permalink_of(meta.id)}
+        return {
+            "type": "done",
+            "usage": usage_payload(usage),
+            "id": meta.id,
+            "permalink": permalink_of(meta.id),
+        }
 
     def error(self, error: Error) -> dict[str, Any]:
         return {"type": "error", **error_payload(error)}

@@ -66,7 +66,9 @@ async def parse(params: dict[str, Any]) -> Quote:
     """`params` checked: a Quote, or the QuoteError (400, 404) that says what is wrong."""
     slug = params.get("persona")
     if slug is None or slug == "":
-        raise QuoteError(ErrorCode.MISSING_PERSONA, "Say which persona should speak: the `persona` field.", 400)
+        raise QuoteError(
+            ErrorCode.MISSING_PERSONA, "Say which persona should speak: the `persona` field.", 400
+        )
     if not isinstance(slug, str):
         raise QuoteError(ErrorCode.INVALID_PERSONA, "`persona` must be a string (a persona's slug).", 400)
     # Not a slug: never a persona, and PostgreSQL refuses some bytes (NUL) outright.
@@ -110,14 +112,18 @@ def parse_messages(raw: object) -> tuple[Message, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
-        raise QuoteError(ErrorCode.INVALID_MESSAGES, "`messages` must be a list of {role, content} turns.", 400)
+        raise QuoteError(
+            ErrorCode.INVALID_MESSAGES, "`messages` must be a list of {role, content} turns.", 400
+        )
     if len(raw) > settings.QUOTES_MAX_TURNS:
         message = f"The conversation is too long: at most {settings.QUOTES_MAX_TURNS} turns."
         raise QuoteError(ErrorCode.TOO_MANY_MESSAGES, message, 400)
     turns = []
     for number, turn in enumerate(raw, 1):
         if not isinstance(turn, dict) or set(turn) != {"role", "content"}:
-            raise QuoteError(ErrorCode.INVALID_MESSAGES, f"Turn {number} must be exactly {{role, content}}.", 400)
+            raise QuoteError(
+                ErrorCode.INVALID_MESSAGES, f"Turn {number} must be exactly {{role, content}}.", 400
+            )
         role, content = turn["role"], turn["content"]
         if role not in ("user", "assistant"):
             message = f"Turn {number}: role must be 'user' or 'assistant'."
@@ -160,7 +166,9 @@ EVENT_ID = re.compile(r"([0-9a-fA-F-]{36})\.([0-9a-f]{16}):(\d{1,9})")
 def resume_key(public_id: str) -> str:
     """The secret half of a generation's event ids, which only its own stream carries: its id
     (a permalink's) alone resumes nothing. Keyed with SECRET_KEY: nothing stored."""
-    return hmac.new(settings.SECRET_KEY.encode(), b"resume:" + public_id.encode(), hashlib.sha256).hexdigest()[:16]
+    return hmac.new(
+        settings.SECRET_KEY.encode(), b"resume:" + public_id.encode(), hashlib.sha256
+    ).hexdigest()[:16]
 
 
 def event_id(public_id: str, number: int) -> str:
@@ -176,7 +184,11 @@ def find(last_event_id: object) -> tuple[Generation, int]:
         raise QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
     public_id, key, after = match[1].lower(), match[2], int(match[3])
     generation = generations().by_id.get(public_id)
-    if generation is None or not hmac.compare_digest(key, resume_key(public_id)) or after > len(generation.events) + 1:
+    if (
+        generation is None
+        or not hmac.compare_digest(key, resume_key(public_id))
+        or after > len(generation.events) + 1
+    ):
         message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
         raise QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)
     return generation, after
@@ -208,21 +220,25 @@ async def start(
     ttl = settings.QUOTES_CACHE_TTL if persona.cache_ttl is None else persona.cache_ttl
     key = ""
     if ttl > 0 and not (preview or quote.fresh or settings.AI_GATEWAY_SKIP_CACHE):
-        key = answer_key(backend=backend.name, request=request, version_id=quote.version.pk if quote.version else None)
+        key = answer_key(
+            backend=backend.name, request=request, version_id=quote.version.pk if quote.version else None
+        )
     cached = await get_answer(key) if key else None
     joined = registry.by_key.get(key) if key and cached is None else None
     if key:
         metrics.cache_lookup(hit=cached is not None or joined is not None)
     spend = None
     if cached is None and joined is None and backend.paid:
-        spend = await limits.reserve(persona.pk, persona.daily_spend_limit_usd, _most_cost(persona, request))
+        spend = await limits.reserve(persona.pk, persona.daily_spend_limit_usd, most_cost(persona, request))
     generation = Generation(
         str(uuid.uuid4()),
         client=client.key,
         grace_s=settings.QUOTES_RESUME_GRACE_S,
         keepalive_s=settings.QUOTES_KEEPALIVE_S,
     )
-    status = Row.CacheStatus.HIT if cached or joined else Row.CacheStatus.MISS if key else Row.CacheStatus.BYPASS
+    status = (
+        Row.CacheStatus.HIT if cached or joined else Row.CacheStatus.MISS if key else Row.CacheStatus.BYPASS
+    )
     model = backend.model_name(request.model)
     generation.events.append(Meta(model=model, cache_status=status.upper(), id=generation.id))
     row = Row(
@@ -292,8 +308,10 @@ def _upstream(
     models = list(dict.fromkeys([primary.model, *persona.fallback_models, *settings.QUOTES_FALLBACK_MODELS]))
 
     def attempt(model: str) -> AsyncGenerator[Event, None]:
-        request = primary if model == primary.model else persona.build_request(
-            topic=quote.topic, messages=quote.messages, model=model
+        request = (
+            primary
+            if model == primary.model
+            else persona.build_request(topic=quote.topic, messages=quote.messages, model=model)
         )
         return guard_copies(backend.stream(request), request.examples)
 
@@ -306,10 +324,12 @@ async def _joined(other: Generation) -> AsyncGenerator[Event, None]:
         yield Meta(event.model, event.headers, event.step) if type(event) is Meta else event
 
 
-def _most_cost(persona: Persona, request: GenerationRequest) -> float:
+def most_cost(persona: Persona, request: GenerationRequest) -> float:
     """The most this generation can cost on any of its models: every prompt character a token,
     plus a chat template's, and max_tokens written."""
     prompt = sum(len(m.content) + 16 for m in request.messages)
-    costs = [estimate_cost(model, prompt, request.max_tokens) for model in (request.model, *persona.fallback_models)]
+    costs = [
+        estimate_cost(model, prompt, request.max_tokens)
+        for model in (request.model, *persona.fallback_models)
+    ]
     return max((cost for cost in costs if cost is not None), default=0.0)
-

@@ -81,7 +81,10 @@ class Limiter:
         self.shared: MovingWindowRateLimiter | None = None
         if settings.REDIS_URL:
             storage: Storage = RedisStorage(
-                "async+" + settings.REDIS_URL, implementation="redispy", socket_timeout=2, socket_connect_timeout=2
+                "async+" + settings.REDIS_URL,
+                implementation="redispy",
+                socket_timeout=2,
+                socket_connect_timeout=2,
             )
             self.shared = MovingWindowRateLimiter(storage)
         self.shared_down_until = 0.0
@@ -122,11 +125,11 @@ def limiter() -> Limiter:
 NETWORK_FACTOR = 6
 
 
-async def count(client: Client, *, bucket: str, limit: str) -> None:
+async def count(client: Client, *, bucket: str, limit: str, network_factor: int = NETWORK_FACTOR) -> None:
     """Count one request of `client` in `bucket` against `limit` (e.g. "20/minute"), and its
-    network's against NETWORK_FACTOR times that: the 429 QuoteError once over either."""
+    network's against `network_factor` times that: the 429 QuoteError once over either."""
     item = parse(limit)
-    network_item = type(item)(item.amount * NETWORK_FACTOR, item.multiples)
+    network_item = type(item)(item.amount * network_factor, item.multiples)
     for each, key in ((item, client.key), (network_item, client.network)):
         if not key:
             continue
@@ -146,8 +149,10 @@ async def count_stream(client: Client) -> None:
 
 
 async def count_action(action: str, client: Client) -> None:
-    """A rating, share or stop: each in a budget of its own, per client and per network."""
-    await count(client, bucket=action, limit=settings.QUOTES_FEEDBACK_RATE_LIMIT)
+    """A rating, share or stop: each in a budget of its own, per client and per network. A
+    network gets one client's budget, not six: a vote is one per client, and an IPv6 /48 holds
+    65,536 clients (/64s), whose votes must not add up to a quote's verdict."""
+    await count(client, bucket=action, limit=settings.QUOTES_FEEDBACK_RATE_LIMIT, network_factor=1)
 
 
 # -- this process's streams --------------------------------------------------------------------
@@ -222,7 +227,7 @@ def close_socket(client: Client) -> None:
 
 # -- the daily spend ceilings --------------------------------------------------------------------
 
-MICRO = 1_000_000
+UNIT = 10**9  # nano-dollars: the rows keep costs to 1e-8
 
 
 def _day_key(persona_id: int | None = None) -> str:
@@ -236,23 +241,23 @@ def until_tomorrow() -> int:
     return max(1, math.ceil((tomorrow - now).total_seconds()))
 
 
-async def _add(key: str, micros: int) -> int:
+async def _add(key: str, units: int) -> int:
     counters = caches["counters"]
-    total = await cache.call(_add_now, counters, key, micros)
-    return total if total is not None else _add_here(key, micros)
+    total = await cache.call(_add_now, counters, key, units)
+    return total if total is not None else _add_here(key, units)
 
 
-def _add_now(counters: object, key: str, micros: int) -> int:
+def _add_now(counters: object, key: str, units: int) -> int:
     counters.add(key, 0, timeout=2 * 86400)  # type: ignore[attr-defined]
-    return int(counters.incr(key, micros))  # type: ignore[attr-defined]
+    return int(counters.incr(key, units))  # type: ignore[attr-defined]
 
 
 _here: dict[str, int] = {}
 
 
-def _add_here(key: str, micros: int) -> int:
+def _add_here(key: str, units: int) -> int:
     """While the shared counters are down: this process's own."""
-    _here[key] = _here.get(key, 0) + micros
+    _here[key] = _here.get(key, 0) + units
     return _here[key]
 
 
@@ -261,12 +266,12 @@ class Spend:
     """A generation's reservation against the ceilings that apply to it."""
 
     keys: list[str]
-    micros: int
+    units: int
 
     async def settle(self, cost_usd: Decimal | None) -> None:
         """The real cost replaces the reservation."""
-        delta = math.ceil((cost_usd or 0) * MICRO) - self.micros
-        self.micros += delta
+        delta = math.ceil((cost_usd or 0) * UNIT) - self.units
+        self.units += delta
         if delta:
             for key in self.keys:
                 await _add(key, delta)
@@ -276,15 +281,15 @@ async def reserve(persona_id: int, persona_limit: Decimal | None, most_usd: floa
     """Reserve `most_usd` (the most this generation can cost) against today's ceilings; the 503
     `budget_exhausted` QuoteError when that would pass one. With no ceiling set, nothing."""
     ceilings = [(_day_key(), settings.QUOTES_DAILY_SPEND_LIMIT_USD), (_day_key(persona_id), persona_limit)]
-    micros = math.ceil(most_usd * MICRO)
-    spend = Spend([], micros)
+    units = math.ceil(most_usd * UNIT)
+    spend = Spend([], units)
     for key, ceiling in ceilings:
         if ceiling is None:
             continue
         spend.keys.append(key)
-        if await _add(key, micros) > ceiling * MICRO:
+        if await _add(key, units) > ceiling * UNIT:
             for taken in spend.keys:
-                await _add(taken, -micros)
+                await _add(taken, -units)
             message = "Today's budget for new quotes from this model is spent. Cached quotes still work."
             raise QuoteError(ErrorCode.BUDGET_EXHAUSTED, message, 503, retry_after=until_tomorrow())
     return spend
@@ -294,5 +299,5 @@ async def spent_today(persona_id: int | None = None) -> Decimal:
     """Today's spend (reserved or settled) as the ceilings count it."""
     key = _day_key(persona_id)
     value = await cache.call(caches["counters"].get, key, 0)
-    micros = _here.get(key, 0) if value is None else int(value)
-    return Decimal(micros) / MICRO
+    units = _here.get(key, 0) if value is None else int(value)
+    return Decimal(units) / UNIT

@@ -60,7 +60,9 @@ class Outage:
             self.since = self.last
             detail = (str(error).strip().splitlines() or [""])[0][:200]
             logger.warning(
-                "the database cannot be reached (%s: %s); serving personas from memory", type(error).__name__, detail
+                "the database cannot be reached (%s: %s); serving personas from memory",
+                type(error).__name__,
+                detail,
             )
 
     def recovered(self) -> None:
@@ -74,7 +76,9 @@ class Outage:
 
     def error(self) -> QuoteError:
         retry_after = max(1, math.ceil(self.last + RETRY_S - time.monotonic()))
-        message = "The site cannot load this right now. This is not your fault; please try again in a few seconds."
+        message = (
+            "The site cannot load this right now. This is not your fault; please try again in a few seconds."
+        )
         return QuoteError(ErrorCode.SERVICE_UNAVAILABLE, message, 503, retry_after=retry_after)
 
 

@@ -30,9 +30,10 @@ from streaming.events import Done, Error, Token, Usage, merged
 from streaming.generation import Generation as LiveGeneration
 
 from .backends.catalog import estimate_cost
+from .errors import QuoteError
 from .models import Generation, Refusal
 from .ops import metrics
-from .personas import UNREACHABLE, outage
+from .personas import UNREACHABLE, outage, peek
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,15 @@ class RowWriter:
                 raise
             except IntegrityError:
                 self.refusals[persona_id, hour, code] += count  # made meanwhile: updated next time
+
+
+def refused(error: QuoteError, slug: object, transport: str) -> None:
+    """A 429 or 503 is no generation: counted (metrics, and per persona for the analytics)."""
+    if error.status not in (429, 503):
+        return
+    metrics.stream_refused(transport, error.code)
+    if (active := peek(slug)) is not None:
+        writer().count_refusal(active.persona.pk, error.code)
 
 
 def _fields(row: Generation) -> dict[str, object]:

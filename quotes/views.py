@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, cast
 
@@ -28,15 +28,13 @@ from django.views.decorators.csrf import csrf_exempt
 
 from streaming.events import Error, Meta
 
-from . import generations, limits, personas, services
+from . import generations, limits, personas, rows, services
 from .backends import backend_for
 from .backends.catalog import doc_url
 from .encoders import EventSourceEncoder, HtmxEncoder, SSEEncoder, WorkersAIEncoder, error_response, stream_response
 from .errors import ErrorCode, QuoteError
 from .models import Generation, Persona
-from .ops import metrics
 from .personas import UNREACHABLE, outage
-from .rows import writer
 from .security import counts_bad_input, refuse_cross_site
 
 #: Marks a response no browser renders as a page (a stream, a JSON error): no CSP for it.
@@ -157,20 +155,11 @@ async def _stream(request: HttpRequest, encoder: SSEEncoder, transport: str, *, 
             raise
         return await stream_response(generation, encoder)
     except QuoteError as exc:
-        refused(exc, params.get("persona"), transport)
+        rows.refused(exc, params.get("persona"), transport)
         response = encoder.error_answer(exc.as_event(), Meta())
         if exc.status == 405:
             response["Allow"] = "POST" if form else "GET, POST"
         return response
-
-
-def refused(error: QuoteError, slug: object, transport: str) -> None:
-    """A 429 or 503 is no generation: counted (metrics, and per persona for the analytics)."""
-    if error.status not in (429, 503):
-        return
-    metrics.stream_refused(transport, error.code)
-    if (active := personas.peek(slug)) is not None:
-        writer().count_refusal(active.persona.pk, error.code)
 
 
 def _check_body_size(request: HttpRequest) -> None:
@@ -234,13 +223,14 @@ def _form_params(request: HttpRequest) -> dict[str, Any]:
 # -- what a visitor does with a quote ---------------------------------------------------------
 
 
-def quote_action(
-    action: str, *, json_body: bool = False
-) -> Callable[[Callable[..., Awaitable[HttpResponseBase]]], Callable[..., Awaitable[HttpResponseBase]]]:
+ActionView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
+
+
+def quote_action(action: str, *, json_body: bool = False) -> Callable[[ActionView], ActionView]:
     """A POST-only JSON view for a quote: another site's page refused first, then the method,
     the body's type, then the count against the action's budget; a QuoteError is its JSON."""
 
-    def decorator(view: Callable[..., Awaitable[HttpResponseBase]]) -> Callable[..., Awaitable[HttpResponseBase]]:
+    def decorator(view: ActionView) -> ActionView:
         async def action_view(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
             try:
                 refuse_cross_site(request)

@@ -163,4 +163,3 @@ def _is_meta(value: dict[str, Any]) -> bool:
             for name, text in headers.items()
         )
     )
-

@@ -19,7 +19,13 @@ from .events import Done, Error, Event, Meta
 
 #: Worth another attempt at the same model.
 RETRYABLE = frozenset(
-    {"upstream_unreachable", "upstream_unavailable", "upstream_capacity", "upstream_timeout", "upstream_dropped"}
+    {
+        "upstream_unreachable",
+        "upstream_unavailable",
+        "upstream_capacity",
+        "upstream_timeout",
+        "upstream_dropped",
+    }
 )
 #: Another model would not do better.
 FINAL = frozenset({"upstream_auth", "busy", "request_too_large", "context_window_exceeded"})
@@ -40,7 +46,9 @@ def timeout_error(*, started: bool, total: bool) -> Error:
         return Error("deadline_exceeded", "The quote took too long to write.", 504)
     if started:
         return Error("idle_timeout", "The model stopped writing mid-quote.", 504)
-    return Error("upstream_timeout", "The model took too long to start writing. Please try again shortly.", 504)
+    return Error(
+        "upstream_timeout", "The model took too long to start writing. Please try again shortly.", 504
+    )
 
 
 async def generate(
@@ -76,7 +84,9 @@ async def generate(
                         try:
                             event = await anext(events)
                         except StopAsyncIteration:
-                            event = Error("internal_error", "The model ended without finishing the quote.", 500)
+                            event = Error(
+                                "internal_error", "The model ended without finishing the quote.", 500
+                            )
                         except asyncio.CancelledError:
                             if not watchdog.expired():
                                 raise

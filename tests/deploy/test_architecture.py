@@ -1,12 +1,10 @@
 """The import rules of docs/architecture.md, read from the source (an AST walk, no imports run):
 
-- a backend (quotes/ai/backends) knows no Django models, no HTTP requests or responses;
-- the gateway (quotes/ai/gateway) knows no transport: no views, consumers, encoders, SSE bytes,
-  Django HTTP or Channels;
-- a quote request's checks (quotes/quote_request.py) know no transport either, and the WebSocket
-  consumer no views (what both need is below them);
-- nothing imports a private (underscore) name from another module;
-- outside quotes/forks.py, no private attribute of a dependency is used.
+- streaming/ imports nothing of the project's and nothing of Django or Channels;
+- a backend knows no Django models, no HTTP requests or responses, no generation or row;
+- below the transports (views, consumers, encoders, admin), nothing imports them;
+- nothing imports a private (underscore) name from another module, nor uses a dependency's;
+- no import cycle, deferred imports included.
 """
 
 from __future__ import annotations
@@ -20,47 +18,30 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("quotes", "config")
+PACKAGES = ("streaming", "quotes", "config")
+TRANSPORTS = (
+    "quotes.views",
+    "quotes.consumers",
+    "quotes.encoders",
+    "quotes.admin",
+    "django.http",
+    "channels",
+)
 
 # What each layer (a folder, or a module) may not import (a module, or any module inside it).
 FORBIDDEN = {
-    "quotes/ai/backends": (
-        "quotes.models",
-        "quotes.views",
-        "quotes.admin",
-        "quotes.admin_views",
-        "quotes.consumers",
-        "quotes.transports",
-        "quotes.ai.gateway",
-        "django.db",
-        "django.http",
-        "django.shortcuts",
-        "django.template",
-        "channels",
+    "streaming": ("quotes", "config", "django", "channels"),
+    "quotes/backends": (
+        *TRANSPORTS,
+        *("quotes.models", "quotes.generations", "quotes.rows", "quotes.limits", "quotes.cache"),
+        *("django.db", "django.shortcuts", "django.template"),
     ),
-    "quotes/ai/gateway": (
-        "quotes.views",
-        "quotes.admin",
-        "quotes.admin_views",
-        "quotes.consumers",
-        "quotes.transports",
-        "quotes.ai.sse",
-        "django.http",
-        "django.shortcuts",
-        "django.template",
-        "channels",
-    ),
-    "quotes/quote_request.py": (
-        "quotes.views",
-        "quotes.admin",
-        "quotes.admin_views",
-        "quotes.consumers",
-        "quotes.transports",
-        "quotes.ai.sse",
-        "django.http",
-        "channels",
-    ),
-    "quotes/consumers.py": ("quotes.views", "quotes.admin", "quotes.admin_views"),
+    **{
+        f"quotes/{name}.py": TRANSPORTS
+        for name in ("generations", "rows", "limits", "cache", "personas", "services", "models", "errors")
+    },
+    "quotes/consumers.py": ("quotes.views", "quotes.admin"),
+    "quotes/ops": ("quotes.views", "quotes.consumers", "quotes.admin"),
 }
 
 # Known breaches, each with the reason it stays: none today. A new breach fails the test.
@@ -138,13 +119,13 @@ def test_nothing_imports_a_private_name_across_modules() -> None:
 
 def test_the_rules_see_a_breach() -> None:
     """The walk itself works: it finds a relative import of a private name and resolves it."""
-    path = ROOT / "quotes" / "ai" / "gateway" / "policy.py"
-    tree = ast.parse("from ...views import _x\nfrom .. import sse\n")
+    path = ROOT / "quotes" / "backends" / "local.py"
+    tree = ast.parse("from ..views import _x\nfrom . import base\n")
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            found.append((resolve("quotes.ai.gateway.policy", path, node), node.names[0].name))
-    assert found == [("quotes.views", "_x"), ("quotes.ai", "sse")]
+            found.append((resolve("quotes.backends.local", path, node), node.names[0].name))
+    assert found == [("quotes.views", "_x"), ("quotes.backends", "base")]
 
 
 #: Private attributes a dependency documents: Django's Model._state and Model._meta.
@@ -189,13 +170,8 @@ def foreign_private_attributes(trees: dict[str, ast.AST]) -> list[str]:
     return [f"{rel}:{line} uses {name}" for rel, line, name in uses if private(name) and name not in own]
 
 
-def test_no_private_attribute_of_a_dependency_outside_forks() -> None:
-    """A dependency's internals are touched only in quotes/forks.py, pinned there."""
-    trees = {
-        path.relative_to(ROOT).as_posix(): ast.parse(path.read_text())
-        for path, _ in modules()
-        if path != ROOT / "quotes" / "forks.py"
-    }
+def test_no_private_attribute_of_a_dependency() -> None:
+    trees = {path.relative_to(ROOT).as_posix(): ast.parse(path.read_text()) for path, _ in modules()}
     assert foreign_private_attributes(trees) == []
 
 
@@ -282,12 +258,8 @@ def test_the_cycle_check_sees_a_cycle() -> None:
 
 
 def test_the_cycle_check_counts_a_package_init() -> None:
-    """Importing `quotes.ai.gateway.capacity` runs `quotes/ai/gateway/__init__.py` (and
-    `quotes/ai/__init__.py`) first: the graph has those edges; a module's own packages are not
-    counted (they are being imported already)."""
-    known = {"quotes", "quotes.ai", "quotes.ai.gateway", "quotes.ai.gateway.capacity", "quotes.metrics"}
-    assert packages_run("quotes.metrics", "quotes.ai.gateway.capacity", known) == {
-        "quotes.ai",
-        "quotes.ai.gateway",
-    }
-    assert packages_run("quotes.ai.gateway.capacity", "quotes.ai.gateway.x", known) == set()
+    """Importing `quotes.admin.analytics` runs `quotes/admin/__init__.py` first: the graph has
+    that edge; a module's own packages are not counted (they are being imported already)."""
+    known = {"quotes", "quotes.admin", "quotes.admin.analytics", "quotes.services"}
+    assert packages_run("quotes.services", "quotes.admin.analytics", known) == {"quotes.admin"}
+    assert packages_run("quotes.admin.analytics", "quotes.admin.charts", known) == set()

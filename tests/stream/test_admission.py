@@ -7,23 +7,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
 
 from harness.workers_ai import FakeWorkersAI, Scenario
+from quotes import generations, limits
 from quotes.backends import reset_backends
-from quotes.models import Persona, Refusal
+from quotes.models import Generation, Persona, Refusal
 from quotes.services import persona_save
-from quotes import limits
 from tests.asgi import post_quote, post_stream, read_events, request
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona) -> AsyncIterator[FakeWorkersAI]:
+async def fake(
+    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
+) -> AsyncIterator[FakeWorkersAI]:
     persona.model = "@cf/meta/llama-3.1-8b-instruct"
     persona.cache_ttl = 0  # every request a generation of its own
     await sync_to_async(persona_save)(persona=persona)
@@ -31,7 +34,9 @@ async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona
     await reset_backends()
 
 
-async def test_the_rate_limit_answers_429_with_retry_after_and_counts_the_refusal(fake: FakeWorkersAI, settings: Any) -> None:
+async def test_the_rate_limit_answers_429_with_retry_after_and_counts_the_refusal(
+    fake: FakeWorkersAI, settings: Any
+) -> None:
     settings.QUOTES_RATE_LIMIT = "3/minute"
     statuses = [(await post_quote()).status for _ in range(3)]
     refused = await post_quote()
@@ -67,7 +72,9 @@ async def test_dropped_connections_keep_their_clients_slots_until_their_generati
     assert (await post_quote(client=("198.51.100.7", 1))).status == 200  # others are not held back
 
 
-async def test_the_open_stream_cap_refuses_at_once_with_503(fake: FakeWorkersAI, settings: Any, unlimited: Any) -> None:
+async def test_the_open_stream_cap_refuses_at_once_with_503(
+    fake: FakeWorkersAI, settings: Any, unlimited: Any
+) -> None:
     settings.QUOTES_MAX_OPEN_STREAMS = 2
     fake.default = Scenario(tokens=["tick"] * 100, token_delay_s=0.02)
     held = [post_stream(client=(f"198.51.100.{n}", 1)) for n in (1, 2)]
@@ -83,7 +90,9 @@ async def test_the_open_stream_cap_refuses_at_once_with_503(fake: FakeWorkersAI,
     assert (await post_quote(client=("198.51.100.3", 1))).status == 200
 
 
-async def test_a_limited_client_stays_limited_after_thousands_of_others(fake: FakeWorkersAI, settings: Any) -> None:
+async def test_a_limited_client_stays_limited_after_thousands_of_others(
+    fake: FakeWorkersAI, settings: Any
+) -> None:
     settings.QUOTES_RATE_LIMIT = "2/hour"
     for _ in range(2):
         await post_quote()
@@ -94,3 +103,21 @@ async def test_a_limited_client_stays_limited_after_thousands_of_others(fake: Fa
     for n in range(10_000):
         await limits.count_stream(limits.Client.of(f"10.{n // 256}.{n % 256}.1"))
     assert (await post_quote()).status == 429
+
+
+@pytest.mark.services
+async def test_a_burst_never_spends_past_the_daily_ceiling(fake: FakeWorkersAI, settings: Any, persona: Persona, unlimited: Any) -> None:
+    """Each paid generation reserves the most it can cost before it starts (every prompt
+    character a token, max_tokens written), atomically in the shared counters: a burst admits
+    only what fits, and the real costs, settled at the end, stay under the ceiling."""
+    request = persona.build_request(topic=persona.default_topic)
+    most = Decimal(str(generations.most_cost(persona, request)))
+    settings.QUOTES_DAILY_SPEND_LIMIT_USD = most * Decimal("3.5")
+    fake.default = Scenario(tokens=["tick"] * 10, token_delay_s=0.02)
+    burst = await asyncio.gather(*(post_quote(client=(f"198.51.100.{n}", 1)) for n in range(12)))
+    statuses = sorted(response.status for response in burst)
+    assert statuses == [200] * 3 + [503] * 9
+    assert {response.json()["error"]["code"] for response in burst if response.status == 503} == {"budget_exhausted"}
+    spent = await limits.spent_today()
+    assert 0 < spent <= settings.QUOTES_DAILY_SPEND_LIMIT_USD
+    assert spent == sum([row.cost_usd async for row in Generation.objects.all()], Decimal(0))

@@ -25,7 +25,9 @@ TICKS = [f"t{n} " for n in range(40)]
 
 
 @pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona) -> AsyncIterator[FakeWorkersAI]:
+async def fake(
+    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
+) -> AsyncIterator[FakeWorkersAI]:
     persona.model = "@cf/meta/llama-3.1-8b-instruct"
     await sync_to_async(persona_save)(persona=persona)
     workers_ai_settings.QUOTES_RESUME_GRACE_S = 5
@@ -38,7 +40,11 @@ def last_id(body: bytes) -> str:
 
 
 def text_of(body: bytes) -> str:
-    return "".join(json.loads(e["data"])["response"] for e in parse_sse(body) if e["event"] == "message" and e["data"][:1] == "{")
+    return "".join(
+        json.loads(e["data"])["response"]
+        for e in parse_sse(body)
+        if e["event"] == "message" and e["data"][:1] == "{"
+    )
 
 
 async def test_a_cut_stream_resumes_with_exactly_the_rest(fake: FakeWorkersAI) -> None:
@@ -46,7 +52,9 @@ async def test_a_cut_stream_resumes_with_exactly_the_rest(fake: FakeWorkersAI) -
     stream = post_stream()
     head = await read_events(stream, 5)
     await stream.disconnect()  # the connection drops; the generation runs on
-    resumed = await request("GET", "/api/quotes/stream", headers={"last-event-id": last_id(head), "accept": "text/event-stream"})
+    resumed = await request(
+        "GET", "/api/quotes/stream", headers={"last-event-id": last_id(head), "accept": "text/event-stream"}
+    )
     assert resumed.status == 200
     assert text_of(head + resumed.body) == "".join(TICKS)
     assert len(fake.requests) == 1
@@ -71,7 +79,9 @@ async def test_a_finished_generation_resumes_from_its_kept_events(fake: FakeWork
         ("7d1f4c5e-0000-4000-8000-000000000000.0123456789abcdef:3", 404, "resume_unavailable"),
     ],
 )
-async def test_ids_this_site_never_sent_are_refused(fake: FakeWorkersAI, last_event_id: str, status: int, code: str) -> None:
+async def test_ids_this_site_never_sent_are_refused(
+    fake: FakeWorkersAI, last_event_id: str, status: int, code: str
+) -> None:
     response = await post_quote({"last_event_id": last_event_id})
     assert (response.status, response.json()["error"]["code"]) == (status, code)
 

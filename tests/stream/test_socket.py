@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona) -> AsyncIterator[FakeWorkersAI]:
+async def fake(
+    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
+) -> AsyncIterator[FakeWorkersAI]:
     persona.model = "@cf/meta/llama-3.1-8b-instruct"
     await sync_to_async(persona_save)(persona=persona)
     yield fake_workers_ai
@@ -48,7 +50,9 @@ async def frames_until(socket: WebsocketCommunicator, kind: str) -> list[dict[st
     return frames
 
 
-async def test_a_start_streams_meta_tokens_and_done_and_logs_a_row(fake: FakeWorkersAI, socket: WebsocketCommunicator) -> None:
+async def test_a_start_streams_meta_tokens_and_done_and_logs_a_row(
+    fake: FakeWorkersAI, socket: WebsocketCommunicator
+) -> None:
     await socket.send_json_to({"type": "start", "persona": "test-watts", "topic": "rain"})
     frames = await frames_until(socket, "done")
     assert frames[0]["type"] == "meta" and frames[0]["model"] == "@cf/meta/llama-3.1-8b-instruct"
@@ -58,7 +62,9 @@ async def test_a_start_streams_meta_tokens_and_done_and_logs_a_row(fake: FakeWor
     assert row.status == "ok"
 
 
-async def test_a_cancel_stops_the_upstream_and_a_second_start_waits_for_it(fake: FakeWorkersAI, socket: WebsocketCommunicator) -> None:
+async def test_a_cancel_stops_the_upstream_and_a_second_start_waits_for_it(
+    fake: FakeWorkersAI, socket: WebsocketCommunicator
+) -> None:
     fake.script(Scenario(tokens=["tick"] * 300, token_delay_s=0.02))
     await socket.send_json_to({"type": "start", "persona": "test-watts"})
     frames = await frames_until(socket, "token")
@@ -72,7 +78,9 @@ async def test_a_cancel_stops_the_upstream_and_a_second_start_waits_for_it(fake:
     assert (row.status, row.error_code) == ("cancelled", "stopped")
 
 
-async def test_a_resume_frame_gives_the_frames_after_the_id(fake: FakeWorkersAI, socket: WebsocketCommunicator) -> None:
+async def test_a_resume_frame_gives_the_frames_after_the_id(
+    fake: FakeWorkersAI, socket: WebsocketCommunicator
+) -> None:
     await socket.send_json_to({"type": "start", "persona": "test-watts"})
     frames = await frames_until(socket, "done")
     await socket.send_json_to({"type": "resume", "last_event_id": frames[2]["event_id"]})

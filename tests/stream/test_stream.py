@@ -28,7 +28,9 @@ TEXT = "Stay hungry, stay foolish."
 
 
 @pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona) -> AsyncIterator[FakeWorkersAI]:
+async def fake(
+    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
+) -> AsyncIterator[FakeWorkersAI]:
     """The workers-ai backend against the fake, for the test persona on the catalog's model."""
     persona.model = MODEL
     await sync_to_async(persona_save)(persona=persona)
@@ -51,7 +53,11 @@ async def test_post_streams_workers_ai_wire_format_and_logs_one_row(fake: FakeWo
     assert response.headers["x-quote-model"] == MODEL
     events = parse_sse(response.body)
     assert tokens(response.body) == TEXT
-    assert json.loads(events[-2]["data"])["usage"] == {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18}
+    assert json.loads(events[-2]["data"])["usage"] == {
+        "prompt_tokens": 12,
+        "completion_tokens": 6,
+        "total_tokens": 18,
+    }
     assert events[-1]["data"] == "[DONE]"
     [row] = await rows()
     assert (row.status, row.cache_status, row.model, row.text) == ("ok", "miss", MODEL, TEXT)
@@ -81,7 +87,10 @@ async def test_eventsource_get_starts_with_retry_and_ends_with_done(fake: FakeWo
     assert response.status == 200
     assert response.body.startswith(b"id: ") and b"retry: 1000" in response.body.split(b"\n\n")[0]
     events = parse_sse(response.body)
-    assert events[-1]["event"] == "done" and json.loads(events[-1]["data"])["id"] == response.headers["x-quote-id"]
+    assert (
+        events[-1]["event"] == "done"
+        and json.loads(events[-1]["data"])["id"] == response.headers["x-quote-id"]
+    )
 
 
 async def test_htmx_form_gets_escaped_fragments_and_named_events(fake: FakeWorkersAI) -> None:
@@ -107,7 +116,10 @@ async def test_an_error_after_text_is_an_error_event_and_the_row_keeps_the_text(
     response = await post_quote()
     assert response.status == 200
     events = parse_sse(response.body)
-    assert events[-1]["event"] == "error" and json.loads(events[-1]["data"])["error"]["code"] == "upstream_dropped"
+    assert (
+        events[-1]["event"] == "error"
+        and json.loads(events[-1]["data"])["error"]["code"] == "upstream_dropped"
+    )
     [row] = await rows()
     assert (row.status, row.error_code, row.text) == ("error", "upstream_dropped", "Half a")
 
@@ -125,7 +137,9 @@ async def test_cache_replays_an_answer_as_a_stream_and_fresh_bypasses_it(fake: F
     assert tokens(fresh.body) == TEXT
 
 
-async def test_cache_keeps_only_complete_answers_and_follows_the_persona_ttl(fake: FakeWorkersAI, persona: Persona) -> None:
+async def test_cache_keeps_only_complete_answers_and_follows_the_persona_ttl(
+    fake: FakeWorkersAI, persona: Persona
+) -> None:
     fake.script(Scenario(drop_after_tokens=2))
     await post_quote()
     await post_quote()
@@ -163,7 +177,9 @@ async def test_a_joiner_keeps_the_upstream_when_the_first_client_leaves(fake: Fa
     assert len(fake.requests) == 1 and not fake.requests[0].client_disconnected.is_set()
 
 
-async def test_retries_then_falls_back_before_the_first_token_only(fake: FakeWorkersAI, persona: Persona, settings: Any) -> None:
+async def test_retries_then_falls_back_before_the_first_token_only(
+    fake: FakeWorkersAI, persona: Persona, settings: Any
+) -> None:
     settings.QUOTES_POLICY = Policy(max_attempts=2, retry_delay_s=0.01, ttft_timeout_s=5, idle_timeout_s=2)
     persona.fallback_models = [FALLBACK]
     await sync_to_async(persona_save)(persona=persona)
@@ -212,7 +228,9 @@ async def test_a_drop_stops_the_upstream_and_the_row_says_abandoned(fake: FakeWo
     assert row.text.startswith("tick")
 
 
-async def test_an_over_budget_day_refuses_paid_generations_but_serves_cached_ones(fake: FakeWorkersAI, settings: Any) -> None:
+async def test_an_over_budget_day_refuses_paid_generations_but_serves_cached_ones(
+    fake: FakeWorkersAI, settings: Any
+) -> None:
     await post_quote()  # costs something, and is cached
     settings.QUOTES_DAILY_SPEND_LIMIT_USD = Decimal("0.000001")
     cached = await post_quote()

@@ -30,7 +30,9 @@ async def collect(reader: AsyncGenerator[Event, None]) -> list[Event]:
     return [event async for event in reader]
 
 
-async def live(source: AsyncGenerator[Event, None], **options: float) -> tuple[Generation, asyncio.Task[None]]:
+async def live(
+    source: AsyncGenerator[Event, None], **options: float
+) -> tuple[Generation, asyncio.Task[None]]:
     generation = Generation("g", **options)
 
     async def run() -> None:
@@ -137,7 +139,11 @@ async def test_replay_paces_tokens() -> None:
 def test_answers_round_trip_through_json_and_nothing_else_is_read() -> None:
     answer = [Meta(model="m", headers={"cf-aig-log-id": "x"}, step=0), Token("a"), Usage(1, 2), Done()]
     assert from_json(to_json(answer)) == answer
-    for bad in ({"meta": {"model": "m", "headers": {"set-cookie": "x"}, "step": 0}}, "\ud800", {"exec": None}):
+    for bad in (
+        {"meta": {"model": "m", "headers": {"set-cookie": "x"}, "step": 0}},
+        "\ud800",
+        {"exec": None},
+    ):
         with pytest.raises(ValueError):
             from_json([bad])
 
@@ -168,7 +174,9 @@ def scripted(*answers: list[Event] | float) -> tuple[list[str], object]:
     return calls, attempt
 
 
-FAST = Policy(max_attempts=2, retry_delay_s=0.001, ttft_timeout_s=1.0, idle_timeout_s=0.2, total_timeout_s=2.0)
+FAST = Policy(
+    max_attempts=2, retry_delay_s=0.001, ttft_timeout_s=1.0, idle_timeout_s=0.2, total_timeout_s=2.0
+)
 UNAVAILABLE = Error("upstream_unavailable", "down", 502)
 
 
