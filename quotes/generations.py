@@ -224,7 +224,7 @@ async def start(
             backend=backend.name, request=request, version_id=quote.version.pk if quote.version else None
         )
     cached = await get_answer(key) if key else None
-    joined = registry.by_key.get(key) if key and cached is None else None
+    joined = registry.joinable(key) if key and cached is None else None
     if key:
         metrics.cache_lookup(hit=cached is not None or joined is not None)
     spend = None

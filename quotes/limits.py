@@ -27,10 +27,11 @@ from collections import Counter
 from dataclasses import dataclass
 from decimal import Decimal
 
+import redis.asyncio
 from django.conf import settings
 from django.core.cache import caches
 from limits import RateLimitItem, parse
-from limits.aio.storage import MemoryStorage, RedisStorage, Storage
+from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
 from streaming.generation import Generations, generations
@@ -79,12 +80,13 @@ class Limiter:
     def __init__(self) -> None:
         self.memory = MovingWindowRateLimiter(MemoryStorage())
         self.shared: MovingWindowRateLimiter | None = None
+        self.pool: redis.asyncio.ConnectionPool | None = None
         if settings.REDIS_URL:
-            storage: Storage = RedisStorage(
-                "async+" + settings.REDIS_URL,
-                implementation="redispy",
-                socket_timeout=2,
-                socket_connect_timeout=2,
+            self.pool = redis.asyncio.ConnectionPool.from_url(
+                settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2
+            )
+            storage = RedisStorage(
+                "async+" + settings.REDIS_URL, implementation="redispy", connection_pool=self.pool
             )
             self.shared = MovingWindowRateLimiter(storage)
         self.shared_down_until = 0.0
@@ -110,8 +112,18 @@ class Limiter:
             self.shared_down_until = 0.0
         return max(1, math.ceil(reset - time.time()))
 
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.aclose()
+
 
 _limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Limiter] = weakref.WeakKeyDictionary()
+
+
+async def close() -> None:
+    """Close this event loop's connections to Redis (the end of a test's loop)."""
+    if (running := _limiters.pop(asyncio.get_running_loop(), None)) is not None:
+        await running.close()
 
 
 def limiter() -> Limiter:

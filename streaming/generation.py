@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -192,14 +192,17 @@ class Generation:
 
 
 class Generations:
-    """This event loop's generations: live ones by id and answer key, ended ones by id for
-    `keep_s` more (a late resume); and the open streams it counts (the admitted requests and
-    the generations they started), in all and by client."""
+    """This event loop's generations: live ones by id and answer key, and the latest `KEEP`
+    ended ones by id for `keep_s` more (a late resume); and the open streams it counts (the
+    admitted requests and the generations they started), in all and by client."""
+
+    KEEP = 10_000
 
     def __init__(self) -> None:
         self.by_id: dict[str, Generation] = {}
         self.by_key: dict[str, Generation] = {}
         self.live: set[Generation] = set()
+        self.ended_ids: deque[tuple[float, str]] = deque()
         self.open = 0
         self.per_client: Counter[str] = Counter()
         self.draining = False
@@ -214,7 +217,10 @@ class Generations:
         self.live.discard(generation)
         if key and self.by_key.get(key) is generation:
             del self.by_key[key]
-        asyncio.get_running_loop().call_later(keep_s, self.by_id.pop, generation.id, None)
+        now = asyncio.get_running_loop().time()
+        self.ended_ids.append((now + keep_s, generation.id))
+        while self.ended_ids and (self.ended_ids[0][0] <= now or len(self.ended_ids) > self.KEEP):
+            self.by_id.pop(self.ended_ids.popleft()[1], None)
 
     def joinable(self, key: str) -> Generation | None:
         generation = self.by_key.get(key)

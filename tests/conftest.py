@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.cache import caches
+from django.db import connections
 
 from quotes.backends import get_backend
 from quotes.backends.local import LocalBackend
@@ -32,7 +34,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         or (item.get_closest_marker("unit") and item.get_closest_marker("django_db"))
     ]
     if unplaced:
-        raise pytest.UsageError("each test needs exactly one layer marker (unit, integration, system):\n  " + "\n  ".join(unplaced))
+        raise pytest.UsageError(
+            "each test needs exactly one layer marker (unit, integration, system):\n  "
+            + "\n  ".join(unplaced)
+        )
     items.sort(key=lambda item: "browser" in item.path.parts)
     for item in items:
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.function):
@@ -46,7 +51,9 @@ def _unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pyt
         return
 
     def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a unit test opens no socket and starts no process: mark it integration or system")
+        raise AssertionError(
+            "a unit test opens no socket and starts no process: mark it integration or system"
+        )
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
@@ -75,12 +82,15 @@ async def _end_of_async_test() -> AsyncIterator[None]:
     """An async test's generations end, and their rows are written, in its own loop while its
     database is there."""
     yield
+    from quotes import limits
     from quotes.generations import DRAINED
     from quotes.rows import writer
     from streaming.generation import generations
 
     await generations().drain(0, DRAINED)
     await writer().close()
+    await limits.close()
+    await sync_to_async(connections.close_all)()
 
 
 @pytest.fixture
@@ -119,7 +129,13 @@ def persona(transactional_db: None) -> Persona:
 
 
 #: A completion that keeps its slot for seconds: no stop strings, the end of text ignored.
-LONG_COMPLETION = {"prompt": "Once upon a time", "max_tokens": 800, "stream": True, "ignore_eos": True, "stop": []}
+LONG_COMPLETION = {
+    "prompt": "Once upon a time",
+    "max_tokens": 800,
+    "stream": True,
+    "ignore_eos": True,
+    "stop": [],
+}
 
 
 @contextlib.asynccontextmanager
