@@ -32,6 +32,8 @@ const TESTIDS = {
   errorMessage: "error-message",
   retryAfter: "retry-after",
   retry: "retry",
+  budgetNote: "budget-note",
+  budgetLocal: "budget-local",
   actions: "quote-actions",
   copy: "copy",
   permalink: "permalink",

@@ -1,15 +1,12 @@
-"""A real daphne server in a subprocess, and Debian's chromium driven by Playwright.
-
-pytest-django's daphne_server is threaded WSGI and cannot stream, so the browser tests start
-daphne themselves, on a SQLite file of their own, with the embedded model.
-"""
+"""Debian's chromium, driven by Playwright, against a real daphne: `python -m quotes.ops.server`
+with deploy/'s flags (harness/daphne.py), in a subprocess on a SQLite file of its own. The sites
+run the embedded model, or the workers-ai backend on the fake Cloudflare (harness/workers_ai.py)."""
 
 from __future__ import annotations
 
 import itertools
-import os
+import re
 import sqlite3
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,113 +14,147 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import Page, expect
 
-from harness.daphne import ROOT, migrate, running
+from harness.daphne import ROOT, SINGLE_UNIT, daphne_command, environment, migrate, running, wait_for
 from harness.services import free_port
-from harness.workers_ai import FakeWorkersAI
+from harness.workers_ai import FakeWorkersAI, Scenario
 
-ARTIFACTS = ROOT / "artifacts"
+SCREENSHOTS = ROOT / "artifacts" / "screenshots"
 ACCOUNT_ID = "acct-test"
-#: A secret-looking credential the Workers AI sites are started with: it must never reach a page.
+#: A secret-looking credential the Workers AI sites run with: it must never reach a page.
 API_TOKEN = "cfut_BROWSER-4c1d9e8f7a6b5c4d3e2f1a0b9c8d7e6fQQ"
+#: Whole words: a token ending in "c" or "cf" is held back until the next (it could start a credential).
+QUOTE = "The work you do is the play you have not yet noticed."
+TOKENS = tuple(re.findall(r"\.|\s?\w+", QUOTE))
 
 
 @dataclass
-class DaphneServer:
+class Site:
     url: str
     db_path: Path
     log_path: Path
 
-    def query(self, sql: str, *params: object) -> list[tuple[object, ...]]:
+    def query(self, sql: str, *params: object) -> list[tuple[Any, ...]]:
         with sqlite3.connect(self.db_path) as connection:
             return connection.execute(sql, params).fetchall()
 
-    def execute(self, sql: str, *params: object) -> None:
-        with sqlite3.connect(self.db_path) as connection:
-            connection.execute(sql, params)
+    def last_row(self, columns: str = "error_code, text") -> tuple[Any, ...]:
+        """The newest generation's status and `columns`, once it is no longer `running`."""
+        sql = f"SELECT status, {columns} FROM quotes_generation ORDER BY id DESC LIMIT 1"
+        wait_for(lambda: [r[0] for r in self.query(sql)] not in ([], ["running"]), "a finished row")
+        return self.query(sql)[0]
 
 
 @contextmanager
-def start_daphne(tmp_dir: Path, **extra_env: str) -> Iterator[DaphneServer]:
-    """Migrate a fresh SQLite file and serve the app on it with daphne, in a subprocess."""
+def start_site(tmp_dir: Path, **settings: str) -> Iterator[Site]:
+    """A fresh SQLite file, migrated, and the app served on it by daphne as deploy/ runs it."""
     db_path = tmp_dir / "db.sqlite3"
-    env = {
-        **os.environ,
+    defaults = {
+        "DJANGO_DEBUG": "true",  # static files from the source tree (no collectstatic); the same CSP
         "DATABASE_URL": f"sqlite:///{db_path}",
-        "AI_BACKEND": "local",
-        "DJANGO_DEBUG": "true",
         "LOCAL_MODEL_PRELOAD": "true",
-        # Servers are shared by several tests: no answer cache and a generous rate limit, so
-        # one test's quote or request count never decides another's. Tests of those opt in.
+        # Sites are shared by tests: no answer cache, no rate limit to speak of. Tests of those opt in.
         "QUOTES_CACHE_TTL": "0",
-        "QUOTES_RATE_LIMIT": "1000/m",
+        "QUOTES_RATE_LIMIT": "1000/minute",
         "QUOTES_MAX_CONCURRENT_STREAMS": "50",
-        **extra_env,
+        "QUOTES_DRAIN_TIMEOUT_S": "1",
     }
-    env.pop("DJANGO_SETTINGS_MODULE", None)
+    env = environment(**{**defaults, **settings})
     migrate(env)
-    port = free_port()
-    log_path = tmp_dir / "daphne.log"
-    command = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "config.asgi:application"]
+    port, log_path = free_port(), tmp_dir / "daphne.log"
+    command = daphne_command(SINGLE_UNIT, port)
     with running(command, port, env, log_path, path="/", any_status=True) as (_, url):
-        yield DaphneServer(url=url, db_path=db_path, log_path=log_path)
+        yield Site(url, db_path, log_path)
 
 
 def workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:
-    """start_daphne's settings for the site on AI_BACKEND=workers-ai against `fake`."""
     return {
         "AI_BACKEND": "workers-ai",
         "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
         "CLOUDFLARE_API_TOKEN": API_TOKEN,
         "CLOUDFLARE_API_BASE_URL": fake.api_base_url,
         "LOCAL_MODEL_PRELOAD": "false",
-        # One attempt: each scripted upstream answer is what the visitor sees (no retry).
-        "QUOTES_MAX_ATTEMPTS": "1",
     }
 
 
 @pytest.fixture(scope="session")
-def daphne_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaphneServer]:
-    """The site on the embedded model."""
-    with start_daphne(tmp_path_factory.mktemp("daphne-local")) as server:
-        yield server
+def local_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    """The site on the embedded model (gemma-3-270m)."""
+    with start_site(tmp_path_factory.mktemp("local"), AI_BACKEND="local") as site:
+        yield site
+
+
+@pytest.fixture(scope="session")
+def upstream() -> Iterator[FakeWorkersAI]:
+    with FakeWorkersAI() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(upstream: FakeWorkersAI) -> Iterator[FakeWorkersAI]:
+    """The fake Cloudflare, reset, answering each unscripted request with a slow quote."""
+    upstream.reset()
+    upstream.default = Scenario(tokens=TOKENS, token_delay_s=0.05)
+    yield upstream
+    upstream.reset()
+
+
+@pytest.fixture(scope="session")
+def workers_site(upstream: FakeWorkersAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    """The site on AI_BACKEND=workers-ai, against the fake Cloudflare."""
+    with start_site(tmp_path_factory.mktemp("workers-ai"), **workers_ai_env(upstream)) as site:
+        yield site
 
 
 @pytest.fixture(scope="session")
 def browser_type_launch_args(browser_type_launch_args: dict[str, object]) -> dict[str, object]:
-    return {
-        **browser_type_launch_args,
-        "executable_path": "/usr/bin/chromium",
-        "args": [
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
-        ],
-    }
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+    return {**browser_type_launch_args, "executable_path": "/usr/bin/chromium", "args": flags}
 
 
 @pytest.fixture
-def screenshot_dir() -> Path:
-    path = ARTIFACTS / "screenshots"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def problems(page: Page) -> list[str]:
+    """The page's console errors and uncaught exceptions."""
+    seen: list[str] = []
+    page.on("console", lambda message: seen.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: seen.append(str(error)))
+    return seen
 
 
-# Records every change to the card's state and the quote text, with the loading indicator's
-# visibility at that moment, so a test can tell "streamed" from "appeared all at once". An init
-# script: the page starts its quote as soon as its scripts run, so this must be in place first.
+def besides(problems: list[str], *expected: str) -> list[str]:
+    """The problems other than those naming one of `expected` (the browser's own log of a 429, say)."""
+    return [p for p in problems if not any(e in p for e in expected)]
+
+
+def open_persona(page: Page, site: Site, transport: str = "htmx") -> Any:
+    """Open Alan Watts's page, which starts a quote at once; the page's response."""
+    return page.goto(
+        f"{site.url}/personas/alan-watts/" + ("?transport=fetch" if transport == "fetch" else "")
+    )
+
+
+def card_state(page: Page, state: str, timeout: float = 30_000) -> None:
+    card = page.get_by_test_id("quote-card")
+    expect(card).to_have_attribute("data-state", re.compile(state), timeout=timeout)
+
+
+def screenshot(page: Page, name: str, **options: Any) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SCREENSHOTS / f"{name}.png", animations="disabled", **options)
+
+
+# Records each change of the card's state and of the quote's text, with whether the loading
+# animation showed then: "streamed" told from "appeared at once". An init script, in place
+# before the page's own scripts start the quote.
 RECORDER = """document.addEventListener('readystatechange', () => {
-  if (document.readyState !== 'interactive') return;  // parsed; the page's scripts run next
   const card = document.querySelector('[data-testid=quote-card]');
+  if (document.readyState !== 'interactive' || !card) return;
   const text = document.querySelector('[data-testid=quote-text]');
   const loading = document.querySelector('[data-testid=loading]');
-  if (!card) return;
   window.__changes = [];
   const record = () => window.__changes.push({
-    state: card.dataset.state, text: text.textContent, loadingVisible: !loading.hidden && loading.offsetParent !== null,
+    state: card.dataset.state, text: text.textContent, loading: !loading.hidden && loading.offsetParent !== null,
   });
   const observer = new MutationObserver(record);
   observer.observe(card, {attributes: true, attributeFilter: ['data-state']});
@@ -131,33 +162,14 @@ RECORDER = """document.addEventListener('readystatechange', () => {
 });"""
 
 
-def watch_console(page: Any) -> list[str]:
-    """Console errors and uncaught exceptions on `page`."""
-    problems: list[str] = []
-    page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    return problems
-
-
-def streamed_in_steps(changes: list[dict[str, Any]], steps: int) -> bool:
-    """Whether `assert_streamed_in_steps` holds."""
-    try:
-        assert_streamed_in_steps(changes, steps)
-    except (AssertionError, ValueError):
-        return False
-    return True
-
-
-def assert_streamed_in_steps(changes: list[dict[str, Any]], steps: int) -> list[str]:
-    """What RECORDER saw shows a quote streamed: the card went loading, streaming, done; the
-    loading animation showed until the first token, then hid; and the text grew in at least
-    `steps` visible steps while the stream was open, each extending the last. Returns those texts."""
+def streamed(page: Page, steps: int) -> list[str]:
+    """What RECORDER saw shows a stream: loading, streaming, done; the loading animation until
+    the first text only; the text grown in at least `steps` steps, each extending the last."""
+    changes = page.evaluate("window.__changes")
     states = [c["state"] for c in changes]
-    assert states.index("loading") < states.index("streaming") < states.index("done")
-    assert all(c["loadingVisible"] for c in changes if c["state"] == "loading")
-    assert not any(c["loadingVisible"] for c in changes if c["state"] in ("streaming", "done"))
+    assert states.index("loading") < states.index("streaming") < states.index("done"), states
+    assert all(c["loading"] == (c["state"] == "loading") for c in changes), changes
     growing = [c["text"] for c in changes if c["state"] == "streaming" and c["text"]]
     assert len(set(growing)) >= steps, growing
-    for before, after in itertools.pairwise(growing):
-        assert after.startswith(before)
+    assert all(b.startswith(a) for a, b in itertools.pairwise(growing)), growing
     return growing

@@ -1,12 +1,28 @@
 /**
- * The main quote card: its states, its error box (with the Retry-After countdown), and the
- * copy and feedback actions under a finished quote.
+ * The main quote card: its states, its error box (with the Retry-After countdown), the calm note
+ * for a spent daily budget, and the copy and feedback actions under a finished quote.
+ *
+ * A short Retry-After (a rate limit, a full or restarting server: seconds) counts down with the
+ * Write button disabled. A long one counts nothing down and disables nothing: `budget_exhausted`
+ * (the day's spend ceiling for this model, until midnight UTC) gets a note of its own saying
+ * new quotes return tomorrow and written ones still work; any other says when to come back.
  *
  * A view (this card, or an answer in conversation.js) is what a request drives: begin,
  * firstText, done, fail, stop; `textEl` is where the text goes and `meta` what is known so far.
  */
 
-import { parseJSON, prefersReducedMotion, setModel, shareOnFollow, shareQuote, urlFor } from "./dom.js";
+import {
+  BUDGET_EXHAUSTED,
+  LONG_WAIT_S,
+  clockTime,
+  nextUtcMidnight,
+  parseJSON,
+  prefersReducedMotion,
+  setModel,
+  shareOnFollow,
+  shareQuote,
+  urlFor,
+} from "./dom.js";
 
 const STATES = ["idle", "loading", "streaming", "done", "error", "stopped"];
 
@@ -31,12 +47,27 @@ export function createCard(page) {
     el.retryAfter.textContent = "";
   }
 
+  /** Today's budget for this model is spent: say so calmly, with nothing to wait out. */
+  function showBudgetNote() {
+    clearCountdown();
+    const midnight = nextUtcMidnight();
+    // In the visitor's own time too, unless that is UTC.
+    el.budgetLocal.textContent =
+      midnight.getTimezoneOffset() === 0 ? "" : ` (${clockTime(midnight)} your time)`;
+    el.budgetNote.hidden = false;
+  }
+
   function showError(message, { retry = true, retryAfter = null } = {}) {
     el.errorMessage.textContent = message;
     el.error.hidden = false;
     el.retry.hidden = !retry;
     clearCountdown();
-    if (retryAfter && retryAfter > 0) {
+    if (retryAfter && retryAfter > LONG_WAIT_S) {
+      // Hours away: a time to come back at, and the page stays usable meanwhile.
+      el.retry.hidden = true;
+      el.retryAfter.hidden = false;
+      el.retryAfter.textContent = `Try again after ${clockTime(new Date(Date.now() + retryAfter * 1000))}.`;
+    } else if (retryAfter && retryAfter > 0) {
       let remaining = Math.ceil(retryAfter);
       el.generate.disabled = true;
       el.retry.hidden = true;
@@ -68,6 +99,7 @@ export function createCard(page) {
       el.quoteText.replaceChildren();
       el.error.hidden = true;
       el.errorMessage.textContent = "";
+      el.budgetNote.hidden = true;
       el.retry.hidden = true;
       el.stopped.hidden = true;
       el.credit.hidden = true;
@@ -124,7 +156,8 @@ export function createCard(page) {
       el.loading.hidden = true;
       if (!el.quoteText.textContent.trim()) el.quote.hidden = true;
       setState("error");
-      showError(error.message, { retryAfter: error.retryAfter });
+      if (error.code === BUDGET_EXHAUSTED) showBudgetNote();
+      else showError(error.message, { retryAfter: error.retryAfter });
       el.generate.textContent = "Write a quote";
     },
     stop() {

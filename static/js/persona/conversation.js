@@ -3,7 +3,9 @@
  * and one view per question, which streams its answer like the card streams the quote.
  */
 
-import { prefersReducedMotion, setModel, shareOnFollow } from "./dom.js";
+import { BUDGET_EXHAUSTED, prefersReducedMotion, setModel, shareOnFollow } from "./dom.js";
+
+const BUDGET_NOTE = "Today’s budget for new answers from this model is spent: they return tomorrow (UTC).";
 
 export function createConversation(page) {
   const { doc, el, config } = page;
@@ -81,8 +83,9 @@ export function createConversation(page) {
       },
       fail(error) {
         thinking.remove();
-        footer.textContent = error.message;
-        footer.classList.add("turn__meta--error");
+        const budget = error.code === BUDGET_EXHAUSTED;
+        footer.textContent = budget ? BUDGET_NOTE : error.message;
+        if (!budget) footer.classList.add("turn__meta--error");
         footer.hidden = false;
         set("error");
         if (!textEl.textContent.trim()) answer.classList.add("turn--empty");

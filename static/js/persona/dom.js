@@ -1,5 +1,20 @@
 /** Small helpers the persona page's modules share. */
 
+/** The error code of a spent daily budget (503, Retry-After: the seconds to midnight UTC). */
+export const BUDGET_EXHAUSTED = "budget_exhausted";
+/** A Retry-After longer than this (seconds) is not counted down: a time to come back is given. */
+export const LONG_WAIT_S = 600;
+
+/** The next midnight UTC: when a day's spend ceiling starts again. */
+export function nextUtcMidnight(now = new Date()) {
+  return new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), now.getUTCDate() + 1));
+}
+
+/** "14:05", in the visitor's own time zone and format. */
+export function clockTime(date) {
+  return date.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+}
+
 export function prefersReducedMotion() {
   return window.matchMedia?.("(prefers-reduced-motion: reduce)").matches ?? false;
 }
