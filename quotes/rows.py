@@ -192,8 +192,8 @@ class RowWriter:
             except UNREACHABLE:
                 self.refusals.update(counts)  # kept for the next try
                 raise
-            except IntegrityError:
-                self.refusals[persona_id, hour, code] += count  # made meanwhile: updated next time
+            except IntegrityError:  # its persona is gone: nothing to count them against
+                logger.warning("%d refusals not counted: persona %s is gone", count, persona_id)
 
 
 def refused(error: QuoteError, slug: object, transport: str) -> None:

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
+from urllib.parse import urlsplit
 
 from asgiref.sync import markcoroutinefunction
 from django.conf import settings
@@ -131,6 +132,8 @@ def _lower(record: logging.LogRecord, level: int) -> None:
 
 
 def _secrets() -> list[str]:
+    """The configured credentials: the tokens and keys, and the passwords inside REDIS_URL and
+    the database's settings."""
     try:
         values = [
             settings.CLOUDFLARE_API_TOKEN,
@@ -138,10 +141,23 @@ def _secrets() -> list[str]:
             settings.OPENAI_API_KEY,
             settings.SECRET_KEY,
             settings.QUOTES_METRICS_TOKEN,
+            urlsplit(settings.REDIS_URL).password,
+            *(database.get("PASSWORD") for database in settings.DATABASES.values()),
         ]
     except Exception:  # settings not configured yet: nothing to hide
         return []
     return [value for value in values if isinstance(value, str) and len(value) >= 8]
+
+
+def _shows_secret(value: Any) -> bool:
+    secrets = _secrets()
+    if not secrets:
+        return False
+    try:
+        text = value if isinstance(value, str) else repr(value)
+    except Exception:  # a repr that fails shows nothing
+        return False
+    return any(secret in text for secret in secrets)
 
 
 def redact(text: str) -> str:
@@ -208,6 +224,18 @@ class JsonFormatter(_JsonFormatter):
 
 class SecretsFilter(SafeExceptionReporterFilter):
     """DEFAULT_EXCEPTION_REPORTER_FILTER: the DEBUG error page masks, besides Django's own list,
-    the settings that carry a credential inside a URL (REDIS_URL, the caches' LOCATION)."""
+    the settings that carry a credential inside a URL (REDIS_URL, the caches' LOCATION), and any
+    setting or traceback variable whose value shows a configured credential, whatever its name
+    and wherever it sits (an object's repr, a header dict, a URL): Django looks only at names."""
 
-    hidden_settings = re.compile("API|AUTH|TOKEN|KEY|SECRET|PASS|SIGNATURE|HTTP_COOKIE|REDIS|LOCATION|_URL$", re.I)
+    hidden_settings = re.compile(
+        "API|AUTH|TOKEN|KEY|SECRET|PASS|SIGNATURE|HTTP_COOKIE|REDIS|LOCATION|_URL$", re.I
+    )
+
+    def cleanse_setting(self, key: Any, value: Any) -> Any:
+        cleansed = super().cleanse_setting(key, value)
+        return self.cleansed_substitute if cleansed is value and _shows_secret(value) else cleansed
+
+    def cleanse_special_types(self, request: HttpRequest | None, value: Any) -> Any:
+        cleansed = super().cleanse_special_types(request, value)
+        return self.cleansed_substitute if cleansed is value and _shows_secret(value) else cleansed

@@ -1,20 +1,20 @@
-"""Issue 20, points 5 and 6, through the stream endpoint of the real ASGI app (the upstream is the
-fake Workers AI on 127.0.0.1):
+"""What a client may spend, and what spends it, through the real ASGI app (HTTP, and the
+WebSocket consumer in-process); the upstream is the fake Workers AI on 127.0.0.1.
 
-- a second, coarser rate limit per network (an IPv6 /48, an IPv4 /24) with its own higher budget,
-  so that whoever holds a /48 does not get 65,536 clients' budgets;
-- invalid requests (an unknown persona, bad JSON) count against the client's rate limit, and an
-  unknown slug is answered from the active slugs held in memory instead of costing a query each.
-
-Issue 29, points 7 and 8: made-up slugs cost no query each, refused requests count against the
-network's limit too, the WebSocket counts its refused frames, and share and stop are rate-limited.
+- A network (an IPv4 /24, an IPv6 /48) has a budget of its own across its clients (issue 20).
+- Invalid requests count against the client and its network; a made-up slug costs no query
+  (issues 20, 29); share and stop are rate-limited (issue 29).
+- Issue 35, point 1: another site's page cannot spend a visitor's budget. The cross-site check
+  comes first everywhere; bad input counts only from this site or from no browser; a 406 never.
+- Issue 35, point 5: feedback, share and stop have a per-network budget.
+- Issue 35, point 2: sockets are admitted: a bounded number per client and per network; one
+  that starts nothing, or keeps sending refused frames, is closed.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -23,99 +23,79 @@ from channels.testing import WebsocketCommunicator
 from django.db import connection
 from django.db.backends.signals import connection_created
 
-from harness.workers_ai import FakeWorkersAI
-from quotes.models import Persona
+from harness.workers_ai import FakeWorkersAI, Scenario
+from quotes import personas
+from quotes.backends import reset_backends
+from quotes.models import Generation, Persona, Vote
 from quotes.services import persona_save
-from tests.asgi import CSRF, post_quote, request
-from tests.limits import configure
+from tests.asgi import CSRF, FORM_URL, STREAM_URL, htmx_form_post, post_quote, request
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration, pytest.mark.services]
 
+SAFARI = "Mozilla/5.0 (Macintosh; Intel Mac OS X 10_15_7) AppleWebKit/605.1.15 Version/15.6 Safari/605.1.15"
+
 
 @pytest.fixture
-def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> FakeWorkersAI:
-    return fake_workers_ai
+async def fake(
+    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
+) -> AsyncIterator[FakeWorkersAI]:
+    persona.cache_ttl = 0  # every request a generation of its own
+    await sync_to_async(persona_save)(persona=persona)
+    # Loaded now: a refusal is counted against this test's persona, not an earlier test's, which
+    # quotes.personas still holds (its database row gone, the count's write fails until flush gives up).
+    await personas.get_active(persona.slug)
+    yield fake_workers_ai
+    await reset_backends()
 
 
-def body(topic: str) -> dict[str, str]:
+def body(topic: str = "rain") -> dict[str, str]:
     return {"persona": "test-watts", "topic": topic}
 
 
 @pytest.mark.parametrize(
     ("neighbours", "stranger"),
     [
-        ([f"2001:db8:7:{n}::1" for n in range(1, 6)] + ["2001:db8:7:ffff::9"], "2001:db8:8::1"),
-        ([f"198.51.100.{n}" for n in range(1, 7)], "198.51.101.1"),
+        ([f"2001:db8:7:{n}::1" for n in range(1, 7)] + ["2001:db8:7:ffff::9"], "2001:db8:8::1"),
+        ([f"198.51.100.{n}" for n in range(1, 8)], "198.51.101.1"),
     ],
     ids=["ipv6-48", "ipv4-24"],
 )
-async def test_abuse_a_network_has_its_own_budget_across_its_clients(
-    persona: Persona, fake: FakeWorkersAI, settings: Any, neighbours: list[str], stranger: str
+async def test_a_network_has_its_own_budget_across_its_clients(
+    fake: FakeWorkersAI, settings: Any, neighbours: list[str], stranger: str
 ) -> None:
-    configure(settings, rate_limit=(2, 3600), network_rate_limit=(5, 3600), cache_ttl=0)
+    settings.QUOTES_RATE_LIMIT = "1/minute"  # a network: six times that
 
-    # Six clients of one network (distinct /64s, or distinct IPv4 addresses), one request each:
-    # each is well within its own limit, and the sixth is over the network's.
     answers = [await post_quote(body(f"t{n}"), client=(ip, 40000)) for n, ip in enumerate(neighbours)]
     elsewhere = await post_quote(body("x"), client=(stranger, 40000))
 
-    assert [answer.status for answer in answers] == [200] * 5 + [429]
+    assert [answer.status for answer in answers] == [200] * 6 + [429]
     refused = answers[-1].json()["error"]
     assert refused["code"] == "rate_limited" and "network" in refused["message"]
     assert int(answers[-1].headers["retry-after"]) > 0
     assert elsewhere.status == 200  # another network has a budget of its own
 
 
-async def test_abuse_invalid_requests_count_against_the_client(
-    persona: Persona, fake: FakeWorkersAI, settings: Any
+async def test_invalid_requests_count_against_the_client_and_its_network(
+    fake: FakeWorkersAI, settings: Any
 ) -> None:
-    configure(settings, rate_limit=(5, 3600))
+    settings.QUOTES_RATE_LIMIT = "1/minute"
 
-    unknown = [await post_quote({"persona": f"nobody-{n}"}) for n in range(5)]
-    bad_json = await post_quote(b"{not json")
-    valid = await post_quote(body("rain"))
+    unknown = await post_quote({"persona": "nobody"}, client=("198.51.100.1", 1))
+    bad_json = await post_quote(b"{not json", client=("198.51.100.1", 1))
+    neighbours = [await post_quote({"persona": "nobody"}, client=(f"198.51.100.{n}", 1)) for n in range(2, 7)]
+    valid = await post_quote(body(), client=("198.51.100.7", 1))
 
-    assert [answer.status for answer in unknown] == [404] * 5
-    assert bad_json.status == 429 and bad_json.json()["error"]["code"] == "rate_limited"
-    assert valid.status == 429  # the invalid ones used the budget up
+    assert (unknown.status, unknown.json()["error"]["code"]) == (404, "unknown_persona")
+    assert (bad_json.status, bad_json.json()["error"]["code"]) == (429, "rate_limited")
+    assert [answer.status for answer in neighbours] == [404] * 5
+    assert valid.status == 429 and "network" in valid.json()["error"]["message"]
     assert fake.requests == []
-
-
-async def test_abuse_an_unknown_persona_is_remembered_briefly(
-    persona: Persona, fake: FakeWorkersAI, settings: Any
-) -> None:
-    configure(settings, rate_limit=(100, 3600))
-    assert (await post_quote({"persona": "ghost"})).status == 404
-    # The persona appears behind the ORM's back (no signal): the slugs held are still those loaded,
-    # so the second request costs no query and still answers 404...
-    await sync_to_async(rename_behind_the_orm)(persona.slug, "ghost")
-    remembered = await post_quote({"persona": "ghost"})
-    # ...until persona data changes through the app (an editor's save), which reloads them.
-    found = await persona_save_async(slug="ghost")
-
-    assert remembered.status == 404
-    assert found.status == 200
-
-
-def rename_behind_the_orm(old: str, new: str) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE quotes_persona SET slug = %s WHERE slug = %s", [new, old])
-
-
-async def persona_save_async(*, slug: str) -> Any:
-    ghost = await Persona.objects.aget(slug=slug)
-    await sync_to_async(persona_save)(persona=ghost)
-    return await post_quote({"persona": slug, "topic": "rain"})
-
-
-# --- issue 29: what invalid requests cost before they are counted, and share and stop ---------
 
 
 @pytest.fixture
 def persona_queries() -> Iterator[list[str]]:
-    """The queries that look a persona up, on every connection opened meanwhile (a look-up runs
-    on a worker thread, on a connection of its own). The wrapper stays on a worker thread's
-    connection after the test (only that thread could take it off), recording nothing."""
+    """The queries that read personas, on every connection opened meanwhile (a look-up runs on a
+    worker thread, on a connection of its own)."""
     seen: list[str] = []
     recording = [True]
 
@@ -125,7 +105,7 @@ def persona_queries() -> Iterator[list[str]]:
         return execute(sql, params, many, context)
 
     def instrument(sender: Any, connection: Any, **kwargs: Any) -> None:
-        if record not in connection.execute_wrappers:  # a thread's wrapper object connects anew
+        if record not in connection.execute_wrappers:
             connection.execute_wrappers.append(record)
 
     connection_created.connect(instrument)
@@ -134,66 +114,33 @@ def persona_queries() -> Iterator[list[str]]:
     connection_created.disconnect(instrument)
 
 
-async def test_abuse_made_up_slugs_cost_no_query_each(
-    persona: Persona, fake: FakeWorkersAI, settings: Any, persona_queries: list[str]
+def rename_behind_the_orm(old: str, new: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE quotes_persona SET slug = %s WHERE slug = %s", [new, old])
+
+
+async def test_made_up_slugs_cost_no_query_each_and_are_known_until_personas_change(
+    fake: FakeWorkersAI, settings: Any, persona_queries: list[str]
 ) -> None:
-    """26 made-up slugs made 26 queries, although 6 were answered 429: the active personas'
-    slugs are now loaded together, once, and a slug that is not among them costs nothing."""
-    configure(settings, rate_limit=(20, 3600))
+    settings.QUOTES_RATE_LIMIT = "20/minute"
 
     answers = [await post_quote({"persona": f"nobody-{n}"}) for n in range(26)]
     queries = len(persona_queries)
-    valid = await post_quote(body("rain"), client=("192.0.2.9", 40000))
+    # The persona becomes "ghost" behind the ORM (no signal): the slugs held are those loaded...
+    await sync_to_async(rename_behind_the_orm)("test-watts", "ghost")
+    remembered = await post_quote({"persona": "ghost"}, client=("192.0.2.9", 1))
+    # ...until persona data changes through the app (an editor's save), which reloads them.
+    await sync_to_async(persona_save)(persona=await Persona.objects.aget(slug="ghost"))
+    found = await post_quote({"persona": "ghost"}, client=("192.0.2.9", 1))
 
     assert [answer.status for answer in answers] == [404] * 20 + [429] * 6
-    assert queries == 1  # the slugs, for all 26
-    assert valid.status == 200  # a real persona is still found (its own query)
-
-
-async def test_abuse_invalid_requests_count_against_the_network(
-    persona: Persona, fake: FakeWorkersAI, settings: Any
-) -> None:
-    configure(settings, rate_limit=(100, 3600), network_rate_limit=(5, 3600))
-
-    invalid = [
-        await post_quote({"persona": "nobody"}, client=(f"198.51.100.{n}", 40000)) for n in range(1, 9)
-    ]
-    valid = await post_quote(body("rain"), client=("198.51.100.77", 40000))
-
-    assert [answer.status for answer in invalid] == [404] * 5 + [429] * 3
-    assert "network" in invalid[-1].json()["error"]["message"]
-    assert valid.status == 429
-    assert fake.requests == []
-
-
-async def test_abuse_websocket_bad_frames_and_failed_resumes_count(
-    persona: Persona, fake: FakeWorkersAI, settings: Any
-) -> None:
-    from config.asgi import application
-
-    configure(settings, rate_limit=(3, 3600))
-    socket = WebsocketCommunicator(
-        application, "/ws/quotes/", headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
-    )
-    assert (await socket.connect())[0]
-    unknown = f"00000000-0000-4000-8000-000000000000.{'0' * 16}:1"
-    codes = []
-    for frame in ("{not json", '{"type": "nope"}', json.dumps({"type": "resume", "last_event_id": unknown})):
-        await socket.send_to(text_data=frame)
-        codes.append((await socket.receive_json_from(timeout=10))["code"])
-    await socket.send_json_to({"type": "start", "persona": persona.slug})
-    start = await socket.receive_json_from(timeout=10)
-    await socket.disconnect()
-
-    assert (start["type"], start.get("code")) == ("error", "rate_limited")
-    assert codes == ["invalid_json", "invalid_frame", "resume_unavailable"]
-    assert fake.requests == []
+    assert queries <= 1  # the active slugs, loaded together (once, or already), for all 26
+    assert (remembered.status, found.status) == (404, 200)
 
 
 @pytest.mark.parametrize("action", ["stop", "share"])
-async def test_abuse_share_and_stop_are_rate_limited(persona: Persona, settings: Any, action: str) -> None:
-    """Each random id cost an UPDATE and an EXISTS (share) or two cache reads (stop), unlimited."""
-    configure(settings, feedback_rate_limit=(2, 3600))
+async def test_share_and_stop_are_rate_limited(persona: Persona, settings: Any, action: str) -> None:
+    settings.QUOTES_FEEDBACK_RATE_LIMIT = "2/minute"
     csrf = {"cookie": f"csrftoken={CSRF}", "x-csrftoken": CSRF}
 
     answers = [await request("POST", f"/api/quotes/{uuid.uuid4()}/{action}", headers=csrf) for _ in range(3)]
@@ -201,3 +148,205 @@ async def test_abuse_share_and_stop_are_rate_limited(persona: Persona, settings:
     assert [answer.status for answer in answers] == [404, 404, 429]
     assert answers[-1].json()["error"]["code"] == "rate_limited"
     assert int(answers[-1].headers["retry-after"]) > 0
+
+
+# -- issue 35, point 1: what another site's page can spend -------------------------------------
+
+CROSS_SITE_IMAGE = {"sec-fetch-site": "cross-site", "sec-fetch-dest": "image", "user-agent": SAFARI}
+OLD_SAFARI = {"user-agent": SAFARI}  # no fetch metadata (Safari before 16.4): it might be any page's
+EVIL_TEXT = {"origin": "https://evil.example", "content-type": "text/plain", "user-agent": SAFARI}
+OWN_JSON = {"sec-fetch-site": "same-origin", "content-type": "application/json", "user-agent": SAFARI}
+
+
+@pytest.mark.parametrize(
+    ("ask", "status", "counts"),
+    [
+        # the issue's repro: <img src=".../quotes/stream"> on any page (it was 405, and counted)
+        pytest.param(("GET", FORM_URL, CROSS_SITE_IMAGE, b""), 403, False, id="cross-site-img-of-the-form"),
+        pytest.param(("GET", STREAM_URL, CROSS_SITE_IMAGE, b""), 403, False, id="cross-site-img-of-the-api"),
+        pytest.param(
+            ("GET", STREAM_URL, {"sec-fetch-site": "same-site"}, b""), 403, False, id="sibling-subdomain"
+        ),
+        pytest.param(("GET", FORM_URL, OLD_SAFARI, b""), 405, False, id="old-safari-img-of-the-form"),
+        pytest.param(("GET", STREAM_URL, OLD_SAFARI, b""), 406, False, id="old-safari-img-of-the-api"),
+        pytest.param(("GET", STREAM_URL, {}, b""), 406, False, id="a-406-never-counts"),
+        pytest.param(("POST", STREAM_URL, EVIL_TEXT, b"{}"), 403, False, id="cross-site-text-post"),
+        # from no browser (curl), or from this site's own page: bad input is not free
+        pytest.param(("PUT", STREAM_URL, {}, b""), 405, True, id="curl-put"),
+        pytest.param(("POST", STREAM_URL, OWN_JSON, b"{not json"), 400, True, id="own-page-bad-json"),
+    ],
+)
+async def test_bad_input_counts_only_from_this_site_or_no_browser(
+    fake: FakeWorkersAI, ask: tuple[str, str, dict[str, str], bytes], status: int, counts: bool
+) -> None:
+    """At the default 20 a minute: 21 of each, then the visitor's own quote from the page."""
+    method, path, headers, payload = ask
+    answers = [(await request(method, path, body=payload, headers=headers)).status for _ in range(21)]
+    own = await htmx_form_post({"persona": "test-watts"}, **{"sec-fetch-site": "same-origin"})
+
+    if counts:
+        assert (answers, own.status) == ([status] * 20 + [429], 429)
+    else:
+        assert answers == [status] * 21  # never a 429: nothing was counted
+        assert own.status == 200, own.body[:300]
+        assert len(fake.requests) == 1
+
+
+async def test_cross_site_images_from_a_whole_network_spend_nothing(fake: FakeWorkersAI) -> None:
+    """Six visitors of one /24 on a page with 21 <img> tags each: the network's budget is whole."""
+    for n in range(1, 7):
+        for _ in range(21):
+            answer = await request("GET", FORM_URL, headers=CROSS_SITE_IMAGE, client=(f"198.51.100.{n}", 1))
+            assert answer.status == 403
+    own = await post_quote(body(), client=("198.51.100.9", 1))
+    assert own.status == 200
+
+
+async def test_feedback_refuses_another_site_then_the_type_then_counts(persona: Persona) -> None:
+    """31 cross-site text/plain votes were 415 x 30, then 429, and the visitor's own vote 429."""
+    quote = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+    url = f"/api/quotes/{quote.public_id}/feedback"
+    cross_site = {
+        "origin": "https://evil.example",
+        "sec-fetch-site": "cross-site",
+        "content-type": "text/plain",
+    }
+
+    elsewhere = [
+        (await request("POST", url, body=b'{"value": -1}', headers=cross_site)).status for _ in range(31)
+    ]
+    wrong_type = [
+        (await request("POST", url, body=b"{}", headers={"content-type": "text/plain"})).status
+        for _ in range(31)
+    ]
+    own = await request("POST", url, json_body={"value": 1}, headers={"sec-fetch-site": "same-origin"})
+
+    assert elsewhere == [403] * 31
+    assert wrong_type == [415] * 31  # refused before the count: costs no query either
+    assert own.status == 200 and own.json()["feedback"] == 1
+
+
+# -- issue 35, point 5: a network's votes ---------------------------------------------------------
+
+
+async def test_a_network_cannot_cast_fifty_votes_from_fifty_64s(persona: Persona) -> None:
+    """Default settings: one /48 held 65,536 voters, each with a budget of its own."""
+    quote = await Generation.objects.acreate(persona=persona, backend="local", model="m", status="ok")
+
+    url = f"/api/quotes/{quote.public_id}/feedback"
+
+    answers = [
+        await request("POST", url, json_body={"value": -1}, client=(f"2001:db8:66:{n:x}::1", 1))
+        for n in range(50)
+    ]
+    elsewhere = await request("POST", url, json_body={"value": 1}, client=("2001:db8:77::1", 1))
+
+    statuses = [answer.status for answer in answers]
+    assert 429 in statuses and "network" in answers[statuses.index(429)].json()["error"]["message"]
+    assert statuses.count(200) == await Vote.objects.filter(value=-1).acount() < 50
+    assert elsewhere.status == 200
+
+
+# -- issue 35, point 2: sockets are admitted ----------------------------------------------------
+
+
+def socket_from(ip: str) -> WebsocketCommunicator:
+    from config.asgi import application
+
+    socket = WebsocketCommunicator(
+        application, "/ws/quotes/", headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
+    )
+    socket.scope["client"] = (ip, 40000)  # as the server sets it
+    return socket
+
+
+async def test_sockets_are_bounded_per_client_and_per_network(settings: Any) -> None:
+    settings.QUOTES_MAX_SOCKETS = 1  # a network: six
+    held = [socket_from(f"2001:db8:5:{n}::1") for n in range(1, 7)]
+    try:
+        assert [(await socket.connect())[0] for socket in held] == [True] * 6
+        second = await socket_from("2001:db8:5:1::2").connect()  # the first /64's second socket
+        seventh = await socket_from("2001:db8:5:7::1").connect()  # the network's seventh
+        elsewhere = await (other := socket_from("2001:db8:6::1")).connect()
+        await other.disconnect()
+        await held.pop(0).disconnect()  # a socket closed is given back
+        after_close = await (last := socket_from("2001:db8:5:7::1")).connect()
+        held.append(last)
+    finally:
+        for socket in held:
+            await socket.disconnect()
+
+    assert second == (False, 4008) and seventh == (False, 4008)  # refused at the handshake (403)
+    assert elsewhere[0] and after_close[0]
+
+
+async def test_an_idle_socket_is_closed_but_not_while_it_streams(fake: FakeWorkersAI, settings: Any) -> None:
+    settings.QUOTES_SOCKET_IDLE_S = 0.3
+    fake.default = Scenario(tokens=["tick "] * 12, token_delay_s=0.05)  # 0.6 s: longer than idle
+    idle, busy = socket_from("198.51.100.1"), socket_from("198.51.100.2")
+    assert (await idle.connect())[0] and (await busy.connect())[0]
+    await busy.send_json_to({"type": "start", "persona": "test-watts"})
+    frames = []
+    while not frames or frames[-1]["type"] not in ("done", "error"):
+        frames.append(await busy.receive_json_from(timeout=5))  # a close here fails the test
+
+    idle_closed = await idle.receive_output(timeout=2)
+    busy_closed = await busy.receive_output(timeout=2)  # idle again once its quote is done
+    await idle.disconnect()
+    await busy.disconnect()
+
+    assert frames[-1]["type"] == "done" and "".join(f.get("text", "") for f in frames).count("tick") == 12
+    assert idle_closed == {"type": "websocket.close", "code": 4008}
+    assert busy_closed == {"type": "websocket.close", "code": 4008}
+
+
+async def test_refused_frames_close_the_socket(persona: Persona, settings: Any) -> None:
+    refusing, oversized = socket_from("198.51.100.1"), socket_from("198.51.100.2")
+    assert (await refusing.connect())[0] and (await oversized.connect())[0]
+    codes = []
+    for frame in [
+        "{not json",
+        '{"type": "nope"}',
+        "[]",
+        '{"type": "start"}',
+        '{"type": "start", "persona": 1}',
+    ]:
+        await refusing.send_to(text_data=frame)
+        codes.append((await refusing.receive_json_from(timeout=5))["code"])
+    closed = await refusing.receive_output(timeout=2)
+    await oversized.send_to(text_data="x" * (settings.QUOTES_MAX_FRAME_BYTES + 1))
+    too_large = await oversized.receive_json_from(timeout=5)
+    oversized_closed = await oversized.receive_output(timeout=2)
+    await refusing.disconnect()
+    await oversized.disconnect()
+
+    assert codes == ["invalid_frame", "invalid_frame", "invalid_frame", "missing_persona", "invalid_persona"]
+    assert closed == {"type": "websocket.close", "code": 4008}
+    assert (too_large["type"], too_large["code"]) == ("error", "frame_too_large")
+    assert oversized_closed == {"type": "websocket.close", "code": 4009}
+
+
+async def test_socket_starts_and_resumes_count_refused_frames_do_not(
+    fake: FakeWorkersAI, settings: Any
+) -> None:
+    settings.QUOTES_RATE_LIMIT = "2/minute"
+    socket = socket_from("198.51.100.1")
+    assert (await socket.connect())[0]
+    replies = []
+    unknown = f"{uuid.uuid4()}.{'0' * 16}:1"
+    start = {"type": "start", **body()}
+    for frame in [
+        {"type": "resume", "last_event_id": unknown},
+        {"type": "nope"},
+        {"type": "nope"},
+        start,
+        start,
+    ]:
+        await socket.send_json_to(frame)
+        while (reply := await socket.receive_json_from(timeout=5))["type"] not in ("done", "error"):
+            pass
+        replies.append(reply.get("code", reply["type"]))
+    await socket.disconnect()
+
+    assert replies == ["resume_unavailable", "invalid_frame", "invalid_frame", "done", "rate_limited"]
+    assert len(fake.requests) == 1
