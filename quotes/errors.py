@@ -256,3 +256,66 @@ def upstream_text(text: str, *, secrets: Iterable[str] = ()) -> str:
     if len(text) > UPSTREAM_TEXT_LIMIT:
         text = text[: UPSTREAM_TEXT_LIMIT - 1].rstrip() + "…"
     return text
+
+
+# -- our credentials, out of what an upstream sends back -----------------------------------------
+
+_BEARER_TOKEN = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+")
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """`text` (an upstream's header value) without any of `secrets`, nor anything that follows
+    the word Bearer."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _REDACTED)
+    return _BEARER_TOKEN.sub("Bearer " + _REDACTED, text)
+
+
+class Scrubber:
+    """Removes our credentials from streamed text, even when one is cut across tokens.
+
+    A model never writes our token unless an upstream echoes it back; this makes sure it cannot
+    reach a visitor. The tail of a token that could be the start of a secret is held back until
+    the next token shows whether it is (`flush` gives it back when the stream ends). Cost per
+    token: one substring test per secret.
+    """
+
+    __slots__ = ("_held", "_secrets")
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        self._secrets = tuple(secret for secret in secrets if secret)
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self._secrets:
+            return text
+        if self._held:
+            text = self._held + text
+            self._held = ""
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, _REDACTED)
+        hold = 0
+        for secret in self._secrets:
+            hold = max(hold, _prefix_overlap(text, secret))
+        if hold:
+            self._held = text[-hold:]
+            return text[:-hold]
+        return text
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _prefix_overlap(text: str, secret: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `secret`."""
+    first = secret[0]
+    start = max(0, len(text) - len(secret) + 1)
+    index = text.find(first, start)
+    while index != -1:
+        if secret.startswith(text[index:]):
+            return len(text) - index
+        index = text.find(first, index + 1)
+    return 0

@@ -21,7 +21,11 @@ def get_backend(name: str | None = None) -> Backend:
     name = name or settings.AI_BACKEND
     backend = _backends.get(name)
     if backend is None:
-        kinds: dict[str, Any] = {"local": LocalBackend, "workers-ai": WorkersAIBackend, "openai": OpenAICompatBackend}
+        kinds: dict[str, Any] = {
+            "local": LocalBackend,
+            "workers-ai": WorkersAIBackend,
+            "openai": OpenAICompatBackend,
+        }
         if name not in kinds:
             raise ValueError(f"unknown backend {name!r}")
         backend = _backends[name] = kinds[name].from_settings()

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from django.conf import settings
 
 from streaming.events import Done, Error, Event, Meta, Token, Usage
@@ -321,7 +320,9 @@ class LocalBackend:
         yield Meta(model=self.model)
         lead = quote_lead(request)
         body = completion_body(request, lead)
-        completion = self.stream_completion(body, max_sentences=MAX_SENTENCES, enough_words=ENOUGH_WORDS, lead=lead)
+        completion = self.stream_completion(
+            body, max_sentences=MAX_SENTENCES, enough_words=ENOUGH_WORDS, lead=lead
+        )
         async with contextlib.aclosing(completion) as events:
             async for event in events:
                 yield event

@@ -20,13 +20,14 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
-from httpx_sse import SSEError
-
 from django.conf import settings
+from httpx_sse import SSEError
 
 from streaming.events import UPSTREAM_HEADERS, Done, Error, Event, Meta, Token, Usage
 
 from ..errors import (
+    Scrubber,
+    scrub,
     upstream_dropped,
     upstream_malformed,
     upstream_status_error,
@@ -63,6 +64,7 @@ class OpenAICompatBackend:
     def __init__(self, *, base_url: str, api_key: str, connect_timeout_s: float = 5.0) -> None:
         self._url = base_url.rstrip("/") + "/chat/completions"
         self._api_key = api_key
+        self._secrets = (api_key,) if api_key else ()
         # No read or write timeout: the policy's deadlines bound those waits (module doc).
         self._timeout = httpx.Timeout(None, connect=connect_timeout_s, pool=connect_timeout_s)
         # Each open stream holds a connection (httpx's default would cap them at 100): the
@@ -144,6 +146,8 @@ class OpenAICompatBackend:
         self, response: httpx.Response, request: GenerationRequest
     ) -> AsyncGenerator[Event, None]:
         sse = upstream_events(response)
+        # Our key never reaches a visitor, even when the server echoes it into the text.
+        scrubber = Scrubber(self._secrets)
         meta_sent = False
         usage: Usage | None = None
         loads = json.loads
@@ -159,6 +163,9 @@ class OpenAICompatBackend:
                 if data == "[DONE]":
                     if not meta_sent:
                         yield self._meta(response, request.model)
+                    tail = scrubber.flush()  # text held back in case it began a secret
+                    if tail:
+                        yield Token(tail)
                     if usage is not None:
                         yield usage
                     yield Done()
@@ -175,7 +182,9 @@ class OpenAICompatBackend:
                         delta = choices[0].get("delta")
                         content = delta.get("content") if delta else None
                         if content:
-                            yield Token(content)
+                            text = scrubber.feed(content)
+                            if text:
+                                yield Token(text)
                     counts = chunk.get("usage")
                     if counts:
                         usage = Usage(
@@ -184,6 +193,9 @@ class OpenAICompatBackend:
                 except (ValueError, TypeError, KeyError, IndexError, AttributeError):
                     raise _Failure(upstream_malformed()) from None
         except _Failure as failure:
+            tail = scrubber.flush()
+            if tail:
+                yield Token(tail)
             if usage is not None:
                 yield usage
             yield failure.event
@@ -192,6 +204,9 @@ class OpenAICompatBackend:
             yield upstream_malformed()
         except httpx.HTTPError:
             # The peer closed or reset the connection mid-stream.
+            tail = scrubber.flush()
+            if tail:
+                yield Token(tail)
             if usage is not None:
                 yield usage
             yield upstream_dropped()
@@ -200,7 +215,7 @@ class OpenAICompatBackend:
 
     def _meta(self, response: httpx.Response, model: str) -> Meta:
         kept = {
-            name: value
+            name: scrub(value, self._secrets)
             for name, value in response.headers.items()
             if name.lower().startswith(UPSTREAM_HEADERS)
         }

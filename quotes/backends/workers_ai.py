@@ -21,13 +21,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
 import httpx
-
 from django.conf import settings
 
 from streaming.events import Done, Error, Event, Meta, Token, Usage
 
 from ..errors import (
     ErrorCode,
+    Scrubber,
+    scrub,
     upstream_dropped,
     upstream_malformed,
     upstream_status_error,
@@ -48,7 +49,6 @@ MAX_ERROR_BODY_BYTES = 64 * 1024
 # A model id: `@cf/meta/llama-3.1-8b-instruct`. It goes into the URL path, so nothing that could
 # climb out of it ("..", "?", "#", "%", spaces) is allowed.
 _MODEL_ID = re.compile(r"@?[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*", re.ASCII)
-_BEARER = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+")
 
 
 # -- stable errors ---------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def error_for_status(status: int, body: bytes) -> Error:
 
 def upstream_said(body: bytes, secrets: Iterable[str]) -> str:
     """What an error body says, for the operator's log: a v4 envelope's first message, else the
-    text itself (an HTML page's words), redacted (quotes.ai.errors.upstream_text)."""
+    text itself (an HTML page's words), redacted (quotes.errors.upstream_text)."""
     _, message = _parse_envelope(body)
     return upstream_text(message or body.decode("utf-8", "replace"), secrets=secrets)
 
@@ -122,14 +122,6 @@ def _parse_envelope(body: bytes) -> tuple[list[int], str]:
         if not message and isinstance(item.get("message"), str):
             message = item["message"]
     return codes, message
-
-
-def scrub(text: str, secrets: Iterable[str]) -> str:
-    """`text` without any of `secrets`, nor anything that follows the word Bearer."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "[redacted]")
-    return _BEARER.sub("Bearer [redacted]", text)
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -313,7 +305,9 @@ class WorkersAIBackend:
                 # No read or write timeout: the policy's deadlines bound those waits (module doc).
                 timeout=httpx.Timeout(None, connect=connect_s, pool=connect_s),
                 # One connection per open stream: the open-stream cap bounds them.
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=20, keepalive_expiry=30.0),
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=20, keepalive_expiry=30.0
+                ),
                 headers=self._headers,
                 follow_redirects=False,
                 trust_env=False,
@@ -376,7 +370,7 @@ class WorkersAIBackend:
                 return
 
             parser = StreamParser(self._secrets)
-            scrubber = _Scrubber(self._secrets)
+            scrubber = Scrubber(self._secrets)
             messages = upstream_events(response)
             try:
                 while True:
@@ -431,51 +425,3 @@ async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
         if size >= limit:
             break
     return b"".join(parts)[:limit]
-
-
-class _Scrubber:
-    """Removes the credentials from streamed text, even when one is cut across tokens.
-
-    A model never writes our token unless an upstream echoes it back; this makes sure it cannot
-    reach a visitor. The tail of a token that could be the start of a secret is held back until
-    the next token shows whether it is. Cost per token: one substring test per secret.
-    """
-
-    __slots__ = ("_held", "_secrets")
-
-    def __init__(self, secrets: tuple[str, ...]) -> None:
-        self._secrets = secrets
-        self._held = ""
-
-    def feed(self, text: str) -> str:
-        if not self._secrets:
-            return text
-        if self._held:
-            text = self._held + text
-            self._held = ""
-        for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, "[redacted]")
-        hold = 0
-        for secret in self._secrets:
-            hold = max(hold, _prefix_overlap(text, secret))
-        if hold:
-            self._held = text[-hold:]
-            return text[:-hold]
-        return text
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-
-def _prefix_overlap(text: str, secret: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `secret`."""
-    first = secret[0]
-    start = max(0, len(text) - len(secret) + 1)
-    index = text.find(first, start)
-    while index != -1:
-        if secret.startswith(text[index:]):
-            return len(text) - index
-        index = text.find(first, index + 1)
-    return 0

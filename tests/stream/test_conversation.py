@@ -1,76 +1,120 @@
-"""Follow-up conversations through the stream endpoint (embedded model)."""
+"""A quote's topic and follow-up conversation: checked (quotes.generations.clean_topic,
+parse_messages, check_context_window), then sent upstream as the persona's chat."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 import pytest
+from asgiref.sync import sync_to_async
 
+from harness.workers_ai import FakeWorkersAI
+from quotes.backends import reset_backends
+from quotes.backends.base import Message
+from quotes.errors import QuoteError
+from quotes.generations import check_context_window, clean_topic, parse_messages
 from quotes.models import Generation, Persona
-from tests.asgi import parse_sse, request
-
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
-
-
-async def test_conversation_continues_with_the_persona(persona: Persona) -> None:
-    messages = [
-        {"role": "assistant", "content": "Work is play that forgot its name."},
-        {"role": "user", "content": "And what about rest?"},
-    ]
-    response = await request(
-        "POST", "/api/quotes/stream", json_body={"persona": persona.slug, "messages": messages}
-    )
-
-    assert response.status == 200
-    assert parse_sse(response.body)[-1]["data"] == "[DONE]"
-    row = await Generation.objects.aget()
-    sent = row.request["messages"]
-    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
-    assert sent[0]["content"] == "You are Alan Watts"
-    assert sent[-1]["content"] == "And what about rest?"
-
+from quotes.services import persona_save
+from tests.asgi import parse_sse, post_quote
 
 TOO_LONG = "word " * 390  # ~1950 characters, ~490 estimated tokens
 
 
+def refusal(call: Any, *args: Any, **kwargs: Any) -> tuple[str, str, int]:
+    with pytest.raises(QuoteError) as caught:
+        call(*args, **kwargs)
+    return caught.value.code, caught.value.message, caught.value.status
+
+
+@pytest.mark.unit
+def test_clean_topic_collapses_spaces_drops_control_characters_and_defaults() -> None:
+    assert clean_topic("  the \t  sea\x00 ", default="tea") == "the sea"
+    assert clean_topic(None, default="tea") == clean_topic(" \x07 ", default="tea") == "tea"
+    assert refusal(clean_topic, 3, default="tea")[::2] == ("invalid_topic", 400)
+    assert refusal(clean_topic, "\ud800", default="tea")[::2] == ("invalid_unicode", 400)
+    code, message, _ = refusal(clean_topic, "x" * 201, default="tea")
+    assert code == "topic_too_long" and "200 characters" in message
+
+
+def turn(role: str, content: object) -> dict[str, object]:
+    return {"role": role, "content": content}
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("messages", "code", "says"),
     [
-        pytest.param("hello", "invalid_messages", "list", id="not-a-list"),
-        pytest.param(
-            [{"role": "system", "content": "obey"}], "invalid_message_role", "role", id="system-role"
-        ),
-        pytest.param([{"role": "tool", "content": "x"}], "invalid_message_role", "role", id="tool-role"),
-        pytest.param([{"role": "user"}], "invalid_messages", "role, content", id="missing-content"),
-        pytest.param([{"role": "user", "content": 3}], "invalid_messages", "text", id="content-number"),
-        pytest.param([{"role": "user", "content": "  "}], "invalid_messages", "non-empty", id="blank"),
-        pytest.param(
-            [{"role": "user", "content": "x" * 2001}], "message_too_long", "2000", id="turn-too-long"
-        ),
-        pytest.param(
-            [{"role": "user", "content": "hi"}] * 21, "too_many_messages", "20 turns", id="too-many-turns"
-        ),
-        pytest.param(
-            [{"role": "assistant", "content": "hi"}], "invalid_messages", "end with", id="ends-on-assistant"
-        ),
-        pytest.param(
-            [
-                {"role": "user", "content": TOO_LONG},
-                {"role": "assistant", "content": TOO_LONG},
-                {"role": "user", "content": TOO_LONG},
-            ],
-            "context_window_exceeded",
-            "1024-token context window",
-            id="over-context-window",
-        ),
+        ("hello", "invalid_messages", "list"),
+        ([turn("system", "obey")], "invalid_message_role", "role"),
+        ([{"role": "user"}], "invalid_messages", "role, content"),
+        ([turn("user", 3)], "invalid_messages", "text"),
+        ([turn("user", "  ")], "invalid_messages", "non-empty"),
+        ([turn("user", "\ud800")], "invalid_unicode", "surrogate"),
+        ([turn("user", "x" * 2001)], "message_too_long", "2000"),
+        ([turn("user", "hi")] * 21, "too_many_messages", "20 turns"),
+        ([turn("assistant", "hi")], "invalid_messages", "end with"),
     ],
 )
-async def test_conversation_rejects_bad_turns_saying_which_limit(
-    persona: Persona, messages: object, code: str, says: str
-) -> None:
-    response = await request(
-        "POST", "/api/quotes/stream", json_body={"persona": persona.slug, "messages": messages}
+def test_parse_messages_refuses_bad_turns_saying_which_limit(messages: object, code: str, says: str) -> None:
+    got, message, status = refusal(parse_messages, messages)
+
+    assert (got, status) == (code, 400)
+    assert says in message
+
+
+@pytest.mark.unit
+def test_parse_messages_reads_user_and_assistant_turns() -> None:
+    turns = [turn("assistant", "Work is play."), turn("user", "And rest?")]
+
+    assert parse_messages(turns) == (Message("assistant", "Work is play."), Message("user", "And rest?"))
+    assert parse_messages(None) == ()
+
+
+@pytest.mark.unit
+def test_a_conversation_must_fit_the_models_context_window() -> None:
+    persona = Persona(
+        slug="p", name="P", system_prompt="You are P", user_prompt_template="On {topic}", max_tokens=16
     )
-    assert response.status == 400
-    error = response.json()["error"]
-    assert error["code"] == code
-    assert says in error["message"]
-    assert not await Generation.objects.aexists()
+    turns = (Message("user", TOO_LONG), Message("assistant", TOO_LONG), Message("user", TOO_LONG))
+
+    check_context_window(persona, persona.build_request(topic="tea", messages=turns[:1]))
+    code, message, status = refusal(
+        check_context_window, persona, persona.build_request(topic="tea", messages=turns)
+    )
+    # The embedded model (the tests' AI_BACKEND) answers whatever model the persona names.
+    assert (code, status) == ("context_window_exceeded", 400)
+    assert "gemma-3-270m" in message and "1024-token context window" in message
+
+
+@pytest.fixture
+async def fake(
+    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
+) -> AsyncIterator[FakeWorkersAI]:
+    persona.max_tokens, persona.temperature = 48, 1.25
+    await sync_to_async(persona_save)(persona=persona)
+    yield fake_workers_ai
+    await reset_backends()
+
+
+@pytest.mark.integration
+@pytest.mark.django_db(transaction=True)
+async def test_the_conversation_and_topic_reach_the_model_after_the_personas_prompts(
+    fake: FakeWorkersAI,
+) -> None:
+    turns = [
+        turn("assistant", "Work is play, seen from far enough away."),
+        turn("user", "Shorter, and about tea."),
+    ]
+
+    refused = await post_quote({"persona": "test-watts", "messages": [turn("tool", "x")]})
+    response = await post_quote({"persona": "test-watts", "topic": "  the   sea ", "messages": turns})
+
+    assert (refused.status, refused.json()["error"]["code"]) == (400, "invalid_message_role")
+    assert response.status == 200 and parse_sse(response.body)[-1]["data"] == "[DONE]"
+    [upstream] = fake.requests  # the refused one reached no model, and has no row
+    prompt = "Write 1 inspiring quote that is less than 50 words about the sea as if you were Alan Watts"
+    messages = [turn("system", "You are Alan Watts"), turn("user", prompt), *turns]
+    assert upstream.json == {"messages": messages, "stream": True, "max_tokens": 48, "temperature": 1.25}
+    row = await Generation.objects.aget()
+    assert (row.topic, row.request["messages"][2:]) == ("the sea", turns)
