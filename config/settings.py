@@ -277,6 +277,7 @@ QUOTES_METRICS_ALLOW = tuple(
 )
 QUOTES_LOG_CONTENT = False  # topics and quotes stay out of the logs (the admin has them)
 QUOTES_LOG_RETENTION_DAYS = env.int("QUOTES_LOG_RETENTION_DAYS", default=90)
+_check("QUOTES_LOG_RETENTION_DAYS", QUOTES_LOG_RETENTION_DAYS >= 0, "0 (keep every row) or more")
 QUOTES_KEPT_QUOTE_RETENTION_DAYS = 0  # rated and shared quotes: kept for good
 
 AXES_FAILURE_LIMIT = 5

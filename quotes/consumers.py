@@ -61,7 +61,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             limits.close_socket(self.client)
         await self._stop_reading()  # gone, not stopped: the generation runs on for its grace
 
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
         if (too_large := frame_too_large(text_data, bytes_data)) is not None:
             await self._refuse(too_large)
             await self.close(code=CLOSE_TOO_BIG)
@@ -86,7 +88,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             else:
                 raise UNKNOWN_FRAME
         except QuoteError as exc:
-            await self._refuse(exc)
+            await self._refuse(exc, content.get("persona") if isinstance(content, dict) else None)
 
     async def _start(self, content: dict[str, Any]) -> None:
         client = self._client()
@@ -105,7 +107,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         self.refusals = 0
         self.generation = generation
         meta = merged(generation.events[:after]) if after else Meta()
-        frames = encode(generation.read(after), WebSocketEncoder(), generation.id, meta, after, resumed=bool(after))
+        frames = encode(
+            generation.read(after), WebSocketEncoder(), generation.id, meta, after, resumed=bool(after)
+        )
         self.task = asyncio.create_task(self._send(frames))
 
     async def _send(self, frames: Any) -> None:
@@ -138,16 +142,18 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if self.idle is not None:
             self.idle.cancel()
         loop = asyncio.get_running_loop()
-        self.idle = loop.call_later(settings.QUOTES_SOCKET_IDLE_S, lambda: asyncio.ensure_future(self._close_idle()))
+        self.idle = loop.call_later(
+            settings.QUOTES_SOCKET_IDLE_S, lambda: asyncio.ensure_future(self._close_idle())
+        )
 
     async def _close_idle(self) -> None:
         if self.task is None or self.task.done():
             await self.close(code=CLOSE_POLICY)
 
-    async def _refuse(self, error: QuoteError) -> None:
+    async def _refuse(self, error: QuoteError, slug: object = None) -> None:
         """An error frame; MAX_REFUSED in a row close the socket (a start is counted against
         the client's rate limit by its admission; a refused frame costs it nothing more)."""
-        rows.refused(error, None, "websocket")
+        rows.refused(error, slug, "websocket")
         await self.send_json(WebSocketEncoder().error_answer(error.as_event(), Meta()))
         if error.code == ErrorCode.SERVER_DRAINING:
             await self.close(code=CLOSE_RESTART)

@@ -261,10 +261,9 @@ async def start(
     else:
         source, joinable = _upstream(backend, persona, quote, request), True
     registry.add(generation, key if joinable else "")
-    task = asyncio.create_task(_live(generation, source, row, slot, key, ttl, spend))
+    task = asyncio.create_task(_live(generation, source, row, slot, key, ttl, spend, transport))
     _tasks.add(task)
     task.add_done_callback(_tasks.discard)
-    metrics.stream_started(transport)
     return generation
 
 
@@ -280,6 +279,7 @@ async def _live(
     key: str,
     ttl: int,
     spend: limits.Spend | None,
+    transport: str,
 ) -> None:
     """A generation's life: its row inserted, its source run, its row completed, its end told."""
     rows = writer()
@@ -288,7 +288,7 @@ async def _live(
     try:
         end = await generation.run(source)
         finish_fields(row, generation, end)
-        metrics.stream_finished(row)
+        metrics.stream_finished(row, transport)
         if key and type(end) is Done and row.cache_status == Row.CacheStatus.MISS:
             await store_answer(key, generation.events, ttl=ttl)  # before [DONE]: a client who saw it finds it
         if spend is not None:

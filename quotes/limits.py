@@ -85,8 +85,11 @@ class Limiter:
             self.pool = redis.asyncio.ConnectionPool.from_url(
                 settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2
             )
+            # Its options go to redis.asyncio.Redis(): a pool of ours, closed with this loop.
             storage = RedisStorage(
-                "async+" + settings.REDIS_URL, implementation="redispy", connection_pool=self.pool
+                "async+" + settings.REDIS_URL,
+                implementation="redispy",
+                connection_pool=self.pool,  # type: ignore[arg-type]  # typed narrower than it is
             )
             self.shared = MovingWindowRateLimiter(storage)
         self.shared_down_until = 0.0

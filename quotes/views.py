@@ -31,7 +31,14 @@ from streaming.events import Error, Meta
 from . import generations, limits, personas, rows, services
 from .backends import backend_for
 from .backends.catalog import doc_url
-from .encoders import EventSourceEncoder, HtmxEncoder, SSEEncoder, WorkersAIEncoder, error_response, stream_response
+from .encoders import (
+    EventSourceEncoder,
+    HtmxEncoder,
+    SSEEncoder,
+    WorkersAIEncoder,
+    error_response,
+    stream_response,
+)
 from .errors import ErrorCode, QuoteError
 from .models import Generation, Persona
 from .personas import UNREACHABLE, outage
@@ -93,7 +100,9 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
             "text": generation.text.strip(),
             "model_url": doc_url(generation.model),
             "absolute_url": request.build_absolute_uri(),
-            "persona_url": request.build_absolute_uri(reverse("quotes:persona", args=[generation.persona.slug])),
+            "persona_url": request.build_absolute_uri(
+                reverse("quotes:persona", args=[generation.persona.slug])
+            ),
         },
     )
 
@@ -130,7 +139,9 @@ async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:
     return not_a_document(await _stream(request, HtmxEncoder(), "htmx", form=True))
 
 
-async def _stream(request: HttpRequest, encoder: SSEEncoder, transport: str, *, form: bool) -> HttpResponseBase:
+async def _stream(
+    request: HttpRequest, encoder: SSEEncoder, transport: str, *, form: bool
+) -> HttpResponseBase:
     params: dict[str, Any] = {}
     try:
         refuse_cross_site(request)
@@ -184,7 +195,9 @@ def _api_params(request: HttpRequest) -> dict[str, Any]:
             raise QuoteError(ErrorCode.NOT_ACCEPTABLE, message, 406)
         return request.GET.dict()
     if request.method != "POST":
-        raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body, or GET for EventSource.", 405)
+        raise QuoteError(
+            ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body, or GET for EventSource.", 405
+        )
     return _json_body(request)
 
 
@@ -216,7 +229,9 @@ def _form_params(request: HttpRequest) -> dict[str, Any]:
         try:
             params["messages"] = json.loads(raw)
         except (ValueError, RecursionError):
-            raise QuoteError(ErrorCode.INVALID_MESSAGES, "`messages` must be a JSON list of turns.", 400) from None
+            raise QuoteError(
+                ErrorCode.INVALID_MESSAGES, "`messages` must be a JSON list of turns.", 400
+            ) from None
     return params
 
 
@@ -250,7 +265,9 @@ def quote_action(action: str, *, json_body: bool = False) -> Callable[[ActionVie
 
 @csrf_exempt  # refuse_cross_site instead: another site's page cannot stop a visitor's quote
 @quote_action("stop")
-async def stop_quote(request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: Any) -> JsonResponse:
+async def stop_quote(
+    request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: Any
+) -> JsonResponse:
     """Stop the client's own generation now (its row says `stopped`); `stopped` is false when it
     had ended. Anyone else, and an unknown id, gets the same 404."""
     stopped = await generations.stop(str(public_id), client)
@@ -260,11 +277,15 @@ async def stop_quote(request: HttpRequest, public_id: uuid.UUID, client: limits.
 
 
 @quote_action("share")  # under Django's CSRF check: the page's Permalink and Copy buttons
-async def share_quote(request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: Any) -> JsonResponse:
+async def share_quote(
+    request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: Any
+) -> JsonResponse:
     """The visitor shared this quote: retention keeps it (services.generation_share)."""
     if not await services.generation_share(public_id=public_id):
         raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404)
-    return JsonResponse({"id": str(public_id), "shared": True, "permalink": reverse("quotes:permalink", args=[public_id])})
+    return JsonResponse(
+        {"id": str(public_id), "shared": True, "permalink": reverse("quotes:permalink", args=[public_id])}
+    )
 
 
 @csrf_exempt  # JSON only, like the stream API
@@ -275,7 +296,9 @@ async def quote_feedback(
     """{"value": 1 | -1}: a visitor's thumbs up or down, one per visitor; a new value replaces it."""
     value = body.get("value")
     if type(value) is not int or value not in (1, -1):
-        raise QuoteError(ErrorCode.INVALID_FEEDBACK, "`value` must be 1 (thumbs up) or -1 (thumbs down).", 400)
+        raise QuoteError(
+            ErrorCode.INVALID_FEEDBACK, "`value` must be 1 (thumbs up) or -1 (thumbs down).", 400
+        )
     try:
         generation = await Generation.objects.aget(public_id=public_id, is_preview=False)
     except Generation.DoesNotExist:

@@ -28,7 +28,9 @@ TEST_API_TOKEN = "cfut_TEST-9f8e7d6c5b4a39281706f5e4d3c2b1a0ZZ"
 TEST_GATEWAY_TOKEN = "cfgw_TEST-0a1b2c3d4e5f60718293a4b5c6d7e8f9YY"
 #: One attempt, short deadlines: each scripted answer maps straight to what the client sees,
 #: and a stalled fake ends a test in seconds.
-TEST_POLICY = Policy(max_attempts=1, retry_delay_s=0.01, ttft_timeout_s=4.0, idle_timeout_s=2.0, total_timeout_s=10.0)
+TEST_POLICY = Policy(
+    max_attempts=1, retry_delay_s=0.01, ttft_timeout_s=4.0, idle_timeout_s=2.0, total_timeout_s=10.0
+)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import NestedObjects
@@ -35,8 +36,6 @@ from django.utils.html import format_html
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_protect
 from django_stubs_ext import StrPromise
-
-from django.conf import settings
 
 from .. import services
 from ..backends.base import SAMPLING_FIELDS
@@ -418,7 +417,10 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
             changelist = self.get_changelist_instance(request)
         except IncorrectLookupParameters:
             return HttpResponseRedirect(reverse("admin:quotes_generation_changelist") + "?e=1")
-        rows = changelist.get_queryset(request).select_related("persona", "persona_version")
+        # `state`: a lost row reads `lost`, as in the list and the analytics.
+        rows = analytics.with_state(
+            changelist.get_queryset(request).select_related("persona", "persona_version")
+        )
         filename = f"generations-{timezone.now():%Y%m%d-%H%M%S}.csv"
         # Under ASGI a sync iterator would be read whole before sending; give each server its kind.
         content = _csv_async(rows) if isinstance(request, ASGIRequest) else _csv_sync(rows)
@@ -490,7 +492,7 @@ def _csv_row(row: Generation) -> list[object]:
         row.backend,
         row.model,
         row.fallback_step,
-        row.status,
+        getattr(row, "state", row.status),
         row.cache_status,
         row.error_code,
         blank(row.prompt_tokens),

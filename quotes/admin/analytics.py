@@ -67,6 +67,7 @@ def with_state(rows: QuerySet[Generation]) -> QuerySet[Generation]:
     lost = When(status=Generation.Status.RUNNING, created_at__lt=lost_before(), then=Value(LOST))
     return rows.annotate(state=Case(lost, default=F("status"), output_field=CharField()))
 
+
 #: The admin's and the command's named ranges.
 PRESET_RANGES: dict[str, dt.timedelta] = {
     "24h": dt.timedelta(hours=24),
@@ -246,7 +247,12 @@ def _totals() -> dict[str, Any]:
 
 
 def _breakdown(
-    rows: Iterable[dict[str, Any]], *, key: str, label: Any, ttft: dict[Any, list[float]], refused: dict[Any, int]
+    rows: Iterable[dict[str, Any]],
+    *,
+    key: str,
+    label: Any,
+    ttft: dict[Any, list[float]],
+    refused: dict[Any, int],
 ) -> list[BreakdownRow]:
     result = [
         BreakdownRow(
@@ -290,11 +296,12 @@ def gateway_stats(
 
     totals = rows.aggregate(**_totals())
     by_status = {status: 0 for status in STATUSES}
-    for row in rows.values("state").annotate(n=_requests()).order_by():
+    # `state` is an annotation (with_state), which the type checker does not know as a field.
+    for row in rows.values("state").annotate(n=_requests()).order_by():  # type: ignore[misc]
         by_status[row["state"]] = row["n"]
     errors_by_code = [
         (row["error_code"] or row["state"], row["n"])
-        for row in rows.filter(state__in=FAILED_STATUSES)
+        for row in rows.filter(state__in=FAILED_STATUSES)  # type: ignore[misc]
         .values("error_code", "state")
         .annotate(n=_requests())
         .order_by("-n", "error_code")
@@ -304,12 +311,16 @@ def gateway_stats(
         (row["code"], row["n"])
         for row in refusals.values("code").annotate(n=Sum("count")).order_by("-n", "code")
     ]
-    refused_by_persona = {
-        row["persona__slug"]: row["n"] for row in refusals.values("persona__slug").annotate(n=Sum("count")).order_by()
-    }
+    refused_personas = list(
+        refusals.values("persona__slug", "persona__name").annotate(n=Sum("count")).order_by()
+    )
+    refused_by_persona = {row["persona__slug"]: row["n"] for row in refused_personas}
     refused_by_bucket = {
         row["bucket"]: row["n"]
-        for row in refusals.annotate(bucket=trunc("hour", tzinfo=tz)).values("bucket").annotate(n=Sum("count")).order_by()
+        for row in refusals.annotate(bucket=trunc("hour", tzinfo=tz))
+        .values("bucket")
+        .annotate(n=Sum("count"))
+        .order_by()
     }
 
     # The one read of raw values: time to first token, for the percentiles.
@@ -364,8 +375,18 @@ def gateway_stats(
             )
         )
 
+    persona_rows = list(rows.values("persona__slug", "persona__name").annotate(**_totals()).order_by())
+    # A persona whose every request was refused has no row in the range, but its refusals count.
+    logged = {row["persona__slug"] for row in persona_rows}
+    zero = dict.fromkeys(("requests", "errors", "cache_hits", "cache_lookups", "prompt_sum"), 0)
+    zero |= dict.fromkeys(("completion_sum", "cost_sum", "unpriced", "thumbs_up", "thumbs_down"), 0)
+    persona_rows += [
+        {**zero, "persona__slug": row["persona__slug"], "persona__name": row["persona__name"]}
+        for row in refused_personas
+        if row["persona__slug"] not in logged
+    ]
     by_persona = _breakdown(
-        rows.values("persona__slug", "persona__name").annotate(**_totals()).order_by(),
+        persona_rows,
         key="persona__slug",
         label=lambda row: row["persona__name"],
         ttft=ttft_by_persona,

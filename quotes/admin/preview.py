@@ -18,7 +18,9 @@ class InvalidPersona(QuoteError):
     """The previewed values would not save; `fields` maps each field to its messages."""
 
     def __init__(self, fields: dict[str, list[str]]) -> None:
-        summary = "; ".join(f"{name if name != '__all__' else 'form'}: {msgs[0]}" for name, msgs in fields.items())
+        summary = "; ".join(
+            f"{name if name != '__all__' else 'form'}: {msgs[0]}" for name, msgs in fields.items()
+        )
         super().__init__(ErrorCode.INVALID_PERSONA, f"Fix the form before previewing. {summary}", 400)
         self.fields = fields
 
@@ -30,7 +32,8 @@ def preview_persona(request: HttpRequest, saved: Persona) -> tuple[Persona, obje
     """An unsaved copy of `saved` with the posted values (the change form's own ModelForm, so a
     preview never uses a value a save would refuse), and the posted topic: a JSON body
     {"fields": {...}, "topic": ...}, or a form post with a `_preview_topic` field."""
-    data, topic = request.POST, request.POST.get("_preview_topic")
+    data: QueryDict = request.POST
+    topic = request.POST.get("_preview_topic")
     if request.content_type == "application/json":
         try:
             body = json.loads(request.body)
@@ -41,7 +44,10 @@ def preview_persona(request: HttpRequest, saved: Persona) -> tuple[Persona, obje
             raise QuoteError(ErrorCode.INVALID_JSON, 'Send {"fields": {...}, "topic": "..."}.', 400)
         data = QueryDict(mutable=True)
         for key, value in fields.items():
-            data.setlist(str(key), ["" if v is None else str(v) for v in (value if isinstance(value, list) else [value])])
+            data.setlist(
+                str(key),
+                ["" if v is None else str(v) for v in (value if isinstance(value, list) else [value])],
+            )
         topic = body.get("topic")
     form = PersonaForm(data=data, instance=saved)
     if not form.is_valid():
@@ -49,7 +55,9 @@ def preview_persona(request: HttpRequest, saved: Persona) -> tuple[Persona, obje
     return form.instance, topic
 
 
-async def stream_preview(request: HttpRequest, persona: Persona, topic: str, user_id: int) -> HttpResponseBase:
+async def stream_preview(
+    request: HttpRequest, persona: Persona, topic: str, user_id: int
+) -> HttpResponseBase:
     client = limits.Client.of(request.META.get("REMOTE_ADDR") or "", user_id)
     try:
         generations.check_context_window(persona, persona.build_request(topic=topic))

@@ -11,45 +11,77 @@ def refusal_rows_to_counts(apps, schema_editor):
     Refusal = apps.get_model("quotes", "Refusal")
     for row in Generation.objects.filter(status__in=("rate_limited", "busy")).iterator():
         hour = row.created_at.replace(minute=0, second=0, microsecond=0)
-        count, _ = Refusal.objects.get_or_create(persona_id=row.persona_id, hour=hour, code=row.error_code or row.status)
+        count, _ = Refusal.objects.get_or_create(
+            persona_id=row.persona_id, hour=hour, code=row.error_code or row.status
+        )
         count.count += row.request_count
         count.save()
     Generation.objects.filter(status__in=("rate_limited", "busy")).delete()
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('quotes', '0013_seed_voice_examples'),
+        ("quotes", "0013_seed_voice_examples"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='persona',
-            name='daily_spend_limit_usd',
-            field=models.DecimalField(blank=True, decimal_places=4, help_text="The most this persona's quotes may cost on paid models in one day (UTC). Empty: only the site's ceiling applies.", max_digits=10, null=True, validators=[django.core.validators.MinValueValidator(0)], verbose_name='daily spend ceiling (USD)'),
+            model_name="persona",
+            name="daily_spend_limit_usd",
+            field=models.DecimalField(
+                blank=True,
+                decimal_places=4,
+                help_text="The most this persona's quotes may cost on paid models in one day (UTC). Empty: only the site's ceiling applies.",
+                max_digits=10,
+                null=True,
+                validators=[django.core.validators.MinValueValidator(0)],
+                verbose_name="daily spend ceiling (USD)",
+            ),
         ),
         migrations.AlterField(
-            model_name='generation',
-            name='status',
-            field=models.CharField(choices=[('running', 'running'), ('ok', 'ok'), ('error', 'error'), ('cancelled', 'cancelled')], db_index=True, max_length=20),
+            model_name="generation",
+            name="status",
+            field=models.CharField(
+                choices=[
+                    ("running", "running"),
+                    ("ok", "ok"),
+                    ("error", "error"),
+                    ("cancelled", "cancelled"),
+                ],
+                db_index=True,
+                max_length=20,
+            ),
         ),
         migrations.CreateModel(
-            name='Refusal',
+            name="Refusal",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('hour', models.DateTimeField(db_index=True)),
-                ('code', models.CharField(max_length=50)),
-                ('count', models.PositiveIntegerField(default=0)),
-                ('persona', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='refusals', to='quotes.persona')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("hour", models.DateTimeField(db_index=True)),
+                ("code", models.CharField(max_length=50)),
+                ("count", models.PositiveIntegerField(default=0)),
+                (
+                    "persona",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="refusals",
+                        to="quotes.persona",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('persona', 'hour', 'code'), name='one_count_per_hour')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("persona", "hour", "code"), name="one_count_per_hour")
+                ],
             },
         ),
         migrations.RunPython(refusal_rows_to_counts, migrations.RunPython.noop),
         migrations.RemoveField(
-            model_name='generation',
-            name='request_count',
+            model_name="generation",
+            name="request_count",
         ),
     ]

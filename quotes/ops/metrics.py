@@ -56,14 +56,21 @@ DURATION = Histogram(
     buckets=(0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0),
 )
 TOKENS = Counter(
-    "quotes_tokens", "Tokens read (prompt) and written (completion); cached answers not.", ["backend", "model", "kind"]
+    "quotes_tokens",
+    "Tokens read (prompt) and written (completion); cached answers not.",
+    ["backend", "model", "kind"],
 )
-COST = Counter("quotes_cost_usd", "Estimated cost in US dollars (the catalog's prices).", ["backend", "model"])
+COST = Counter(
+    "quotes_cost_usd", "Estimated cost in US dollars (the catalog's prices).", ["backend", "model"]
+)
 CACHE_LOOKUPS = Counter("quotes_cache_lookups", "Answer-cache lookups, by result (hit or miss).", ["result"])
 FALLBACKS = Counter("quotes_fallbacks", "Generations answered by a fallback model.", ["backend", "model"])
 LOST_ROWS = Counter("quotes_log_rows_lost", "Log rows the database never got (logged instead). Must stay 0.")
 ROWS_WAITING = Gauge("quotes_log_rows_waiting", "Log rows waiting for the database (it is down, or slow).")
-SPENT = Gauge("quotes_spend_today_usd", "Today's spend on paid models (UTC), as the ceiling counts it.")
+SPENT = Gauge(
+    "quotes_spend_today_usd",
+    "Today's spend on paid models (UTC), as the ceiling counts it (NaN: no ceiling).",
+)
 CEILING = Gauge("quotes_spend_ceiling_usd", "The site's daily spend ceiling (NaN: none).")
 
 
@@ -71,15 +78,10 @@ def enabled() -> bool:
     return bool(settings.QUOTES_METRICS_ENABLED)
 
 
-def stream_started(transport: str) -> None:
-    """Nothing to record until it ends (the open streams are read at scrape time)."""
-
-
-def stream_finished(row: Generation) -> None:
+def stream_finished(row: Generation, transport: str) -> None:
     if not enabled():
         return
     backend, model, outcome = row.backend, row.model, row.status
-    transport = "preview" if row.is_preview else "stream"
     REQUESTS.labels(transport, backend, model, outcome, row.error_code).inc()
     if row.ttft_ms is not None:
         TIME_TO_FIRST_TOKEN.labels(backend, model, row.cache_status).observe(row.ttft_ms / 1000)
@@ -115,18 +117,29 @@ class ProcessCollector(Collector):
     """Read when Prometheus scrapes (in the event loop, by metrics_view): this process's open
     streams, and the embedded model's slots."""
 
-    NAMES = ("quotes_open_streams", *(f"quotes_local_model_{n}" for n in ("slots", "slots_in_use", "queue_length")))
+    NAMES = (
+        "quotes_open_streams",
+        *(f"quotes_local_model_{n}" for n in ("slots", "slots_in_use", "queue_length")),
+    )
 
     def describe(self) -> Iterable[Metric]:
         return [GaugeMetricFamily(name, name) for name in self.NAMES]
 
     def collect(self) -> Iterable[Metric]:
-        yield GaugeMetricFamily("quotes_open_streams", "Open streams in this process.", value=generations().open)
+        yield GaugeMetricFamily(
+            "quotes_open_streams", "Open streams in this process.", value=generations().open
+        )
         for backend in loaded_backends():
             if isinstance(backend, LocalBackend):
-                yield GaugeMetricFamily("quotes_local_model_slots", "Embedded-model slots.", value=backend.slots)
-                yield GaugeMetricFamily("quotes_local_model_slots_in_use", "Slots generating now.", value=backend.slots_in_use)
-                yield GaugeMetricFamily("quotes_local_model_queue_length", "Requests waiting for a slot.", value=backend.waiting)
+                yield GaugeMetricFamily(
+                    "quotes_local_model_slots", "Embedded-model slots.", value=backend.slots
+                )
+                yield GaugeMetricFamily(
+                    "quotes_local_model_slots_in_use", "Slots generating now.", value=backend.slots_in_use
+                )
+                yield GaugeMetricFamily(
+                    "quotes_local_model_queue_length", "Requests waiting for a slot.", value=backend.waiting
+                )
 
 
 def _allowed(request: HttpRequest) -> bool:
@@ -152,8 +165,8 @@ async def metrics_view(request: HttpRequest) -> HttpResponse:
         raise Http404("No such page.")
     if not _allowed(request):
         return HttpResponse("Forbidden.\n", status=403, content_type="text/plain; charset=utf-8")
-    SPENT.set(float(await spent_today()))
-    ceiling = settings.QUOTES_DAILY_SPEND_LIMIT_USD
+    ceiling = settings.QUOTES_DAILY_SPEND_LIMIT_USD  # spend is counted only under a ceiling
+    SPENT.set(float("nan") if ceiling is None else float(await spent_today()))
     CEILING.set(float("nan") if ceiling is None else float(ceiling))
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     return HttpResponse(encoder(REGISTRY), content_type=content_type, headers={"Cache-Control": "no-store"})

@@ -69,7 +69,9 @@ async def drain_then_stop(server: Server) -> None:
     try:
         cut = await generations().drain(settings.QUOTES_DRAIN_TIMEOUT_S, DRAINED)
         if cut:
-            logger.warning("draining: %d streams still open at the deadline were told to resume elsewhere", cut)
+            logger.warning(
+                "draining: %d streams still open at the deadline were told to resume elsewhere", cut
+            )
         await asyncio.sleep(0.5)  # their last bytes reach the clients
         await reset_backends()
         await writer().flush(10.0)

@@ -1,5 +1,5 @@
-"""Admin login throttling (issue 13, point 6): django-axes through the real admin login form,
-posted by Django's AsyncClient (the ASGI handler and the whole middleware chain, CSRF enforced)."""
+"""Admin login throttling: django-axes through the real admin login form, posted by Django's
+AsyncClient (the ASGI handler and the whole middleware chain, CSRF enforced)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from axes.models import AccessAttempt
 from django.contrib.auth.models import User
 from django.test import AsyncClient
 
@@ -30,28 +31,25 @@ class Browser(AsyncClient):
         return scope
 
 
-@pytest.fixture
-async def admin() -> User:
+@pytest.fixture(autouse=True)
+async def admin(settings: Any) -> User:
+    settings.AXES_FAILURE_LIMIT = 3
     return await User.objects.acreate_superuser("boss", "boss@example.com", PASSWORD)
 
 
-async def log_in(browser: AsyncClient, password: str) -> Any:
+async def log_in(browser: AsyncClient, password: str, path: str = LOGIN, **extra: str) -> Any:
     page = await browser.get(LOGIN)
     token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.content.decode())
     assert token, page.content[:500]
-    return await browser.post(
-        LOGIN, {"username": "boss", "password": password, "next": "/admin/", "csrfmiddlewaretoken": token[1]}
-    )
+    fields = {"username": "boss", "password": password, "next": "/admin/", "csrfmiddlewaretoken": token[1]}
+    return await browser.post(path, fields | extra)
 
 
 async def is_logged_in(browser: AsyncClient) -> bool:
     return (await browser.get("/admin/")).status_code == 200
 
 
-async def test_admin_login_is_refused_after_n_failures_even_with_the_right_password(
-    admin: User, settings: Any
-) -> None:
-    settings.AXES_FAILURE_LIMIT = 3
+async def test_admin_login_is_refused_after_n_failures_even_with_the_right_password() -> None:
     browser = Browser("198.51.100.20")
 
     first_failures = [await log_in(browser, "wrong") for _ in range(2)]
@@ -62,33 +60,28 @@ async def test_admin_login_is_refused_after_n_failures_even_with_the_right_passw
         assert response.status_code == 200
         assert b"Please enter the correct username and password" in response.content
     for response in (locking, right_password):
-        assert response.status_code == 429
-        assert response["content-type"].startswith("text/html")
+        assert response.status_code == 429 and response["content-type"].startswith("text/html")
         page = response.content.decode()
         assert "Too many failed logins" in page and "even with the right password" in page
         assert 0 < int(response["Retry-After"]) <= 15 * 60
     assert not await is_logged_in(browser)
 
-    # Another address is not locked out, and the right password works there.
-    elsewhere = Browser("198.51.100.21")
+    elsewhere = Browser("198.51.100.21")  # another address is not locked out
     assert (await log_in(elsewhere, PASSWORD)).status_code == 302
     assert await is_logged_in(elsewhere)
 
 
-async def test_admin_login_lockout_counts_an_ipv6_64_as_one_address(admin: User, settings: Any) -> None:
-    settings.AXES_FAILURE_LIMIT = 3
+async def test_admin_login_lockout_counts_an_ipv6_64_as_one_address() -> None:
     for n in range(1, 4):
         await log_in(Browser(f"2001:db8:9:9::{n}"), "wrong")
 
     rotated = Browser("2001:db8:9:9::ffff")
-    response = await log_in(rotated, PASSWORD)
 
-    assert response.status_code == 429
+    assert (await log_in(rotated, PASSWORD)).status_code == 429
     assert not await is_logged_in(rotated)
 
 
-async def test_admin_login_success_resets_the_count(admin: User, settings: Any) -> None:
-    settings.AXES_FAILURE_LIMIT = 3
+async def test_admin_login_success_resets_the_count() -> None:
     browser = Browser("198.51.100.22")
     for _ in range(2):
         await log_in(browser, "wrong")
@@ -100,68 +93,35 @@ async def test_admin_login_success_resets_the_count(admin: User, settings: Any) 
     assert (await log_in(browser, PASSWORD)).status_code == 302
 
 
-async def test_login_failures_keep_no_submitted_data_and_the_row_stays_small(
-    admin: User, settings: Any
-) -> None:
-    """Issue 20, point 7: axes appended every failed login's GET and POST fields to the client's
-    row, during the lockout too (40 attempts with a 2 KB field: 1.3 KB to 84 KB), and kept the
-    submitted username. Now the row holds nothing the client sent, and keeps its size."""
-    from axes.models import AccessAttempt
-
-    settings.AXES_FAILURE_LIMIT = 3
+async def test_login_failures_keep_no_submitted_data_and_the_row_stays_small() -> None:
+    """Axes would append every failed login's GET and POST fields to the client's row, during the
+    lockout too, and keep the submitted username: the row holds nothing the client sent."""
     browser = Browser("198.51.100.23")
-    filler = "f" * 2048
-    typed_username = "boss-typed-a-secret"
-    typed_password = "a-mistyped-secret-password"
+    typed = {"username": "boss-typed-a-secret", "filler": "f" * 2048}
 
-    async def fail_once() -> int:
-        page = await browser.get(LOGIN)
-        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.content.decode())
-        assert token, page.content[:500]
-        response = await browser.post(
-            LOGIN + "?next=/admin/&query-secret=" + "q" * 500,
-            {
-                "username": typed_username,
-                "password": typed_password,
-                "filler": filler,
-                "next": "/admin/",
-                "csrfmiddlewaretoken": token[1],
-            },
-        )
-        return int(response.status_code)
-
-    def row_sizes() -> list[int]:
-        """The text each row holds (the count's digits and the times aside)."""
+    def row_size() -> int:
         text = ("username", "user_agent", "http_accept", "path_info", "get_data", "post_data")
-        rows = AccessAttempt.objects.filter(ip_address="198.51.100.23").values_list(*text)
-        return [sum(len(value or "") for value in row) for row in rows]
+        [row] = AccessAttempt.objects.filter(ip_address="198.51.100.23").values_list(*text)
+        return sum(len(value or "") for value in row)
 
-    statuses = [await fail_once() for _ in range(5)]
-    [after_five] = await sync_to_async(row_sizes)()
-    statuses += [await fail_once() for _ in range(35)]
-    [after_forty] = await sync_to_async(row_sizes)()
+    path, typo = LOGIN + "?next=/admin/&query-secret=" + "q" * 500, "a-mistyped-secret-password"
+    statuses = [(await log_in(browser, typo, path, **typed)).status_code for _ in range(4)]
+    after_four = await sync_to_async(row_size)()
+    statuses += [(await log_in(browser, typo, path, **typed)).status_code for _ in range(8)]
 
-    assert statuses[:2] == [200, 200] and set(statuses[2:]) == {429}  # the lockout still holds
+    assert statuses[:2] == [200, 200] and set(statuses[2:]) == {429}
     row = await AccessAttempt.objects.aget(ip_address="198.51.100.23")
-    assert row.failures_since_start == 40  # and still counts
-    assert after_forty == after_five < 1024, (after_five, after_forty)
+    assert row.failures_since_start == 12
+    assert await sync_to_async(row_size)() == after_four < 1024
     stored = " ".join(str(value) for value in (await AccessAttempt.objects.values().aget(pk=row.pk)).values())
-    for submitted in (
-        typed_username,
-        typed_password,
-        filler[:64],
-        "query-secret",
-        "qqqq",
-        "csrfmiddlewaretoken",
-    ):
-        assert submitted not in stored, submitted
-    assert row.get_data == row.post_data == ""
-    assert row.username is None
+    for submitted in (*typed.values(), typo, "query-secret", "csrfmiddlewaretoken"):
+        assert submitted[:64] not in stored, submitted
+    assert row.get_data == row.post_data == "" and row.username is None
 
 
-async def test_async_login_works_with_the_throttling_backend(admin: User) -> None:
-    """Django 5.2's aauthenticate() asks every backend for aauthenticate, which django-axes 8.3's
-    backend lacks; and a login from code (no request, no client address) is not throttled."""
+async def test_async_login_works_with_the_throttling_backend() -> None:
+    """aauthenticate() asks every backend for aauthenticate; a login from code (no request, no
+    client address) is not throttled."""
     browser = AsyncClient()
 
     assert await browser.alogin(username="boss", password=PASSWORD)

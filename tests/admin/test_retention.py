@@ -1,6 +1,5 @@
-"""Retention of the request log: `manage.py prune_generations` on real rows (SQLite here, and
-PostgreSQL under scripts/test-services), and the share that marks a quote to keep (opening its
-permalink does not)."""
+"""Retention of the request log: `manage.py prune_generations` on real rows, and the share that
+marks a quote to keep (opening its permalink does not)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from quotes.models import Generation, Persona, Vote
-from tests.deploy.test_deploy import PRODUCTION, _run
+from quotes.models import Generation, Persona, Refusal, Vote
 
 pytestmark = [pytest.mark.django_db, pytest.mark.integration, pytest.mark.services]
 
@@ -25,21 +23,12 @@ REQUEST = {"model": "@cf/meta/llama-3.1-8b-instruct", "messages": [{"role": "use
 
 
 def logged(persona: Persona, *, days_ago: float, **fields: Any) -> Generation:
-    values: dict[str, Any] = {
-        "persona": persona,
-        "backend": "workers-ai",
-        "model": "@cf/meta/llama-3.1-8b-instruct",
-        "status": "ok",
-        "cache_status": "miss",
-        "topic": "rain",
-        "text": "A quiet quote.",
-        "request": REQUEST,
-        "upstream_headers": {"cf-aig-log-id": "abc"},
-        "client_hash": "f" * 32,
-    }
-    values.update(fields)
+    values: dict[str, Any] = {"persona": persona, "backend": "workers-ai", "model": REQUEST["model"]}
+    values |= {"status": "ok", "cache_status": "miss", "topic": "rain", "text": "A quiet quote."}
+    values |= {"request": REQUEST, "upstream_headers": {"cf-aig-log-id": "abc"}, "client_hash": "f" * 32}
     row = Generation.objects.create(**values)
-    Generation.objects.filter(pk=row.pk).update(created_at=timezone.now() - dt.timedelta(days=days_ago))
+    created_at = timezone.now() - dt.timedelta(days=days_ago)
+    Generation.objects.filter(pk=row.pk).update(created_at=created_at, **fields)
     row.refresh_from_db()
     return row
 
@@ -50,20 +39,25 @@ def prune(*args: str) -> str:
     return out.getvalue()
 
 
+def remaining() -> set[int]:
+    return set(Generation.objects.values_list("pk", flat=True))
+
+
 @pytest.fixture
 def watts(db: None) -> Persona:
     return Persona.objects.get(slug="alan-watts")
 
 
 @pytest.fixture
-def old_and_new(watts: Persona, client: Client) -> dict[str, Generation]:
-    """Rows past the 90-day default and rows within it; one old quote shared (its page's share
-    button: the real endpoint), one whose permalink page was only opened, one rated."""
+def old_and_new(watts: Persona, client: Client, settings: Any) -> dict[str, Generation]:
+    """Rows past the 90-day retention and rows within it; one old quote shared (its page's share
+    button, the real endpoint), one whose permalink page was only opened, some rated."""
+    settings.QUOTES_LOG_RETENTION_DAYS, settings.QUOTES_KEPT_QUOTE_RETENTION_DAYS = 90, 0
     rows = {
         "old_ok": logged(watts, days_ago=100),
         "old_error": logged(watts, days_ago=95, status="error", error_code="upstream_error", text=""),
         "old_cancelled": logged(watts, days_ago=120, status="cancelled"),
-        "old_refused": logged(watts, days_ago=91, status="rate_limited", request={}, request_count=40),
+        "old_lost": logged(watts, days_ago=91, status="running"),
         "old_preview": logged(watts, days_ago=100, is_preview=True, feedback=1),
         "old_rated_error": logged(watts, days_ago=100, status="error", feedback=-1),
         "old_rated": logged(watts, days_ago=100, feedback=1),
@@ -76,52 +70,39 @@ def old_and_new(watts: Persona, client: Client) -> dict[str, Generation]:
     }
     for client_key, value in (("ip:a", 1), ("ip:b", -1)):  # voted on, the verdict empty
         Vote.objects.create(generation=rows["old_votes_cancel_out"], client_key=client_key, value=value)
-    shared = client.post(f"/api/quotes/{rows['old_shared'].public_id}/share")
-    assert shared.status_code == 200, shared.content
+    assert client.post(f"/api/quotes/{rows['old_shared'].public_id}/share").status_code == 200
     for _ in range(3):  # a link preview's bot, a crawler, the visitor
         assert client.get(f"/q/{rows['old_only_opened'].public_id}/").status_code == 200
     for row in rows.values():
         row.refresh_from_db()
     assert rows["old_shared"].shared_at is not None and rows["old_only_opened"].shared_at is None
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    for days in (91, 1):
+        Refusal.objects.create(persona=watts, hour=hour - dt.timedelta(days=days), code="busy", count=3)
     return rows
 
 
-def remaining() -> set[int]:
-    return set(Generation.objects.values_list("pk", flat=True))
-
-
-def test_opening_the_permalink_keeps_nothing_and_a_share_marks_the_quote_once(
-    watts: Persona, client: Client
-) -> None:
-    """Issue 20, point 8: opening /q/<id>/ set shared_at, so every link preview's bot exempted a
-    quote from retention. Only the share (a POST, the page's buttons) does now."""
+def test_opening_the_permalink_keeps_nothing_and_a_share_marks_it_once(watts: Any, client: Client) -> None:
     row = logged(watts, days_ago=3)
-
-    assert client.get(f"/q/{row.public_id}/").status_code == 200
-    assert client.head(f"/q/{row.public_id}/").status_code == 200
+    page = f"/q/{row.public_id}/"
+    assert client.get(page).status_code == client.head(page).status_code == 200
     row.refresh_from_db()
     assert row.shared_at is None
-
     assert client.post(f"/api/quotes/{row.public_id}/share").status_code == 200
     row.refresh_from_db()
     first = row.shared_at
     assert client.post(f"/api/quotes/{row.public_id}/share").status_code == 200
     row.refresh_from_db()
-
     assert first is not None and row.shared_at == first
 
 
-def test_prune_deletes_old_rows_and_keeps_rated_and_shared_quotes(
-    old_and_new: dict[str, Generation], settings: Any, client: Client
-) -> None:
-    settings.QUOTES_LOG_RETENTION_DAYS = 90
-    settings.QUOTES_KEPT_QUOTE_RETENTION_DAYS = 0
-
+def test_prune_deletes_old_rows_and_keeps_rated_and_shared_quotes(old_and_new: Any, client: Client) -> None:
     out = prune()
 
     kept = {name for name, row in old_and_new.items() if row.pk in remaining()}
     assert kept == {"old_rated", "old_shared", "old_votes_cancel_out", "ancient_rated", "new_ok", "new_error"}
-    assert "Deleted 7 log rows and trimmed 4 kept quotes" in out
+    assert "Deleted 7 log rows and 1 refusal counts, and trimmed 4 kept quotes" in out
+    assert Refusal.objects.count() == 1
     # What the permalink and the analytics need stays; the visitor's words and the request go.
     for name in ("old_rated", "old_shared", "old_votes_cancel_out", "ancient_rated"):
         row = Generation.objects.get(pk=old_and_new[name].pk)
@@ -132,20 +113,18 @@ def test_prune_deletes_old_rows_and_keeps_rated_and_shared_quotes(
     assert client.get(f"/q/{old_and_new['old_shared'].public_id}/").status_code == 200
     assert client.get(f"/q/{old_and_new['old_ok'].public_id}/").status_code == 404
     assert client.get(f"/q/{old_and_new['old_only_opened'].public_id}/").status_code == 404
+    assert "Deleted 0 log rows and 0 refusal counts, and trimmed 0 kept quotes" in prune()  # nothing left
 
-    assert "Deleted 0 log rows and trimmed 0 kept quotes" in prune()  # nothing left to do
 
+def test_prune_dry_run_and_retention_zero_change_nothing(old_and_new: Any, settings: Any) -> None:
+    before = remaining()
 
-def test_prune_drops_kept_quotes_after_their_own_retention(
-    old_and_new: dict[str, Generation], settings: Any
-) -> None:
-    settings.QUOTES_LOG_RETENTION_DAYS = 90
-    settings.QUOTES_KEPT_QUOTE_RETENTION_DAYS = 365
+    assert "Would delete 7 log rows and 1 refusal counts, and trim 4 kept quotes" in prune("--dry-run")
+    settings.QUOTES_LOG_RETENTION_DAYS = 0
+    assert "every log row is kept" in prune()
 
-    prune()
-
-    kept = {name for name, row in old_and_new.items() if row.pk in remaining()}
-    assert kept == {"old_rated", "old_shared", "old_votes_cancel_out", "new_ok", "new_error"}
+    assert remaining() == before and Refusal.objects.count() == 2
+    assert Generation.objects.get(pk=old_and_new["old_rated"].pk).request == REQUEST
 
 
 def test_prune_works_in_bounded_batches(watts: Persona, settings: Any) -> None:
@@ -157,50 +136,23 @@ def test_prune_works_in_bounded_batches(watts: Persona, settings: Any) -> None:
     with CaptureQueriesContext(connection) as queries:
         out = prune("--batch-size", "3")
 
-    deletes = [
-        q["sql"] for q in queries.captured_queries if q["sql"].startswith('DELETE FROM "quotes_generation"')
-    ]
+    deletes = [q for q in queries.captured_queries if q["sql"].startswith('DELETE FROM "quotes_generation"')]
     assert len(deletes) == 3  # 3 + 3 + 1 rows, each batch in its own transaction
-    assert remaining() == {young.pk}
-    assert "Deleted 7 log rows" in out
-
-
-def test_prune_dry_run_changes_nothing(old_and_new: dict[str, Generation], settings: Any) -> None:
-    settings.QUOTES_LOG_RETENTION_DAYS = 90
-    before = remaining()
-
-    out = prune("--dry-run")
-
-    assert "Would delete 7 log rows and trim 4 kept quotes" in out
-    assert remaining() == before
-    assert Generation.objects.get(pk=old_and_new["old_rated"].pk).request == REQUEST
-
-
-def test_prune_with_retention_zero_keeps_everything(
-    old_and_new: dict[str, Generation], settings: Any
-) -> None:
-    settings.QUOTES_LOG_RETENTION_DAYS = 0
-    before = remaining()
-
-    assert "every log row is kept" in prune()
-    assert remaining() == before
-
-
-def test_prune_rejects_a_bad_batch_size(db: None) -> None:
-    with pytest.raises(CommandError, match="batch-size"):
-        prune("--batch-size", "0")
+    assert remaining() == {young.pk} and "Deleted 7 log rows" in out
 
 
 @pytest.mark.parametrize(
-    ("log_days", "kept_days"),
-    [("90", "30"), ("0", "365"), ("-1", "0"), ("ninety", "0")],
+    ("args", "log_days", "message"),
+    [(("--batch-size", "0"), 90, "batch-size"), ((), -1, "must be 0 or more")],
 )
-def test_retention_settings_refuse_to_start_when_inconsistent(log_days: str, kept_days: str) -> None:
-    result = _run(
-        "import django; django.setup()",
-        **PRODUCTION,
-        QUOTES_LOG_RETENTION_DAYS=log_days,
-        QUOTES_KEPT_QUOTE_RETENTION_DAYS=kept_days,
-    )
-    assert result.returncode != 0
-    assert "ImproperlyConfigured" in result.stderr and "RETENTION_DAYS" in result.stderr.splitlines()[-1]
+def test_prune_refuses_a_bad_batch_size_or_a_negative_retention(
+    old_and_new: Any, settings: Any, args: tuple[str, ...], log_days: int, message: str
+) -> None:
+    """A negative retention would put the cut-off in the future and delete every row."""
+    settings.QUOTES_LOG_RETENTION_DAYS = log_days
+    before = remaining()
+
+    with pytest.raises(CommandError, match=message):
+        prune(*args)
+
+    assert remaining() == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,15 @@ def persona_fields() -> list[str]:
     return [f.name for f in Persona._meta.concrete_fields if not f.primary_key]
 
 
+def _plain(value: object) -> object:
+    """A field's value as JSON holds it: a decimal (a daily spend ceiling) as its exact text."""
+    return str(value) if isinstance(value, Decimal) else value
+
+
 def personas_export() -> list[dict[str, Any]]:
     fields = persona_fields()
     personas = Persona.objects.order_by("display_order", "name", "slug")
-    return [{name: getattr(persona, name) for name in fields} for persona in personas]
+    return [{name: _plain(getattr(persona, name)) for name in fields} for persona in personas]
 
 
 class Command(BaseCommand):

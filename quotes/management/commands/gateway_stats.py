@@ -10,8 +10,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from quotes.charts import BreakdownDisplay, breakdown_display, kpi_tiles
 from quotes.admin.analytics import Stats, gateway_stats, parse_since
+from quotes.admin.charts import BreakdownDisplay, breakdown_display, kpi_tiles
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -45,6 +45,15 @@ def stats_report(stats: Stats) -> str:
         lines += [
             "  " + row
             for row in _table(["code", "requests"], [[c, f"{n:,}"] for c, n in stats.errors_by_code])
+        ]
+    else:
+        lines.append("  none")
+
+    lines += ["", "Refused (429, 503) by code"]
+    if stats.refused_by_code:
+        lines += [
+            "  " + row
+            for row in _table(["code", "requests"], [[c, f"{n:,}"] for c, n in stats.refused_by_code])
         ]
     else:
         lines.append("  none")

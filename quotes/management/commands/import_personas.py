@@ -143,6 +143,9 @@ def _expected_type(model_field: models.Field[Any, Any]) -> tuple[tuple[type, ...
         types, name = (int,), "a whole number"
     elif isinstance(model_field, models.FloatField):
         types, name = (int, float), "a number"
+    elif isinstance(model_field, models.DecimalField):
+        # Exported as text ("2.5000"), so no binary float rounds it; a plain number is read too.
+        types, name = (str, int, float), "a decimal number"
     elif isinstance(model_field, models.JSONField):
         types, name = (list,), "a list"
     else:

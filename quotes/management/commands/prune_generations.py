@@ -11,6 +11,9 @@ Run it daily (deploy/systemd/persona-quotes-prune.timer). What it keeps:
   its request (prompts and the visitor's conversation), upstream headers, topic and client
   hash are cleared.
 
+The refusal counts (`Refusal`, per persona, hour and code) go with the log, past
+QUOTES_LOG_RETENTION_DAYS.
+
 Rows go in batches, each its own short transaction, so a live site's log writes (SQLite's
 single writer included) never wait behind one long delete.
 """
@@ -26,7 +29,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from quotes.models import Generation, Vote
+from quotes.models import Generation, Refusal, Vote
 
 #: Rows per transaction. Below SQLite's oldest limit of 999 parameters in one statement.
 DEFAULT_BATCH = 500
@@ -71,6 +74,9 @@ class Command(BaseCommand):
             raise CommandError("--batch-size must be between 1 and 10000.")
         log_days: int = settings.QUOTES_LOG_RETENTION_DAYS
         kept_days: int = settings.QUOTES_KEPT_QUOTE_RETENTION_DAYS
+        if log_days < 0 or kept_days < 0:
+            # A negative retention would put the cut-off in the future: every row would go.
+            raise CommandError("The retention settings (QUOTES_*_RETENTION_DAYS) must be 0 or more.")
         if not log_days:
             self.stdout.write("QUOTES_LOG_RETENTION_DAYS is 0: every log row is kept.")
             return
@@ -86,11 +92,12 @@ class Command(BaseCommand):
         )
         if kept_days:
             to_trim = to_trim.filter(created_at__gte=now - dt.timedelta(days=kept_days))
+        refusals = Refusal.objects.filter(hour__lt=log_cutoff)
 
         if options["dry_run"]:
             self.stdout.write(
-                f"Would delete {to_delete.count():,} log rows and trim {to_trim.count():,} kept quotes "
-                f"(log retention {log_days} days, rated and shared quotes {_days(kept_days)})."
+                f"Would delete {to_delete.count():,} log rows and {refusals.count():,} refusal counts, "
+                f"and trim {to_trim.count():,} kept quotes ({_policy(log_days, kept_days)})."
             )
             return
         deleted = _in_batches(to_delete, batch, lambda rows: rows.delete())
@@ -99,11 +106,13 @@ class Command(BaseCommand):
             batch,
             lambda rows: rows.update(request={}, upstream_headers={}, topic="", client_hash=""),
         )
+        refused, _ = refusals.delete()
         self.stdout.write(
-            f"Deleted {deleted:,} log rows and trimmed {trimmed:,} kept quotes "
-            f"(log retention {log_days} days, rated and shared quotes {_days(kept_days)})."
+            f"Deleted {deleted:,} log rows and {refused:,} refusal counts, "
+            f"and trimmed {trimmed:,} kept quotes ({_policy(log_days, kept_days)})."
         )
 
 
-def _days(days: int) -> str:
-    return f"{days} days" if days else "for good"
+def _policy(log_days: int, kept_days: int) -> str:
+    kept = f"{kept_days} days" if kept_days else "for good"
+    return f"log retention {log_days} days, rated and shared quotes {kept}"

@@ -9,7 +9,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from quotes import generations, limits
 from quotes.backends import reset_backends
-from quotes.errors import QuoteError
+from quotes.errors import ErrorCode, QuoteError
+from quotes.models import Persona
 from quotes.rows import writer
 from streaming.events import Error, Meta, Token
 
@@ -27,7 +28,9 @@ class Command(BaseCommand):
     async def _run(self, slug: str, topic: str | None) -> None:
         try:
             quote = await generations.parse({"persona": slug, "topic": topic})
-            generation = await generations.start(quote, limits.Client("cli"), await limits.admit(limits.Client("cli")), transport="cli")
+            generation = await generations.start(
+                quote, limits.Client("cli"), await limits.admit(limits.Client("cli")), transport="cli"
+            )
             model = ""
             async for event in generation.read():
                 if type(event) is Meta:
@@ -39,6 +42,9 @@ class Command(BaseCommand):
                     raise CommandError(f"{event.message} ({event.code})")
             self.stdout.write(f"\n  — {model} as {quote.persona.name}")
         except QuoteError as exc:
+            if exc.code == ErrorCode.UNKNOWN_PERSONA:
+                slugs = ", ".join([p.slug async for p in Persona.objects.active()])
+                raise CommandError(f"No active persona {slug!r}; try one of: {slugs}") from None
             raise CommandError(f"{exc.message} ({exc.code})") from None
         finally:
             await writer().flush(10.0)
