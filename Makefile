@@ -16,9 +16,9 @@ run:
 	scripts/bootstrap
 	$(MAKE) serve
 
-# daphne, with a drain on SIGTERM or Ctrl-C (quotes/server.py; a second Ctrl-C stops at once).
+# daphne, with a drain on SIGTERM or Ctrl-C (quotes/ops/server.py; a second Ctrl-C stops at once).
 serve:
-	.venv/bin/python -m quotes.ops.server -b $(HOST) -p $(PORT) config.asgi:application
+	.venv/bin/python -m quotes.ops.server -b $(HOST) -p $(PORT) --websocket-max-message-size 65536 --websocket-max-frame-size 65536 config.asgi:application
 
 # Two daphne processes behind a real nginx, sharing PostgreSQL and Redis (docs/deployment.md).
 scaleout:

@@ -1,9 +1,6 @@
-"""Settings, read from the environment in this one place (README.md, "Configuration").
-
-Development defaults make `make run` work with no configuration; production (DJANGO_DEBUG off,
-the default) refuses to start without its secrets. Code reads `django.conf.settings`, never
-`os.environ`, so tests can override anything.
-"""
+"""Settings, read from the environment in this one place (README.md, "Configuration"): development
+defaults for `make run`; production (DJANGO_DEBUG off, the default) refuses to start without its
+secrets. Code reads `django.conf.settings`, never `os.environ`, so tests can override anything."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import ipaddress
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import django_stubs_ext
 import environ
@@ -19,16 +17,38 @@ from limits import parse
 
 from streaming.policy import Policy
 
-# Lets typed generics such as admin.ModelAdmin[Persona] work at run time.
-django_stubs_ext.monkeypatch()
+django_stubs_ext.monkeypatch()  # typed generics such as admin.ModelAdmin[Persona] at run time
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-env = environ.Env()
+
+
+class Env(environ.Env):
+    def get_value(self, var: str, *args: Any, **kwargs: Any) -> Any:
+        """A bad value is refused by the name of its variable."""
+        try:
+            return super().get_value(var, *args, **kwargs)
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            raise ImproperlyConfigured(f"{var} has a bad value: {exc}") from None
+
+
+env = Env()
 
 
 def _check(name: str, ok: bool, expected: str) -> None:
     if not ok:
         raise ImproperlyConfigured(f"{name} must be {expected}.")
+
+
+def _rate(value: str) -> str:
+    parse(value)  # the `limits` package's notation, "20/minute": a ValueError otherwise
+    return value
+
+
+def _network(value: str) -> bool:
+    try:
+        return value == "unix" or bool(ipaddress.ip_network(value, strict=False))
+    except ValueError:
+        return False
 
 
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
@@ -78,7 +98,6 @@ AUTHENTICATION_BACKENDS = [
 ]
 ROOT_URLCONF = "config.urls"
 ASGI_APPLICATION = "config.asgi.application"
-WSGI_APPLICATION = None
 CSRF_FAILURE_VIEW = "quotes.views.csrf_failure"
 MESSAGE_STORAGE = "django.contrib.messages.storage.cookie.CookieStorage"
 TEMPLATES = [
@@ -122,37 +141,27 @@ SERVESTATIC_USE_FINDERS = DEBUG
 
 # One JSON object per line in production, text in development; every line has its request id,
 # and no line has a credential or a query string (visitors' topics travel in them).
+_LOG_FILTERS = (("ids", "RequestIdFilter"), ("clients", "ClientErrorFilter"))
+_FORMAT = "%(asctime)s %(levelname)s %(name)s " + (
+    "[%(request_id)s] %(message)s" if DEBUG else "%(message)s %(request_id)s"
+)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {
-        "request_id": {"()": "quotes.ops.logging.RequestIdFilter"},
-        "client_errors": {"()": "quotes.ops.logging.ClientErrorFilter"},
-    },
+    "filters": {name: {"()": f"quotes.ops.logging.{kind}"} for name, kind in _LOG_FILTERS},
     "formatters": {
-        "json": {
-            "()": "quotes.ops.logging.JsonFormatter",
-            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s",
-        },
-        "text": {
-            "()": "quotes.ops.logging.TextFormatter",
-            "fmt": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s",
-        },
+        "lines": {"()": f"quotes.ops.logging.{'Text' if DEBUG else 'Json'}Formatter", "fmt": _FORMAT}
     },
     "handlers": {
-        "console": {
-            "class": "logging.StreamHandler",
-            "formatter": "text" if DEBUG else "json",
-            "filters": ["request_id", "client_errors"],
-        }
+        "console": {"class": "logging.StreamHandler", "formatter": "lines", "filters": ["ids", "clients"]}
     },
     "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="INFO")},
     "loggers": {
-        "django": {"handlers": [], "level": "INFO", "propagate": True},
-        "django.server": {"handlers": [], "level": "INFO", "propagate": True},
+        **{
+            name: {"handlers": [], "level": "INFO", "propagate": True} for name in ("django", "django.server")
+        },
         # httpx logs each request's URL at INFO: the Cloudflare account and gateway ids with it.
-        "httpx": {"level": "WARNING"},
-        "httpcore": {"level": "WARNING"},
+        **{name: {"level": "WARNING"} for name in ("httpx", "httpcore")},
     },
 }
 # The DEBUG error page hides every setting named like a credential; these hold one inside.
@@ -161,6 +170,7 @@ DEFAULT_EXCEPTION_REPORTER_FILTER = "quotes.ops.logging.SecretsFilter"
 # --- Shared state: Redis when there are several processes ---------------------------------
 
 REDIS_URL = env.str("REDIS_URL", default="")
+_LOCAL = "django.core.cache.backends.locmem.LocMemCache"
 _REDIS = {
     "BACKEND": "django.core.cache.backends.redis.RedisCache",
     "LOCATION": REDIS_URL,
@@ -171,17 +181,11 @@ _REDIS = {
     },
 }
 CACHES = {
-    "default": _REDIS
-    if REDIS_URL
-    else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "answers"},
+    "default": _REDIS if REDIS_URL else {"BACKEND": _LOCAL, "LOCATION": "answers"},
     # Counters (the daily spend) must never be culled to make room for answers.
     "counters": _REDIS
     if REDIS_URL
-    else {
-        "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
-        "LOCATION": "counters",
-        "OPTIONS": {"MAX_ENTRIES": 10**9},
-    },
+    else {"BACKEND": _LOCAL, "LOCATION": "counters", "OPTIONS": {"MAX_ENTRIES": 10**9}},
 }
 
 # --- The model ------------------------------------------------------------------------------
@@ -196,19 +200,12 @@ AI_GATEWAY_BASE_URL = env.str("AI_GATEWAY_BASE_URL", default="https://gateway.ai
 AI_GATEWAY_TOKEN = env.str("AI_GATEWAY_TOKEN", default="")
 AI_GATEWAY_SKIP_CACHE = env.bool("AI_GATEWAY_SKIP_CACHE", default=False)
 AI_GATEWAY_CACHE_TTL = env.int("AI_GATEWAY_CACHE_TTL", default=None)
-_check(
-    "AI_GATEWAY_CACHE_TTL",
-    AI_GATEWAY_CACHE_TTL is None or 60 <= AI_GATEWAY_CACHE_TTL <= 2592000,
-    "60 to 2592000",
-)
+_check("AI_GATEWAY_CACHE_TTL", 60 <= (AI_GATEWAY_CACHE_TTL or 60) <= 2592000, "60 to 2592000")
 OPENAI_BASE_URL = env.str("OPENAI_BASE_URL", default="")
 OPENAI_API_KEY = env.str("OPENAI_API_KEY", default="")
 
-LOCAL_MODEL_PATH = Path(
-    env.str(
-        "LOCAL_MODEL_PATH", default=str(Path.home() / ".cache/persona-quotes/models/gemma-3-270m-q4_k_m.gguf")
-    )
-)
+_MODEL = Path.home() / ".cache/persona-quotes/models/gemma-3-270m-q4_k_m.gguf"
+LOCAL_MODEL_PATH = Path(env.str("LOCAL_MODEL_PATH", default=str(_MODEL)))
 LOCAL_MODEL_THREADS = env.int("LOCAL_MODEL_THREADS", default=2)
 LOCAL_MODEL_SLOTS = env.int("LOCAL_MODEL_SLOTS", default=4)
 _check("LOCAL_MODEL_SLOTS", 1 <= LOCAL_MODEL_SLOTS <= 64, "1 to 64")
@@ -216,12 +213,9 @@ LOCAL_MODEL_PRELOAD = env.bool("LOCAL_MODEL_PRELOAD", default=False)
 
 # --- Streams ----------------------------------------------------------------------------------
 
+# Two attempts per model; the first-token deadline is across every attempt: the headers wait for it.
 QUOTES_POLICY = Policy(
-    max_attempts=2,
-    retry_delay_s=0.25,
-    # To the first token in all, across every attempt: the headers wait for it.
     ttft_timeout_s=env.float("QUOTES_TTFT_TIMEOUT", default=30.0),
-    idle_timeout_s=30.0,
     total_timeout_s=env.float("AI_TOTAL_TIMEOUT", default=120.0),
 )
 QUOTES_FALLBACK_MODELS = env.list("QUOTES_FALLBACK_MODELS", default=[])
@@ -233,48 +227,32 @@ _check("QUOTES_RESUME_GRACE_S", 0 <= QUOTES_RESUME_GRACE_S <= 300, "0 to 300")
 QUOTES_RESUME_TTL_S = 300
 QUOTES_DRAIN_TIMEOUT_S = env.float("QUOTES_DRAIN_TIMEOUT_S", default=20.0)
 
-# Admission (quotes/limits.py). Rates in the `limits` package's notation: "20/minute".
+# Admission (quotes/limits.py).
 QUOTES_MAX_OPEN_STREAMS = env.int("QUOTES_MAX_OPEN_STREAMS", default=100)
 QUOTES_MAX_CONCURRENT_STREAMS = env.int("QUOTES_MAX_CONCURRENT_STREAMS", default=3)
-QUOTES_RATE_LIMIT = env.str("QUOTES_RATE_LIMIT", default="20/minute")
-QUOTES_FEEDBACK_RATE_LIMIT = env.str("QUOTES_FEEDBACK_RATE_LIMIT", default="30/minute")
-for _name in ("QUOTES_RATE_LIMIT", "QUOTES_FEEDBACK_RATE_LIMIT"):
-    try:
-        parse(globals()[_name])
-    except ValueError:
-        raise ImproperlyConfigured(f"{_name} must look like 20/minute; got {globals()[_name]!r}.") from None
-_spend = env.str("QUOTES_DAILY_SPEND_LIMIT_USD", default="")
-QUOTES_DAILY_SPEND_LIMIT_USD = Decimal(_spend) if _spend else None
+QUOTES_RATE_LIMIT = env.get_value("QUOTES_RATE_LIMIT", cast=_rate, default="20/minute")
+QUOTES_FEEDBACK_RATE_LIMIT = env.get_value("QUOTES_FEEDBACK_RATE_LIMIT", cast=_rate, default="30/minute")
+QUOTES_DAILY_SPEND_LIMIT_USD = env.get_value("QUOTES_DAILY_SPEND_LIMIT_USD", cast=Decimal, default=None)
+_check("QUOTES_DAILY_SPEND_LIMIT_USD", (QUOTES_DAILY_SPEND_LIMIT_USD or 0) >= 0, "an amount of US dollars")
 QUOTES_MAX_SOCKETS = 8
 QUOTES_SOCKET_IDLE_S = 60.0
 
-# Input bounds.
-QUOTES_MAX_TOPIC_CHARS = 200
-QUOTES_MAX_BODY_BYTES = 64 * 1024
-QUOTES_MAX_FRAME_BYTES = QUOTES_MAX_BODY_BYTES
-QUOTES_MAX_TURNS = 20
-QUOTES_MAX_MESSAGE_CHARS = 2000
+QUOTES_MAX_TOPIC_CHARS, QUOTES_MAX_TURNS, QUOTES_MAX_MESSAGE_CHARS = 200, 20, 2000
+QUOTES_MAX_BODY_BYTES = QUOTES_MAX_FRAME_BYTES = 64 * 1024
 
 # Who the client is: an IPv6 address counts by its /64; the network limit by /24 and /48.
 QUOTES_IPV6_PREFIX, QUOTES_IPV6_NETWORK_PREFIX, QUOTES_IPV4_NETWORK_PREFIX = 64, 48, 24
 # Peers whose X-Forwarded-For / -Proto are believed: nginx on this host, by default.
 QUOTES_TRUSTED_PROXIES = env.list("QUOTES_TRUSTED_PROXIES", default=["127.0.0.0/8", "::1", "unix"])
-for _proxy in QUOTES_TRUSTED_PROXIES:
-    try:
-        if _proxy != "unix":
-            ipaddress.ip_network(_proxy, strict=False)
-    except ValueError:
-        raise ImproperlyConfigured(
-            f"QUOTES_TRUSTED_PROXIES: {_proxy!r} is no address, network or `unix`."
-        ) from None
+_check("QUOTES_TRUSTED_PROXIES", all(map(_network, QUOTES_TRUSTED_PROXIES)), "addresses, networks or `unix`")
 
 # --- Operations -------------------------------------------------------------------------------
 
 QUOTES_METRICS_ENABLED = True
 QUOTES_METRICS_TOKEN = env.str("QUOTES_METRICS_TOKEN", default="")
-QUOTES_METRICS_ALLOW = tuple(
-    ipaddress.ip_network(item, strict=False) for item in env.list("QUOTES_METRICS_ALLOW", default=[])
-)
+_allow = env.list("QUOTES_METRICS_ALLOW", default=[])
+_check("QUOTES_METRICS_ALLOW", "unix" not in _allow and all(map(_network, _allow)), "addresses or networks")
+QUOTES_METRICS_ALLOW = tuple(ipaddress.ip_network(item, strict=False) for item in _allow)
 QUOTES_LOG_CONTENT = False  # topics and quotes stay out of the logs (the admin has them)
 QUOTES_LOG_RETENTION_DAYS = env.int("QUOTES_LOG_RETENTION_DAYS", default=90)
 _check("QUOTES_LOG_RETENTION_DAYS", QUOTES_LOG_RETENTION_DAYS >= 0, "0 (keep every row) or more")
@@ -308,12 +286,10 @@ SECURE_REFERRER_POLICY = "same-origin"
 SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
 # The same in development, so the browser tests enforce it: nothing inline, this origin only.
+_SELF = ("default-src", "script-src", "style-src", "font-src", "connect-src", "base-uri", "form-action")
 CONTENT_SECURITY_POLICY = {
     "DIRECTIVES": {
-        **{
-            name: ["'self'"] for name in ("default-src", "script-src", "style-src", "font-src", "connect-src")
-        },
-        **{name: ["'self'"] for name in ("base-uri", "form-action")},
+        **{name: ["'self'"] for name in _SELF},
         "img-src": ["'self'", "data:"],
         "object-src": ["'none'"],
         "frame-ancestors": ["'none'"],

@@ -60,14 +60,14 @@ APP = "config.asgi:application"
 
 def daphne_command(source: str, port: int, application: str = APP) -> list[str]:
     """daphne's arguments as deploy/`source` runs it, on 127.0.0.1:`port` instead of its socket
-    or public port. The app runs under `quotes.server` (daphne, draining on SIGTERM) as
+    or public port. The app runs under `quotes.ops.server` (daphne, draining on SIGTERM) as
     deployed; another `application` (the benchmarks' naive proxy) under plain daphne with the
     same flags, so both pay for the same server."""
     prefix = "CMD " if source == "Dockerfile" else "ExecStart="
     args = command_args(instruction(source, prefix))
     assert args[0].endswith("python") and args[1:3] == ["-m", "quotes.ops.server"], args
     assert args[-1] == APP, args
-    args = args[2:]  # daphne's own arguments follow quotes.server (daphne, draining on SIGTERM)
+    args = args[2:]  # daphne's own arguments follow quotes.ops.server (daphne, draining on SIGTERM)
     if "--unix-socket" in args:
         at = args.index("--unix-socket")
         args[at : at + 2] = ["-b", "127.0.0.1", "-p", str(port)]
@@ -153,6 +153,15 @@ def migrate(env: dict[str, str], *, cwd: Path = ROOT) -> None:
         manage({**env, "DATABASE_URL": f"sqlite:///{template}"}, "migrate", "--noinput", "-v0", cwd=cwd)
         _MIGRATED[Path(cwd)] = template
     shutil.copyfile(template, target)
+
+
+def collectstatic(env: dict[str, str]) -> None:
+    """collectstatic into STATIC_ROOT (staticfiles/ in the source tree), as a release does, unless
+    its manifest is newer than every file under static/: production pages need the manifest."""
+    manifest = ROOT / "staticfiles" / "staticfiles.json"
+    sources = (path.stat().st_mtime for path in (ROOT / "static").rglob("*") if path.is_file())
+    if not manifest.exists() or max(sources, default=0) > manifest.stat().st_mtime:
+        manage(env, "collectstatic", "--noinput", "-v0")
 
 
 def start(

@@ -50,10 +50,10 @@ def free_port() -> int:
 
 
 def client_address(index: int) -> str:
-    """Loopback address `index` (127.0.0.2 upwards; 127.0.0.1 is the servers'): a client of its
-    own to the app (its own rate count, slots and network hash), as a visitor on another
-    machine is."""
-    return f"127.0.0.{2 + index}"
+    """Loopback address `index` (127.0.0.2 upwards, 250 to a /24; 127.0.0.1 is the servers'): a
+    client of its own to the app (its own rate count and slots), as a visitor on another machine
+    is. Linux answers on every address of 127.0.0.0/8."""
+    return f"127.0.{index // 250}.{2 + index % 250}"
 
 
 def client_at(address: str, timeout: float = 30) -> httpx.Client:
@@ -319,10 +319,10 @@ http {{
 
 
 def deploy_upstream(addresses: list[str]) -> str:
-    """deploy/nginx/persona-quotes.conf's `upstream persona_quotes` block (balancing, keep-alive),
-    its servers pointed at `addresses` (host:port) with the parameters the deploy file gives its
-    own (max_fails): what nginx does with a draining or restarting process is what the deploy
-    file makes it do."""
+    """deploy/nginx/persona-quotes.conf's `upstream persona_quotes` block (the hash on the
+    csrftoken cookie, keep-alive), its servers pointed at `addresses` (host:port) with the
+    parameters the deploy file gives its own (max_fails, max_conns): what nginx does with a
+    visitor, a draining or restarting process or a full one is what the deploy file makes it do."""
     text = DEPLOY_CONF.read_text()
     block = re.search(r"upstream persona_quotes \{(.*?)\n\}", text, re.S)
     assert block is not None, "no upstream block in deploy/nginx/persona-quotes.conf"
@@ -339,17 +339,20 @@ def deploy_site(
     port: int, addresses: list[str], *, listen: str = "", http: str = "", server: str = ""
 ) -> str:
     """nginx's http-context config for `addresses` (host:port daphnes) as deploy/nginx has it:
-    persona-quotes.conf's `map $http_upgrade` block and its upstream block (deploy_upstream),
-    and a plain-HTTP server on 127.0.0.1:`port` that includes persona-quotes-locations.conf.
-    Every nginx of the tests and the benchmarks is built here, so a change to the deploy files
+    persona-quotes.conf's `map $http_upgrade` block, its `limit_conn_zone` lines (the locations
+    use them) and its upstream block (deploy_upstream), and a plain-HTTP server on
+    127.0.0.1:`port` that includes persona-quotes-locations.conf. Every nginx of the tests and
+    the benchmarks is built here, so a change to the deploy files
     is what they run. `listen`: parameters of the listen directive
     (a benchmark's backlog); `http`: more http-context text (a log_format, other servers);
     `server`: more directives in the server block (an access log)."""
     text = DEPLOY_CONF.read_text()
     upgrade = re.search(r"^map \$http_upgrade \$connection_upgrade \{.*?\n\}", text, re.S | re.M)
     assert upgrade is not None, "no `map $http_upgrade` block in deploy/nginx/persona-quotes.conf"
+    zones = "\n".join(re.findall(r"^limit_conn_zone .*;$", text, re.M))
     return f"""
 {upgrade.group(0)}
+{zones}
 {http}
     {deploy_upstream(addresses)}
     server {{

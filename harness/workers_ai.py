@@ -545,7 +545,7 @@ class FakeWorkersAI:
 
 async def _read_body(reader: asyncio.StreamReader, headers: Mapping[str, str]) -> bytes:
     if "chunked" in headers.get("transfer-encoding", "").lower():
-        parts = []
+        parts: list[bytes] = []
         total = 0
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)

@@ -85,7 +85,10 @@ async def encode(
             elif type(event) is Done:
                 out = encoder.done(meta, usage)
             elif type(event) is Error and event.code == ErrorCode.SERVER_DRAINING and sent_text:
-                out = encoder.reconnect(f"{prefix}{n - 1}", RECONNECT_MS)  # cut by the drain
+                # Cut by the drain: resume from the last event sent (this one carries no id).
+                if (out := encoder.reconnect(f"{prefix}{n - 1}", RECONNECT_MS)) is not None:
+                    yield out
+                return
             elif type(event) is Error:
                 out = encoder.error(event)
             if out is not None:

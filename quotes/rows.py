@@ -78,6 +78,7 @@ class RowWriter:
         self.waiting: deque[tuple[Generation, bool, asyncio.Future[None]]] = deque()
         self.refusals: Counter[tuple[int, dt.datetime, str]] = Counter()
         self.failing = ""
+        self.refusal_writes = 0
         self._wake = asyncio.Event()
         self._flush_due: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
@@ -99,10 +100,12 @@ class RowWriter:
             self._flush_due = asyncio.get_running_loop().call_later(FLUSH_S, self._start)
 
     async def flush(self, timeout_s: float) -> None:
-        """Write what waits (within `timeout_s`); log the rest, one JSON line each."""
+        """Write the rows waiting and the refusals counted so far (within `timeout_s`); log the
+        rows left, one JSON line each."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (self.waiting or self.refusals) and loop.time() < deadline:
+        writes = self.refusal_writes + (1 if self.refusals else 0)
+        while (self.waiting or self.refusal_writes < writes) and loop.time() < deadline:
             self._start()
             await asyncio.sleep(0.05)
         for row, _, done in self.waiting:
@@ -184,16 +187,19 @@ class RowWriter:
             self._flush_due.cancel()
             self._flush_due = None
         counts, self.refusals = self.refusals, Counter()
-        for (persona_id, hour, code), count in counts.items():
+        while counts:
+            (persona_id, hour, code), count = next(iter(counts.items()))
             try:
                 keys = {"persona_id": persona_id, "hour": hour, "code": code}
                 if not await Refusal.objects.filter(**keys).aupdate(count=F("count") + count):
                     await Refusal.objects.acreate(**keys, count=count)
             except UNREACHABLE:
-                self.refusals.update(counts)  # kept for the next try
+                self.refusals.update(counts)  # those not written yet: the next try
                 raise
             except IntegrityError:  # its persona is gone: nothing to count them against
                 logger.warning("%d refusals not counted: persona %s is gone", count, persona_id)
+            del counts[persona_id, hour, code]
+        self.refusal_writes += 1
 
 
 def refused(error: QuoteError, slug: object, transport: str) -> None:
@@ -218,6 +224,17 @@ def lost(row: Generation, why: str) -> None:
 
 
 _writers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RowWriter] = weakref.WeakKeyDictionary()
+
+
+def write_refusals_left() -> None:
+    """At exit, once nothing answers any more: the refusals counted since the last write (sync)."""
+    for rows in list(_writers.values()):
+        for (persona_id, hour, code), count in rows.refusals.items():
+            keys = {"persona_id": persona_id, "hour": hour, "code": code}
+            with contextlib.suppress(IntegrityError):
+                if not Refusal.objects.filter(**keys).update(count=F("count") + count):
+                    Refusal.objects.create(**keys, count=count)
+        rows.refusals.clear()
 
 
 def writer() -> RowWriter:

@@ -227,11 +227,18 @@ class Generations:
         return generation if generation is not None and generation.stopped is None else None
 
     async def drain(self, timeout_s: float, error: Error) -> int:
-        """Wait up to `timeout_s` for the live generations to end, then stop the rest with
-        `error` and wait for them to close. Returns how many were stopped."""
+        """Take no more; wait up to `timeout_s` for the open streams to end (those admitted just
+        before included), then stop the rest with `error` and wait for them to close. Returns
+        how many were stopped."""
         self.draining = True
-        if self.live:
-            await asyncio.wait([generation.closed for generation in self.live], timeout=timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.open and (left := deadline - loop.time()) > 0:
+            if self.live:
+                closing = [generation.closed for generation in self.live]
+                await asyncio.wait(closing, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            else:  # admitted, its generation not started yet
+                await asyncio.sleep(min(left, 0.05))
         left = list(self.live)
         for generation in left:
             generation.stop(error)

@@ -20,6 +20,7 @@ import pytest
 
 from harness import services
 
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
@@ -42,7 +43,11 @@ def redis_cache(settings: Any, redis_server: str) -> Iterator[Any]:
     shared = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": redis_server,
-        "OPTIONS": {"serializer": "quotes.cache.JSONSerializer", "socket_connect_timeout": 2, "socket_timeout": 2},
+        "OPTIONS": {
+            "serializer": "quotes.cache.JSONSerializer",
+            "socket_connect_timeout": 2,
+            "socket_timeout": 2,
+        },
     }
     settings.CACHES = {"default": shared, "counters": shared}
     settings.REDIS_URL = redis_server

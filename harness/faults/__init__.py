@@ -1,11 +1,12 @@
-"""The fault suite (issue 21): the production layout under load while the database, Redis, a
-daphne process or the upstream fails, and the checks that nothing is lost meanwhile.
+"""The production layout and its faults (issue 21; issue 34, "Faults"):
 
-- layout.py: two `quotes.server` daphnes behind nginx (deploy/nginx's rules), a real PostgreSQL
-  and Redis, the fake Workers AI upstream; each service can be stopped, paused or killed;
-- load.py: clients, each on its own loopback address, asking for quotes one after another and
-  timing every byte;
+- layout.py: two `quotes.ops.server` daphnes behind nginx (deploy/nginx's rules), a real
+  PostgreSQL and Redis, the fake Workers AI upstream; each part can be stopped, paused, killed or
+  restarted as deploy/rolling-restart does;
+- load.py: clients, each on its own loopback address with a csrftoken cookie of its own, asking
+  for quotes one after another and timing every byte;
 - faults.py: the faults, and one run of each (load, inject, recover, settle, check).
 
-tests/faults/test_faults.py runs each fault briefly in CI; bench/faults.py runs them longer.
+tests/faults/test_faults.py and tests/deploy/test_scaleout.py run them briefly; bench/faults.py
+runs them longer.
 """

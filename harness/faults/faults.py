@@ -1,26 +1,24 @@
-"""The faults, and one run of a fault under load with its checks (issue 21, "Done when").
+"""The faults, and one run of a fault under load with its checks (issue 21; issue 34, "Faults").
 
 A run: the clients ask for quotes (load.py) for `warm_s`; the fault is injected and lasts
-`fault_s`; it is ended and the load goes on for `after_s`; the clients finish the quotes they are
-reading. Then the dust settles: while a generation the clients saw has no row yet, one more
-client asks for a quote now and then (a live site has requests: a killed process's rows are
-written by a live process as requests come), for up to SETTLE_S; the client slots in Redis are
-waited for, up to the lease's TTL and a margin. Then the checks, each a list of problems:
+`fault_s` (or as long as injecting it takes: a rolling restart); it is ended and the load goes on
+for `after_s`; the clients finish the quotes they are reading. Then the rows settle (rows wait in
+a process's memory while the database is down, and are written once it is back), for up to
+SETTLE_S, and the checks run, each a list of problems:
 
 - rows: every generation a client saw (X-Quote-Id) has exactly one row in PostgreSQL (by
-  public_id), no other generation row appeared (but the rows of a killed process's runs that no
-  client saw, which must say generation_lost), and the refusals the clients got are counted in
-  the refusal rows (their request_count);
+  public_id), completed, but for the streams a killed process was serving: those rows stay
+  `running` (the admin and gateway_stats show them as lost once older than the total deadline),
+  and so may rows of its generations no client saw yet (a stream it had ended, row written, may
+  be cut on its last bytes: that row is complete); no other row appeared;
 - answers: no 500, no HTML error page, no answer that is not the API's (SSE for a stream, JSON
   for anything else), no `internal_error`, no request without a response, no stream cut
   mid-way (but the killed process's);
 - silence: no request waited longer than SILENCE_S for its next byte (headers included); with
   the upstream hung, QUOTES_TTFT_TIMEOUT (the whole wait for a first token) plus a margin;
-- slots: no client slot left in Redis (quotes:slots:*) once the leases could expire;
 - redis outage: with Redis down, at least 90% of the quotes started during the outage complete;
 - logs: no traceback in the daphnes' logs, and no ERROR line but django.request's (its line
-  for each 5xx answered, which the answers' check judges): every one of these outages is
-  handled (a killed process says nothing: it is dead).
+  for each 5xx answered, which the answers' check judges).
 """
 
 from __future__ import annotations
@@ -33,25 +31,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layout import REFUSAL_STATUSES, Layout
-from .load import Load, Quote, ask_once
+from .layout import Layout
+from .load import Load, Quote
 
 #: The longest a request may wait for its next byte, but for a first token (QUOTES_TTFT_TIMEOUT).
 SILENCE_S = 5.0
 #: The margin over QUOTES_TTFT_TIMEOUT for a request that waits for a hung upstream.
 TTFT_MARGIN_S = 2.0
 #: How long the rows get to arrive once the load has stopped.
-SETTLE_S = 15.0
-#: The leases' TTL (quotes.ai.gateway.admission.LEASE_TTL_S) and a margin.
-SLOTS_SETTLE_S = 10.0 + 5.0
-#: Refusal counts reach their rows a second after the last refusal (quotes/ai/refusals.py).
-REFUSAL_FLUSH_S = 1.5
+SETTLE_S = 20.0
 #: With Redis down, at least this share of the quotes started meanwhile complete.
 REDIS_DOWN_COMPLETE = 0.9
-#: The settling client's address (the load's clients are 127.0.0.2 upwards).
-TRICKLE_ADDRESS = "127.0.0.250"
-#: Refusal codes: the request is counted in a refusal row, not a generation row of its own.
-REFUSAL_CODES = ("rate_limited", "too_many_streams", "over_capacity", "server_draining")
+RUNNING = "running"
 
 
 @dataclass(frozen=True)
@@ -60,7 +51,7 @@ class Fault:
     what: str
     inject: Callable[[Layout], object]
     recover: Callable[[Layout], object]
-    #: a process dies: its streams are cut, and its runs get rows no client saw (generation_lost)
+    #: a process dies: its streams are cut, and their rows stay `running`
     kills: bool = False
     #: Redis is down meanwhile: REDIS_DOWN_COMPLETE of the quotes started then must complete
     redis_down: bool = False
@@ -68,24 +59,19 @@ class Fault:
     upstream_hangs: bool = False
 
 
-def _postgres_stopped(layout: Layout) -> None:
-    layout.pg.stop("fast")
-    layout.expire_persona_caches()
+def _restart_killed(layout: Layout) -> None:
+    layout.daphnes[0].start()
+    layout.daphnes[0].wait_healthy()
 
 
 FAULTS: dict[str, Fault] = {
     fault.name: fault
     for fault in (
-        Fault(
-            "baseline",
-            "no fault (a control)",
-            inject=lambda layout: None,
-            recover=lambda layout: None,
-        ),
+        Fault("baseline", "no fault (a control)", inject=lambda layout: None, recover=lambda layout: None),
         Fault(
             "postgres-stopped",
-            "pg_ctl stop -m fast, then start; every process's persona cache expires at the start",
-            inject=_postgres_stopped,
+            "pg_ctl stop -m fast, then start",
+            inject=lambda layout: layout.pg.stop("fast"),
             recover=lambda layout: layout.pg.start(),
         ),
         Fault(
@@ -113,8 +99,14 @@ FAULTS: dict[str, Fault] = {
             "daphne-killed",
             "daphne A killed (SIGKILL), then started again on its port",
             inject=lambda layout: layout.daphnes[0].kill(),
-            recover=lambda layout: layout.daphnes[0].start(),
+            recover=_restart_killed,
             kills=True,
+        ),
+        Fault(
+            "rolling-restart",
+            "deploy/rolling-restart's steps: each process in turn SIGTERM (drain), exit, start, healthy",
+            inject=lambda layout: layout.rolling_restart(),
+            recover=lambda layout: None,
         ),
         Fault(
             "upstream-hung",
@@ -133,20 +125,15 @@ class Report:
     load: Load
     clients: int
     fault_s: float
+    #: what the fault's injection returned (the rolling restart's steps)
+    injected: object = None
     #: generation rows by public_id: (count, status, error_code)
     rows: dict[str, tuple[int, str, str]] = field(default_factory=dict)
     #: new generation rows no client saw: (public_id, status, error_code)
     unseen: list[tuple[str, str, str]] = field(default_factory=list)
-    refusals_seen: int = 0
-    refusals_counted: int = 0
-    #: client slots in Redis when the checks ran, and how long they took to go
-    slots_left: dict[str, int] = field(default_factory=dict)
-    slots_gone_after_s: float = 0.0
     rows_settled_after_s: float = 0.0
-    #: each process's /healthz status, and its log rows waiting in its outbox (None: not known),
-    #: polled during the fault
+    #: each process's /healthz status, polled during the fault
     health: list[list[int]] = field(default_factory=list)
-    outbox: list[list[float | None]] = field(default_factory=list)
     log_records: list[dict[str, Any]] = field(default_factory=list)
     problems: dict[str, list[str]] = field(default_factory=dict)
 
@@ -159,44 +146,39 @@ class Report:
         start, end = self.load.marks["fault"], self.load.marks["recovered"]
         return [quote for quote in self.quotes if start <= quote.started <= end]
 
+    def cut(self) -> set[str]:
+        """The generations whose streams were cut mid-way."""
+        return {quote.quote_id for quote in self.quotes if quote.outcome == "cut" and quote.quote_id}
+
     def failed(self) -> list[str]:
         return [f"{check}: {problem}" for check, problems in self.problems.items() for problem in problems]
 
 
 def run(
-    layout: Layout,
-    fault: Fault,
-    *,
-    clients: int = 30,
-    fault_s: float = 3.0,
-    after_s: float = 3.0,
+    layout: Layout, fault: Fault, *, clients: int = 30, fault_s: float = 3.0, after_s: float = 3.0
 ) -> Report:
-    """One run of `fault` under the load of `clients` clients, settled and checked. The
-    clients start over a quote's length, and the fault comes half a second after the last started."""
+    """One run of `fault` under the load of `clients` clients, settled and checked. The clients
+    start over a quote's length, and the fault comes half a second after the last started."""
     layout.wait_until_healthy()
     first_row = layout.last_row_id()
-    refusals_before = layout.refusals_counted()
     log_marks = layout.log_marks()
     ramp_s = layout.settings.tokens / layout.settings.tokens_per_second
-    warm_s = ramp_s + 0.5
     load = Load(layout.url, clients, ramp_s=ramp_s)
     report = Report(fault=fault, load=load, clients=clients, fault_s=fault_s)
 
     async def poll_health(until: asyncio.Event) -> None:
         while not until.is_set():
-            health, outbox = await asyncio.gather(layout.healthz(), layout.outbox_depths())
-            report.health.append(health)
-            report.outbox.append(outbox)
+            report.health.append(await layout.healthz())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(until.wait(), 0.5)
 
     async def schedule(load: Load) -> None:
-        await asyncio.sleep(warm_s)
+        await asyncio.sleep(ramp_s + 0.5)
         load.mark("fault")
         recovered = asyncio.Event()
         poller = asyncio.create_task(poll_health(recovered))
         try:
-            await asyncio.to_thread(fault.inject, layout)
+            report.injected = await asyncio.to_thread(fault.inject, layout)
             load.mark("injected")
             await asyncio.sleep(load.marks["fault"] + fault_s - time.monotonic())
         finally:
@@ -210,9 +192,6 @@ def run(
     asyncio.run(load.run(schedule))
     load.mark("stopped")
     _settle_rows(layout, report, first_row)
-    report.refusals_seen = sum(1 for quote in load.quotes if quote.code in REFUSAL_CODES)
-    report.refusals_counted = layout.refusals_counted() - refusals_before
-    _settle_slots(layout, report)
     report.log_records = layout.log_records_since(log_marks)
     report.problems = check(report, ttft_timeout_s=layout.settings.ttft_timeout_s)
     return report
@@ -231,33 +210,25 @@ def _read_rows(layout: Layout, report: Report, first_row: int) -> None:
     )
     report.rows = {public_id: (int(count), status, code) for public_id, count, status, code in found}
     new = layout.sql(
-        "SELECT public_id::text, status, error_code FROM quotes_generation WHERE id > %s AND NOT status = ANY(%s)",
-        [first_row, list(REFUSAL_STATUSES)],
+        "SELECT public_id::text, status, error_code FROM quotes_generation WHERE id > %s", [first_row]
     )
     report.unseen = [row for row in new if row[0] not in ids]
 
 
+def _settled(report: Report) -> bool:
+    cut = report.cut() if report.fault.kills else set()
+    return _seen_ids(report) <= report.rows.keys() and all(
+        status != RUNNING or public_id in cut for public_id, (_, status, _) in report.rows.items()
+    )
+
+
 def _settle_rows(layout: Layout, report: Report, first_row: int) -> None:
     started = time.monotonic()
-    while True:
-        _read_rows(layout, report, first_row)
-        if _seen_ids(report) <= report.rows.keys() or time.monotonic() - started > SETTLE_S:
-            break
-        # A request now and then: a live process writes a dead one's rows as requests come.
-        report.load.quotes.append(ask_once(layout.url, TRICKLE_ADDRESS))
-    report.rows_settled_after_s = time.monotonic() - started
-    time.sleep(REFUSAL_FLUSH_S)
     _read_rows(layout, report, first_row)
-
-
-def _settle_slots(layout: Layout, report: Report) -> None:
-    started = time.monotonic()
-    while True:
-        report.slots_left = layout.slots_held()
-        if not report.slots_left or time.monotonic() - started > SLOTS_SETTLE_S:
-            break
+    while not _settled(report) and time.monotonic() - started < SETTLE_S:
         time.sleep(0.25)
-    report.slots_gone_after_s = time.monotonic() - started
+        _read_rows(layout, report, first_row)
+    report.rows_settled_after_s = time.monotonic() - started
 
 
 def _sample(quotes: list[Quote], limit: int = 3) -> str:
@@ -279,11 +250,13 @@ def check(report: Report, *, ttft_timeout_s: float) -> dict[str, list[str]]:
     doubled = [public_id for public_id, (count, _, _) in report.rows.items() if count != 1]
     if doubled:
         rows.append(f"{len(doubled)} generations have more than one row, e.g. {doubled[:3]}")
-    unseen = [row for row in report.unseen if not (fault.kills and row[2] == "generation_lost")]
+    cut = report.cut() if fault.kills else set()
+    running = [i for i, (_, status, _) in report.rows.items() if status == RUNNING and i not in cut]
+    if running:
+        rows.append(f"{len(running)} rows still `running` {SETTLE_S:g} s after the load, e.g. {running[:3]}")
+    unseen = [row for row in report.unseen if not (fault.kills and row[1] == RUNNING)]
     if unseen:
         rows.append(f"{len(unseen)} rows of generations no client saw, e.g. {unseen[:3]}")
-    if report.refusals_counted != report.refusals_seen:
-        rows.append(f"{report.refusals_seen} refusals answered, {report.refusals_counted} counted in the log")
 
     answers = problems["answers"] = []
     not_ours = [
@@ -302,20 +275,14 @@ def check(report: Report, *, ttft_timeout_s: float) -> dict[str, list[str]]:
     failed = [q for q in quotes if q.outcome == "failed"]
     if failed:
         answers.append(f"{len(failed)} requests got no response: {_sample(failed)}")
-    cut = [q for q in quotes if q.outcome == "cut"]
-    if cut and not fault.kills:
-        answers.append(f"{len(cut)} streams cut mid-way: {_sample(cut)}")
+    cut_quotes = [q for q in quotes if q.outcome == "cut"]
+    if cut_quotes and not fault.kills:
+        answers.append(f"{len(cut_quotes)} streams cut mid-way: {_sample(cut_quotes)}")
 
     limit = max(SILENCE_S, ttft_timeout_s + TTFT_MARGIN_S) if fault.upstream_hangs else SILENCE_S
     silent = sorted((q for q in quotes if q.silence > limit), key=lambda q: -q.silence)
     problems["silence"] = (
         [f"{len(silent)} requests silent for more than {limit:g} s: {_sample(silent)}"] if silent else []
-    )
-
-    problems["slots"] = (
-        [f"client slots left in Redis {SLOTS_SETTLE_S:g} s after the load: {report.slots_left}"]
-        if report.slots_left
-        else []
     )
 
     if fault.redis_down:
@@ -360,7 +327,7 @@ def summary(report: Report) -> dict[str, object]:
     outcomes = Counter(f"{q.outcome} {q.status} {q.code}".strip() for q in quotes)
     silences = sorted(q.silence for q in quotes)
     health = Counter(status for statuses in report.health for status in statuses)
-    depths = [int(depth) for sample in report.outbox for depth in sample if depth is not None]
+    statuses = Counter(status for _, status, _ in report.rows.values())
     return {
         "quotes": len(quotes),
         "started during the fault": len(during),
@@ -372,12 +339,10 @@ def summary(report: Report) -> dict[str, object]:
             else "-"
         ),
         "generations seen / with one row": f"{len(_seen_ids(report))} / {len(report.rows)}",
+        "rows by status": ", ".join(f"{n}x {s}" for s, n in statuses.most_common()) or "-",
         "rows no client saw": len(report.unseen),
-        "refusals answered / counted": f"{report.refusals_seen} / {report.refusals_counted}",
         "rows settled after (s)": f"{report.rows_settled_after_s:.1f}",
-        "slots left / gone after (s)": f"{sum(report.slots_left.values())} / {report.slots_gone_after_s:.1f}",
         "/healthz during the fault": ", ".join(f"{n}x {s}" for s, n in sorted(health.items())) or "-",
-        "outbox depth during the fault, max": max(depths, default="-"),
         "log lines ERROR / WARNING": (
             f"{sum(1 for r in report.log_records if r.get('level') in ('ERROR', 'CRITICAL'))} / "
             f"{sum(1 for r in report.log_records if r.get('level') == 'WARNING')}"

@@ -1,12 +1,13 @@
 """The production layout, with every part under the test's hand: two daphne processes started as
 deploy/systemd/persona-quotes@.service starts them (harness/daphne.py), nginx in front with
-deploy/nginx's location rules and upstream block (harness/scaleout.py builds the site), one
-PostgreSQL and one Redis from the Debian packages (harness/services.py), and the fake
-Workers AI upstream (harness/workers_ai.py) streaming `tokens` at `tokens_per_second`.
+deploy/nginx's upstream block and location rules (harness/services.py builds the site), one
+PostgreSQL and one Redis from the Debian packages, and the fake Workers AI upstream
+(harness/workers_ai.py) streaming `tokens` at `tokens_per_second`.
 
 Each part can fail on demand: PostgreSQL stopped (`pg_ctl stop -m fast`) or made read-only, Redis
-stopped (and started again, empty, on its port) or paused (SIGSTOP), a daphne killed (SIGKILL)
-and started again on its port, the upstream hung before its first token.
+stopped (and started again, empty, on its port) or paused (SIGSTOP), a daphne killed (SIGKILL) or
+restarted the way deploy/rolling-restart does it (SIGTERM, its drain, started again), the
+upstream hung before its first token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,17 +27,16 @@ from typing import Any
 
 import httpx
 import psycopg
-import redis as redis_py
-from prometheus_client.parser import text_string_to_metric_families
 
-from harness.daphne import manage, production_base_env, start_daphne, wait_until_healthy
-from harness.scaleout import nginx_site
+from harness.daphne import ROOT, collectstatic, manage, production_base_env, start_daphne, wait_until_healthy
 from harness.services import (
     DB_NAME,
     Nginx,
     Postgres,
     RedisServer,
     ServiceError,
+    client_at,
+    deploy_site,
     free_port,
     nginx,
     postgres,
@@ -46,19 +45,17 @@ from harness.services import (
 )
 from harness.workers_ai import FakeWorkersAI, Scenario
 
-from .load import Load
-
 METRICS_TOKEN = secrets.token_urlsafe(24)
+METRICS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-metrics.conf"
 #: How long an upstream hang lasts when it is not ended first (longer than any run of the suite).
 HUNG_S = 600.0
-#: Refused requests are counted into rows of these statuses (quotes/ai/refusals.py).
-REFUSAL_STATUSES = ("rate_limited", "busy")
+PERSONA = "alan-watts"
 
 
 @dataclass
 class Daphne:
-    """One daphne process that can be killed and started again on the same port (nginx's
-    upstream block names the port)."""
+    """One daphne process that can be killed or restarted on the same port (nginx's upstream
+    block names the port)."""
 
     name: str
     port: int
@@ -71,13 +68,23 @@ class Daphne:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """Started; `wait_healthy` waits for its /healthz."""
         self.process = start_daphne(self.port, self.env, self.log)
+
+    def wait_healthy(self) -> None:
+        assert self.process is not None
         wait_until_healthy(self.url, self.process, self.log)
 
     def kill(self) -> None:
         if self.process is not None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (the drain), and its exit status once it has exited."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout_s)
 
     def stop(self) -> None:
         if self.process is not None:
@@ -96,11 +103,21 @@ class Settings:
     env: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class Restart:
+    """One process restarted by deploy/rolling-restart's step: its exit status, how long its
+    drain and exit took, and how long until it was healthy again."""
+
+    name: str
+    exit_code: int
+    drain_s: float
+    back_s: float
+
+
 class Layout:
     def __init__(
         self,
         *,
-        workdir: Path,
         settings: Settings,
         pg: Postgres,
         redis: RedisServer,
@@ -109,7 +126,6 @@ class Layout:
         proxy: Nginx,
         metrics_urls: list[str],
     ) -> None:
-        self.workdir = workdir
         self.settings = settings
         self.pg = pg
         self.redis = redis
@@ -117,12 +133,18 @@ class Layout:
         self.daphnes = daphnes
         self.proxy = proxy
         self.metrics_urls = metrics_urls
+        self.env = daphnes[0].env
         self.scenario = Scenario()
         self.use_tokens(settings.tokens, settings.tokens_per_second)
 
     @property
     def url(self) -> str:
         return self.proxy.url
+
+    @property
+    def text(self) -> str:
+        """A whole quote, as the upstream sends it now."""
+        return "".join(map(str, self.scenario.tokens))
 
     def use_tokens(self, tokens: int, tokens_per_second: float) -> None:
         """Each quote is `tokens` tokens long, streamed at `tokens_per_second`, from now on."""
@@ -138,40 +160,52 @@ class Layout:
         """The upstream takes requests and sends nothing (before its first token) while hung."""
         self.fake.default = replace(self.scenario, stall_before_s=HUNG_S) if hung else self.scenario
 
-    def database_read_only(self, read_only: bool) -> str:
+    def database_read_only(self, read_only: bool) -> None:
         """The database refuses writes, as after a failover to a replica: new sessions are
-        read-only (`ALTER DATABASE ... SET default_transaction_read_only`), and every open session
-        of the app is ended (`pg_terminate_backend`), so none keeps the old setting. The SQL used."""
-        setting = "on" if read_only else "off"
-        commands = (
-            f"ALTER DATABASE {DB_NAME} SET default_transaction_read_only = {setting}",
+        read-only, and every open session of the app is ended, so none keeps the old setting."""
+        self.pg.psql(
+            f"ALTER DATABASE {DB_NAME} SET default_transaction_read_only = {'on' if read_only else 'off'}",
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             f"WHERE datname = '{DB_NAME}' AND pid <> pg_backend_pid()",
         )
-        self.pg.psql(*commands)
-        return "; ".join(commands)
 
-    def expire_persona_caches(self) -> None:
-        """Every process forgets its personas at its next request (their version value in the
-        shared cache changes, as when an editor saves one): what the 30 s expiry of quotes.personas
-        does in a longer database outage, now."""
-        client = self.redis_client()
-        try:
-            for key in client.scan_iter(match="*quotes:personas:version"):
-                # The cache keeps a str value as JSON (quotes.ai.cache.JSONSerializer).
-                client.set(key, json.dumps(uuid.uuid4().hex))
-        finally:
-            client.close()
+    def restart(self, daphne: Daphne) -> Restart:
+        """deploy/rolling-restart's step for one process: SIGTERM (it drains, then exits), then
+        started again, and the next step only once its /healthz answers 200."""
+        started = time.monotonic()
+        exit_code = daphne.terminate()
+        drained = time.monotonic()
+        daphne.start()
+        daphne.wait_healthy()
+        return Restart(daphne.name, exit_code, drained - started, time.monotonic() - drained)
 
-    def warm_up(self, clients: int = 10) -> None:
-        """A quote for each of `clients` clients through nginx, so that the first fault finds
-        the processes as a fault would in production: warm (their personas loaded, their
-        connection pools open), with streams under way rather than still starting."""
-        load = Load(self.url, clients)
-        asyncio.run(load.run(lambda _: asyncio.sleep(0.1)))
-        failed = [quote for quote in load.quotes if quote.outcome != "done"]
-        if failed:
-            raise ServiceError(f"the warm-up quotes failed: {failed[:3]}")
+    def rolling_restart(self) -> list[Restart]:
+        return [self.restart(daphne) for daphne in self.daphnes]
+
+    def warm_up(self) -> None:
+        """A quote from each process, so that the first test finds them warm (their personas
+        loaded, their connection pools open)."""
+        for daphne in self.daphnes:
+            response = httpx.post(
+                daphne.url + "/api/quotes/stream", json={"persona": PERSONA, "topic": "warm"}, timeout=30
+            )
+            if response.status_code != 200 or not response.text.endswith("data: [DONE]\n\n"):
+                raise ServiceError(f"daphne {daphne.name}'s warm-up quote failed: {response.text[:300]}")
+
+    # -- a visitor ----------------------------------------------------------------------------
+
+    def visitor(self, address: str) -> httpx.Client:
+        """A browser's worth of client from `address`: it has loaded the persona page and keeps
+        the csrftoken cookie the page set. The cookie is Secure (TLS ends at nginx in production)
+        and this nginx speaks plain HTTP, so it is sent as a browser on https would send it."""
+        client = client_at(address)
+        page = client.get(f"{self.url}/personas/{PERSONA}/")
+        page.raise_for_status()
+        token = page.cookies.get("csrftoken")
+        assert token, f"the persona page set no csrftoken cookie: {page.headers}"
+        client.cookies.clear()
+        client.cookies.set("csrftoken", token)
+        return client
 
     # -- looking at it ------------------------------------------------------------------------
 
@@ -181,25 +215,6 @@ class Layout:
 
     def last_row_id(self) -> int:
         return int(self.sql("SELECT coalesce(max(id), 0) FROM quotes_generation")[0][0])
-
-    def refusals_counted(self) -> int:
-        """Refused requests counted in the log (one row per client, reason and window)."""
-        rows = self.sql(
-            "SELECT coalesce(sum(request_count), 0) FROM quotes_generation WHERE status = ANY(%s)",
-            [list(REFUSAL_STATUSES)],
-        )
-        return int(rows[0][0])
-
-    def redis_client(self) -> redis_py.Redis:
-        return redis_py.Redis.from_url(self.redis.url, socket_timeout=5)
-
-    def slots_held(self) -> dict[str, int]:
-        """Client slots in Redis (admission's leases), by key: how many each holds."""
-        client = self.redis_client()
-        try:
-            return {key.decode(): int(client.zcard(key)) for key in client.scan_iter(match="quotes:slots:*")}
-        finally:
-            client.close()
 
     async def healthz(self) -> list[int]:
         """Each process's /healthz status (0: no answer within a second)."""
@@ -212,28 +227,6 @@ class Layout:
 
         async with httpx.AsyncClient(timeout=1) as client:
             return list(await asyncio.gather(*(one(client, daphne) for daphne in self.daphnes)))
-
-    async def outbox_depths(self) -> list[float | None]:
-        """Each process's quotes_log_outbox_depth as Prometheus scrapes it (on its nginx port,
-        with the token): the log rows waiting for the database. None: no such metric, or no
-        answer (within a second)."""
-
-        async def one(client: httpx.AsyncClient, url: str) -> float | None:
-            try:
-                response = await client.get(
-                    url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
-                )
-            except httpx.HTTPError:
-                return None
-            if response.status_code != 200:
-                return None  # nginx's 502 while the process is down
-            for family in text_string_to_metric_families(response.text):
-                if family.name == "quotes_log_outbox_depth":
-                    return sum(sample.value for sample in family.samples)
-            return None
-
-        async with httpx.AsyncClient(timeout=1) as client:
-            return list(await asyncio.gather(*(one(client, url) for url in self.metrics_urls)))
 
     def wait_until_healthy(self, timeout_s: float = 20.0) -> None:
         """Until every process's /healthz says 200 (a run starts from a whole layout)."""
@@ -263,44 +256,54 @@ class Layout:
         return records
 
 
+def nginx_site(port: int, daphnes: list[Daphne], metrics_ports: list[int]) -> str:
+    """deploy/nginx's site in front of `daphnes`, and one port per process for Prometheus, as
+    deploy/nginx/persona-quotes.conf sets them up."""
+    metrics = "".join(
+        f"""
+    server {{
+        listen 127.0.0.1:{metrics_port};
+        set $persona_quotes_host 127.0.0.1;
+        include {METRICS_CONF};
+        location = /metrics {{ proxy_pass {d.url}; }}
+    }}"""
+        for d, metrics_port in zip(daphnes, metrics_ports, strict=True)
+    )
+    return deploy_site(port, [d.url.removeprefix("http://") for d in daphnes], http=metrics)
+
+
 @contextlib.contextmanager
 def started(settings: Settings | None = None) -> Iterator[Layout]:
     """The whole layout, migrated and healthy; everything stopped and removed afterwards."""
     settings = settings or Settings()
-    with (
-        tempfile.TemporaryDirectory(prefix="persona-quotes-faults-") as tmp,
-        FakeWorkersAI() as fake,
-    ):
+    with tempfile.TemporaryDirectory(prefix="persona-quotes-layout-") as tmp, FakeWorkersAI() as fake:
         workdir = Path(tmp)
         with postgres(workdir) as pg, redis_server(workdir) as redis:
             env = production_base_env(
                 database_url=pg.url,
                 redis_url=redis.url,
-                DJANGO_STATIC_ROOT=str(workdir / "static"),
-                CLOUDFLARE_ACCOUNT_ID="acct-faults",
-                CLOUDFLARE_API_TOKEN="cfut_FAULTS-" + secrets.token_hex(16),
+                CLOUDFLARE_ACCOUNT_ID="acct-layout",
+                CLOUDFLARE_API_TOKEN="cfut_LAYOUT-" + secrets.token_hex(16),
                 CLOUDFLARE_API_BASE_URL=fake.api_base_url,
-                # Every client asks from 127.0.0.0/24: one network, many clients, no limit in the way.
-                QUOTES_RATE_LIMIT="100000/m",
-                QUOTES_NETWORK_RATE_LIMIT="1000000/m",
-                QUOTES_CACHE_TTL="3600",  # topics are unique: misses, each claimed across processes
+                # Clients ask from 127.0.0.0/8, quote after quote: no rate limit in the way.
+                QUOTES_RATE_LIMIT="100000/minute",
+                QUOTES_CACHE_TTL="3600",  # topics are unique: misses
                 QUOTES_TTFT_TIMEOUT=f"{settings.ttft_timeout_s:g}",
                 QUOTES_METRICS_TOKEN=METRICS_TOKEN,
-                # Where rows wait while the database cannot take them (quotes/ai/gateway/rows.py).
-                QUOTES_OUTBOX_DIR=str(workdir / "outbox"),
                 **settings.env,
             )
             manage(env, "migrate", "--noinput", "-v0")
-            manage(env, "collectstatic", "--noinput", "-v0")
+            collectstatic(env)
             daphnes = [Daphne(name, free_port(), env, workdir / f"daphne-{name}.log") for name in ("A", "B")]
             try:
                 for daphne in daphnes:
                     daphne.start()
+                for daphne in daphnes:
+                    daphne.wait_healthy()
                 port, metrics_ports = free_port(), [free_port(), free_port()]
-                site = nginx_site(port, daphnes, metrics_ports)  # what it reads of each: .url
-                with nginx(workdir, site=site, port=port) as proxy:
+                site = nginx_site(port, daphnes, metrics_ports)
+                with nginx(workdir, site=site, port=port, worker_connections=4096) as proxy:
                     layout = Layout(
-                        workdir=workdir,
                         settings=settings,
                         pg=pg,
                         redis=redis,

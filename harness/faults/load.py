@@ -1,6 +1,7 @@
-"""Clients for the fault suite: each on a loopback address of its own (127.0.0.N, a visitor of its
-own to the app: its own rate count, slots and network hash), asking for one quote after another
-through nginx with a topic of its own, and noting what came back and when each byte did.
+"""Clients for the fault suite: each on a loopback address of its own (127.0.x.y, a visitor of its
+own to the app: its own rate count and slots) with a csrftoken cookie of its own (nginx's hash
+keeps it on one process, as the page's cookie keeps a visitor), asking for one quote after
+another through nginx with a topic of its own, and noting what came back and when each byte did.
 
 A quote's silence is the longest wait for the next byte: from the request to the response's
 headers, between two chunks of the body, and from the last chunk to the end of the body.
@@ -53,8 +54,7 @@ class Quote:
         return self.content_type.startswith("application/json")
 
 
-#: Clients have 127.0.0.2 to 127.0.0.241 (127.0.0.250 is the settling client's).
-MAX_CLIENTS = 240
+MAX_CLIENTS = 1000
 
 
 def _error_code(text: str) -> str:
@@ -104,8 +104,8 @@ async def ask(client: httpx.AsyncClient, base_url: str, name: str) -> Quote:
         quote.code = _error_code(body.decode(errors="replace"))
         quote.detail = body[:300].decode(errors="replace")
         return quote
-    last = (parse(body) or [{"event": "", "data": ""}])[-1]
-    event, data = last["event"], last["data"]
+    end = (parse(body) or [{"event": "", "data": ""}])[-1]
+    event, data = end["event"], end["data"]
     if event == "message" and data == "[DONE]":
         quote.outcome = "done"
     elif event == "error":
@@ -171,22 +171,14 @@ class Load:
         self.marks[name] = time.monotonic()
 
 
-def ask_once(base_url: str, name: str) -> Quote:
-    """One quote from a client of its own (the settling phase's trickle of requests)."""
-
-    async def one() -> Quote:
-        async with client_at(name) as client:
-            return await ask(client, base_url, name)
-
-    return asyncio.run(one())
-
-
 #: One TLS context for every client (none is used on http://, but httpx makes one per transport
 #: unless given one, at about 50 ms of CPU each: 30 clients would stall the loop for seconds).
 _TLS = ssl.create_default_context()
 
 
 def client_at(local_address: str) -> httpx.AsyncClient:
-    """A client whose connections come from `local_address`."""
+    """A client whose connections come from `local_address`, with a csrftoken cookie of its own
+    (the page would have set one: 32 letters and digits)."""
     transport = httpx.AsyncHTTPTransport(local_address=local_address, verify=_TLS)
-    return httpx.AsyncClient(transport=transport, timeout=CLIENT_TIMEOUT_S, verify=_TLS)
+    cookies = {"csrftoken": secrets.token_hex(16)}
+    return httpx.AsyncClient(transport=transport, timeout=CLIENT_TIMEOUT_S, verify=_TLS, cookies=cookies)

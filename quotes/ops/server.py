@@ -1,11 +1,6 @@
-"""`python -m quotes.server`: daphne, with exactly daphne's arguments, that drains on SIGTERM.
-
-On SIGTERM (or Ctrl-C) it takes no new stream (503 `server_draining`, /healthz 503), lets the
-open ones finish for up to QUOTES_DRAIN_TIMEOUT_S, ends the rest as cancelled/`server_draining`
-(their clients are told to reconnect), writes the last log rows, then stops. A second signal
-stops at once. Plain `daphne` would cancel every open stream at the first signal.
-
-    python -m quotes.ops.server -b 127.0.0.1 -p 8000 config.asgi:application
+"""`python -m quotes.ops.server -b 127.0.0.1 -p 8000 config.asgi:application`: daphne, with
+daphne's arguments, that drains on SIGTERM (docs/deployment.md, "Rolling restart") where plain
+daphne cancels every open stream; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ def without_query(action_logger: Callable[..., None]) -> Callable[..., None]:
 
 
 def draining_server(**options: Any) -> Server:
-    """daphne's Server, as its command line configures it, draining on SIGTERM."""
     draining: list[asyncio.Task[None]] = []
 
     def on_signal(number: int) -> None:
@@ -85,6 +79,15 @@ async def drain_then_stop(server: Server) -> None:
 class DrainingCommandLineInterface(CommandLineInterface):
     description = "Persona Quotes: daphne, draining open streams on SIGTERM"
     server_class = staticmethod(draining_server)
+
+    def run(self, args: list[str]) -> None:
+        super().run(args)
+        from quotes.rows import write_refusals_left  # Django is set up once daphne has loaded the app
+
+        try:
+            write_refusals_left()  # answered after the drain's last write
+        except Exception:
+            logger.exception("could not write the last refusal counts")
 
 
 if __name__ == "__main__":
