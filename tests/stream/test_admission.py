@@ -106,7 +106,9 @@ async def test_a_limited_client_stays_limited_after_thousands_of_others(
 
 
 @pytest.mark.services
-async def test_a_burst_never_spends_past_the_daily_ceiling(fake: FakeWorkersAI, settings: Any, persona: Persona, unlimited: Any) -> None:
+async def test_a_burst_never_spends_past_the_daily_ceiling(
+    fake: FakeWorkersAI, settings: Any, persona: Persona, unlimited: Any
+) -> None:
     """Each paid generation reserves the most it can cost before it starts (every prompt
     character a token, max_tokens written), atomically in the shared counters: a burst admits
     only what fits, and the real costs, settled at the end, stay under the ceiling."""
@@ -117,7 +119,9 @@ async def test_a_burst_never_spends_past_the_daily_ceiling(fake: FakeWorkersAI, 
     burst = await asyncio.gather(*(post_quote(client=(f"198.51.100.{n}", 1)) for n in range(12)))
     statuses = sorted(response.status for response in burst)
     assert statuses == [200] * 3 + [503] * 9
-    assert {response.json()["error"]["code"] for response in burst if response.status == 503} == {"budget_exhausted"}
+    assert {response.json()["error"]["code"] for response in burst if response.status == 503} == {
+        "budget_exhausted"
+    }
     spent = await limits.spent_today()
     assert 0 < spent <= settings.QUOTES_DAILY_SPEND_LIMIT_USD
     assert spent == sum([row.cost_usd async for row in Generation.objects.all()], Decimal(0))

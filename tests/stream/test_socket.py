@@ -71,7 +71,7 @@ async def test_a_cancel_stops_the_upstream_and_a_second_start_waits_for_it(
     await socket.send_json_to({"type": "start", "persona": "test-watts"})
     assert (await frames_until(socket, "error"))[-1]["code"] == "busy_socket"
     await socket.send_json_to({"type": "cancel"})
-    while (frame := await socket.receive_json_from(timeout=5))["type"] != "cancelled":
+    while (await socket.receive_json_from(timeout=5))["type"] != "cancelled":
         pass
     assert fake.requests[0].client_disconnected.wait(1)
     row = await Generation.objects.aget(public_id=frames[0]["id"])

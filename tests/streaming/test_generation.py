@@ -198,7 +198,7 @@ async def test_policy_never_retries_after_text_nor_falls_back_for_a_final_error(
 
 
 async def test_policy_deadlines_first_token_and_idle() -> None:
-    calls, attempt = scripted(5.0, 5.0)
+    _, attempt = scripted(5.0, 5.0)
     loop = asyncio.get_running_loop()
     started = loop.time()
     events = [e async for e in generate(attempt, ["m1"], FAST)]  # type: ignore[arg-type]
@@ -214,7 +214,7 @@ async def test_policy_deadlines_first_token_and_idle() -> None:
 
 
 async def test_policy_passes_an_outside_cancellation_on() -> None:
-    calls, attempt = scripted(5.0)
+    _, attempt = scripted(5.0)
     task = asyncio.create_task(collect(generate(attempt, ["m1"], FAST)))  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     task.cancel()
