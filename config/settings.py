@@ -141,19 +141,24 @@ SERVESTATIC_USE_FINDERS = DEBUG
 
 # One JSON object per line in production, text in development; every line has its request id,
 # and no line has a credential or a query string (visitors' topics travel in them).
-_LOG_FILTERS = (("ids", "RequestIdFilter"), ("clients", "ClientErrorFilter"))
-_FORMAT = "%(asctime)s %(levelname)s %(name)s " + (
-    "[%(request_id)s] %(message)s" if DEBUG else "%(message)s %(request_id)s"
-)
+_FORMAT = "%(asctime)s %(levelname)s %(name)s "
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {name: {"()": f"quotes.ops.logging.{kind}"} for name, kind in _LOG_FILTERS},
+    "filters": {
+        "request_id": {"()": "quotes.ops.logging.RequestIdFilter"},
+        "client_errors": {"()": "quotes.ops.logging.ClientErrorFilter"},
+    },
     "formatters": {
-        "lines": {"()": f"quotes.ops.logging.{'Text' if DEBUG else 'Json'}Formatter", "fmt": _FORMAT}
+        "json": {"()": "quotes.ops.logging.JsonFormatter", "fmt": _FORMAT + "%(message)s %(request_id)s"},
+        "text": {"()": "quotes.ops.logging.TextFormatter", "fmt": _FORMAT + "[%(request_id)s] %(message)s"},
     },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "lines", "filters": ["ids", "clients"]}
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "text" if DEBUG else "json",
+            "filters": ["request_id", "client_errors"],
+        }
     },
     "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="INFO")},
     "loggers": {
@@ -167,9 +172,7 @@ LOGGING = {
 # The DEBUG error page hides every setting named like a credential; these hold one inside.
 DEFAULT_EXCEPTION_REPORTER_FILTER = "quotes.ops.logging.SecretsFilter"
 
-# --- Shared state: Redis when there are several processes ---------------------------------
-
-REDIS_URL = env.str("REDIS_URL", default="")
+REDIS_URL = env.str("REDIS_URL", default="")  # shared by several processes: answers, rate limits, spend
 _LOCAL = "django.core.cache.backends.locmem.LocMemCache"
 _REDIS = {
     "BACKEND": "django.core.cache.backends.redis.RedisCache",
@@ -189,7 +192,6 @@ CACHES = {
 }
 
 # --- The model ------------------------------------------------------------------------------
-
 CLOUDFLARE_ACCOUNT_ID = env.str("CLOUDFLARE_ACCOUNT_ID", default="")
 CLOUDFLARE_API_TOKEN = env.str("CLOUDFLARE_API_TOKEN", default="")
 CLOUDFLARE_API_BASE_URL = env.str("CLOUDFLARE_API_BASE_URL", default="https://api.cloudflare.com/client/v4")

@@ -233,7 +233,7 @@ class Generations:
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.open and (left := deadline - loop.time()) > 0:
+        while (self.open or self.live) and (left := deadline - loop.time()) > 0:
             if self.live:
                 closing = [generation.closed for generation in self.live]
                 await asyncio.wait(closing, timeout=left, return_when=asyncio.FIRST_COMPLETED)
