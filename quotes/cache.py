@@ -1,11 +1,9 @@
-"""The shared cache (Django's: in memory, or Redis with REDIS_URL): complete answers replayed as
-streams, and the safe way to call it.
+"""The shared cache (Django's: in memory, or Redis): complete answers replayed as streams, and
+the safe way to call it.
 
-Redis is a cache here, never the source of truth. `call` runs a cache operation off the event
-loop; when Redis fails, it is left alone for RETRY_S (every caller gets None at once meanwhile,
-so a hung Redis costs one socket timeout, not one per request), with one WARNING per outage.
-Values are JSON (`JSONSerializer`), never pickle: whoever can write to Redis must not be able to
-run code here.
+`call` runs a cache operation off the loop; after a failure the cache is left alone for RETRY_S
+(so a hung Redis costs one socket timeout, not one per request). Values are JSON, never pickle:
+whoever can write to Redis must not be able to run code here.
 """
 
 from __future__ import annotations
@@ -31,15 +29,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: How long the cache is left alone after it failed.
 RETRY_S = 2.0
 _down_until = 0.0
 _failing = False
 
 
 async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
-    """`operation(*args, **kwargs)` on a worker thread; None when the cache fails, or failed
-    less than RETRY_S ago."""
+    """`operation(*args, **kwargs)` on a worker thread; None when the cache fails or is resting."""
     global _down_until, _failing
     if time.monotonic() < _down_until:
         return None
@@ -56,13 +52,8 @@ async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | No
     return result
 
 
-def available() -> bool:
-    return not _failing
-
-
 class JSONSerializer:
-    """RedisCache's serializer (OPTIONS["serializer"]): JSON where Django's own pickles. Integers
-    stay integers (INCR). A value that is not JSON reads as None: a miss."""
+    """RedisCache's serializer: JSON, integers as they are (INCR); a value not JSON is a miss."""
 
     def dumps(self, value: object) -> bytes | int:
         if type(value) is int:
@@ -101,11 +92,11 @@ async def get_answer(key: str) -> list[Event] | None:
 
 
 async def store_answer(key: str, events: list[Event], *, ttl: int) -> None:
-    """Keep a complete answer: its events without the generation's id, its cache status and its
-    upstream headers (they name that call, not a replay)."""
-    kept = [Meta(model=e.model, step=e.step) if type(e) is Meta else e for e in events if not _opening(e)]
+    """Keep a complete answer, without the generation's id, cache status and upstream headers
+    (they name that call, not a replay)."""
+    kept = [
+        Meta(model=e.model, step=e.step) if type(e) is Meta else e
+        for e in events
+        if not (type(e) is Meta and e.id is not None)  # the generation's own opening
+    ]
     await call(cache.set, key, to_json([*kept, Done()]), timeout=ttl)
-
-
-def _opening(event: Event) -> bool:
-    return type(event) is Meta and event.id is not None

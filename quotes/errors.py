@@ -1,10 +1,6 @@
-"""The error vocabulary: every stable code a client can see, the constructors for the errors
-that more than one module raises, and `upstream_text`, which makes what an upstream said fit for
-the operator's log (a visitor never gets it).
-
-A code is part of the wire format (JSON envelopes, SSE `error` events, WebSocket frames, the
-`error_code` column of the log), so its value never changes; `ErrorCode` is a `StrEnum`, so a
-member is the very string clients see (streaming.events.Error carries it as a str).
+"""The error vocabulary: every stable code a client can see (part of the wire format and of the
+log's `error_code`: a value never changes), the errors more than one module raises, and what an
+upstream said, made fit for the operator's log (a visitor never gets it).
 """
 
 from __future__ import annotations
@@ -85,8 +81,7 @@ class ErrorCode(StrEnum):
 
 
 class QuoteError(Exception):
-    """A failure with a stable `code`, a readable `message`, the HTTP `status` it maps to, and
-    (for a failure that passes) `retry_after`, the seconds after which trying again makes sense."""
+    """A failure with its HTTP `status`, and for one that passes, `retry_after` seconds."""
 
     def __init__(self, code: ErrorCode, message: str, status: int, *, retry_after: int | None = None) -> None:
         super().__init__(message)
@@ -100,12 +95,9 @@ class QuoteError(Exception):
 
 
 def envelope(code: str, message: str, **extra: Any) -> dict[str, dict[str, Any]]:
-    """The one JSON error body: {"error": {"code", "message", ...extra}}. The views, the SSE
-    `error` event, the admin preview and the health check all answer with it."""
+    """The one JSON error body: {"error": {"code", "message", ...extra}}."""
     return {"error": {"code": str(code), "message": message, **extra}}
 
-
-# -- constructors for the errors more than one module raises ---------------------------------------
 
 _RETRY = "Please try again shortly."
 
@@ -115,7 +107,6 @@ def busy(message: str = "The model is busy with other quotes. Please try again i
 
 
 def stopped() -> Error:
-    """The client stopped its quote (the Stop button, the stop endpoint, a WebSocket cancel)."""
     return Error(code=ErrorCode.STOPPED, message="The quote was stopped.", status=409)
 
 
@@ -124,8 +115,7 @@ def internal(message: str = "Something went wrong while writing the quote.") -> 
 
 
 def upstream_auth() -> Error:
-    """Our credentials were refused upstream. The visitor did nothing wrong and can do nothing
-    about it, so they get no detail: the backend logs what the upstream said, for the operator."""
+    """Our credentials were refused upstream: the visitor gets no detail, the log does."""
     return Error(
         code=ErrorCode.UPSTREAM_AUTH,
         message="The site's connection to the model service is misconfigured. "
@@ -138,9 +128,7 @@ def upstream_timeout(message: str = f"The model took too long to answer. {_RETRY
     return Error(code=ErrorCode.UPSTREAM_TIMEOUT, message=message, status=504)
 
 
-def upstream_unreachable(
-    message: str = f"The model service cannot be reached right now. {_RETRY}",
-) -> Error:
+def upstream_unreachable(message: str = f"The model service cannot be reached right now. {_RETRY}") -> Error:
     return Error(code=ErrorCode.UPSTREAM_UNREACHABLE, message=message, status=502)
 
 
@@ -163,9 +151,8 @@ def upstream_rejected(message: str, status: int) -> Error:
 
 
 def upstream_status_error(status: int) -> Error:
-    """The visitor's error for an upstream's non-2xx answer, from its status alone. Whatever the
-    upstream wrote with it (internal addresses, third-party keys, its account's billing) is for
-    the operator's log (`upstream_text`), never for the visitor, who can act on none of it."""
+    """The visitor's error for an upstream's non-2xx answer, from its status alone: what the
+    upstream wrote (internal addresses, keys, its billing) is for the log (`upstream_text`)."""
     if status in (401, 403):
         return upstream_auth()
     if status == 429:
@@ -176,8 +163,6 @@ def upstream_status_error(status: int) -> Error:
         return upstream_unavailable()
     return upstream_malformed(f"The model service gave an unexpected answer (HTTP {status}).")
 
-
-# -- what an upstream said, for the operator's log ------------------------------------------------
 
 #: How much of an upstream's error text reaches a log line, and how much of it is read: every
 #: pattern below starts only where a word starts (linear in the text), and the bound keeps even
@@ -232,11 +217,9 @@ def _without_ipv6(match: re.Match[str]) -> str:
 
 
 def upstream_text(text: str, *, secrets: Iterable[str] = ()) -> str:
-    """What an upstream said in an error, for the operator's log line: our own credentials
-    (`secrets`), anything named as a credential (`DATABASE_PASSWORD=...`, `"api_key": ...`),
-    bearer tokens, keys and account ids, URLs, e-mail addresses, IP addresses and internal host
-    names out; HTML tags and control characters out; at most UPSTREAM_TEXT_LIMIT characters.
-    What is left says what went wrong ("pool to [address] failed, DATABASE_PASSWORD=[redacted]")."""
+    """What an upstream said, for the log: without our `secrets`, anything named as a credential,
+    bearer tokens, keys and ids, URLs, e-mail and IP addresses, internal host names, HTML tags and
+    control characters; at most UPSTREAM_TEXT_LIMIT characters ("pool to [address] failed")."""
     text = text[:_READ_LIMIT]
     for secret in secrets:
         if secret:
@@ -258,14 +241,11 @@ def upstream_text(text: str, *, secrets: Iterable[str] = ()) -> str:
     return text
 
 
-# -- our credentials, out of what an upstream sends back -----------------------------------------
-
 _BEARER_TOKEN = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+")
 
 
 def scrub(text: str, secrets: Iterable[str]) -> str:
-    """`text` (an upstream's header value) without any of `secrets`, nor anything that follows
-    the word Bearer."""
+    """An upstream's header value without any of `secrets`, nor what follows the word Bearer."""
     for secret in secrets:
         if secret:
             text = text.replace(secret, _REDACTED)
@@ -273,13 +253,8 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
 
 
 class Scrubber:
-    """Removes our credentials from streamed text, even when one is cut across tokens.
-
-    A model never writes our token unless an upstream echoes it back; this makes sure it cannot
-    reach a visitor. The tail of a token that could be the start of a secret is held back until
-    the next token shows whether it is (`flush` gives it back when the stream ends). Cost per
-    token: one substring test per secret.
-    """
+    """Removes our credentials from streamed text (an upstream could echo one back), even cut
+    across tokens: a tail that could start a secret waits for the next token (or `flush`)."""
 
     __slots__ = ("_held", "_secrets")
 
@@ -290,15 +265,11 @@ class Scrubber:
     def feed(self, text: str) -> str:
         if not self._secrets:
             return text
-        if self._held:
-            text = self._held + text
-            self._held = ""
+        text, self._held = self._held + text, ""
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, _REDACTED)
-        hold = 0
-        for secret in self._secrets:
-            hold = max(hold, _prefix_overlap(text, secret))
+        hold = max(_prefix_overlap(text, secret) for secret in self._secrets)
         if hold:
             self._held = text[-hold:]
             return text[:-hold]

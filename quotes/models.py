@@ -39,14 +39,13 @@ def validate_prompt_template(value: str) -> None:
 
 
 def validate_voice_examples(value: str) -> None:
-    """Voice examples within the limits the frame can hold (quotes.ai.voice)."""
     problems = example_problems(value)
     if problems:
         raise ValidationError(problems)
 
 
-#: Sent when personas change without a save() or delete() of each (a queryset update): the
-#: process-local persona cache (quotes.personas) listens to it as it does to post_save.
+#: Personas changed without a save() or delete() of each (a queryset update): quotes.personas
+#: forgets them as on post_save.
 personas_changed = Signal()
 
 
@@ -66,9 +65,8 @@ class PersonaQuerySet(models.QuerySet["Persona"]):
 
 
 class Persona(models.Model):
-    """Who speaks, and what is sent to the model for them. Save one through
-    quotes.services.persona_save, which records a new PersonaVersion when the generation
-    settings change; remove one with services.persona_delete (the log keeps pointing at it)."""
+    """Who speaks, and what is sent to the model for them. Save and delete through
+    quotes.services (versions; the log keeps pointing at a persona)."""
 
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=100, unique=True)
@@ -163,11 +161,9 @@ class Persona(models.Model):
             raise ValidationError(errors)
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling fields (GenerationRequest's SAMPLING_FIELDS), set or not."""
         return {name: getattr(self, name) for name in SAMPLING_FIELDS}
 
     def generation_config(self) -> dict[str, Any]:
-        """Everything about this persona that shapes what the model is sent."""
         return {field: getattr(self, field) for field in GENERATION_FIELDS}
 
     def user_prompt(self, topic: str) -> str:
@@ -181,8 +177,7 @@ class Persona(models.Model):
         self, *, topic: str, messages: tuple[Message, ...] = (), model: str | None = None
     ) -> GenerationRequest:
         examples = self.examples()
-        # A chat model sees the examples as its own earlier answers, each to the user prompt on
-        # the example's topic (few-shot turns): it answers the real topic in the same voice.
+        # A chat model sees the examples as its own earlier answers (few-shot turns).
         shots = [
             turn
             for example in examples
@@ -238,9 +233,8 @@ class PersonaVersion(models.Model):
 
 
 class Generation(models.Model):
-    """One row per generation: the request log. Inserted `running` when it starts, completed
-    once when it ends (quotes.rows). A `running` row older than the total deadline belongs to
-    a process that died: the admin and the analytics show it as lost."""
+    """The request log, a row per generation: inserted `running`, completed once when it ends
+    (quotes.rows); one left `running` past the total deadline is shown as lost."""
 
     class Status(models.TextChoices):
         RUNNING = "running", "running"
@@ -286,8 +280,6 @@ class Generation(models.Model):
         help_text="The visitors' verdict: the sign of the sum of their votes (one per visitor), "
         "empty when there are none or they cancel out.",
     )
-    #: when a visitor first shared it (the persona page's Permalink or Copy button; opening the
-    #: permalink page is no share): a shared quote is kept longer (pruning)
     shared_at = models.DateTimeField(
         "first shared",
         null=True,
@@ -304,8 +296,8 @@ class Generation(models.Model):
 
 
 class Refusal(models.Model):
-    """Refused stream requests (429, 503), counted per persona, hour and code: a refusal is no
-    generation and gets no row of its own, so a flood of them cannot grow the log."""
+    """Refused stream requests (429, 503) per persona, hour and code: no row each, so a flood of
+    them cannot grow the log."""
 
     persona = models.ForeignKey(Persona, on_delete=models.CASCADE, related_name="refusals")
     hour = models.DateTimeField(db_index=True)
@@ -320,12 +312,10 @@ class Refusal(models.Model):
 
 
 class Vote(models.Model):
-    """One visitor's thumbs up or down on one quote. The visitor may change it; nobody else can,
-    and voting again adds nothing. `Generation.feedback` is kept as the sign of the votes' sum."""
+    """One visitor's thumbs up or down on one quote, which only they may change."""
 
     generation = models.ForeignKey(Generation, on_delete=models.CASCADE, related_name="votes")
-    #: who voted, as rate limits count clients: "user:<id>", or "ip:<salted hash of the address,
-    #: an IPv6 address's network>" (never the address itself)
+    #: as limits count clients: "user:<id>", or "ip:<salted hash of the address or IPv6 network>"
     client_key = models.CharField(max_length=64)
     value = models.SmallIntegerField(choices=[(1, "👍"), (-1, "👎")])
     created_at = models.DateTimeField(auto_now_add=True)

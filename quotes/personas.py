@@ -1,16 +1,9 @@
-"""The active personas, kept in each process's memory, and the database's outages as this
-process sees them.
+"""The active personas in each process's memory, and the database's outages as it sees them.
 
-Every stream needs its persona and the persona's current version. They change rarely (an editor
-saves one), so each process keeps them, checked against one value in the shared cache that any
-change replaces (`bump`): on Redis, every process sees it; on the in-memory cache, each entry is
-read again after MAX_AGE_S anyway. The active slugs are loaded together, so a made-up slug costs
-no query.
-
-While the database cannot be reached, a persona this process has loaded is served as it was last
-loaded, and the database is asked again only RETRY_S after its last failure (one WARNING when an
-outage begins, one INFO when it ends). Anything that memory cannot answer is a 503
-`service_unavailable` with Retry-After.
+The personas are checked against one value in the shared cache that any change replaces (`bump`),
+and read again after MAX_AGE_S anyway; the active slugs are loaded together, so a made-up slug
+costs no query. During an outage a persona loaded before is served as it was, the database is
+asked again RETRY_S after its last failure, and anything else is a 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ from .models import Persona, PersonaVersion, personas_changed
 
 logger = logging.getLogger(__name__)
 
-#: Errors that say the database cannot be reached now (not a bug in a query).
 UNREACHABLE: tuple[type[Exception], ...] = (OperationalError, InterfaceError)
 VERSION_KEY = "quotes:personas:version"
 MAX_AGE_S = 30.0
@@ -48,7 +40,7 @@ class ActivePersona:
 
 
 class Outage:
-    """Whether the database is in an outage, and when to ask it again."""
+    """Whether the database is in an outage (one WARNING as it begins, one INFO as it ends)."""
 
     def __init__(self) -> None:
         self.since: float | None = None
@@ -90,8 +82,8 @@ _under: object = None
 
 
 async def get_active(slug: str) -> ActivePersona | None:
-    """The active persona called `slug` with its current version, or None; the 503 QuoteError
-    while the database is down and this process never loaded it."""
+    """The active persona called `slug` with its current version, or None; raises the 503 while
+    the database is down and this process never loaded it."""
     global _under, _slugs
     current = await cache.call(shared_cache.get, VERSION_KEY, "")
     if current is None or current != _under:  # a change, or no shared cache to tell: reload

@@ -1,15 +1,6 @@
-"""Who is asking, and whether to believe them.
-
-- `client_address`: the address an anonymous client is counted by (rate limits, stream slots,
-  votes, admin login throttling): IPv6 by its network, so one host cannot rotate its way out.
-- `TrustedProxyMiddleware`: the client's address (and scheme) from `X-Forwarded-For` /
-  `X-Forwarded-Proto`, believed only when the peer is one of `QUOTES_TRUSTED_PROXIES`. It wraps
-  the whole ASGI app (config/asgi.py), so HTTP and the WebSocket see the same client.
-- `refuse_cross_site`, `SameOriginWebSocketMiddleware`: a page of another origin (another site,
-  or a sibling subdomain) must not start a paid generation, over HTTP or the WebSocket.
-- `frame_too_large`: the WebSocket's frame cap.
-- `LoginThrottleBackend`, `LoginFailureHandler`, `login_client_address`, `login_locked_out`:
-  django-axes for the admin login.
+"""Who is asking, and whether to believe them: client addresses as limits count them, trusted
+proxies' forwarded headers, refusing pages of another origin (HTTP and WebSocket), the WebSocket's
+frame cap, and django-axes' hooks for the admin login.
 """
 
 from __future__ import annotations
@@ -36,7 +27,6 @@ from django.utils.http import is_same_domain
 from .errors import ErrorCode, QuoteError
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -53,14 +43,10 @@ def _address(text: str) -> Address | None:
     return address
 
 
-# --- the client's address, as limits count it -----------------------------------------------
-
-
 def client_address(ip: str) -> str:
-    """The address an anonymous client is counted by. An IPv4 address counts whole. An IPv6
-    address counts as its network, `QUOTES_IPV6_PREFIX` bits long (a /64 by default: what one
-    subscriber or one cloud instance is usually given), written as that network's first
-    address. Anything that is not an address (a unix socket has none) is returned as it is."""
+    """The address an anonymous client is counted by: an IPv6 one as its QUOTES_IPV6_PREFIX network
+    (a /64, what one subscriber or instance is given: no rotating out), as its first address; what
+    is no address (a unix socket's peer), as it is."""
     address = _address(ip)
     if address is None:
         return ip
@@ -71,24 +57,19 @@ def client_address(ip: str) -> str:
 
 
 def client_network(ip: str) -> str:
-    """The network the coarser rate limit counts an address by: its IPv6 /48 or its IPv4 /24
-    (QUOTES_IPV6_NETWORK_PREFIX, QUOTES_IPV4_NETWORK_PREFIX); "" when it is not an address."""
+    """The network the coarser rate limit counts an address by (QUOTES_IPV6_NETWORK_PREFIX,
+    QUOTES_IPV4_NETWORK_PREFIX); "" when it is not an address."""
     address = _address(ip)
     if address is None:
         return ""
-    if isinstance(address, ipaddress.IPv6Address):
-        prefix = settings.QUOTES_IPV6_NETWORK_PREFIX
-    else:
-        prefix = settings.QUOTES_IPV4_NETWORK_PREFIX
+    v6 = isinstance(address, ipaddress.IPv6Address)
+    prefix = settings.QUOTES_IPV6_NETWORK_PREFIX if v6 else settings.QUOTES_IPV4_NETWORK_PREFIX
     return str(ipaddress.ip_network((int(address), prefix), strict=False))
-
-
-# --- trusted proxies --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class TrustedProxies:
-    networks: tuple[Network, ...]
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     #: a unix socket has no peer address: only a local process (nginx) can reach it
     unix: bool
 
@@ -108,9 +89,8 @@ class TrustedProxies:
         return address is not None and self.trusts(address)
 
     def forwarded_client(self, hops: list[str]) -> str | None:
-        """The client in an X-Forwarded-For chain: each proxy appends the address it saw, so
-        read from the right and stop at the first hop that is not a trusted proxy. Anything
-        left of that hop was written by the client and proves nothing."""
+        """The client in an X-Forwarded-For chain: the first hop from the right that is not a
+        trusted proxy (each appends the address it saw; what is left of it, the client wrote)."""
         for hop in reversed(hops):
             address = _hop_address(hop)
             if address is None:
@@ -131,28 +111,21 @@ def _hop_address(hop: str) -> Address | None:
     return _address(hop)
 
 
-def trusted_proxies() -> TrustedProxies:
-    return TrustedProxies.parse(tuple(settings.QUOTES_TRUSTED_PROXIES))
-
-
 def _header_values(scope: Scope, name: bytes) -> list[str]:
     return [value.decode("latin-1") for key, value in scope.get("headers", ()) if key.lower() == name]
 
 
 class TrustedProxyMiddleware:
-    """Pure ASGI, around everything: when the peer is a trusted proxy, the client address and the
-    scheme it forwarded replace the peer's in the scope (`scope["client"]` becomes Django's
-    REMOTE_ADDR, and the consumer's client). From any other peer the headers change nothing.
-
-    daphne's own `--proxy-headers` is not used: it believes the header from whoever connects.
-    """
+    """Pure ASGI, around the whole app (HTTP and WebSocket): when the peer is one of
+    QUOTES_TRUSTED_PROXIES, the client and scheme it forwarded (X-Forwarded-For, -Proto) replace
+    the peer's in the scope. Not daphne's `--proxy-headers`, which believes whoever connects."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
-            proxies = trusted_proxies()
+            proxies = TrustedProxies.parse(tuple(settings.QUOTES_TRUSTED_PROXIES))
             if proxies.trusts_peer(scope.get("client")):
                 scope = _forwarded_scope(scope, proxies)
         await self.app(scope, receive, send)
@@ -175,28 +148,20 @@ def _forwarded_scope(scope: Scope, proxies: TrustedProxies) -> Scope:
     return scope
 
 
-# --- cross-site requests ----------------------------------------------------------------------
-
-
-#: What `Sec-Fetch-Site` says of a request that no other page made: `same-origin` (this site's
-#: own pages), or `none` (the visitor's own doing: a URL typed into the address bar, a bookmark,
-#: a link opened from another application). No page, of another site or a sibling subdomain,
-#: can make a browser send `none`, so it spends nothing on anyone's behalf, as curl does not.
+#: `Sec-Fetch-Site` of a request no other page made: this site's own, or `none` (typed, a
+#: bookmark, another application), which no page can make a browser send.
 FROM_THIS_ORIGIN = frozenset({"same-origin", "none"})
 
 
 def comes_from_elsewhere(*, fetch_site: str | None, origin: str | None, own_origin: str | None) -> bool:
-    """Whether a browser says this request comes from a page of another origin: another site,
-    or a sibling subdomain of this one (`same-site`: still another origin, its own code).
+    """Whether a browser says this request comes from a page of another origin: another site, or
+    a sibling subdomain (`same-site`: still another origin, its own code).
 
-    Browsers say where a request comes from with `Sec-Fetch-Site` (all current ones, on every
-    request) and `Origin` (on every cross-origin fetch or EventSource, every POST and every
-    WebSocket). A request is from elsewhere unless its `Origin` is one of
-    DJANGO_CSRF_TRUSTED_ORIGINS (the operator's word outweighs the browser's), or it is from
-    this origin by both headers: `Sec-Fetch-Site` absent or in FROM_THIS_ORIGIN, and `Origin`
-    absent or `own_origin` (None: not known, so no Origin matches it). A request with neither
-    header, such as curl's, is not a browser riding a visitor's session, and is not from
-    elsewhere."""
+    Browsers send `Sec-Fetch-Site` on every request, and `Origin` on every cross-origin fetch or
+    EventSource, POST and WebSocket. A request is from elsewhere unless its `Origin` is one of
+    DJANGO_CSRF_TRUSTED_ORIGINS, or both headers say this origin (each absent, Sec-Fetch-Site in
+    FROM_THIS_ORIGIN, Origin equal to `own_origin`). One with neither header, such as curl's, is
+    no browser riding a visitor's session."""
     if origin is not None and _trusted_origin(origin):
         return False
     if fetch_site is not None and fetch_site not in FROM_THIS_ORIGIN:
@@ -204,25 +169,24 @@ def comes_from_elsewhere(*, fetch_site: str | None, origin: str | None, own_orig
     return origin is not None and origin != own_origin
 
 
-def refuse_cross_site(request: HttpRequest) -> None:
-    """Raise a 403 for a browser request sent from a page of another origin (comes_from_elsewhere),
-    before any work: a page elsewhere, a sibling subdomain's included, must not start a (paid)
-    generation or stop a visitor's."""
+def _from_elsewhere(request: HttpRequest) -> bool:
     origin = request.headers.get("Origin")
-    if comes_from_elsewhere(
+    return comes_from_elsewhere(
         fetch_site=request.headers.get("Sec-Fetch-Site"),
         origin=origin,
         own_origin=f"{request.scheme}://{request.get_host()}" if origin is not None else None,
-    ):
-        raise _cross_site()
-
-
-def _cross_site() -> QuoteError:
-    return QuoteError(
-        ErrorCode.CROSS_SITE,
-        "Quotes can only be asked for from this site's own pages (or without a browser, e.g. curl).",
-        403,
     )
+
+
+def refuse_cross_site(request: HttpRequest) -> None:
+    """A 403 before any work for a page of another origin: it must not start a (paid) generation
+    or stop a visitor's."""
+    if _from_elsewhere(request):
+        raise QuoteError(
+            ErrorCode.CROSS_SITE,
+            "Quotes can only be asked for from this site's own pages (or without a browser, e.g. curl).",
+            403,
+        )
 
 
 def _trusted_origin(origin: str) -> bool:
@@ -242,15 +206,10 @@ def _trusted_origin(origin: str) -> bool:
 
 
 class SameOriginWebSocketMiddleware:
-    """Pure ASGI, around the WebSocket app: a handshake from a page of another origin
-    (comes_from_elsewhere, the rule the HTTP stream URLs keep) is refused before the socket is
-    accepted (the server answers 403), so no `start` frame is ever read from it.
-
-    The handshake's own origin is its scheme (ws: http, wss: https; a trusted proxy's
-    X-Forwarded-Proto already applied) and its Host, when that is one of ALLOWED_HOSTS. Browsers
-    send `Origin` on every WebSocket handshake, so one without is refused, as Channels'
-    AllowedHostsOriginValidator (which this replaces: it let every subdomain of a
-    `.example.com` entry in, and ignored scheme and port) refused it."""
+    """Pure ASGI: a WebSocket handshake from a page of another origin (comes_from_elsewhere) or
+    without `Origin` (browsers always send it) is refused with a 403 before any frame is read.
+    Unlike Channels' AllowedHostsOriginValidator, it minds scheme and port, and lets no other
+    subdomain of a `.example.com` entry in."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -290,14 +249,11 @@ def _websocket_own_origin(scope: Scope) -> str | None:
 
 
 def counts_bad_input(request: HttpRequest) -> bool:
-    """Whether a request's bad input may count against its client's budget: when it shows it
-    comes from this site (Sec-Fetch-Site same-origin or none, or this site's Origin), or from
-    no browser at all (neither header, and no browser's User-Agent). A browser that names no
-    origin (an <img> in an older Safari) may be another site's page spending a visitor's."""
-    fetch_site, origin = request.headers.get("Sec-Fetch-Site"), request.headers.get("Origin")
-    if fetch_site is not None or origin is not None:
-        own_origin = f"{request.scheme}://{request.get_host()}" if origin is not None else None
-        return not comes_from_elsewhere(fetch_site=fetch_site, origin=origin, own_origin=own_origin)
+    """Whether a request's bad input may count against its client's budget: when its headers say
+    this site, or when it is no browser at all. A browser that names no origin (an <img> in an
+    older Safari) may be another site's page spending a visitor's."""
+    if "Sec-Fetch-Site" in request.headers or "Origin" in request.headers:
+        return not _from_elsewhere(request)
     return not request.headers.get("User-Agent", "").startswith("Mozilla/")
 
 
@@ -315,18 +271,10 @@ def frame_too_large(text_data: str | None, bytes_data: bytes | None) -> QuoteErr
     return QuoteError(ErrorCode.FRAME_TOO_LARGE, f"A frame may be at most {cap} bytes (UTF-8).", 413)
 
 
-# --- the admin login (django-axes hooks, named in config/settings.py) -------------------------
-
-
 class LoginThrottleBackend(AxesStandaloneBackend):
-    """django-axes' backend (first in AUTHENTICATION_BACKENDS: it refuses a locked-out client
-    before any password is checked), made whole for Django 5.2:
-
-    - Django 5.2's `aauthenticate` calls `aauthenticate` on every backend, which axes 8.3 lacks
-      (an AttributeError for any async login);
-    - a call with no request (code logging a user in: tests, scripts) has no client to count,
-      so it is not throttled, where axes would raise.
-    """
+    """django-axes' backend (first in AUTHENTICATION_BACKENDS), made whole for Django 5.2, which
+    calls `aauthenticate`, missing in axes 8.3; and a call with no request (tests, scripts) has
+    no client to count, so it is not throttled, where axes would raise."""
 
     def authenticate(
         self,
@@ -353,17 +301,10 @@ class LoginThrottleBackend(AxesStandaloneBackend):
 
 
 class LoginFailureHandler(AxesDatabaseHandler):
-    """AXES_HANDLER: django-axes' database handler, keeping nothing a client sent.
-
-    axes stores a failed login's GET and POST fields (up to 1 KB each, the password's value
-    masked) and the submitted username in the client's AccessAttempt row, and appends each later
-    failure's fields to that row, during a lockout too: 40 attempts with a 2 KB field grew one
-    row from 1.3 KB to 84 KB, without bound, holding whatever was typed (a password typed into
-    the username box included). Here axes sees a request with no fields and no credentials, so
-    the row keeps the address, the user agent, the path, the count and the times; the lockout
-    is by address (AXES_LOCKOUT_PARAMETERS) and needs nothing else. The row is then emptied of
-    the separators axes appends for each failure even when there is no data, in the same
-    transaction."""
+    """AXES_HANDLER: django-axes' database handler, keeping nothing a client sent. axes appends
+    each failure's fields and username to the client's row: 40 attempts with a 2 KB field grew one
+    from 1.3 KB to 84 KB, holding whatever was typed. Here it sees none (the lockout is by
+    address), and the separators it still appends are emptied in the same transaction."""
 
     def user_login_failed(
         self, sender: Any, credentials: dict[str, Any], request: HttpRequest | None = None, **kwargs: Any
@@ -384,8 +325,7 @@ class LoginFailureHandler(AxesDatabaseHandler):
 
 
 def login_client_address(request: HttpRequest) -> str | None:
-    """AXES_CLIENT_IP_CALLABLE: the same address rate limits count (REMOTE_ADDR is already the
-    forwarded one when a trusted proxy sent it)."""
+    """AXES_CLIENT_IP_CALLABLE: the address rate limits count."""
     return client_address(request.META.get("REMOTE_ADDR") or "") or None
 
 

@@ -1,7 +1,5 @@
-"""The domain's actions: everything that changes personas, their versions, the votes on a quote or its being shared.
-
-The admin, the management commands and the views call these and nothing else to write; each is
-one transaction and takes keyword-only arguments. Reads live in quotes.admin.analytics.
+"""Every write of personas, their versions, the votes on a quote and its being shared: one
+transaction each. Reads live in quotes.admin.analytics.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ def persona_has_generations(persona: Persona) -> bool:
 
 @transaction.atomic
 def persona_save(*, persona: Persona, created_by: Any = None, note: str = "") -> PersonaVersion | None:
-    """Save `persona`; when what it sends to the model changed since its last version, record a
-    new version with who made it and why, and return it (None when nothing the model sees changed)."""
+    """Save `persona`, and return a new version when what it sends to the model changed (else None)."""
     persona.save()
     config = persona.generation_config()
     latest = persona.versions.order_by("-number").first()
@@ -43,14 +40,9 @@ def persona_save(*, persona: Persona, created_by: Any = None, note: str = "") ->
 
 @transaction.atomic
 def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) -> PersonaVersion | None:
-    """Apply `version`'s configuration to `persona` and save it as a new version.
-
-    A field the version does not record did not exist yet when it was made: it goes back to its
-    default (rolling back to a version from before voice examples leaves none).
-
-    Raises ValidationError when the old configuration is no longer valid (say, a model left the
-    catalog); returns None when the persona already has exactly that configuration.
-    """
+    """Apply `version`'s configuration to `persona` as a new version (None: it has it already). A
+    field the version does not record goes back to its default; ValidationError when the old
+    configuration is no longer valid (a model left the catalog)."""
     if version.persona_id != persona.pk:
         raise ValueError("That version belongs to another persona.")
     for name in GENERATION_FIELDS:
@@ -62,24 +54,19 @@ def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) ->
 
 
 @transaction.atomic
-def persona_deactivate(*, persona: Persona) -> None:
-    """Hide `persona` from the site (its pages, the API) while its log rows keep pointing at it."""
-    persona.is_active = False
-    persona.save(update_fields=["is_active"])
-
-
-@transaction.atomic
 def persona_delete(*, persona: Persona) -> bool:
-    """Delete `persona`, or deactivate it instead when the request log refers to it (the log must
-    keep pointing at it). True when it was deactivated."""
+    """Delete `persona`, or deactivate it (True) when the request log refers to it."""
     if persona_has_generations(persona):
-        persona_deactivate(persona=persona)
+        persona.is_active = False
+        persona.save(update_fields=["is_active"])
         return True
     persona.delete()
     return False
 
 
 def _generation_feedback_set(*, generation_id: int, client_key: str, value: int) -> None:
+    """Set this client's vote (1 or -1), then the quote's verdict: the sign of the votes' sum, so
+    many voters cannot push one quote past one thumb."""
     with transaction.atomic():
         # The quote's row is locked first, so concurrent votes on it sum one after another.
         Generation.objects.select_for_update().filter(pk=generation_id).values_list("pk", flat=True).get()
@@ -91,21 +78,12 @@ def _generation_feedback_set(*, generation_id: int, client_key: str, value: int)
         Generation.objects.filter(pk=generation_id).update(feedback=verdict)
 
 
-async def generation_feedback_set(*, generation_id: int, client_key: str, value: int) -> None:
-    """Set this client's vote (1 or -1) on the quote, then the quote's verdict from all its votes.
-
-    One vote per client per quote, which that client may change and no one else can;
-    `Generation.feedback` is the sign of the votes' sum, so many voters cannot push a single
-    quote past one thumb (the admin's column and the analytics count quotes by that verdict)."""
-    await sync_to_async(_generation_feedback_set)(
-        generation_id=generation_id, client_key=client_key, value=value
-    )
+generation_feedback_set = sync_to_async(_generation_feedback_set)
 
 
 async def generation_share(*, public_id: uuid.UUID) -> bool:
-    """Mark a finished quote as shared (its page's Permalink or Copy button): retention keeps it
-    from now on (prune_generations). Only the first share writes. False when there is no such
-    finished quote to share."""
+    """Mark a finished quote as shared (its Permalink or Copy button): pruning keeps it longer.
+    Only the first share writes; False when there is no such quote."""
     shareable = Generation.objects.filter(public_id=public_id, status=Generation.Status.OK, is_preview=False)
     if await shareable.filter(shared_at__isnull=True).aupdate(shared_at=timezone.now()):
         return True

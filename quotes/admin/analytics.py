@@ -1,32 +1,14 @@
-"""The domain's read queries: a persona's version history, and the gateway's analytics (what
-the request log, `Generation`, says about a time range). Writes live in quotes.services.
+"""The read queries: a persona's version history, and what the request log says about a time
+range (the admin's analytics, the CSV, `manage.py gateway_stats`). The database counts all but
+percentiles (SQLite has none): the range's times to first token are ranked in Python.
 
-## Analytics
-
-Everything is counted by the database (aggregate/annotate, buckets with TruncHour/TruncDay),
-except percentiles: SQLite has none and PostgreSQL's `percentile_cont` is not portable, so
-`gateway_stats` reads the range's `(bucket, persona, model, ttft_ms)` tuples once with
-`values_list` and ranks them in Python. That is four numbers a row, bounded by the range; at
-this site's scale (thousands of requests a day, 30 days at most from the admin) it is a few
-hundred thousand floats at worst. A much busier site would move this to `percentile_cont` or
-a rollup table.
-
-Definitions, the same in the admin page, the CSV and `manage.py gateway_stats`:
-
-- *Requests*: generations logged in `[since, until)`, one row each. Preview rows (the admin's
-  live preview) are left out unless asked for. A `running` row older than the total deadline
-  belongs to a process that died mid-stream: it counts as *lost*.
-- *Refused*: requests answered 429 or 503 before any generation, counted per persona, hour and
-  code (`Refusal`), never as rows.
-- *Cache hit rate*: hits / (hits + misses). Bypassed requests (caching off for the persona, or
-  refused before the cache was asked) are not lookups and do not count either way.
-- *Errors*: generations that failed (status `error`), and lost ones. A cancelled one is the
-  visitor leaving, not a failure. *Error rate* is errors / requests; *by code* groups
-  them by `error_code` (the stable code the visitor saw).
-- *Cost* is the gateway's estimate from the catalog's prices; requests on models without a
-  published price have no cost and are counted in `unpriced`.
-- *Percentiles* interpolate linearly between the closest ranks (numpy's default), over the
-  requests that produced a first token.
+- *Requests*: rows in `[since, until)`, previews left out unless asked for. A `running` row older
+  than the total deadline belongs to a process that died: it counts as *lost*, and as an error.
+- *Refused*: answered 429 or 503 before any generation, counted in `Refusal`, never as rows.
+- *Cache hit rate*: hits / (hits + misses); a bypass is no lookup.
+- *Errors*: status `error`, and lost rows (a cancel is the visitor leaving), by `error_code`.
+- *Cost*: from the catalog's prices; rows on models with no published price count as `unpriced`.
+- *Percentiles* interpolate linearly between the closest ranks (numpy's default).
 """
 
 from __future__ import annotations
@@ -78,9 +60,6 @@ PRESET_RANGES: dict[str, dt.timedelta] = {
 #: The longest custom range the admin page accepts.
 MAX_RANGE = dt.timedelta(days=366)
 
-#: Ranges up to this long are bucketed by hour, longer ones by day.
-HOURLY_UP_TO = dt.timedelta(days=2)
-
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) of `values`, sorted ascending; None for no values."""
@@ -91,8 +70,20 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return values[low] + (values[high] - values[low]) * (rank - low)
 
 
-def _rate(part: int, whole: int) -> float | None:
-    return part / whole if whole else None
+class _Rates:
+    __slots__ = ()
+    cache_hits: int
+    cache_lookups: int
+    errors: int
+    requests: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cache_hits / self.cache_lookups if self.cache_lookups else None
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errors / self.requests if self.requests else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +100,7 @@ class TimeBucket:
 
 
 @dataclass(frozen=True, slots=True)
-class BreakdownRow:
+class BreakdownRow(_Rates):
     """One persona's or one model's share of the range."""
 
     key: str
@@ -128,17 +119,9 @@ class BreakdownRow:
     ttft_p50: float | None
     refused: int = 0
 
-    @property
-    def hit_rate(self) -> float | None:
-        return _rate(self.cache_hits, self.cache_lookups)
-
-    @property
-    def error_rate(self) -> float | None:
-        return _rate(self.errors, self.requests)
-
 
 @dataclass(frozen=True, slots=True)
-class Stats:
+class Stats(_Rates):
     since: dt.datetime
     until: dt.datetime
     bucket: Bucket
@@ -161,29 +144,12 @@ class Stats:
     by_persona: list[BreakdownRow] = field(default_factory=list)
     by_model: list[BreakdownRow] = field(default_factory=list)
 
-    @property
-    def hit_rate(self) -> float | None:
-        return _rate(self.cache_hits, self.cache_lookups)
-
-    @property
-    def error_rate(self) -> float | None:
-        return _rate(self.errors, self.requests)
-
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: datetimes in ISO 8601, money as a decimal string."""
-
-        def plain(value: Any) -> Any:
-            if isinstance(value, dt.datetime):
-                return value.isoformat()
-            if isinstance(value, Decimal):
-                return str(value)
-            if isinstance(value, dict):
-                return {k: plain(v) for k, v in value.items()}
-            if isinstance(value, list | tuple):
-                return [plain(v) for v in value]
-            return value
-
-        data = plain(asdict(self))
+        """A JSON-ready dict: datetimes in ISO 8601, money (a Decimal) as its exact text."""
+        plain = json.dumps(
+            asdict(self), default=lambda v: v.isoformat() if isinstance(v, dt.datetime) else str(v)
+        )
+        data: dict[str, Any] = json.loads(plain)
         data["errors_by_code"] = [{"code": code, "count": count} for code, count in self.errors_by_code]
         data["refused_by_code"] = [{"code": code, "count": count} for code, count in self.refused_by_code]
         data["hit_rate"] = self.hit_rate
@@ -195,22 +161,10 @@ class Stats:
         return data
 
 
-def default_bucket(since: dt.datetime, until: dt.datetime) -> Bucket:
-    return "hour" if until - since <= HOURLY_UP_TO else "day"
-
-
-def generations_in_range(
-    *, since: dt.datetime, until: dt.datetime, include_previews: bool = False
-) -> QuerySet[Generation]:
-    rows = with_state(Generation.objects.filter(created_at__gte=since, created_at__lt=until))
-    return rows if include_previews else rows.filter(is_preview=False)
-
-
 def _bucket_starts(since: dt.datetime, until: dt.datetime, bucket: Bucket) -> list[dt.datetime]:
     """Every bucket's start in the range, in the current time zone, so empty ones show as 0."""
     tz = timezone.get_current_timezone()
-    start = since.astimezone(tz)
-    start = start.replace(minute=0, second=0, microsecond=0)
+    start = since.astimezone(tz).replace(minute=0, second=0, microsecond=0)
     if bucket == "day":
         start = start.replace(hour=0)
     step = dt.timedelta(hours=1) if bucket == "hour" else dt.timedelta(days=1)
@@ -232,17 +186,17 @@ def _totals() -> dict[str, Any]:
     return {
         "requests": _requests(),
         "errors": _requests(state__in=FAILED_STATUSES),
-        "cache_hits": Count("id", filter=Q(cache_status=Generation.CacheStatus.HIT)),
-        "cache_lookups": Count(
-            "id", filter=Q(cache_status__in=[Generation.CacheStatus.HIT, Generation.CacheStatus.MISS])
+        "cache_hits": _requests(cache_status=Generation.CacheStatus.HIT),
+        "cache_lookups": _requests(
+            cache_status__in=[Generation.CacheStatus.HIT, Generation.CacheStatus.MISS]
         ),
         # Named apart from the fields they sum: an aggregate may not shadow a field.
         "prompt_sum": Sum("prompt_tokens", default=0),
         "completion_sum": Sum("completion_tokens", default=0),
         "cost_sum": Sum("cost_usd", default=Decimal(0)),
-        "unpriced": Count("id", filter=Q(cost_usd__isnull=True, completion_tokens__isnull=False)),
-        "thumbs_up": Count("id", filter=Q(feedback=1)),
-        "thumbs_down": Count("id", filter=Q(feedback=-1)),
+        "unpriced": _requests(cost_usd__isnull=True, completion_tokens__isnull=False),
+        "thumbs_up": _requests(feedback=1),
+        "thumbs_down": _requests(feedback=-1),
     }
 
 
@@ -276,21 +230,15 @@ def _breakdown(
     return sorted(result, key=lambda r: (-r.requests, r.label))
 
 
-def _model_label(model_id: str) -> str:
-    info = get_model(model_id)
-    return info.name if info is not None else model_id
-
-
 def gateway_stats(
-    *,
-    since: dt.datetime,
-    until: dt.datetime,
-    bucket: Bucket | None = None,
-    include_previews: bool = False,
+    *, since: dt.datetime, until: dt.datetime, bucket: Bucket | None = None, include_previews: bool = False
 ) -> Stats:
-    """Requests, tokens, cost, cache, errors and time to first token in `[since, until)`."""
-    bucket = bucket or default_bucket(since, until)
-    rows = generations_in_range(since=since, until=until, include_previews=include_previews)
+    """Requests, tokens, cost, cache, errors and time to first token in `[since, until)`; by hour
+    up to two days, else by day."""
+    bucket = bucket or ("hour" if until - since <= dt.timedelta(days=2) else "day")
+    rows = with_state(Generation.objects.filter(created_at__gte=since, created_at__lt=until))
+    if not include_previews:
+        rows = rows.filter(is_preview=False)
     trunc = TruncHour if bucket == "hour" else TruncDay
     tz = timezone.get_current_timezone()
 
@@ -323,7 +271,6 @@ def gateway_stats(
         .order_by()
     }
 
-    # The one read of raw values: time to first token, for the percentiles.
     samples = (
         rows.filter(ttft_ms__isnull=False)
         .annotate(bucket=trunc("created_at", tzinfo=tz))
@@ -343,9 +290,9 @@ def gateway_stats(
         ttft_by_model[model].append(ttft)
     all_ttft.sort()
 
-    per_bucket: dict[dt.datetime, dict[str, Any]] = {}
-    for row in (
-        rows.annotate(bucket=trunc("created_at", tzinfo=tz))
+    per_bucket: dict[dt.datetime, dict[str, Any]] = {
+        row["bucket"]: row
+        for row in rows.annotate(bucket=trunc("created_at", tzinfo=tz))
         .values("bucket")
         .annotate(
             requests=_requests(),
@@ -355,8 +302,7 @@ def gateway_stats(
             **{f"s_{status}": _requests(state=status) for status in STATUSES},
         )
         .order_by("bucket")
-    ):
-        per_bucket[row["bucket"]] = row
+    }
     buckets = []
     for start in _bucket_starts(since, until, bucket):
         row = per_bucket.get(start, {})
@@ -378,8 +324,7 @@ def gateway_stats(
     persona_rows = list(rows.values("persona__slug", "persona__name").annotate(**_totals()).order_by())
     # A persona whose every request was refused has no row in the range, but its refusals count.
     logged = {row["persona__slug"] for row in persona_rows}
-    zero = dict.fromkeys(("requests", "errors", "cache_hits", "cache_lookups", "prompt_sum"), 0)
-    zero |= dict.fromkeys(("completion_sum", "cost_sum", "unpriced", "thumbs_up", "thumbs_down"), 0)
+    zero = dict.fromkeys(_totals(), 0)
     persona_rows += [
         {**zero, "persona__slug": row["persona__slug"], "persona__name": row["persona__name"]}
         for row in refused_personas
@@ -395,7 +340,7 @@ def gateway_stats(
     by_model = _breakdown(
         rows.values("model").annotate(**_totals()).order_by(),
         key="model",
-        label=lambda row: _model_label(row["model"]),
+        label=lambda row: getattr(get_model(row["model"]), "name", row["model"]),
         ttft=ttft_by_model,
         refused={},
     )
@@ -438,23 +383,16 @@ def parse_since(value: str, *, now: dt.datetime | None = None) -> dt.datetime:
         raise ValueError(f"{value!r} reaches back further than the calendar does.") from None
 
 
-def spend_today(persona_id: int | None = None) -> Decimal:
+def spend_today() -> Decimal:
     """What today's (UTC) generations on paid models cost, as their rows estimate it."""
     midnight = timezone.now().astimezone(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     rows = Generation.objects.filter(created_at__gte=midnight)
-    if persona_id is not None:
-        rows = rows.filter(persona_id=persona_id)
     return Decimal(rows.aggregate(total=Sum("cost_usd", default=Decimal(0)))["total"])
-
-
-# --- the diff between two versions -----------------------------------------------------------
-
-LineKind = Literal["add", "remove", "same"]
 
 
 @dataclass(frozen=True, slots=True)
 class DiffLine:
-    kind: LineKind
+    kind: Literal["add", "remove", "same"]
     text: str
 
     @property

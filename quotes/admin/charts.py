@@ -1,18 +1,15 @@
 """Small server-rendered SVG charts for the admin: no JavaScript, no library.
 
-Each chart is an inline `<svg role="img">` with a `<title>` and `<desc>` (what a screen reader
-announces), a `<title>` on every bar and point (the browser's own hover tooltip), and colours
-by *tone*: an element draws in `currentColor` and carries a `tone-<name>` class that
-static/admin/css/analytics.css maps onto the admin's colour variables, so the light and dark
-admin themes both apply.
-
-All markup is built with `format_html`, which escapes every label and value; `_join` only
-concatenates pieces that are already safe.
+Each chart is an inline `<svg role="img">` with a `<title>` and `<desc>` for screen readers, a
+`<title>` on every bar and point (the hover tooltip), and colours by `tone-<name>` classes that
+static/admin/css/analytics.css maps onto the admin's light and dark themes. All markup is built
+with `format_html`, which escapes every label and value.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -32,18 +29,17 @@ _ids = itertools.count(1)
 
 
 def _join(parts: Iterable[SafeString]) -> SafeString:
-    # Every part comes from format_html (or from this function), so it is already escaped.
+    # Every part comes from format_html or from here: escaped already.
     return mark_safe("".join(parts))
 
 
-def _f(value: float) -> str:
-    """A coordinate: short and locale-free."""
+def _f(value: float) -> str:  # a coordinate: short and locale-free
     return f"{value:.1f}"
 
 
 def nice_ceiling(value: float, *, whole: bool = False) -> tuple[float, float]:
-    """The axis maximum and tick step: a 1-2-2.5-5 step, four or five of them, hugging `value`.
-    `whole`: counts, so the step is a whole number (no 2.5 requests)."""
+    """The axis maximum and tick step: four or five 1-2-2.5-5 steps hugging `value` (whole steps
+    for counts: no 2.5 requests)."""
     if value <= 0:
         return (4.0, 1.0) if whole else (1.0, 0.25)
     best: tuple[float, float] | None = None
@@ -99,21 +95,18 @@ class _Frame:
 
 
 def _svg(frame: _Frame, *, title: str, desc: str, body: SafeString, css_class: str) -> SafeString:
-    n = next(_ids)
     return format_html(
-        '<svg class="pq-chart {}" viewBox="0 0 {} {}" role="img" aria-labelledby="pq-chart-{}-t pq-chart-{}-d"'
+        '<svg class="pq-chart {css_class}" viewBox="0 0 {width} {height}" role="img"'
+        ' aria-labelledby="pq-chart-{n}-t pq-chart-{n}-d"'
         ' xmlns="http://www.w3.org/2000/svg" preserveAspectRatio="xMidYMid meet">'
-        '<title id="pq-chart-{}-t">{}</title><desc id="pq-chart-{}-d">{}</desc>{}</svg>',
-        css_class,
-        frame.width,
-        frame.height,
-        n,
-        n,
-        n,
-        title,
-        n,
-        desc,
-        body,
+        '<title id="pq-chart-{n}-t">{title}</title><desc id="pq-chart-{n}-d">{desc}</desc>{body}</svg>',
+        css_class=css_class,
+        width=frame.width,
+        height=frame.height,
+        n=next(_ids),
+        title=title,
+        desc=desc,
+        body=body,
     )
 
 
@@ -141,15 +134,14 @@ def _y_axis(frame: _Frame, top: float, step: float, fmt: Formatter) -> SafeStrin
         y = frame.y(value, top)
         parts.append(
             format_html(
-                '<line class="pq-grid" x1="{}" x2="{}" y1="{}" y2="{}"/>'
-                '<text class="pq-tick" x="{}" y="{}" text-anchor="end">{}</text>',
-                frame.left,
-                frame.width - frame.right,
-                _f(y),
-                _f(y),
-                frame.left - 6,
-                _f(y + 3.5),
-                fmt(value),
+                '<line class="pq-grid" x1="{left}" x2="{right}" y1="{y}" y2="{y}"/>'
+                '<text class="pq-tick" x="{tick_x}" y="{tick_y}" text-anchor="end">{label}</text>',
+                left=frame.left,
+                right=frame.width - frame.right,
+                y=_f(y),
+                tick_x=frame.left - 6,
+                tick_y=_f(y + 3.5),
+                label=fmt(value),
             )
         )
     return _join(parts)
@@ -159,17 +151,16 @@ def _x_axis(frame: _Frame, starts: Sequence[dt.datetime], bucket: Bucket, slot: 
     n = len(starts)
     every = max(1, math.ceil(n / 8))
     if bucket == "hour" and n > 8:
-        # Label on round hours so the ticks read 00:00, 06:00, 12:00 ... Hourly buckets go up to
-        # 31 days (744): whole days past 72 h, so a month is labelled every 4 days.
+        # Round hours (00:00, 06:00, ...), whole days past 72 h (a month of hours: every 4 days).
         steps = (1, 2, 3, 4, 6, 12, 24, 48, 72, 96, 120, 168)
         every = next((h for h in steps if n / h <= 9), 24 * math.ceil(n / 24 / 9))
+    bottom = frame.top + frame.plot_h
     parts = [
         format_html(
-            '<line class="pq-axis" x1="{}" x2="{}" y1="{}" y2="{}"/>',
+            '<line class="pq-axis" x1="{}" x2="{}" y1="{y}" y2="{y}"/>',
             frame.left,
             frame.width - frame.right,
-            frame.top + frame.plot_h,
-            frame.top + frame.plot_h,
+            y=bottom,
         )
     ]
     for i, start in enumerate(starts):
@@ -179,15 +170,13 @@ def _x_axis(frame: _Frame, starts: Sequence[dt.datetime], bucket: Bucket, slot: 
         x = frame.left + slot * (i + 0.5)
         parts.append(
             format_html(
-                '<line class="pq-axis" x1="{}" x2="{}" y1="{}" y2="{}"/>'
-                '<text class="pq-tick" x="{}" y="{}" text-anchor="middle">{}</text>',
-                _f(x),
-                _f(x),
-                frame.top + frame.plot_h,
-                frame.top + frame.plot_h + 4,
-                _f(x),
-                frame.top + frame.plot_h + 17,
-                bucket_label(start, bucket),
+                '<line class="pq-axis" x1="{x}" x2="{x}" y1="{bottom}" y2="{tick_end}"/>'
+                '<text class="pq-tick" x="{x}" y="{label_y}" text-anchor="middle">{label}</text>',
+                x=_f(x),
+                bottom=bottom,
+                tick_end=bottom + 4,
+                label_y=bottom + 17,
+                label=bucket_label(start, bucket),
             )
         )
     return _join(parts)
@@ -203,14 +192,11 @@ def time_chart(
     kind: Literal["bars", "lines"] = "bars",
     fmt: Formatter = lambda v: f"{v:,.0f}",
     whole: bool = False,
-    width: int = 480,
-    height: int = 220,
 ) -> SafeString:
     """Values over time buckets: stacked bars (counts) or lines with points (rates, latencies)."""
     top_pad = 28 if len(series) > 1 else 12
-    frame = _Frame(width=width, height=height, left=56, right=10, top=top_pad, bottom=28)
-    n = max(len(starts), 1)
-    slot = frame.plot_w / n
+    frame = _Frame(width=480, height=220, left=56, right=10, top=top_pad, bottom=28)
+    slot = frame.plot_w / max(len(starts), 1)
     floats = [[None if v is None else float(v) for v in s.values] for s in series]
     if kind == "bars":
         peak = max((sum(v or 0 for v in column) for column in zip(*floats, strict=True)), default=0.0)
@@ -248,16 +234,13 @@ def time_chart(
     else:
         for s, values in zip(series, floats, strict=True):
             points = [
-                (frame.left + slot * (i + 0.5), frame.y(v, top), v, starts[i])
+                (i, frame.left + slot * (i + 0.5), frame.y(v, top), v)
                 for i, v in enumerate(values)
                 if v is not None
             ]
             # A bucket without a value breaks the line rather than bridging the gap.
             path = " ".join(
-                f"{'L' if i and values[i - 1] is not None else 'M'}{_f(frame.left + slot * (i + 0.5))},"
-                f"{_f(frame.y(v, top))}"
-                for i, v in enumerate(values)
-                if v is not None
+                f"{'L' if i and values[i - 1] is not None else 'M'}{_f(x)},{_f(y)}" for i, x, y, _ in points
             )
             if path:
                 parts.append(
@@ -268,7 +251,7 @@ def time_chart(
                     )
                 )
             radius = 2.5 if len(points) <= 60 else 1.5
-            for x, y, v, start in points:
+            for i, x, y, v in points:
                 parts.append(
                     format_html(
                         '<circle class="tone-{}" cx="{}" cy="{}" r="{}" fill="currentColor">'
@@ -277,7 +260,7 @@ def time_chart(
                         _f(x),
                         _f(y),
                         radius,
-                        bucket_label(start, bucket, long=True),
+                        bucket_label(starts[i], bucket, long=True),
                         s.name,
                         fmt(v),
                     )
@@ -292,45 +275,37 @@ def bar_list(
     rows: Sequence[tuple[str, Number]],
     tone: str,
     fmt: Formatter = lambda v: f"{v:,.0f}",
-    width: int = 480,
-    row_height: int = 26,
 ) -> SafeString:
     """A horizontal bar per labelled value, largest first as given, the value at the bar's end."""
-    label_w = 170
+    label_w, row_height = 170, 26
     frame = _Frame(
-        width=width, height=max(len(rows), 1) * row_height + 8, left=label_w, right=70, top=4, bottom=4
+        width=480, height=max(len(rows), 1) * row_height + 8, left=label_w, right=70, top=4, bottom=4
     )
     peak = max((float(v) for _, v in rows), default=0.0) or 1.0
     parts = []
     for i, (label, value) in enumerate(rows):
         y = frame.top + i * row_height
-        w = frame.plot_w * float(value) / peak
-        short = label if len(label) <= 26 else label[:25] + "…"
+        w = max(frame.plot_w * float(value) / peak, 1.5)
         parts.append(
             format_html(
-                '<text class="pq-label" x="{}" y="{}" text-anchor="end">{}</text>'
-                '<rect class="tone-{}" x="{}" y="{}" width="{}" height="{}" rx="2" fill="currentColor">'
-                "<title>{}: {}</title></rect>"
-                '<text class="pq-value" x="{}" y="{}">{}</text>',
-                label_w - 10,
-                _f(y + row_height / 2 + 4),
-                short,
-                tone,
-                label_w,
-                _f(y + 4),
-                _f(max(w, 1.5)),
-                row_height - 8,
-                label,
-                fmt(float(value)),
-                _f(label_w + max(w, 1.5) + 6),
-                _f(y + row_height / 2 + 4),
-                fmt(float(value)),
+                '<text class="pq-label" x="{label_x}" y="{text_y}" text-anchor="end">{short}</text>'
+                '<rect class="tone-{tone}" x="{label_w}" y="{bar_y}" width="{w}" height="{h}" rx="2"'
+                ' fill="currentColor"><title>{label}: {value}</title></rect>'
+                '<text class="pq-value" x="{value_x}" y="{text_y}">{value}</text>',
+                label_x=label_w - 10,
+                text_y=_f(y + row_height / 2 + 4),
+                short=label if len(label) <= 26 else label[:25] + "…",
+                tone=tone,
+                label_w=label_w,
+                bar_y=_f(y + 4),
+                w=_f(w),
+                h=row_height - 8,
+                label=label,
+                value=fmt(float(value)),
+                value_x=_f(label_w + w + 6),
             )
         )
     return _svg(frame, title=title, desc=desc, body=_join(parts), css_class="pq-chart--barlist")
-
-
-# --- the analytics page's charts -------------------------------------------------------------
 
 
 def _ms(value: float) -> str:
@@ -338,8 +313,8 @@ def _ms(value: float) -> str:
 
 
 def usd(value: Number) -> str:
-    """`$0`, `$1.23`, and under a dollar three significant digits (`$0.50`, `$0.0004`): a
-    quote costs hundredths of a cent, and an axis's ticks (1-2-2.5-5 steps) stay apart."""
+    """`$0`, `$1.23`, and under a dollar three significant digits (`$0.50`, `$0.0004`): a quote
+    costs hundredths of a cent."""
     value = float(value)
     if not value:
         return "$0"
@@ -349,13 +324,7 @@ def usd(value: Number) -> str:
     return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
 
-def _peak(values: Iterable[Number | None], fmt: Formatter) -> str:
-    known = [float(v) for v in values if v is not None]
-    return fmt(max(known)) if known else "none"
-
-
 def stats_charts(stats: Stats) -> dict[str, SafeString]:
-    """The analytics page's charts for `stats`, by name."""
     starts = [b.start for b in stats.buckets]
     per = "hour" if stats.bucket == "hour" else "day"
     span = (
@@ -368,45 +337,38 @@ def stats_charts(stats: Stats) -> dict[str, SafeString]:
         for status in STATUSES
         if stats.by_status.get(status)
     ] or [Series("requests", [0 for _ in stats.buckets], "status-ok")]
+    chart = functools.partial(time_chart, starts=starts, bucket=stats.bucket)
     charts = {
-        "requests": time_chart(
+        "requests": chart(
             title=f"Requests per {per}, by status",
             desc=f"Stacked bars, {span}: {stats.requests:,} requests, "
             + ", ".join(f"{s.name} {sum(int(v or 0) for v in s.values):,}" for s in status_series)
             + ".",
-            starts=starts,
-            bucket=stats.bucket,
             series=status_series,
             whole=True,
         ),
-        "tokens": time_chart(
+        "tokens": chart(
             title=f"Tokens per {per}",
             desc=f"Stacked bars, {span}: {stats.prompt_tokens:,} prompt and "
             f"{stats.completion_tokens:,} completion tokens.",
-            starts=starts,
-            bucket=stats.bucket,
             series=[
                 Series("prompt", [b.prompt_tokens for b in stats.buckets], "prompt"),
                 Series("completion", [b.completion_tokens for b in stats.buckets], "completion"),
             ],
             fmt=_compact,
         ),
-        "cost": time_chart(
+        "cost": chart(
             title=f"Estimated cost per {per} (USD)",
             desc=f"Bars, {span}: {usd(stats.cost_usd)} in all; the most in one {per} "
-            f"{_peak((b.cost_usd for b in stats.buckets), usd)}.",
-            starts=starts,
-            bucket=stats.bucket,
+            f"{usd(max(b.cost_usd for b in stats.buckets)) if stats.buckets else 'none'}.",
             series=[Series("estimated cost", [b.cost_usd for b in stats.buckets], "cost")],
             fmt=usd,
         ),
-        "ttft": time_chart(
+        "ttft": chart(
             title=f"Time to first token per {per}",
             desc=f"Lines, {span}: p50 and p95 per {per}; over the whole range p50 "
             f"{_ms(stats.ttft_p50) if stats.ttft_p50 is not None else 'none'}, p95 "
             f"{_ms(stats.ttft_p95) if stats.ttft_p95 is not None else 'none'}.",
-            starts=starts,
-            bucket=stats.bucket,
             series=[
                 Series("p50", [b.ttft_p50 for b in stats.buckets], "p50"),
                 Series("p95", [b.ttft_p95 for b in stats.buckets], "p95"),
@@ -416,13 +378,11 @@ def stats_charts(stats: Stats) -> dict[str, SafeString]:
         ),
     }
     if stats.refused:
-        charts["refused"] = time_chart(
+        charts["refused"] = chart(
             title=f"Refused requests per {per} (429, 503)",
             desc=f"Bars, {span}: {stats.refused:,} refused; "
             + "; ".join(f"{code}: {count:,}" for code, count in stats.refused_by_code)
             + ".",
-            starts=starts,
-            bucket=stats.bucket,
             series=[Series("refused", [b.refused for b in stats.buckets], "status-error")],
             whole=True,
         )
@@ -450,9 +410,6 @@ def _compact(value: float) -> str:
     return f"{value:,.0f}"
 
 
-# --- the numbers beside the charts, formatted once for the page and the terminal -------------
-
-
 def pct(value: float | None) -> str:
     if value is None:
         return "-"
@@ -464,11 +421,9 @@ def ms(value: float | None) -> str:
 
 
 def _ms_pair(low: float | None, high: float | None) -> str:
-    if low is None or high is None:
-        return f"{ms(low)} / {ms(high)}"
-    if high < 10_000:
+    if low is not None and high is not None and high < 10_000:
         return f"{low:,.0f} / {high:,.0f} ms"
-    return f"{_ms(low)} / {_ms(high)}"
+    return f"{ms(low)} / {ms(high)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,12 +435,12 @@ class Tile:
 
 
 def kpi_tiles(stats: Stats) -> list[Tile]:
-    failed = stats.by_status
+    by_status = stats.by_status
     return [
         Tile(
             "Requests",
             f"{stats.requests:,}",
-            f"{failed.get('ok', 0):,} ok · {failed.get('cancelled', 0):,} cancelled · {stats.refused:,} refused",
+            f"{by_status.get('ok', 0):,} ok · {by_status.get('cancelled', 0):,} cancelled · {stats.refused:,} refused",
         ),
         Tile(
             "Tokens in / out",
@@ -498,9 +453,7 @@ def kpi_tiles(stats: Stats) -> list[Tile]:
             f"{stats.unpriced:,} on unpriced models" if stats.unpriced else "at catalog prices",
         ),
         Tile(
-            "Cache hit rate",
-            pct(stats.hit_rate),
-            f"{stats.cache_hits:,} of {stats.cache_lookups:,} lookups",
+            "Cache hit rate", pct(stats.hit_rate), f"{stats.cache_hits:,} of {stats.cache_lookups:,} lookups"
         ),
         Tile(
             "Error rate",

@@ -1,4 +1,4 @@
-"""The persona form: the admin's change form, the live preview and nothing else build one."""
+"""The persona form (the admin's change form and its live preview), and the analytics' range."""
 
 from __future__ import annotations
 
@@ -14,17 +14,8 @@ from ..models import Persona
 from .analytics import MAX_RANGE, PRESET_RANGES
 
 
-def _lora_models() -> str:
-    names = [m.name for m in catalog.MODELS.values() if m.supports_lora]
-    return ", ".join(names) or "none"
-
-
 class PersonaForm(forms.ModelForm[Persona]):
-    """Every persona field, with the model and its fallbacks chosen from the catalog.
-
-    Range checks live in `Persona.clean()` (the catalog's limits for the chosen model); a
-    ModelForm puts each of its errors on the field it names.
-    """
+    """Every persona field, the models chosen from the catalog; `Persona.clean()` checks ranges."""
 
     model = forms.ChoiceField(
         choices=catalog.choices,
@@ -41,7 +32,6 @@ class PersonaForm(forms.ModelForm[Persona]):
 
     class Meta:
         model = Persona
-        # The persona's identity, what it sends to the model (GENERATION_FIELDS), publishing.
         fields = (
             "name",
             "slug",
@@ -59,9 +49,10 @@ class PersonaForm(forms.ModelForm[Persona]):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.fields["lora"].help_text = (
-            "A fine-tuned adapter's id or name. Only LoRA-capable models take one: " + _lora_models() + "."
-        )
+        lora_models = ", ".join(m.name for m in catalog.MODELS.values() if m.supports_lora) or "none"
+        self.fields[
+            "lora"
+        ].help_text = f"A fine-tuned adapter's id or name. Only LoRA-capable models take one: {lora_models}."
         self.fields["max_tokens"].help_text = (
             "The answer's length limit; at most the model's output limit (e.g. 2048, 256 for the "
             "embedded model)."
@@ -71,17 +62,13 @@ class PersonaForm(forms.ModelForm[Persona]):
                 self.fields[field.name].help_text = field.help_text
 
     def clean_voice_examples(self) -> str:
-        # A browser posts a textarea's lines with CRLF: stored as typed, the same examples would
-        # read as a change (a new version) on every save.
+        # A browser posts CRLF: stored so, the same examples would be a new version on every save.
         return str(self.cleaned_data.get("voice_examples") or "").replace("\r\n", "\n")
 
     def clean_fallback_models(self) -> list[str]:
-        # Keep the catalog's order: that is the order the select lists them in.
+        # In the catalog's order, as the select lists them.
         chosen = set(self.cleaned_data.get("fallback_models") or [])
         return [model_id for model_id, _ in catalog.choices() if model_id in chosen]
-
-
-# --- the admin page's range filter -----------------------------------------------------------
 
 
 class StatsRangeForm(forms.Form):
@@ -124,8 +111,7 @@ class StatsRangeForm(forms.Form):
                 return data
             if end < start:
                 raise forms.ValidationError("The range ends before it starts: swap From and To.")
-            # Checked on the dates, before any arithmetic: the day after 9999-12-31 (the range's
-            # exclusive end) is past what a date can hold, an OverflowError.
+            # Before any arithmetic: the day after 9999-12-31 would be an OverflowError.
             if start > timezone.localdate(now):
                 raise forms.ValidationError("The range starts in the future.")
             if (end - start).days + 1 > MAX_RANGE.days:

@@ -29,9 +29,9 @@ class InvalidPersona(QuoteError):
 
 
 def preview_persona(request: HttpRequest, saved: Persona) -> tuple[Persona, object]:
-    """An unsaved copy of `saved` with the posted values (the change form's own ModelForm, so a
-    preview never uses a value a save would refuse), and the posted topic: a JSON body
-    {"fields": {...}, "topic": ...}, or a form post with a `_preview_topic` field."""
+    """An unsaved copy of `saved` with the posted values, through the change form's own ModelForm
+    (so never a value a save would refuse), and the topic: a JSON body {"fields", "topic"}, or a
+    form post with `_preview_topic`."""
     data: QueryDict = request.POST
     topic = request.POST.get("_preview_topic")
     if request.content_type == "application/json":

@@ -13,6 +13,11 @@ from .local import LocalBackend
 from .openai_compat import OpenAICompatBackend
 from .workers_ai import WorkersAIBackend
 
+_KINDS: dict[str, Any] = {
+    "local": LocalBackend,
+    "workers-ai": WorkersAIBackend,
+    "openai": OpenAICompatBackend,
+}
 _backends: dict[str, Backend] = {}
 
 
@@ -21,19 +26,13 @@ def get_backend(name: str | None = None) -> Backend:
     name = name or settings.AI_BACKEND
     backend = _backends.get(name)
     if backend is None:
-        kinds: dict[str, Any] = {
-            "local": LocalBackend,
-            "workers-ai": WorkersAIBackend,
-            "openai": OpenAICompatBackend,
-        }
-        if name not in kinds:
+        if name not in _KINDS:
             raise ValueError(f"unknown backend {name!r}")
-        backend = _backends[name] = kinds[name].from_settings()
+        backend = _backends[name] = _KINDS[name].from_settings()
     return backend
 
 
 def backend_for(persona: Any) -> Backend:
-    """The backend that answers for `persona`: its own, or settings.AI_BACKEND."""
     return get_backend(persona.backend or None)
 
 

@@ -21,8 +21,7 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class VoiceExample:
-    """One line in a persona's voice, on its own topic ("" when none): the model is shown these
-    so that it writes like the persona (quotes.backends.voice parses and guards them)."""
+    """One line in a persona's voice, on its own topic ("" when none)."""
 
     topic: str
     text: str
@@ -32,20 +31,20 @@ _HELP = "Leave empty for the model's default. The allowed range depends on the m
 
 
 def _sampling(*, integer: bool = False, openai: bool, help_text: str = _HELP) -> Any:
-    """A sampling field: the same name on Persona, in Workers AI's body and in the catalog's
-    per-model ranges; `openai` says whether the OpenAI API takes it under that name too."""
+    """A field named the same on Persona, in Workers AI's body and in the catalog's ranges;
+    `openai`: the OpenAI API takes it under that name too."""
     metadata = {"sampling": True, "integer": integer, "openai": openai, "help_text": help_text}
     return field(default=None, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """What one generation asks of a backend, whatever the backend.
+    """What one generation asks of a backend.
 
-    `messages` is the chat a cloud model receives: the persona's system prompt, one user and one
-    assistant turn per voice example (few-shot turns), the user prompt for `topic`, then the
-    visitor's conversation. `speaker`, `description`, `topic` and `examples` let the embedded base
-    model build its own completion frame instead, since chat prompts fail on it."""
+    `messages` is the chat a cloud model receives: the system prompt, a user and an assistant
+    turn per voice example, the user prompt for `topic`, then the visitor's conversation. The
+    embedded base model, on which chat prompts fail, builds its own frame from `speaker`,
+    `description`, `topic` and `examples` instead."""
 
     model: str
     messages: tuple[Message, ...]
@@ -65,7 +64,7 @@ class GenerationRequest:
 
     @property
     def conversation(self) -> tuple[Message, ...]:
-        """The visitor's follow-up turns: what follows the persona's own part of `messages`."""
+        """The visitor's follow-up turns."""
         return self.messages[2 + 2 * len(self.examples) :]
 
     def sampling(self) -> dict[str, float | int | str]:

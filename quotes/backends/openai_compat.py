@@ -1,15 +1,9 @@
 """Any OpenAI-compatible `/chat/completions` server, streamed: llama.cpp's servers, vLLM,
 Workers AI's own OpenAI route, OpenAI itself.
 
-One `httpx.AsyncClient` per backend (so one per process through the registry), made on first
-use because it must be made inside a running event loop. The connect and pool timeouts are
-httpx's; every other wait (the headers, each event, the whole request) is bounded by the
-gateway's policy, which cancels the stream's task: the response is closed on the way out.
-
-Event order: `Meta` (once, before the first other event of an open stream), `Token`s, at most
-one `Usage`, then exactly one `Done` or `Error`. Failures before the stream opens yield only
-the `Error`. What the server says when it fails goes to the log, redacted (the API key among
-much else: `errors.upstream_text`); the visitor's message is ours, one per kind of failure.
+Only the connect and pool timeouts are httpx's: every other wait is bounded by the policy, which
+cancels the stream's task, and the response is closed on the way out. What the server says when
+it fails goes to the log, redacted; the visitor's message is ours, one per kind of failure.
 """
 
 from __future__ import annotations
@@ -37,24 +31,13 @@ from ..errors import (
     upstream_unreachable,
 )
 from .base import SAMPLING_FIELDS, GenerationRequest
-from .upstream_sse import upstream_events
+from .upstream_sse import read_error_body, upstream_events
 
 logger = logging.getLogger(__name__)
 
-#: How much of an error body we read: enough for any JSON error, bounded against a hostile one.
-_ERROR_BODY_LIMIT = 64 * 1024
-
-# The OpenAI sampling fields GenerationRequest can carry. Some (top_k, repetition_penalty) are
-# not OpenAI parameters: strict servers (OpenAI itself) answer 400 to unknown ones, so never sent.
+# Strict servers (OpenAI itself) answer 400 to parameters they do not know (top_k,
+# repetition_penalty): only OpenAI's are sent.
 _OPENAI_SAMPLING = tuple(name for name, field in SAMPLING_FIELDS.items() if field.openai)
-
-
-class _Failure(Exception):
-    """Internal: carries the Error event out of nested code to the single place that yields."""
-
-    def __init__(self, event: Error) -> None:
-        super().__init__(event.message)
-        self.event = event
 
 
 class OpenAICompatBackend:
@@ -65,10 +48,8 @@ class OpenAICompatBackend:
         self._url = base_url.rstrip("/") + "/chat/completions"
         self._api_key = api_key
         self._secrets = (api_key,) if api_key else ()
-        # No read or write timeout: the policy's deadlines bound those waits (module doc).
         self._timeout = httpx.Timeout(None, connect=connect_timeout_s, pool=connect_timeout_s)
-        # Each open stream holds a connection (httpx's default would cap them at 100): the
-        # open-stream cap bounds them.
+        # Each open stream holds a connection: the open-stream cap bounds them, not httpx's 100.
         self._limits = httpx.Limits(max_connections=None, max_keepalive_connections=20)
         self._headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
         if api_key:
@@ -88,7 +69,7 @@ class OpenAICompatBackend:
             await client.aclose()
 
     def _get_client(self) -> httpx.AsyncClient:
-        if self._client is None:
+        if self._client is None:  # made inside a running loop
             self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
         return self._client
 
@@ -107,7 +88,7 @@ class OpenAICompatBackend:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
     def _said(self, text: str) -> str:
-        """`text` from the server, as the log may keep it: ": <redacted text>", or "." if none."""
+        """`text` from the server as the log may keep it: ": <redacted text>", or "."."""
         text = upstream_text(text, secrets=(self._api_key,))
         return f": {text}" if text else "."
 
@@ -126,13 +107,9 @@ class OpenAICompatBackend:
                 "Could not connect to the model server. Is it running, and is OPENAI_BASE_URL right?"
             )
             return
-        except httpx.HTTPError:
-            # Connected, but the peer hung up before answering.
+        except httpx.HTTPError:  # connected, but the peer hung up before answering
             yield upstream_dropped()
             return
-
-        # From here on the response is open: it is closed on every way out, including the
-        # consumer stopping early (GeneratorExit at a yield) and task cancellation.
         try:
             if not response.is_success:
                 yield await self._status_error(response)
@@ -146,34 +123,29 @@ class OpenAICompatBackend:
         self, response: httpx.Response, request: GenerationRequest
     ) -> AsyncGenerator[Event, None]:
         sse = upstream_events(response)
-        # Our key never reaches a visitor, even when the server echoes it into the text.
-        scrubber = Scrubber(self._secrets)
+        scrubber = Scrubber(self._secrets)  # our key, even echoed back, never reaches a visitor
         meta_sent = False
         usage: Usage | None = None
-        loads = json.loads
+        ending: Event
         try:
             while True:
                 try:
-                    message = await anext(sse)
+                    data = (await anext(sse)).data
                 except StopAsyncIteration:
-                    raise _Failure(upstream_dropped()) from None
-                data = message.data
+                    ending = upstream_dropped()
+                    break
                 if not data:
                     continue
                 if data == "[DONE]":
                     if not meta_sent:
                         yield self._meta(response, request.model)
-                    tail = scrubber.flush()  # text held back in case it began a secret
-                    if tail:
-                        yield Token(tail)
-                    if usage is not None:
-                        yield usage
-                    yield Done()
-                    return
+                    ending = Done()
+                    break
                 try:
-                    chunk = loads(data)
+                    chunk = json.loads(data)
                     if "error" in chunk:
-                        raise _Failure(self._stream_error(chunk["error"]))
+                        ending = self._stream_error(chunk["error"])
+                        break
                     if not meta_sent:
                         meta_sent = True
                         yield self._meta(response, chunk.get("model") or request.model)
@@ -191,27 +163,20 @@ class OpenAICompatBackend:
                             int(counts.get("prompt_tokens") or 0), int(counts.get("completion_tokens") or 0)
                         )
                 except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-                    raise _Failure(upstream_malformed()) from None
-        except _Failure as failure:
-            tail = scrubber.flush()
-            if tail:
-                yield Token(tail)
-            if usage is not None:
-                yield usage
-            yield failure.event
-        except SSEError:
-            # 2xx but not text/event-stream (e.g. a JSON body from a server ignoring "stream").
-            yield upstream_malformed()
-        except httpx.HTTPError:
-            # The peer closed or reset the connection mid-stream.
-            tail = scrubber.flush()
-            if tail:
-                yield Token(tail)
-            if usage is not None:
-                yield usage
-            yield upstream_dropped()
+                    ending = upstream_malformed()
+                    break
+        except SSEError:  # 2xx but not text/event-stream: a server ignoring "stream"
+            ending = upstream_malformed()
+        except httpx.HTTPError:  # the peer closed or reset the connection mid-stream
+            ending = upstream_dropped()
         finally:
             await sse.aclose()
+        tail = scrubber.flush()  # text held back in case it began a secret
+        if tail:
+            yield Token(tail)
+        if usage is not None:
+            yield usage
+        yield ending
 
     def _meta(self, response: httpx.Response, model: str) -> Meta:
         kept = {
@@ -223,18 +188,10 @@ class OpenAICompatBackend:
 
     async def _status_error(self, response: httpx.Response) -> Error:
         status = response.status_code
-        detail = ""
         try:
-            raw = bytearray()
-            async for piece in response.aiter_bytes():
-                raw += piece
-                if len(raw) >= _ERROR_BODY_LIMIT:
-                    break
-            detail = _error_detail(bytes(raw[:_ERROR_BODY_LIMIT]))
+            detail = _error_detail(await read_error_body(response))
         except httpx.HTTPError:
-            pass  # the status alone still says what happened
-        # For the operator only: what the server said can name our credentials, its hosts, its
-        # account. The visitor gets one fixed message per kind of failure (upstream_status_error).
+            detail = ""  # the status alone still says what happened
         error = upstream_status_error(status)
         if status in (401, 403):
             logger.warning(

@@ -1,19 +1,10 @@
-"""An upstream's server-sent events, read with httpx-sse, with the two gaps closed where httpx-sse
-0.4.3 departs from the WHATWG rules (tests/backends/test_upstream_sse.py pins both gaps in bare httpx-sse,
-so a release that closes them shows up there):
+"""An upstream's server-sent events, read with httpx-sse 0.4.3, with its two departures from the
+WHATWG rules closed (tests/backends/test_upstream_sse.py pins both in bare httpx-sse):
 
-- **A leading BOM** hides the first field's name (`\\ufeffdata`), so the first event is lost:
-  httpx decodes the body as UTF-8 (or as the charset the Content-Type names) and keeps the BOM.
-  An event stream is always UTF-8, so it is decoded as `utf-8-sig`, which drops one leading BOM
-  however the first reads cut it.
-- **A read that ends in CR** is held back by httpx-sse until the next read shows whether an LF
-  follows. On a CR-only stream every event then waited for the next one, and the last (`[DONE]`)
-  for the end of the body. The raw bytes get LF line ends first, a CR ending its line at once and
-  an LF that starts the next read being dropped as the second half of a CRLF (CR and LF are
-  single bytes in UTF-8, never inside a character).
-
-Everything else (LF, CRLF, a line or a character cut across reads, comments, multi-line data,
-named events) is httpx-sse's own.
+- A leading BOM hid the first field's name: an event stream is UTF-8, decoded as `utf-8-sig`.
+- A read ending in CR was held back until the next showed whether an LF follows: on a CR-only
+  stream every event waited for the next. The bytes get LF line ends first, an LF starting a read
+  after a CR dropped as a CRLF's second half.
 """
 
 from __future__ import annotations
@@ -23,13 +14,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 
-__all__ = ["ServerSentEvent", "upstream_events"]
+__all__ = ["ServerSentEvent", "read_error_body", "upstream_events"]
 
 
 def upstream_events(response: httpx.Response) -> AsyncGenerator[ServerSentEvent, None]:
-    """The events of `response` (an open streaming response), as httpx-sse's `aiter_sse()`:
-    raises `httpx_sse.SSEError` on its first step when the body is not `text/event-stream`, and
-    httpx's own errors when the connection fails."""
+    """The events of an open streaming response, as httpx-sse's `aiter_sse()` (SSEError on the
+    first step when the body is not `text/event-stream`)."""
     response.encoding = "utf-8-sig"
     if isinstance(response.stream, httpx.AsyncByteStream):
         response.stream = LineEnds(response.stream)
@@ -59,3 +49,13 @@ class LineEnds(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+async def read_error_body(response: httpx.Response, limit: int = 64 * 1024) -> bytes:
+    """At most `limit` bytes of an error body: enough for any envelope, bounded against a runaway."""
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) >= limit:
+            break
+    return bytes(body[:limit])

@@ -1,14 +1,10 @@
-"""A persona's voice examples: the admin's text turned into examples, and the rule that a quote
-never copies one.
+"""A persona's voice examples, parsed from the admin's text, and the rule that a quote never
+copies one.
 
-The admin writes one example a line, optionally `Topic: line` ("on water: ..." reads the same
-as "water: ..."). Blank lines and lines starting with `#` are left out, so a source can be
-named beside its lines (`# Meditations, tr. George Long (1862)`).
-
-Copying: a quote that shares COPY_RUN_WORDS words in a row with an example copies it (words
-compared in lower case, punctuation ignored). `guard_copies` enforces this on any backend's
-stream: it passes text through as it comes, holds back only a word that could complete a copied
-run, and ends the quote before such a word.
+One example a line, optionally `Topic: line` (or "on topic: line"); blank lines and `#` notes
+(`# Meditations, tr. George Long (1862)`) are left out. A quote that shares COPY_RUN_WORDS words
+in a row with an example (lower case, punctuation ignored) copies it: `guard_copies` ends any
+backend's quote before the word that would complete a copy.
 """
 
 from __future__ import annotations
@@ -22,21 +18,17 @@ from streaming.events import Done, Error, Event, Token
 
 from .base import VoiceExample
 
-#: The most examples a persona may have, and the longest example and topic (characters): the
-#: embedded model's frame holds them all, in a context of 1,024 tokens.
+#: The embedded model's frame holds all of a persona's examples in a context of 1,024 tokens.
 MAX_EXAMPLES = 12
 MAX_EXAMPLE_CHARS = 400
 MAX_TOPIC_CHARS = 60
-#: A run of this many words in common with an example is a copy.
 COPY_RUN_WORDS = 8
 #: What a quote may not end on: a comma, colon, dash, slash (a line break in verse) or open
-#: bracket, and the spaces after it. A quote the copy rule ends drops them; the embedded model
-#: holds them back until more text follows, and ends a quote that stops on them on a full stop.
+#: bracket, and spaces. A quote the copy rule ends drops them; the embedded model holds them back.
 DANGLING = " \t,;:/(-\u2013\u2014"
 
-# `Topic: line`, where the topic is a few plain words (no sentence punctuation), so a line such
-# as "Remember this: ..." reads as a topic only when it is that short. A leading "on " is
-# dropped: "on water: ..." and "water: ..." say the same.
+# A topic is a few plain words (no sentence punctuation), so "Remember this: ..." reads as one
+# only when it is that short.
 _TOPIC_LINE = re.compile(
     r"^(?:on\s+)?(?P<topic>[^:.,!?;\"\u201c\u201d/()]{1,60}?)\s*:\s+(?P<text>\S.*)$", re.IGNORECASE
 )
@@ -48,8 +40,7 @@ _WORD = re.compile(r"[^\W_]+(?:['\u2019][^\W_]+)*")  # "don't" is one word
 
 @functools.lru_cache(maxsize=256)
 def parse_examples(text: str) -> tuple[VoiceExample, ...]:
-    """The examples in the admin's text, in its order (see the module's docstring). Kept per
-    text: every request of a persona parses the same one."""
+    """The examples in the admin's text, in its order (cached: every request parses the same text)."""
     examples = []
     for raw in text.splitlines():
         line = " ".join(raw.split())
@@ -67,7 +58,7 @@ def _unquoted(line: str) -> str:
     """The line without quote marks around the whole of it (the frame adds its own)."""
     if len(line) >= 2 and line[0] in _QUOTE_MARKS and line[-1] in _QUOTE_MARKS:
         inner = line[1:-1].strip()
-        if inner and not any(mark in inner for mark in '"\u201c\u201d'):
+        if inner and not any(mark in inner for mark in _QUOTE_MARKS):
             return inner
     return line
 
@@ -95,13 +86,12 @@ def _normal(word: str) -> str:
     return word.lower().replace("'", "").replace("\u2019", "")
 
 
-def longest_copied_run(text: str, examples: Iterable[VoiceExample | str]) -> int:
+def longest_copied_run(text: str, examples: Iterable[VoiceExample]) -> int:
     """The most words in a row that `text` shares with any one example."""
     quote = words(text)
     best = 0
     for example in examples:
-        other = words(example.text if isinstance(example, VoiceExample) else example)
-        # The longest common run of words: a row of the classic table at a time.
+        other = words(example.text)
         previous = [0] * (len(other) + 1)
         for word in quote:
             current = [0] * (len(other) + 1)
@@ -114,22 +104,19 @@ def longest_copied_run(text: str, examples: Iterable[VoiceExample | str]) -> int
 
 
 class CopyGuard:
-    """Watches a quote as it streams and ends it before it copies `run` words in a row from an
-    example.
+    """Ends a streaming quote before it copies `run` words in a row from an example.
 
-    `feed(piece)` returns the text that may go out now and whether the quote ends there; text
-    goes out as it comes, except a word still being written when the words before it match the
-    first `run - 1` words of a copy: that one waits until it is whole (so a copy is never sent,
-    not even in part). `finish()` returns what is left when the stream ends.
-
-    Each piece costs time in its own length, not the quote's: only text not yet sent or not yet
-    counted is kept, and a word longer than any example's (it cannot be copied) is followed by
-    its last letter alone.
+    `feed(piece)` returns the text that may go out now and whether the quote ends there: text goes
+    out as it comes, except a word still being written after the first `run - 1` words of a copy,
+    which waits until it is whole (no copy is sent, even in part). `finish()` returns the rest.
+    A piece costs time in its own length, not the quote's: only text not yet sent or counted is
+    kept, and of a word longer than any example's, only its last letter.
     """
 
-    def __init__(self, examples: Iterable[VoiceExample], *, run: int = COPY_RUN_WORDS) -> None:
-        self.run = run
-        self._copies, self._leads, self._longest = _runs_of(tuple(examples), run)
+    run = COPY_RUN_WORDS
+
+    def __init__(self, examples: Iterable[VoiceExample]) -> None:
+        self._copies, self._leads, self._longest = _runs_of(tuple(examples), self.run)
         self._words: list[str] = []  # the quote's whole words so far
         self._text = ""  # what was received, from offset _base on
         self._base = 0  # offsets below count from the quote's start
@@ -161,8 +148,7 @@ class CopyGuard:
             self._scan = base + len(self._text)
         until = base + len(self._text)
         if not self._long and tuple(self._words[-(self.run - 1) :]) in self._leads:
-            # The next word could complete a copy: hold back all that follows the last whole
-            # word (a comma, a space, a word half written) until that word is known.
+            # The next word could complete a copy: hold back all after the last whole word.
             until = max(self._sent, self._last_end)
         out = self._text[self._sent - base : until - base]
         self._sent = max(self._sent, until)
@@ -205,7 +191,7 @@ def _runs_of(
     examples: tuple[VoiceExample, ...], run: int
 ) -> tuple[frozenset[tuple[str, ...]], frozenset[tuple[str, ...]], int]:
     """Every run of `run` words of the examples, the first `run - 1` words of each, and the
-    longest word's length: made once per persona's examples, not per quote."""
+    longest word's length: once per persona's examples."""
     copies: set[tuple[str, ...]] = set()
     for example in examples:
         seq = words(example.text)
@@ -217,8 +203,8 @@ def _runs_of(
 def guard_copies(
     events: AsyncGenerator[Event, None], examples: Sequence[VoiceExample]
 ) -> AsyncGenerator[Event, None]:
-    """`events` (a backend's stream) with quotes that would copy an example ended before the
-    copy: the quote ends there (Done), and the backend's stream is closed, which stops it."""
+    """`events` with a quote that would copy an example ended (Done) before the copy, and the
+    backend's stream closed, which stops it."""
     if not examples:
         return events
     return _guarded(events, CopyGuard(examples))

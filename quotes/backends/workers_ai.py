@@ -1,13 +1,8 @@
-"""Cloudflare Workers AI, directly or through AI Gateway, streamed over SSE.
+"""Cloudflare Workers AI, directly or through AI Gateway, streamed over SSE (wire facts:
+shared/reference/workers-ai.md).
 
-Wire facts: shared/reference/workers-ai.md. One
-`httpx.AsyncClient` per backend (the registry keeps one backend per process). The body is decoded
-by httpx-sse (`upstream_events`, which also drops a leading BOM and ends a line at a CR at once),
-so a network read cut anywhere (mid-line, mid-character) is handled.
-
-Timeouts: the connect and pool timeouts are httpx's. Every other wait (the headers, each event,
-the whole request) is bounded by the gateway's policy, which cancels the stream's task: the
-backend keeps no deadline of its own, and cleans up (closes the response) when cancelled.
+Only the connect and pool timeouts are httpx's: every other wait is bounded by the policy, which
+cancels the stream's task, and the response is closed on the way out.
 """
 
 from __future__ import annotations
@@ -37,21 +32,16 @@ from ..errors import (
     upstream_unreachable,
 )
 from .base import GenerationRequest
-from .upstream_sse import ServerSentEvent, upstream_events
+from .upstream_sse import ServerSentEvent, read_error_body, upstream_events
 
 logger = logging.getLogger(__name__)
 
-#: Response headers worth keeping on the Meta event (cache hits, fallback step, log ids).
+#: Response headers kept on the Meta event (cache hits, fallback step, log ids).
 META_HEADERS = ("cf-aig-cache-status", "cf-aig-step", "cf-aig-log-id", "cf-aig-request-id")
-#: How much of an error body is read: enough for any envelope, bounded against a runaway body.
-MAX_ERROR_BODY_BYTES = 64 * 1024
 
-# A model id: `@cf/meta/llama-3.1-8b-instruct`. It goes into the URL path, so nothing that could
-# climb out of it ("..", "?", "#", "%", spaces) is allowed.
+# `@cf/meta/llama-3.1-8b-instruct`: it goes into the URL path, so nothing that could climb out of
+# it ("..", "?", "#", "%", spaces) is allowed.
 _MODEL_ID = re.compile(r"@?[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*", re.ASCII)
-
-
-# -- stable errors ---------------------------------------------------------------------------------
 
 _RETRY = "Please try again shortly."
 
@@ -81,13 +71,9 @@ ERROR_CODES: dict[int, tuple[ErrorCode, int, str]] = {
 }
 
 
-def invalid_model(model: str) -> Error:
-    return Error(ErrorCode.MODEL_NOT_FOUND, f"{model[:80]!r} is not a valid model id.", 400)
-
-
 def error_for_status(status: int, body: bytes) -> Error:
-    """The visitor's Error for a non-2xx answer: by documented envelope code first, then by
-    status. Our words only: what Workers AI said (`upstream_said`) is for the operator's log."""
+    """The visitor's Error for a non-2xx answer, by documented envelope code, else by status. What
+    Workers AI said is for the operator's log only (`upstream_said`)."""
     codes, _ = _parse_envelope(body)
     for number in codes:
         if number in ERROR_CODES:
@@ -97,8 +83,7 @@ def error_for_status(status: int, body: bytes) -> Error:
 
 
 def upstream_said(body: bytes, secrets: Iterable[str]) -> str:
-    """What an error body says, for the operator's log: a v4 envelope's first message, else the
-    text itself (an HTML page's words), redacted (quotes.errors.upstream_text)."""
+    """A v4 envelope's first message, else the body's text, redacted for the log."""
     _, message = _parse_envelope(body)
     return upstream_text(message or body.decode("utf-8", "replace"), secrets=secrets)
 
@@ -112,28 +97,9 @@ def _parse_envelope(body: bytes) -> tuple[list[int], str]:
     errors = envelope.get("errors") if isinstance(envelope, dict) else None
     if not isinstance(errors, list):
         return [], ""
-    codes: list[int] = []
-    message = ""
-    for item in errors:
-        if not isinstance(item, dict):
-            continue
-        if isinstance(item.get("code"), int):
-            codes.append(item["code"])
-        if not message and isinstance(item.get("message"), str):
-            message = item["message"]
-    return codes, message
-
-
-# -- decoding --------------------------------------------------------------------------------------
-
-
-def _usage(value: Any) -> Usage | None:
-    if not isinstance(value, dict):
-        return None
-    prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens")
-    if isinstance(prompt, int) and isinstance(completion, int):
-        return Usage(prompt_tokens=prompt, completion_tokens=completion)
-    return None
+    items = [item for item in errors if isinstance(item, dict)]
+    codes = [item["code"] for item in items if isinstance(item.get("code"), int)]
+    return codes, next((item["message"] for item in items if isinstance(item.get("message"), str)), "")
 
 
 #: How long to wait for the end of the body after [DONE] (normally it is already there).
@@ -141,10 +107,8 @@ BODY_END_WAIT_S = 0.05
 
 
 async def _finish_body(source: AsyncIterator[Any]) -> None:
-    """Read what follows [DONE] (normally only the end of the chunked body), so httpx can return
-    the connection to its pool: the next request then skips the TCP and TLS handshakes, which
-    to Cloudflare cost round trips on every first token. Bounded, so a lingering server cannot
-    hold the stream's end back."""
+    """Read the body's end after [DONE], so httpx pools the connection and the next request skips
+    the TCP and TLS round trips to Cloudflare; bounded, so a lingering server holds nothing back."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(BODY_END_WAIT_S):
             async for _ in source:
@@ -152,17 +116,13 @@ async def _finish_body(source: AsyncIterator[Any]) -> None:
 
 
 class StreamParser:
-    """The Workers AI wire format, event by event: `feed(event)` returns the events it carries;
-    the last one is Done or an Error once the stream has ended (`finished`).
+    """The Workers AI wire format: `feed(event)` returns the events it carries, ending with Done
+    or an Error once the stream has ended (`finished`).
 
-    - `response` is the text (a number is turned into a string); OpenAI-style chunks
-      (`choices[0].delta.content`) are read when it is absent; `p` padding is ignored.
-    - `usage` may come on any event, with or without text.
-    - `data: [DONE]` ends the stream (anything after it is not read).
-    - A data payload that is not a JSON object is `upstream_malformed`.
-
-    An error envelope that arrives inside the stream ends it with its Error; what it said is
-    kept in `said` for the log, redacted (`secrets` among the rest).
+    `response` is the text (a number too), else an OpenAI-style `choices[0].delta.content`; `p`
+    is padding; `usage` may come on any event; `[DONE]` ends the stream; a payload that is not a
+    JSON object is `upstream_malformed`; an error envelope (some proxies send one) ends it with
+    its Error, and what it said is kept in `said` for the log, redacted.
     """
 
     __slots__ = ("_secrets", "finished", "said")
@@ -190,44 +150,30 @@ class StreamParser:
         if text is None:
             text = _openai_delta(payload)
             if text is None and "errors" in payload:
-                # An error envelope inside the stream (seen from some proxies).
                 self.finished = True
                 self.said = upstream_said(data.encode(), self._secrets)
                 return [error_for_status(502, data.encode())]
         elif type(text) is not str:
             text = str(text) if isinstance(text, int | float) and not isinstance(text, bool) else None
         events: list[Event] = [Token(text)] if text else []
-        if "usage" in payload:
-            usage = _usage(payload["usage"])
-            if usage is not None:
-                events.append(usage)
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                events.append(Usage(prompt_tokens=prompt, completion_tokens=completion))
         return events
-
-
-def is_event_stream(response: httpx.Response) -> bool:
-    content_type = response.headers.get("content-type", "")
-    return "text/event-stream" in content_type.partition(";")[0].lower()
 
 
 def _openai_delta(payload: dict[str, Any]) -> str | None:
     choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices:
-        return None
-    choice = choices[0]
+    choice = choices[0] if isinstance(choices, list) and choices else None
     delta = choice.get("delta") if isinstance(choice, dict) else None
     content = delta.get("content") if isinstance(delta, dict) else None
     return content if isinstance(content, str) else None
 
 
-# -- the backend -----------------------------------------------------------------------------------
-
-
 class WorkersAIBackend:
-    """Text generation on Workers AI; see `Backend` for the event contract.
-
-    Every response (any status) first yields `Meta` with the model and the cf-aig-* headers;
-    then Tokens and Usage; then exactly one Done or Error.
-    """
+    """Every response (any status) first yields `Meta` with the model and the cf-aig-* headers."""
 
     name = "workers-ai"
     paid = True
@@ -302,7 +248,6 @@ class WorkersAIBackend:
         if self._client is None or self._client_loop is not loop:
             connect_s = self._connect_timeout_s
             self._client = httpx.AsyncClient(
-                # No read or write timeout: the policy's deadlines bound those waits (module doc).
                 timeout=httpx.Timeout(None, connect=connect_s, pool=connect_s),
                 # One connection per open stream: the open-stream cap bounds them.
                 limits=httpx.Limits(
@@ -329,7 +274,7 @@ class WorkersAIBackend:
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Event, None]:
         if not _MODEL_ID.fullmatch(request.model):
-            yield invalid_model(request.model)
+            yield Error(ErrorCode.MODEL_NOT_FOUND, f"{request.model[:80]!r} is not a valid model id.", 400)
             return
         client = self._http()
         async with contextlib.AsyncExitStack() as stack:
@@ -357,7 +302,7 @@ class WorkersAIBackend:
 
             if not response.is_success:
                 try:
-                    body = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
+                    body = await read_error_body(response)
                 except httpx.TransportError:
                     body = b""
                 said = upstream_said(body, self._secrets)
@@ -365,7 +310,8 @@ class WorkersAIBackend:
                 said = f"HTTP {status}: {said}" if said else f"HTTP {status}"
                 yield self._log(error_for_status(status, body), request, said)
                 return
-            if not is_event_stream(response):
+            content_type = response.headers.get("content-type", "")
+            if "text/event-stream" not in content_type.partition(";")[0].lower():
                 yield self._log(upstream_malformed(), request)
                 return
 
@@ -404,7 +350,6 @@ class WorkersAIBackend:
                 await messages.aclose()
 
     def _log(self, error: Error, request: GenerationRequest, said: str = "") -> Error:
-        # The message is ours; what Workers AI said (`said`) is redacted already (upstream_said).
         logger.warning(
             "workers-ai %s: %s (model %s, status %s)%s",
             error.code,
@@ -414,14 +359,3 @@ class WorkersAIBackend:
             f" Workers AI said: {said}" if said else "",
         )
         return error
-
-
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        parts.append(chunk)
-        size += len(chunk)
-        if size >= limit:
-            break
-    return b"".join(parts)[:limit]

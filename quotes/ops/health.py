@@ -1,15 +1,6 @@
-"""`GET /healthz`: can this process serve a quote right now?
-
-Checks the database (one trivial query), the cache (a write read back), the AI backend (the
-embedded model loaded, or the upstream configured) and the log writer. 200 with
-`{"status": "ok" | "degraded", "checks": {...}}`, or 503 with "error", so a load balancer takes the
-process out of rotation. Each check is bounded in time. Anyone may ask, so each check says only
-its status; the details (exception text, the backend) are for staff, or with DEBUG.
-
-"degraded" (still 200): Redis is down (the process serves on its own meanwhile), or the database
-takes no log rows (they wait in memory): every process shares those, and taking them all out of
-rotation would turn a degraded site into none. A draining process (SIGTERM) answers 503
-"draining" at once, with Retry-After.
+"""`GET /healthz`: can this process serve a quote right now? (docs/deployment.md, section 5.)
+"degraded" (200) is what every process shares, Redis or the log's database down: taking them all
+out of rotation would turn a degraded site into none.
 """
 
 from __future__ import annotations
@@ -66,22 +57,15 @@ async def _backend() -> Check:
     if name == "local":
         backend = get_backend("local")
         loaded = isinstance(backend, LocalBackend) and backend.loaded
-        # Not loaded yet is not a failure: the first request loads it (or LOCAL_MODEL_PRELOAD
-        # already is) and waits for it.
+        # Not loaded yet is no failure: the first request loads it and waits.
         return {"status": "ok" if loaded else "loading", "backend": name}
     if name == "workers-ai":
-        missing = [
-            variable
-            for variable, value in (
-                ("CLOUDFLARE_ACCOUNT_ID", settings.CLOUDFLARE_ACCOUNT_ID),
-                ("CLOUDFLARE_API_TOKEN", settings.CLOUDFLARE_API_TOKEN),
-            )
-            if not value
-        ]
+        required: tuple[str, ...] = ("CLOUDFLARE_ACCOUNT_ID", "CLOUDFLARE_API_TOKEN")
     elif name == "openai":
-        missing = [] if settings.OPENAI_BASE_URL else ["OPENAI_BASE_URL"]
+        required = ("OPENAI_BASE_URL",)
     else:
         return {"status": "error", "backend": name, "detail": f"unknown backend {name!r}"}
+    missing = [variable for variable in required if not getattr(settings, variable)]
     if missing:
         return {"status": "error", "backend": name, "detail": f"not configured: {', '.join(missing)}"}
     return {"status": "ok", "backend": name}

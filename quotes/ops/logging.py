@@ -1,12 +1,5 @@
-"""Request ids, log levels and log formats.
-
-`RequestIdMiddleware` gives every request an id (the proxy's `X-Request-ID` when it looks sane,
-else a fresh one), keeps it in a context variable for the request's task, which is also the task
-that streams the body, and returns it as `X-Request-ID`. `RequestIdFilter` puts it on every log
-record, so lines from the view, the gateway and the backend of one request can be found together.
-`ClientErrorFilter` gives Django's request and security lines the level of what happened: a
-client's mistake is no ERROR. The formatters also blank out the configured credentials and every
-query string (visitors' topics travel in them), whatever a message contains.
+"""Request ids on every log line, the levels of Django's request lines, and formatters that blank
+out the configured credentials and every query string (visitors' topics travel in them).
 """
 
 from __future__ import annotations
@@ -28,20 +21,16 @@ from django.views.debug import SafeExceptionReporterFilter
 from pythonjsonlogger.json import JsonFormatter as _JsonFormatter
 
 REQUEST_ID_HEADER = "X-Request-ID"
-#: ids we accept from outside: no spaces, quotes or newlines can reach a log line this way
+#: ids taken from the proxy: no spaces, quotes or newlines can reach a log line this way
 _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _request_id: ContextVar[str] = ContextVar("request_id", default="-")
 
 access_logger = logging.getLogger("quotes.request")
 
 
-def current_request_id() -> str:
-    """The id of the request this code runs for, or "-" outside a request."""
-    return _request_id.get()
-
-
 class RequestIdMiddleware:
-    """Async-native (no thread hop): reads or makes the id, logs one access line per request."""
+    """Async-native: takes the proxy's X-Request-ID or makes one, for the request's task (which
+    also streams the body), returns it, and logs one access line per request."""
 
     sync_capable = False
     async_capable = True
@@ -76,9 +65,8 @@ class RequestIdMiddleware:
             },
         )
         if not response.streaming:
-            # A streamed body is sent later by this same task (each request has a task of its
-            # own under ASGI), and its log lines (gateway, backend) must keep the id. Otherwise
-            # forget it, so a caller that shares our context (async_to_sync) does not inherit it.
+            # A streamed body is sent later by this same task and its lines keep the id; else
+            # forget it, so a caller sharing our context (async_to_sync) does not inherit it.
             _request_id.reset(token)
         return response
 
@@ -89,23 +77,17 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-#: Django's loggers that log a request's failure, with its status on the record (`status_code`).
-_REQUEST_LOGGERS = ("django.request", "django.security")
-
-
 class ClientErrorFilter(logging.Filter):
-    """Django's request and security lines at the level of what happened (a handler's filter:
-    a logger's would not see the `django.security.<Exception>` loggers' records).
+    """Django's request and security lines at the level of what happened (a handler's filter: a
+    logger's would not see the `django.security.<Exception>` loggers).
 
-    Django logs a SuspiciousOperation (a bad Host header, a body over DATA_UPLOAD_MAX_MEMORY_SIZE,
-    too many form fields) at ERROR with its traceback, and every 5xx at ERROR. Anyone can send
-    those requests: a 4xx is the client's doing, logged at WARNING at most and without a
-    traceback, and a 503 that says when to come back (Retry-After: a draining process or one at
-    its stream cap, marked by RequestIdMiddleware) is a refusal we meant, logged at INFO. An
-    ERROR is left for what we broke."""
+    Django logs a SuspiciousOperation (a bad Host, a body too large) and every 5xx at ERROR,
+    with a traceback, and anyone can send those requests. A 4xx is the client's doing (WARNING at
+    most, no traceback), a 503 with Retry-After a refusal we meant (INFO), a 502 or 504 the
+    upstream's (WARNING, logged with its detail by the backend). ERROR is left for what we broke."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith(_REQUEST_LOGGERS):
+        if not record.name.startswith(("django.request", "django.security")):
             return True
         status = getattr(record, "status_code", None)
         if not isinstance(status, int):
@@ -115,15 +97,9 @@ class ClientErrorFilter(logging.Filter):
             record.exc_info = record.exc_text = record.stack_info = None
         elif status == 503 and getattr(getattr(record, "request", None), "announced_refusal", False):
             _lower(record, logging.INFO)
-        elif status in _UPSTREAM_STATUSES:
-            # Only our views answer 502 and 504 (Django never does): the upstream failed or timed
-            # out, which the backend has logged with its detail; not something we broke.
+        elif status in (502, 504):  # only our views answer these (Django never does)
             _lower(record, logging.WARNING)
         return True
-
-
-#: What our views answer when the model's upstream fails (a bad gateway) or is too slow.
-_UPSTREAM_STATUSES = frozenset({502, 504})
 
 
 def _lower(record: logging.LogRecord, level: int) -> None:
@@ -132,8 +108,7 @@ def _lower(record: logging.LogRecord, level: int) -> None:
 
 
 def _secrets() -> list[str]:
-    """The configured credentials: the tokens and keys, and the passwords inside REDIS_URL and
-    the database's settings."""
+    """The configured credentials, the passwords in REDIS_URL and DATABASES included."""
     try:
         values = [
             settings.CLOUDFLARE_API_TOKEN,
@@ -162,15 +137,13 @@ def _shows_secret(value: Any) -> bool:
 
 def redact(text: str) -> str:
     for secret in _secrets():
-        if secret in text:
-            text = text.replace(secret, "[redacted]")
+        text = text.replace(secret, "[redacted]")
     return text
 
 
-#: A query string right after a path or URL (`/x?topic=...`, `stream?persona=...`), up to the
-#: next blank. Visitors' topics travel in query strings (EventSource is GET), and a request line
-#: carries no blank, while a quote, a `>` or a bracket can be part of the topic (`?topic=it's`):
-#: the redaction may take a closing quote with it, never leave a topic's tail behind.
+#: A query string after a path or URL, up to the next blank: a request line has none, while a
+#: quote or a bracket can be part of a topic (`?topic=it's`), so the redaction may take a closing
+#: quote with it, but never leaves a topic's tail behind.
 _QUERY = re.compile(r"(?<=[^\s?])\?\S+")
 
 
@@ -185,11 +158,10 @@ def redact_queries(text: str) -> str:
 
 
 def _scrubbed(value: Any) -> Any:
-    """A log field with query strings and secrets out. Objects become their text first: a
-    request (django.request puts it on the record) becomes its method and path, without the
-    query string its repr has."""
+    """A log field with query strings and secrets out; a request (django.request's) becomes its
+    method and path."""
     if isinstance(value, HttpRequest):
-        return redact(redact_queries(f"{value.method} {value.get_full_path()}"))
+        value = f"{value.method} {value.get_full_path()}"
     if isinstance(value, str):
         return redact(redact_queries(value))
     if value is None or isinstance(value, bool | int | float):
@@ -223,10 +195,9 @@ class JsonFormatter(_JsonFormatter):
 
 
 class SecretsFilter(SafeExceptionReporterFilter):
-    """DEFAULT_EXCEPTION_REPORTER_FILTER: the DEBUG error page masks, besides Django's own list,
-    the settings that carry a credential inside a URL (REDIS_URL, the caches' LOCATION), and any
-    setting or traceback variable whose value shows a configured credential, whatever its name
-    and wherever it sits (an object's repr, a header dict, a URL): Django looks only at names."""
+    """DEFAULT_EXCEPTION_REPORTER_FILTER: the DEBUG page also masks settings with a credential in
+    a URL (REDIS_URL, the caches' LOCATION), and any setting or traceback variable whose value
+    shows a configured credential, whatever its name (Django looks only at names)."""
 
     hidden_settings = re.compile(
         "API|AUTH|TOKEN|KEY|SECRET|PASS|SIGNATURE|HTTP_COOKIE|REDIS|LOCATION|_URL$", re.I

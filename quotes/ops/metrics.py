@@ -1,10 +1,6 @@
-"""Prometheus metrics, served at `GET /metrics` (each process its own: docs/deployment.md).
-
-The stream path records a few counters per stream, never per token: a generation's outcome,
-tokens, cost, time to first token and duration are read from its row when it ends. What can be
-read when Prometheus scrapes (open streams, the embedded model's slots, rows waiting, today's
-spend) is read then. The endpoint answers only when QUOTES_METRICS_TOKEN (a bearer token) or
-QUOTES_METRICS_ALLOW (client networks) is set, and then only to requests that pass both.
+"""Prometheus metrics at `GET /metrics`, each process its own: counted once per stream from its
+row, never per token, or read when scraped. The endpoint exists only when QUOTES_METRICS_TOKEN or
+QUOTES_METRICS_ALLOW is set, and answers only requests that pass both.
 """
 
 from __future__ import annotations
@@ -114,8 +110,7 @@ def row_lost() -> None:
 
 
 class ProcessCollector(Collector):
-    """Read when Prometheus scrapes (in the event loop, by metrics_view): this process's open
-    streams, and the embedded model's slots."""
+    """Read when scraped: this process's open streams, and the embedded model's slots."""
 
     NAMES = (
         "quotes_open_streams",
@@ -131,15 +126,12 @@ class ProcessCollector(Collector):
         )
         for backend in loaded_backends():
             if isinstance(backend, LocalBackend):
-                yield GaugeMetricFamily(
-                    "quotes_local_model_slots", "Embedded-model slots.", value=backend.slots
-                )
-                yield GaugeMetricFamily(
-                    "quotes_local_model_slots_in_use", "Slots generating now.", value=backend.slots_in_use
-                )
-                yield GaugeMetricFamily(
-                    "quotes_local_model_queue_length", "Requests waiting for a slot.", value=backend.waiting
-                )
+                for name, documentation, value in (
+                    ("slots", "Embedded-model slots.", backend.slots),
+                    ("slots_in_use", "Slots generating now.", backend.slots_in_use),
+                    ("queue_length", "Requests waiting for a slot.", backend.waiting),
+                ):
+                    yield GaugeMetricFamily(f"quotes_local_model_{name}", documentation, value=value)
 
 
 def _allowed(request: HttpRequest) -> bool:
@@ -159,8 +151,6 @@ def _allowed(request: HttpRequest) -> bool:
 
 @require_safe
 async def metrics_view(request: HttpRequest) -> HttpResponse:
-    """This process's metrics (Prometheus text, or OpenMetrics if asked for). Off, or with
-    neither a token nor an allow-list set, it does not exist (404); refused: 403."""
     if not enabled() or not (settings.QUOTES_METRICS_TOKEN or settings.QUOTES_METRICS_ALLOW):
         raise Http404("No such page.")
     if not _allowed(request):

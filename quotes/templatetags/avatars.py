@@ -1,8 +1,5 @@
-"""Persona avatars and the page's small icons, as inline SVG drawn on the server.
-
-Emoji need an emoji font, and a desktop without one (Debian's chromium, for one) draws empty
-boxes. Letters on a coloured disc and SVG paths render everywhere. The colour is in SVG
-attributes, not inline style, which the Content-Security-Policy forbids.
+"""Persona avatars and the page's small icons, as inline SVG: emoji need a font some desktops
+lack (Debian's chromium draws empty boxes). Colours are SVG attributes: the CSP forbids inline style.
 """
 
 from __future__ import annotations
@@ -37,11 +34,7 @@ def avatar_colour(slug: str) -> str:
 def avatar(persona: Any, css_class: str) -> dict[str, str]:
     """`{% avatar persona "persona-card__avatar" %}`: the persona's monogram, decorative (the name
     is always written next to it)."""
-    return {
-        "css_class": css_class,
-        "initials": initials(persona.name),
-        "colour": avatar_colour(persona.slug),
-    }
+    return {"css_class": css_class, "initials": initials(persona.name), "colour": avatar_colour(persona.slug)}
 
 
 #: 24x24 outline icons (stroke paths), drawn for this project.

@@ -12,20 +12,14 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from quotes.models import Persona
 
 
-def persona_fields() -> list[str]:
-    """The fields a file carries, in the model's order: everything but the database id."""
-    return [f.name for f in Persona._meta.concrete_fields if not f.primary_key]
-
-
 def _plain(value: object) -> object:
     """A field's value as JSON holds it: a decimal (a daily spend ceiling) as its exact text."""
     return str(value) if isinstance(value, Decimal) else value
 
 
-def personas_export() -> list[dict[str, Any]]:
-    fields = persona_fields()
-    personas = Persona.objects.order_by("display_order", "name", "slug")
-    return [{name: _plain(getattr(persona, name)) for name in fields} for persona in personas]
+def persona_fields() -> list[str]:
+    """The fields a file carries, in the model's order: everything but the database id."""
+    return [f.name for f in Persona._meta.concrete_fields if not f.primary_key]
 
 
 class Command(BaseCommand):
@@ -35,7 +29,9 @@ class Command(BaseCommand):
         parser.add_argument("--output", "-o", help="write to this file instead of stdout")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        data = personas_export()
+        fields = persona_fields()
+        personas = Persona.objects.order_by("display_order", "name", "slug")
+        data = [{name: _plain(getattr(persona, name)) for name in fields} for persona in personas]
         text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
         output = options["output"]
         if not output:

@@ -31,6 +31,10 @@ def thumbs(row: BreakdownDisplay) -> list[str]:
     return [str(row.thumbs_up), str(row.thumbs_down)]
 
 
+def _section(title: str, headers: list[str], cells: list[list[str]]) -> list[str]:
+    return ["", title, *(["  " + row for row in _table(headers, cells)] if cells else ["  none"])]
+
+
 def stats_report(stats: Stats) -> str:
     since, until = (timezone.localtime(t).strftime("%Y-%m-%d %H:%M %Z") for t in (stats.since, stats.until))
     previews = "included" if stats.include_previews else "left out"
@@ -39,41 +43,18 @@ def stats_report(stats: Stats) -> str:
     width = max(len(t.label) for t in tiles)
     for tile in tiles:
         lines.append(f"  {tile.label.ljust(width)}  {tile.value}" + (f"  ({tile.note})" if tile.note else ""))
-
-    lines += ["", "Errors by code"]
-    if stats.errors_by_code:
-        lines += [
-            "  " + row
-            for row in _table(["code", "requests"], [[c, f"{n:,}"] for c, n in stats.errors_by_code])
-        ]
-    else:
-        lines.append("  none")
-
-    lines += ["", "Refused (429, 503) by code"]
-    if stats.refused_by_code:
-        lines += [
-            "  " + row
-            for row in _table(["code", "requests"], [[c, f"{n:,}"] for c, n in stats.refused_by_code])
-        ]
-    else:
-        lines.append("  none")
-
+    for title, counts in (
+        ("Errors by code", stats.errors_by_code),
+        ("Refused (429, 503) by code", stats.refused_by_code),
+    ):
+        lines += _section(title, ["code", "requests"], [[code, f"{n:,}"] for code, n in counts])
+    headers = ["", "requests", "hit rate", "errors", "ttft p50", "tokens in/out", "cost", "up", "down"]
     for title, rows in (("By persona", stats.by_persona), ("By model", stats.by_model)):
-        lines += ["", title]
-        shown = breakdown_display(rows, stats.requests)
-        if not shown:
-            lines.append("  none")
-            continue
-        lines += [
-            "  " + row
-            for row in _table(
-                ["", "requests", "hit rate", "errors", "ttft p50", "tokens in/out", "cost", "up", "down"],
-                [
-                    [r.key, r.requests, r.hit_rate, r.error_rate, r.ttft_p50, r.tokens, r.cost, *thumbs(r)]
-                    for r in shown
-                ],
-            )
+        cells = [
+            [r.key, r.requests, r.hit_rate, r.error_rate, r.ttft_p50, r.tokens, r.cost, *thumbs(r)]
+            for r in breakdown_display(rows, stats.requests)
         ]
+        lines += _section(title, headers, cells)
     return "\n".join(lines)
 
 

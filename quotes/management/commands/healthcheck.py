@@ -1,9 +1,6 @@
 """`python manage.py healthcheck [--url URL | --unix-socket PATH]`: exit 0 when this host's
-daphne answers `/healthz` with 200, else 1. The Dockerfile's HEALTHCHECK runs it.
-
-A probe from inside the container or host connects to 127.0.0.1, but Django answers only the
-names in ALLOWED_HOSTS (anything else is a 400), so the probe sends a Host header made from the
-first of them instead of the address it connects to. No exemption in the app is needed.
+daphne answers `/healthz` with 200, else 1 (the Dockerfile's HEALTHCHECK). It connects to
+127.0.0.1 but sends a Host from ALLOWED_HOSTS, which Django requires (else a 400).
 """
 
 from __future__ import annotations

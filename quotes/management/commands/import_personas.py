@@ -1,11 +1,6 @@
-"""`python manage.py import_personas FILE`: create or update personas (by slug) from an export.
-
-Everything is checked before anything is written: the file's depth, unknown keys, each value's
-JSON type, text the database would refuse (a lone surrogate, a NUL character), and the persona's
-own validation (`full_clean`, so the catalog's ranges too). Each problem is reported
-with its line in the file, compiler-style (`personas.json:12: alan-watts.temperature: ...`),
-and one problem means nothing is imported. A key left out keeps the persona's current value
-(a new persona's default).
+"""`python manage.py import_personas FILE`: create or update personas (by slug) from an export,
+a key left out keeping its value. Every problem is reported with its line, compiler-style
+(`personas.json:12: alan-watts.temperature: ...`), and one means nothing is imported.
 """
 
 from __future__ import annotations
@@ -35,9 +30,8 @@ def _printable(text: str) -> str:
 
 
 def _nested(value: object) -> bool:
-    """Whether `value` holds a list or an object inside a list or an object. No persona field
-    does (the deepest is a list of strings), and every step after parsing (the type checks, the
-    model's validation, saving) would recurse into it: thousands of levels exhaust the stack."""
+    """Whether `value` nests a list or an object: no persona field does, and every later step
+    would recurse into it (thousands of levels exhaust the stack)."""
     children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     return any(isinstance(child, dict | list) for child in children)
 
@@ -106,14 +100,13 @@ def parse_entries(text: str) -> list[_Entry]:
     except json.JSONDecodeError as exc:
         raise _Problems([(exc.lineno, f"not valid JSON: {exc.msg} (column {exc.colno})")]) from None
     except RecursionError:
-        # Python's parser recurses once per level: thousands of `[` exhaust the stack.
         raise _Problems(
             [(1, "nested too deeply to read: a persona file is a list of flat objects")]
         ) from None
     start = _skip(text, 0)
     if not isinstance(data, list):
         raise _Problems([(_line(text, start), "the file must hold a JSON list of persona objects")])
-    # The text is valid JSON (checked above), so a plain walk over it cannot go wrong.
+    # Valid JSON (checked above): a plain walk over it cannot go wrong.
     decoder = json.JSONDecoder()
     pos = _skip(text, start, "[")
     entries = []
@@ -157,17 +150,16 @@ def _expected_type(model_field: models.Field[Any, Any]) -> tuple[tuple[type, ...
 
 def _type_error(model_field: models.Field[Any, Any], value: object) -> str | None:
     types, name = _expected_type(model_field)
-    if isinstance(value, bool) and bool not in types:
-        return f"must be {name}, not {json.dumps(value)}"
-    if not isinstance(value, types):
+    if (
+        (isinstance(value, bool) and bool not in types)
+        or not isinstance(value, types)
+        or (isinstance(value, float) and not math.isfinite(value))  # NaN, Infinity: Python reads them
+    ):
         return f"must be {name}, not {json.dumps(value)[:60]}"
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"must be {name}, not {json.dumps(value)}"  # NaN, Infinity: no JSON, but Python reads them
     return None
 
 
-#: Fields older files carry that personas no longer have: skipped, so those files still import.
-#: `emoji` went in migration 0010 (avatars are monograms drawn from the name).
+#: Fields older files carry that personas no longer have (`emoji`: migration 0010): skipped.
 RETIRED_FIELDS = frozenset({"emoji"})
 
 

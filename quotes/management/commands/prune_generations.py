@@ -1,21 +1,8 @@
-"""`python manage.py prune_generations [--dry-run] [--batch-size N]`: delete old request-log rows.
-
-Run it daily (deploy/systemd/persona-quotes-prune.timer). What it keeps:
-
-- every row younger than QUOTES_LOG_RETENTION_DAYS (0: the command keeps everything);
-- quotes someone voted on or shared (a `Vote`, or `shared_at` set by the persona page's
-  Permalink or Copy button: a POST, quotes.views.share_quote; opening the permalink page, as any
-  link preview's bot does, keeps nothing), for QUOTES_KEPT_QUOTE_RETENTION_DAYS (0: for good),
-  since a shared link should keep working. Past
-  the log retention such a quote keeps only what its permalink page and the analytics use:
-  its request (prompts and the visitor's conversation), upstream headers, topic and client
-  hash are cleared.
-
-The refusal counts (`Refusal`, per persona, hour and code) go with the log, past
-QUOTES_LOG_RETENTION_DAYS.
-
-Rows go in batches, each its own short transaction, so a live site's log writes (SQLite's
-single writer included) never wait behind one long delete.
+"""`python manage.py prune_generations [--dry-run] [--batch-size N]`, daily: delete request-log
+rows and refusal counts past QUOTES_LOG_RETENTION_DAYS (0: keep all). Quotes voted on or shared
+(a POST; a bot opening the permalink keeps nothing) stay for QUOTES_KEPT_QUOTE_RETENTION_DAYS (0:
+for good) with only what their permalink page and the analytics use. Short batches: live log
+writes (SQLite's one writer) never wait long.
 """
 
 from __future__ import annotations
@@ -44,7 +31,7 @@ def kept_quotes() -> Q:
 
 
 def _in_batches(rows: QuerySet[Generation], batch: int, apply: Any) -> int:
-    """Apply `apply(ids)` to the rows `rows` selects, `batch` primary keys per transaction."""
+    """`apply` to the rows `rows` selects, `batch` per transaction."""
     done, last = 0, 0
     while True:
         # Onward from the last batch: ends even if a row still matches after `apply`.
