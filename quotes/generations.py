@@ -328,8 +328,6 @@ def most_cost(persona: Persona, request: GenerationRequest) -> float:
     """The most this generation can cost on any of its models: every prompt character a token,
     plus a chat template's, and max_tokens written."""
     prompt = sum(len(m.content) + 16 for m in request.messages)
-    costs = [
-        estimate_cost(model, prompt, request.max_tokens)
-        for model in (request.model, *persona.fallback_models)
-    ]
+    models = (request.model, *persona.fallback_models, *settings.QUOTES_FALLBACK_MODELS)
+    costs = [estimate_cost(model, prompt, request.max_tokens) for model in models]
     return max((cost for cost in costs if cost is not None), default=0.0)
