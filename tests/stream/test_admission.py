@@ -69,6 +69,7 @@ async def test_dropped_connections_keep_their_clients_slots_until_their_generati
     refused = await post_quote()
     assert (refused.status, refused.json()["error"]["code"]) == (429, "too_many_streams")
     assert len(fake.requests) == 3
+    fake.script(Scenario())  # a short one
     assert (await post_quote(client=("198.51.100.7", 1))).status == 200  # others are not held back
 
 
@@ -76,7 +77,7 @@ async def test_the_open_stream_cap_refuses_at_once_with_503(
     fake: FakeWorkersAI, settings: Any, unlimited: Any
 ) -> None:
     settings.QUOTES_MAX_OPEN_STREAMS = 2
-    fake.default = Scenario(tokens=["tick"] * 100, token_delay_s=0.02)
+    fake.default = Scenario(tokens=["tick"] * 30, token_delay_s=0.02)
     held = [post_stream(client=(f"198.51.100.{n}", 1)) for n in (1, 2)]
     for stream in held:
         await read_events(stream, 1)
