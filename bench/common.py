@@ -1,6 +1,6 @@
-"""Shared pieces of the benchmarks: upstream servers in their own processes, the app under
-daphne or uvicorn in a subprocess, an incremental SSE reader that times the first token, and
-percentiles.
+"""Shared pieces of the benchmarks: upstream servers in their own processes, the app and the naive
+proxies under daphne in a subprocess, an incremental SSE reader that times the first token, the
+log's rows and refusals counted, and percentiles.
 
 Clocks: `time.perf_counter()` and `time.monotonic()` are both CLOCK_MONOTONIC on Linux, one
 clock for the whole machine, so a time stamped by the upstream process (`received_at`) can be
@@ -17,9 +17,7 @@ import multiprocessing
 import os
 import platform
 import re
-import shutil
 import sqlite3
-import ssl
 import statistics
 import subprocess
 import sys
@@ -49,9 +47,13 @@ PYTHON = sys.executable
 ACCOUNT_ID = "bench-account"
 API_TOKEN = "bench-token-0123456789abcdef"
 PERSONA = "alan-watts"
+#: the seeded personas' Workers AI model: the URL the naive proxies forward to is the app's
+MODEL = "@cf/meta/llama-3.1-8b-instruct"
+STREAM_PATH = "/api/quotes/stream"
+#: the same-stack naive proxy's path (bench/naive/stack_urls.py)
+NAIVE_PATH = "/bench/naive"
 
-Server = Literal["daphne", "uvicorn"]
-UpstreamKind = Literal["fake", "keepalive", "keepalive-tls"]
+UpstreamKind = Literal["fake", "keepalive"]
 
 
 # -- machine and numbers ---------------------------------------------------------------------------
@@ -88,6 +90,10 @@ def median(values: Sequence[float]) -> float:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else ""
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -148,8 +154,6 @@ class StreamTiming:
     last_token: float = 0.0
     done: float = 0.0
     tokens: int = 0
-    #: the client's local address: tells whether a keep-alive connection was reused
-    local_addr: str = ""
 
     @property
     def ttft(self) -> float:
@@ -170,7 +174,7 @@ class StreamTiming:
 
 class SSETimer:
     """Times a Workers AI stream as harness.sse.Reader reads it: counts events whose `response`
-    is non-empty and stamps the first, the last and `[DONE]`. The same code reads both paths,
+    is non-empty and stamps the first, the last and `[DONE]`. The same code reads every path,
     so its own cost cancels out of the ratios."""
 
     __slots__ = ("_reader", "finished", "timing")
@@ -200,9 +204,6 @@ def read_stream(client: httpx.Client, url: str, *, content: bytes, headers: dict
     with client.stream("POST", url, content=content, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.read()[:300]!r}")
-        stream = response.extensions.get("network_stream")
-        if stream is not None:
-            timing.local_addr = str(stream.get_extra_info("client_addr"))
         for chunk in response.iter_raw():
             parser.feed(chunk)
     if not parser.finished or not timing.tokens:
@@ -229,29 +230,6 @@ async def direct_ttft(
 # -- the app in-process (Django's ASGI handler, no server) ---------------------------------------------
 
 
-def stream_scope(body: bytes) -> dict[str, object]:
-    """The ASGI HTTP scope a server would pass the app for `POST /api/quotes/stream` with a JSON
-    `body`."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/api/quotes/stream",
-        "raw_path": b"/api/quotes/stream",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
-
-
 @dataclass(slots=True)
 class InProcessTiming:
     """One request through the ASGI app in-process: wall (perf_counter) and CPU (process_time)
@@ -269,8 +247,8 @@ class InProcessTiming:
 
 
 async def stream_in_process(application: Callable[..., Awaitable[None]], body: bytes) -> InProcessTiming:
-    """POST `body` to /api/quotes/stream through `application` and read the whole answer, timing
-    its first token."""
+    """POST `body` to /api/quotes/stream through `application` (the ASGI HTTP scope a server
+    would pass) and read the whole answer, timing its first token."""
     done = asyncio.Event()
     timing = InProcessTiming()
     sent = False
@@ -299,7 +277,24 @@ async def stream_in_process(application: Callable[..., Awaitable[None]], body: b
             timing.ended, timing.ended_cpu = time.perf_counter(), time.process_time()
             done.set()
 
-    scope = stream_scope(body)
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": STREAM_PATH,
+        "raw_path": STREAM_PATH.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
     # CPU clock first, so the wall-clock window (the TTFT) holds no clock call of its own.
     timing.started_cpu = time.process_time()
     timing.started = time.perf_counter()
@@ -310,83 +305,76 @@ async def stream_in_process(application: Callable[..., Awaitable[None]], body: b
 # -- upstreams in their own process ------------------------------------------------------------------
 
 
-def _upstream_main(conn: Connection, kind: UpstreamKind, scenario: Any, tls: tuple[str, str] | None) -> None:
+def _upstream_main(conn: Connection, kind: UpstreamKind, scenario: Any) -> None:
     """The upstream process: serve, and answer the driver's commands on `conn`."""
     if kind == "fake":
         fake = FakeWorkersAI().start()
         fake.default = scenario
+
+        def stats() -> dict[str, Any]:
+            last = fake.requests[-1] if fake.requests else None
+            return {
+                "requests": len(fake.requests),
+                "connections": len(fake.requests),  # one connection per request, always
+                "last": {
+                    "path": last.path,
+                    "headers": last.headers,
+                    "body": last.body,
+                    "received_at": last.received_at,
+                }
+                if last
+                else {},
+            }
+
+        def set_scenario(value: Any) -> None:
+            fake.default = value
+
         conn.send(fake.port)
-        while True:
-            command, arg = conn.recv()
-            if command == "scenario":
-                fake.default = arg
-                conn.send(True)
-            elif command == "stats":
-                requests = fake.requests
-                last = requests[-1] if requests else None
-                conn.send(
-                    {
-                        "requests": len(requests),
-                        "connections": len(requests),  # one connection per request, always
-                        "last": {
-                            "path": last.path,
-                            "headers": last.headers,
-                            "body": last.body,
-                            "received_at": last.received_at,
-                        }
-                        if last
-                        else {},
-                    }
-                )
-            else:
-                fake.stop()
-                conn.send(True)
-                return
-    context = None
-    if tls is not None:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(*tls)
-    upstream = KeepAliveUpstream(scenario, context)
-    ready = threading.Event()
-    threading.Thread(target=lambda: asyncio.run(upstream.serve(ready)), daemon=True).start()
-    ready.wait(10)
-    conn.send(upstream.port)
+    else:
+        upstream = KeepAliveUpstream(scenario)
+        ready = threading.Event()
+        threading.Thread(target=lambda: asyncio.run(upstream.serve(ready)), daemon=True).start()
+        ready.wait(10)
+
+        def stats() -> dict[str, Any]:
+            return {"requests": upstream.requests, "connections": upstream.connections, "last": upstream.last}
+
+        def set_scenario(value: Any) -> None:
+            upstream.scenario = value
+
+        conn.send(upstream.port)
     while True:
         command, arg = conn.recv()
         if command == "scenario":
-            upstream.scenario = arg
+            set_scenario(arg)
             conn.send(True)
         elif command == "stats":
-            conn.send(
-                {"requests": upstream.requests, "connections": upstream.connections, "last": upstream.last}
-            )
+            conn.send(stats())
         else:
+            if kind == "fake":
+                fake.stop()
             conn.send(True)
             return
 
 
 class Upstream:
-    """An upstream server in a process of its own (so its work does not share the driver's GIL)."""
+    """An upstream server in a process of its own (so its work does not share the driver's GIL):
+    "fake" (harness.workers_ai.FakeWorkersAI: a connection per request) or "keepalive" (its
+    KeepAliveUpstream: connections kept for the next request)."""
 
-    def __init__(self, kind: UpstreamKind, scenario: Any, tls: tuple[str, str] | None = None) -> None:
+    def __init__(self, kind: UpstreamKind, scenario: Any) -> None:
         self.kind = kind
-        self.tls = tls
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_upstream_main, args=(child, kind, scenario, tls), daemon=True, name=f"upstream-{kind}"
+            target=_upstream_main, args=(child, kind, scenario), daemon=True, name=f"upstream-{kind}"
         )
         self._process.start()
         self.port: int = self._conn.recv()
 
     @property
-    def pid(self) -> int:
-        assert self._process.pid is not None
-        return self._process.pid
-
-    @property
     def base_url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def api_base_url(self) -> str:
@@ -417,28 +405,11 @@ class Upstream:
         self.close()
 
 
-def self_signed_cert(directory: Path) -> tuple[str, str] | None:
-    """A throw-away certificate for 127.0.0.1 (None when the openssl CLI is missing)."""
-    if shutil.which("openssl") is None:
-        return None
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    command = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
-    command += ["-keyout", str(key), "-out", str(cert), "-days", "1", "-nodes", "-subj", "/CN=127.0.0.1"]
-    command += ["-addext", "subjectAltName=IP:127.0.0.1"]
-    subprocess.run(
-        command,
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
-
-
-# -- the app in a subprocess -------------------------------------------------------------------------
+# -- the app and the naive proxies in a subprocess ----------------------------------------------------
 
 
 @dataclass
 class AppServer:
-    server: Server
     url: str
     process: subprocess.Popen[bytes]
     db_path: Path
@@ -451,15 +422,16 @@ class AppServer:
 
     @property
     def stream_url(self) -> str:
-        return f"{self.url}/api/quotes/stream"
+        return self.url + STREAM_PATH
 
-    def sql(self, statement: str, *params: object) -> None:
-        with sqlite3.connect(self.db_path) as connection:
-            connection.execute(statement, params)
+    @property
+    def naive_url(self) -> str:
+        """The same-stack naive proxy (served with bench.naive.stack_settings)."""
+        return self.url + NAIVE_PATH
 
 
 #: What a machine keeps for itself, not a setting under test: where the embedded model lives.
-MACHINE_SETTINGS = ("QUOTES_CACHE_DIR", "LOCAL_MODEL_PATH")
+MACHINE_SETTINGS = ("LOCAL_MODEL_PATH",)
 
 
 def app_env(db_path: Path, **extra: str) -> dict[str, str]:
@@ -475,9 +447,9 @@ def app_env(db_path: Path, **extra: str) -> dict[str, str]:
         "LOCAL_MODEL_PRELOAD": "false",
         # Every request must reach the backend: no answer cache, no per-client limits (the
         # driver is one client sending thousands of requests). Distinct concurrent requests
-        # are used where the gateway's coalescing of identical requests would matter.
+        # are used where the coalescing of identical requests would matter.
         "QUOTES_CACHE_TTL": "0",
-        "QUOTES_RATE_LIMIT": "1000000/s",
+        "QUOTES_RATE_LIMIT": "1000000/minute",
         "QUOTES_MAX_CONCURRENT_STREAMS": "100000",
     }
     env = environment(**{**settings, **extra})
@@ -491,140 +463,133 @@ class HasApiBaseUrl(Protocol):
 
 
 def workers_ai_env(upstream: HasApiBaseUrl) -> dict[str, str]:
-    """The workers-ai backend against `upstream` (any of the benchmarks' upstreams or the fake)."""
+    """The workers-ai backend against `upstream` (any of the benchmarks' upstreams or the fake),
+    and the naive proxies' upstream: the URL and headers the app's backend sends to."""
     return {
         "AI_BACKEND": "workers-ai",
         "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
         "CLOUDFLARE_API_TOKEN": API_TOKEN,
         "CLOUDFLARE_API_BASE_URL": upstream.api_base_url,
+        "BENCH_UPSTREAM_URL": f"{upstream.api_base_url}/accounts/{ACCOUNT_ID}/ai/run/{MODEL}",
+        "BENCH_UPSTREAM_HEADERS": json.dumps(
+            {"Authorization": f"Bearer {API_TOKEN}", "Content-Type": "application/json"}
+        ),
     }
 
 
 @contextlib.contextmanager
 def serve_app(
-    server: Server,
-    *,
-    migrate_sql: Sequence[str] = (),
-    root: Path = ROOT,
-    name: str = "",
-    **extra_env: str,
+    *, stack: bool = False, migrate_sql: Sequence[str] = (), name: str = "app", **extra_env: str
 ) -> Iterator[AppServer]:
-    """Migrate a fresh SQLite file and serve the app on it, in a subprocess. `root`: the source
-    tree to serve (another checkout of the app, for a side-by-side comparison: see `trees`)."""
-    with tempfile.TemporaryDirectory(prefix=f"bench-{server}-") as tmp:
+    """The app under daphne as deployed (deploy/systemd/persona-quotes.service's command:
+    `python -m quotes.ops.server ... config.asgi:application`, harness.daphne), on a fresh
+    migrated SQLite file. `stack`: with DJANGO_SETTINGS_MODULE=bench.naive.stack_settings, so the
+    same process also serves the same-stack naive proxy at NAIVE_PATH."""
+    with tempfile.TemporaryDirectory(prefix="bench-app-") as tmp:
         db_path = Path(tmp) / "db.sqlite3"
         env = app_env(db_path, **extra_env)
-        migrate(env, cwd=root)
+        migrate(env)
         with sqlite3.connect(db_path) as connection:
             for statement in migrate_sql:
                 connection.execute(statement)
-        log_name = f"{server}-{name}" if name else server
-        with serve_asgi(server, APP, env, log_name, cwd=root) as (
-            process,
-            url,
-            log_path,
-        ):
-            yield AppServer(server, url, process, db_path, log_path, env)
-
-
-def trees(items: Sequence[str]) -> dict[str, Path]:
-    """`--tree NAME=DIR` options: other source trees of the app (say, `git archive` of another
-    commit, or this tree with one change reverted), each served beside this one in the same run."""
-    found: dict[str, Path] = {}
-    for item in items:
-        name, _, directory = item.partition("=")
-        path = Path(directory).resolve()
-        if not name or not (path / "manage.py").is_file():
-            raise SystemExit(f"--tree {item!r}: want NAME=DIR, DIR a source tree of the app (with manage.py)")
-        found[name] = path
-    return found
+        if stack:
+            env["DJANGO_SETTINGS_MODULE"] = "bench.naive.stack_settings"
+        with serve_asgi(APP, env, name) as (process, url, log_path):
+            yield AppServer(url, process, db_path, log_path, env)
 
 
 @contextlib.contextmanager
-def serve_naive(upstream_url: str, headers: dict[str, str], server: Server = "daphne") -> Iterator[AppServer]:
-    """The naive Django proxy (bench/naive) under daphne, forwarding every POST to `upstream_url`
-    with `headers`: the baseline row."""
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "bench.naive.settings",
-        "BENCH_UPSTREAM_URL": upstream_url,
-        "BENCH_UPSTREAM_HEADERS": json.dumps(headers),
-    }
-    with serve_asgi(server, "bench.naive.asgi:application", env, f"naive-{server}") as (
-        process,
-        url,
-        log_path,
-    ):
-        yield AppServer(server, url, process, Path(os.devnull), log_path, env)
+def serve_naive(**extra_env: str) -> Iterator[AppServer]:
+    """The bare naive proxy (bench/naive: no middleware, no database) under plain daphne with the
+    app's daphne flags, forwarding every POST to /api/quotes/stream to BENCH_UPSTREAM_URL."""
+    env = {**os.environ, **extra_env, "DJANGO_SETTINGS_MODULE": "bench.naive.settings"}
+    with serve_asgi("bench.naive.asgi:application", env, "naive") as (process, url, log_path):
+        yield AppServer(url, process, Path(os.devnull), log_path, env)
 
 
 @contextlib.contextmanager
 def serve_asgi(
-    server: Server, application: str, env: dict[str, str], name: str, *, cwd: Path = ROOT
+    application: str, env: dict[str, str], name: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """`application` under daphne (as deploy/systemd/persona-quotes.service runs it:
-    harness.daphne.daphne_command) or uvicorn (no deploy file runs it: a comparison row) on a
-    free port, logging to artifacts/bench/`name`.log (the latest server of each name): (the
-    process, its URL, the log)."""
+    """`application` under daphne as deploy/systemd/persona-quotes.service runs it
+    (harness.daphne.daphne_command) on a free port, logging to artifacts/bench/`name`.log (the
+    latest server of each name): (the process, its URL, the log)."""
     port = free_port()
-    if server == "daphne":
-        command = daphne_command(SINGLE_UNIT, port, application)
-    else:
-        command = [PYTHON, "-m", "uvicorn", application, "--host", "127.0.0.1"]
-        command += ["--port", str(port), "--log-level", "warning", "--no-access-log", "--lifespan", "off"]
     log_path = ARTIFACTS / f"{name}.log"
     log_path.unlink(missing_ok=True)
     # /healthz, not /: the home page needs collected static files.
-    with running(command, port, env, log_path, cwd=cwd) as (process, url):
+    with running(daphne_command(SINGLE_UNIT, port, application), port, env, log_path) as (process, url):
         yield process, url, log_path
 
 
-# -- the log ---------------------------------------------------------------------------------------
+# -- the log: rows and refusals ------------------------------------------------------------------------
+
+RUNNING = "running"
+REFUSALS = "refusals counted"
+#: a generation's row per status, after the row with id `%s` (`?` for SQLite)
+ROWS_BY_STATUS = "SELECT status, COUNT(*) FROM quotes_generation WHERE id > {} GROUP BY status"
+REFUSALS_COUNTED = "SELECT COALESCE(SUM(count), 0) FROM quotes_refusal"
+LAST_ROW = "SELECT COALESCE(MAX(id), 0) FROM quotes_generation"
 
 
-#: log rows by status (a refusal's row counts the requests it stands for)
-ROWS_BY_STATUS = "SELECT status, SUM(request_count) FROM quotes_generation GROUP BY status"
+class Log:
+    """The log a run writes, read from its database (SQLite or PostgreSQL): the generations'
+    rows after those there at the start, and the refusals counted (quotes.models.Refusal: a
+    count per persona, hour and code, written every few seconds)."""
 
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+        self.first_row, refusals = self._query(LAST_ROW)[0][0], self._query(REFUSALS_COUNTED)[0][0]
+        self.refusals_before = int(refusals)
 
-def settled_counts(
-    fetch: Callable[[], dict[str, int]], expected: int, timeout_s: float = 120.0
-) -> dict[str, int]:
-    """`fetch()` (rows by status, each row counted as its `request_count`), polled each second
-    until the rows add up to `expected` or the counts have stopped moving for 10 s (a saturated
-    server writes the cancelled streams' rows last; a refusal's count reaches its row a second
-    after the last refusal of its window), or `timeout_s` is up."""
-    deadline = time.monotonic() + timeout_s
-    previous: dict[str, int] | None = None
-    still = 0
-    while True:
-        counts = fetch()
-        still = still + 1 if counts == previous else 0
-        if sum(counts.values()) >= expected or still >= 10 or time.monotonic() > deadline:
-            return counts
-        previous = counts
-        time.sleep(1.0)
+    def _query(self, statement: str, *params: object) -> list[tuple[Any, ...]]:
+        if self.database_url.startswith("sqlite:///"):
+            with contextlib.closing(sqlite3.connect(self.database_url.removeprefix("sqlite:///"))) as db:
+                return db.execute(statement.format("?"), params).fetchall()
+        import psycopg
 
+        with psycopg.connect(self.database_url.replace("postgres://", "postgresql://", 1)) as db:
+            return db.execute(statement.format("%s"), params).fetchall()  # type: ignore[arg-type]
 
-def row_accounting(expected: int, rows: dict[str, int]) -> dict[str, int]:
-    """The log rows against the requests a daphne answered (`expected`), each of which has its
-    row. Refusals share rows: those of one client and window are one row whose `request_count`
-    says how many (quotes/ai/refusals.py), and `rows` sums that count. Behind nginx, `expected`
-    is what nginx's log says the daphnes answered (`nginx_attempts`), not what the client
-    received: nginx tries the other process after a 503 (deploy/nginx's proxy_next_upstream),
-    so one refused request can be refused, and counted, by each process. Lost rows: answered
-    requests with no row; extra rows: rows counting requests no daphne answered (a miscount)."""
-    total = sum(rows.values())
-    return {
-        "rows_expected": expected,
-        "rows_total": total,
-        "lost_rows": max(0, expected - total),
-        "extra_rows": max(0, total - expected),
-    }
+    def counts(self) -> dict[str, int]:
+        """Rows by status, and REFUSALS: the refusals counted since the start."""
+        counts = {status: int(n) for status, n in self._query(ROWS_BY_STATUS, self.first_row)}
+        counts[REFUSALS] = int(self._query(REFUSALS_COUNTED)[0][0]) - self.refusals_before
+        return counts
+
+    def settled(self, generations: int, refusals: int, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The counts once `generations` rows are complete (not `running`) and `refusals` are
+        counted, or they stopped moving for 8 s (a refusal count is written up to 5 s after it),
+        or `timeout_s` is up; and the accounting against what the daphnes answered: lost rows
+        (answered generations without a complete row), extra rows, refusals counted against
+        refusals answered (429 and 503 from a daphne)."""
+        deadline = time.monotonic() + timeout_s
+        previous: dict[str, int] = {}
+        still_since = time.monotonic()
+        while True:
+            counts = self.counts()
+            complete = sum(n for s, n in counts.items() if s not in (RUNNING, REFUSALS))
+            if counts != previous:
+                previous, still_since = counts, time.monotonic()
+            now = time.monotonic()
+            if (complete >= generations and counts[REFUSALS] >= refusals) or now - still_since > 8:
+                break
+            if now > deadline:
+                break
+            time.sleep(0.25)
+        total = sum(n for s, n in counts.items() if s != REFUSALS)
+        return {
+            "rows": {s: n for s, n in counts.items() if s != REFUSALS},
+            "rows_expected": generations,
+            "rows_total": total,
+            "lost_rows": max(0, generations - complete),
+            "extra_rows": max(0, total - generations),
+            "refusals_expected": refusals,
+            "refusals_counted": counts[REFUSALS],
+        }
 
 
 # -- nginx: every attempt on a daphne ---------------------------------------------------------------
-
-STREAM_PATH = "/api/quotes/stream"
 
 #: An access log with each attempt nginx made on a daphne for a request (`$upstream_status` and
 #: `$upstream_bytes_received` list one entry per attempt), for the row count; `access_log <file>
@@ -637,8 +602,8 @@ _ATTEMPT_LINE = re.compile(r'^(\S+) (\S+) (\d+) "([^"]*)" "([^"]*)" "([^"]*)" (\
 
 
 def attempts_site(port: int, addresses: list[str], access_log: Path, *, server: str = "") -> str:
-    """deploy/nginx's site (harness.services.deploy_site: its upstream block, max_fails and all,
-    and its locations) in front of `addresses`, with a backlog for the load, logging each
+    """deploy/nginx's site (harness.services.deploy_site: its upstream block, hash, max_conns and
+    all, and its locations) in front of `addresses`, with a backlog for the load, logging each
     attempt on a daphne to `access_log` for the row count (`nginx_attempts`); `server`: more
     directives for the server block."""
     return deploy_site(
@@ -652,10 +617,12 @@ def attempts_site(port: int, addresses: list[str], access_log: Path, *, server: 
 
 def nginx_attempts(access_log: Path, path: str = STREAM_PATH) -> dict[str, Any]:
     """Every attempt nginx made on a daphne for a POST to `path` (from a log in
-    NGINX_ATTEMPTS_FORMAT): answered by the daphne (a status and bytes received: it has a log
-    row) or not (a refused connection, a reset), by status; and the statuses the clients got. A
-    resume (a Last-Event-ID) served is counted apart: it reads a generation whose one row is the
-    generation's own (docs/architecture.md), so it needs no row of its own (a refused one does)."""
+    NGINX_ATTEMPTS_FORMAT): answered by the daphne (a status and bytes received) or not (a
+    refused connection, a reset, nginx's own 503 at max_conns), by status; and the statuses the
+    clients got. nginx tries the other process after a 503 (deploy/nginx's proxy_next_upstream),
+    so one refused request can be refused, and counted, by each process. A resume (a
+    Last-Event-ID) served is counted apart: it reads a generation whose one row is the
+    generation's own. `generations` and `refusals`: what the log must then hold (Log.settled)."""
     answered: Counter[str] = Counter()
     resumes = 0
     unanswered: Counter[str] = Counter()
@@ -683,4 +650,6 @@ def nginx_attempts(access_log: Path, path: str = STREAM_PATH) -> dict[str, Any]:
         "answered_by_daphne": dict(answered),
         "resumes": resumes,
         "not_answered": dict(unanswered),
+        "generations": answered["200"],
+        "refusals": answered["429"] + answered["503"],
     }

@@ -1,19 +1,22 @@
-"""Hold N concurrent streams through the app under daphne, against an upstream streaming 50
-tokens/s per stream, and report errors, lost log rows, the delay the app adds to every token,
-and daphne's RSS per open stream.
+"""Hold N concurrent streams through one daphne, against an upstream streaming 50 tokens/s per
+stream, for each of three paths in turn: the bare naive proxy, the same-stack naive proxy (the
+naive view under the app's own settings and middleware, in the app's own daphne) and the app.
+Reports errors, lost log rows, the delay added to every token, daphne's CPU per token, and its
+RSS and threads per open stream.
 
-    .venv/bin/python -m bench.load --streams 300 --duration 60
-    .venv/bin/python -m bench.load --ladder 100,300,1000 --duration 60   # the ceiling, one run each
-    .venv/bin/python -m bench.load --streams 100 --duration 20 --metrics both   # metrics' cost
-    .venv/bin/python -m bench.load --streams 100 --duration 20 --paths app --relay both   # Redis relay's cost
+    .venv/bin/python -m bench.load --streams 100 --duration 20 --repeat 2   # the issue's figures
+    .venv/bin/python -m bench.load --ladder 100,300,1000 --duration 60      # the ceiling, one run each
+
+The app's open-stream cap (QUOTES_MAX_OPEN_STREAMS) is raised to the stream count: this bench
+measures what a stream costs, not who is admitted (bench/scaleout_load.py does).
 
 The upstream (in its own process, like every bench upstream) speaks the Workers AI wire format
 the fake in harness/workers_ai.py speaks (chunked SSE, `{"response": ...}` events, usage,
 `[DONE]`, Connection: close), with one difference: each token's text is the upstream's
 `time.monotonic_ns()` at the moment it is written, in decimal. The client reads the same clock
 (CLOCK_MONOTONIC, one clock for the machine), so every token's *added delay* is exact: arrival
-at the client minus the upstream's send time, i.e. the app's whole hop (daphne, Django, the
-gateway, httpx) plus two loopback transfers. No "gap minus nominal 20 ms" estimate needed.
+at the client minus the upstream's send time, i.e. the path's whole hop (daphne, Django, the
+app, httpx) plus two loopback transfers.
 
 Why not the tests' fake with Scenario(token_delay_s=0.02): it sleeps per stream and per token
 (one timer, one write and one drain per token per stream), 50,000 of each per second at 1,000
@@ -21,7 +24,9 @@ streams, more than one core here. This upstream schedules all streams from one 1
 spread over 20 phases so the writes do not arrive in one burst every 20 ms.
 
 The load client is one asyncio loop with raw sockets (no HTTP library: its own cost must stay
-small next to the app's); it measures its own event-loop lag so a slow client is visible.
+small next to the app's), each stream from a loopback address of its own with a csrftoken
+cookie of its own (a visitor, as nginx's consistent hash and per-address limits see one); it
+measures its own event-loop lag so a slow client is visible.
 """
 
 from __future__ import annotations
@@ -34,12 +39,10 @@ import json
 import multiprocessing
 import os
 import resource
-import sqlite3
+import secrets
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -47,26 +50,21 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    ACCOUNT_ID,
-    API_TOKEN,
     ARTIFACTS,
     PERSONA,
     PYTHON,
-    ROOT,
-    ROWS_BY_STATUS,
-    app_env,
+    Log,
     machine,
     parse_args,
     percentile,
-    row_accounting,
+    ratio,
     rss_kib,
-    serve_asgi,
-    settled_counts,
+    serve_app,
+    serve_naive,
     table,
-    trees,
     workers_ai_env,
 )
-from harness.daphne import migrate
+from harness.services import client_address
 
 # -- the stamping upstream (its own process) ----------------------------------------------------------
 
@@ -218,29 +216,6 @@ def numbered_text(tokens: int) -> str:
     return "".join(f"{n}," for n in range(1, tokens + 1))
 
 
-# -- daphne (bench.common.serve_app, plus a settings module of our own) ------------------------------
-
-
-@contextlib.contextmanager
-def serve_daphne(
-    application: str = "config.asgi:application", root: Path = ROOT, **extra_env: str
-) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """Like bench.common.serve_app("daphne"), but DJANGO_SETTINGS_MODULE may be chosen (app_env
-    drops it): the naive proxy (`bench.naive.asgi:application`) has settings of its own and no
-    database, so nothing is migrated for it. `root`: the source tree served (`--tree`)."""
-    with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
-        db_path = Path(tmp) / "db.sqlite3"
-        settings_module = extra_env.pop("DJANGO_SETTINGS_MODULE", "")
-        # Plain HTTP on loopback: production settings redirect to https when DEBUG is off.
-        env = app_env(db_path, **{"DJANGO_SECURE_SSL_REDIRECT": "false", **extra_env})
-        if settings_module:
-            env["DJANGO_SETTINGS_MODULE"] = settings_module
-        if application.startswith("config."):
-            migrate(env, cwd=root)
-        with serve_asgi("daphne", application, env, "load-daphne", cwd=root) as (process, url, _log):
-            yield process, url, db_path
-
-
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
@@ -298,19 +273,26 @@ def response_texts(events: bytes) -> Iterator[bytes]:
         start = stop
 
 
-async def one_stream(host: str, port: int, index: int, run: Run, end_by: float) -> None:
+def request_bytes(path: str, body: bytes, extra_headers: str = "", cookie: str = "") -> bytes:
+    """A POST from a visitor: a csrftoken cookie of its own (the page would have set one)."""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Cookie: csrftoken={cookie or secrets.token_hex(16)}\r\nContent-Length: {len(body)}\r\n"
+        f"{extra_headers}Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+async def one_stream(host: str, port: int, path: str, index: int, run: Run, end_by: float) -> None:
     result = Result()
     run.results.append(result)
     body = json.dumps({"persona": PERSONA, "topic": f"load {index} {os.getpid()}"}).encode()
-    request = (
-        f"POST /api/quotes/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode() + body
     started = time.monotonic()
     writer = None
     try:
-        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
-        writer.write(request)
+        reader, writer = await asyncio.open_connection(
+            host, port, limit=1 << 20, local_addr=(client_address(index), 0)
+        )
+        writer.write(request_bytes(path, body))
         head = await asyncio.wait_for(
             reader.readuntil(b"\r\n\r\n"), timeout=max(1.0, end_by - time.monotonic())
         )
@@ -381,10 +363,11 @@ async def drive(
     duration: float,
     ramp_per_s: float,
 ) -> tuple[Run, dict[str, Any]]:
-    """Open `streams` streams at `ramp_per_s` and read them to the end; sample the server
-    processes (`pid`: one, or several summed) during the plateau."""
+    """Open `streams` streams to `url` (a server and a path) at `ramp_per_s` and read them to the
+    end; sample the server processes (`pid`: one, or several summed) during the plateau."""
     pids = [pid] if isinstance(pid, int) else list(pid)
-    host, port = url.removeprefix("http://").split(":")
+    host, _, rest = url.removeprefix("http://").partition(":")
+    port, _, path = rest.partition("/")
     run = Run(streams)
     tasks = []
     stop = asyncio.Event()
@@ -397,19 +380,22 @@ async def drive(
     for index in range(streams):
         due = started + index / ramp_per_s
         await asyncio.sleep(max(0.0, due - time.monotonic()))
-        tasks.append(asyncio.create_task(one_stream(host, int(port), index, run, end_by)))
+        tasks.append(asyncio.create_task(one_stream(host, int(port), f"/{path}", index, run, end_by)))
     ramped = time.monotonic()
     # The plateau: every stream open, none finished yet (the first ends `duration` s after it began).
-    plateau_end = started + duration - 1
+    plateau_end = started + duration - 0.5
     cpu_before, wall_before = sum(cpu_seconds(p) for p in pids), time.monotonic()
     tokens_before = len(run.delays_ns)
     client_cpu_before = time.process_time()
-    while time.monotonic() < plateau_end:
+    while True:
         sample = _rss(pids)
         sample["fds"] = sum(open_fds(p) for p in pids)
         sample["t"] = round(time.monotonic() - started, 1)
         run.samples.append(sample)
-        await asyncio.sleep(1.0)
+        if time.monotonic() + 0.5 > plateau_end:
+            break
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(max(0.0, plateau_end - time.monotonic()))
     wall = time.monotonic() - wall_before
     cpu_used = sum(cpu_seconds(p) for p in pids) - cpu_before
     tokens_seen = len(run.delays_ns) - tokens_before
@@ -430,16 +416,6 @@ async def drive(
     return run, plateau
 
 
-def count_rows(db_path: Path, expected: int, timeout_s: float = 120.0) -> dict[str, int]:
-    """Rows by status in the SQLite log, once they are all there (bench.common.settled_counts)."""
-
-    def fetch() -> dict[str, int]:
-        with contextlib.closing(sqlite3.connect(db_path, timeout=20)) as connection:
-            return dict(connection.execute(ROWS_BY_STATUS).fetchall())
-
-    return settled_counts(fetch, expected, timeout_s)
-
-
 def raise_fd_limit(needed: int) -> str:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, max(soft, needed)) if hard != resource.RLIM_INFINITY else max(soft, needed)
@@ -448,146 +424,76 @@ def raise_fd_limit(needed: int) -> str:
     return f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} (hard {hard})"
 
 
-def scrape_metrics(url: str) -> dict[str, float]:
-    """A few totals from the app's own /metrics, to set beside the driver's and the database's."""
-    from prometheus_client.parser import text_string_to_metric_families
+# -- one run, its figures -----------------------------------------------------------------------------
 
-    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        text = response.read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in ("quotes_requests", "quotes_log_rows_lost", "quotes_tokens"):
-            totals[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return totals
+#: --paths: what each names, as the tables say it
+PATHS = {"naive": "naive proxy, bare", "stack": "naive proxy, same stack", "app": "app"}
 
 
-METRICS_TOKEN = "bench-metrics-token-0123456789"
-NAIVE = "bench.naive.asgi:application"
-
-
-def one_run(
-    streams: int, args: argparse.Namespace, path: str = "app", *, metrics: bool = True, relay: bool = False
-) -> dict[str, Any]:
-    """One run; `relay`: with a real redis-server and REDIS_URL set (the cache, the limits and
-    the live runs shared for other processes, quotes.ai.gateway.shared_runs, all in Redis)."""
-    if relay:
-        from harness.services import redis
-
-        with tempfile.TemporaryDirectory() as workdir, redis(Path(workdir)) as redis_url:
-            report = _app_run(streams, args, path, metrics=metrics, redis_url=redis_url)
-        report["relay"] = "on"
-        return report
-    return _app_run(streams, args, path, metrics=metrics, redis_url="")
-
-
-def _app_run(
-    streams: int, args: argparse.Namespace, path: str, *, metrics: bool, redis_url: str
-) -> dict[str, Any]:
+def one_run(streams: int, args: argparse.Namespace, path: str) -> dict[str, Any]:
+    """One run of `streams` streams through `path` (a key of PATHS), its daphne started for it."""
     tokens = int(args.duration * args.tokens_per_second)
     upstream = StampingUpstream(tokens, args.tokens_per_second)
-    if path == "naive":
-        naive_env = {
-            "DJANGO_SETTINGS_MODULE": "bench.naive.settings",
-            "BENCH_UPSTREAM_URL": f"{upstream.api_base_url}/accounts/{ACCOUNT_ID}/ai/run/@cf/meta/llama-3.1-8b-instruct",
-            "BENCH_UPSTREAM_HEADERS": json.dumps(
-                {"Authorization": f"Bearer {API_TOKEN}", "Content-Type": "application/json"}
-            ),
-        }
-        return _one_run(streams, args, upstream, tokens, path, NAIVE, naive_env)
-    env = {
-        "QUOTES_METRICS_ENABLED": "true" if metrics else "false",
-        "QUOTES_METRICS_TOKEN": METRICS_TOKEN,
-        **workers_ai_env(upstream),
-        "QUOTES_CACHE_TTL": "0",
-        "QUOTES_RATE_LIMIT": "1000000/s",
-        "QUOTES_MAX_CONCURRENT_STREAMS": "1000000",
-        "QUOTES_IDLE_TIMEOUT": "30",
-    }
-    if redis_url:
-        env["REDIS_URL"] = redis_url
-    for item in args.env:
-        name, _, value = item.partition("=")
-        env[name] = value
-    return _one_run(streams, args, upstream, tokens, path, "config.asgi:application", env)
-
-
-#: `--tree` paths: NAME -> another source tree of the app, served like "app"
-TREES: dict[str, Path] = {}
-
-
-def _one_run(
-    streams: int,
-    args: argparse.Namespace,
-    upstream: StampingUpstream,
-    tokens: int,
-    path: str,
-    application: str,
-    env: dict[str, str],
-) -> dict[str, Any]:
     load_before = os.getloadavg()
+    env = {
+        **workers_ai_env(upstream),
+        "QUOTES_MAX_OPEN_STREAMS": str(streams),
+        **dict(item.partition("=")[::2] for item in args.env),
+    }
     try:
-        with serve_daphne(application, TREES.get(path, ROOT), **env) as (process, url, db_path):
+        with contextlib.ExitStack() as stack:
+            if path == "naive":
+                server = stack.enter_context(serve_naive(**env))
+            else:
+                server = stack.enter_context(serve_app(stack=path == "stack", name=f"load-{path}", **env))
+            log = Log(server.env["DATABASE_URL"]) if path == "app" else None
             spy = None
             if args.profile:
                 spy_out = ARTIFACTS / f"load-{path}-{streams}.pyspy.txt"
-                command = [str(Path(PYTHON).parent / "py-spy"), "record", "--pid", str(process.pid)]
+                command = [str(Path(PYTHON).parent / "py-spy"), "record", "--pid", str(server.pid)]
                 command += ["--format", "raw", "--rate", "50", "--duration", str(int(args.duration * 0.6))]
                 command += ["--nonblocking", "--output", str(spy_out)]
-                spy = subprocess.Popen(
-                    command,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+                spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            url = server.naive_url if path == "stack" else server.stream_url
             run, plateau = asyncio.run(
-                drive(url, process.pid, upstream, streams, args.duration, args.ramp_per_second)
+                drive(url, server.pid, upstream, streams, args.duration, args.ramp_per_second)
             )
-            # Every response, a refusal included, has its row (the app logs every attempt).
-            answered = sum(1 for r in run.results if r.status)
-            rows = count_rows(db_path, expected=answered) if path != "naive" else None
-            expected_rows = answered
-            metrics_on = path != "naive" and env.get("QUOTES_METRICS_ENABLED") == "true"
-            scraped = scrape_metrics(url) if metrics_on else {}
+            # Each stream admitted is a generation with its row; each refused one is counted.
+            rows = None
+            if log is not None:
+                admitted = sum(1 for r in run.results if r.status == 200)
+                rows = log.settled(admitted, sum(1 for r in run.results if r.status in (429, 503)))
             if spy is not None:
                 spy.wait(timeout=args.duration * 2)
     finally:
         upstream.close()
-    report = build_report(
+    return build_report(
         run,
         plateau,
         rows,
-        expected_rows=expected_rows,
-        path=path,
+        path=PATHS[path],
         streams=streams,
         tokens=tokens,
         args=args,
         load_before=load_before,
     )
-    report["metrics"] = (
-        "" if path == "naive" else ("on" if env.get("QUOTES_METRICS_ENABLED") == "true" else "off")
-    )
-    report["scraped"] = scraped
-    return report
 
 
 def build_report(
     run: Run,
     plateau: dict[str, Any],
-    rows: dict[str, int] | None,
+    rows: dict[str, Any] | None,
     *,
-    expected_rows: int,
     path: str,
     streams: int,
     tokens: int,
     args: argparse.Namespace,
     load_before: tuple[float, float, float],
 ) -> dict[str, Any]:
-    """The figures of one run. `rows` is None when the server keeps no log (the naive proxy);
-    `expected_rows`: the requests a daphne answered (bench.common.row_accounting).
-    Per-stream figures (RSS, CPU per token) count the admitted streams, not the refused ones."""
+    """The figures of one run. `rows` (bench.common.Log.settled) is None when the server keeps no
+    log (the naive proxies). Per-stream figures (RSS, threads, CPU per token) count the admitted
+    streams, not the refused ones."""
     results = run.results
-    ok = sum(r.done for r in results)
-    cancelled = sum(r.cancelled for r in results)
     errors = [r for r in results if r.error]
     refused = [r for r in results if r.status == 503]
     admitted = max(1, streams - len(refused))
@@ -595,15 +501,14 @@ def build_report(
     plateau_samples = [s for s in run.samples if s["t"] >= plateau["ramp_s"]] or run.samples
     rss_plateau = sum(s["VmRSS"] for s in plateau_samples) / max(1, len(plateau_samples))
     threads = max((s["Threads"] for s in plateau_samples), default=0)
-    lags = sorted(run.loop_lag_ms)
     refusal_ms = sorted(r.headers_s * 1000 for r in refused)
     return {
         "path": path,
         "streams": streams,
         "duration_s": args.duration,
         "tokens_per_stream": tokens,
-        "completed": ok,
-        "cancelled_by_client": cancelled,
+        "completed": sum(r.done for r in results),
+        "cancelled_by_client": sum(r.cancelled for r in results),
         "errors": len(errors) - len(refused),
         "refused_503": len(refused),
         "refused_with_retry_after": sum(1 for r in refused if r.retry_after),
@@ -612,12 +517,7 @@ def build_report(
             "p99": round(percentile(refusal_ms, 99), 1) if refusal_ms else None,
         },
         "error_samples": sorted({e.error[:160] for e in errors if e.status != 503})[:5],
-        "rows": rows or {},
-        **(
-            {"rows_expected": None, "rows_total": 0, "lost_rows": None, "extra_rows": None}
-            if rows is None
-            else row_accounting(expected_rows, rows)
-        ),
+        **(rows or {"lost_rows": None, "extra_rows": None}),
         "tokens_received": len(delays_ms),
         "tokens_expected": admitted * tokens,
         "added_delay_ms": {
@@ -626,11 +526,13 @@ def build_report(
             "max": round(delays_ms[-1], 2) if delays_ms else None,
         },
         "ttft_p50_ms": round(percentile(sorted(r.ttft_s for r in results if r.tokens), 50) * 1000, 1),
-        "client_loop_lag_p99_ms": round(percentile(lags, 99), 2),
+        "client_loop_lag_p99_ms": round(percentile(sorted(run.loop_lag_ms), 99), 2),
         "rss_idle_kib": plateau["idle"]["VmRSS"],
         "rss_plateau_kib": round(rss_plateau),
         "rss_per_stream_kib": round((rss_plateau - plateau["idle"]["VmRSS"]) / admitted, 1),
-        "daphne_threads_max": threads,
+        "threads_idle": plateau["idle"]["Threads"],
+        "threads_max": threads,
+        "threads_per_stream": round((threads - plateau["idle"]["Threads"]) / admitted, 2),
         "daphne_fds_max": max((s["fds"] for s in plateau_samples), default=0),
         "daphne_cpu_pct": plateau["daphne_cpu_pct"],
         # over the tokens delivered during the plateau (not the nominal rate: a saturated server
@@ -646,9 +548,13 @@ def build_report(
 
 
 def summary_table(reports: list[dict[str, Any]]) -> str:
+    def mean_cpu(path: str, streams: int) -> float:
+        cpu = [r["cpu_per_token_us"] for r in reports if r["path"] == path and r["streams"] == streams]
+        return sum(cpu) / len(cpu) if cpu else float("nan")
+
     rows = [
         [
-            r["path"] + (f" (metrics {r['metrics']})" if r.get("metrics") else ""),
+            r["path"],
             r["streams"],
             f"{r['completed']}/{r['streams']}",
             r["refused_503"],
@@ -657,41 +563,25 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
             "" if r["extra_rows"] is None else r["extra_rows"],
             r["added_delay_ms"]["p50"],
             r["added_delay_ms"]["p99"],
-            r["added_delay_ms"]["max"],
             f"{r['tokens_received'] / max(1, r['tokens_expected']):.3f}",
             r["daphne_cpu_pct"],
             r["cpu_per_token_us"],
+            ratio(r["cpu_per_token_us"], mean_cpu(PATHS["naive"], r["streams"])),
+            ratio(r["cpu_per_token_us"], mean_cpu(PATHS["stack"], r["streams"])),
             round(r["rss_per_stream_kib"]),
-            r["daphne_threads_max"],
+            r["threads_max"],
+            r["threads_per_stream"],
             f"{r['upstream']['tick_lag_p99_ms']:.1f}",
             r["client_loop_lag_p99_ms"],
             "/".join(f"{x:.1f}" for x in r["load_average_before"]),
         ]
         for r in reports
     ]
-    return table(
-        [
-            "path",
-            "streams",
-            "completed",
-            "503",
-            "errors",
-            "lost rows",
-            "extra rows",
-            "added p50 ms",
-            "added p99 ms",
-            "added max ms",
-            "tokens recv/expected",
-            "daphne CPU %",
-            "CPU µs/token",
-            "RSS KiB/stream",
-            "daphne threads",
-            "upstream tick lag p99 ms",
-            "client lag p99 ms",
-            "load avg before",
-        ],
-        rows,
-    )
+    headers = ["path", "streams", "completed", "503", "errors", "lost rows", "extra rows"]
+    headers += ["added p50 ms", "added p99 ms", "tokens recv/expected", "daphne CPU %", "CPU µs/token"]
+    headers += ["CPU / bare naive's", "CPU / same-stack naive's", "RSS KiB/stream", "threads"]
+    headers += ["threads/stream", "upstream tick lag p99 ms", "client lag p99 ms", "load avg before"]
+    return table(headers, rows)
 
 
 def capacity_lines(reports: list[dict[str, Any]], bound_ms: float) -> list[str]:
@@ -699,16 +589,9 @@ def capacity_lines(reports: list[dict[str, Any]], bound_ms: float) -> list[str]:
     run's ladder (a lower bound: the next step up failed or was not run)."""
     lines = []
     for path in dict.fromkeys(r["path"] for r in reports):
-        held = [
-            r["streams"]
-            for r in reports
-            if r["path"] == path and r["errors"] == 0 and r["added_delay_ms"]["p99"] <= bound_ms
-        ]
-        failed = [
-            r["streams"]
-            for r in reports
-            if r["path"] == path and (r["errors"] or r["added_delay_ms"]["p99"] > bound_ms)
-        ]
+        ok = [r for r in reports if r["path"] == path]
+        held = [r["streams"] for r in ok if r["errors"] == 0 and r["added_delay_ms"]["p99"] <= bound_ms]
+        failed = [r["streams"] for r in ok if r["errors"] or r["added_delay_ms"]["p99"] > bound_ms]
         lines.append(
             f"{path}: held {max(held) if held else 'none'} streams at p99 <= {bound_ms:g} ms"
             + (f" (missed at {min(failed)})" if failed else "")
@@ -716,38 +599,18 @@ def capacity_lines(reports: list[dict[str, Any]], bound_ms: float) -> list[str]:
     return lines
 
 
-def cpu_off_on(
-    reports: list[dict[str, Any]], streams: int, setting: str
-) -> tuple[dict[str, list[float]], float, float]:
-    """The CPU per token of each run at `streams` with `setting` ("metrics" or "relay") off and on,
-    and the mean of each."""
-    cpu = {
-        value: [r["cpu_per_token_us"] for r in reports if r["streams"] == streams and r.get(setting) == value]
-        for value in ("off", "on")
-    }
-    return cpu, sum(cpu["off"]) / len(cpu["off"]), sum(cpu["on"]) / len(cpu["on"])
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams", type=int, default=1000, help="concurrent streams (default 1000)")
+    parser.add_argument("--streams", type=int, default=100, help="concurrent streams (default 100)")
     parser.add_argument("--ladder", default="", help="comma-separated stream counts, one run each")
-    parser.add_argument("--duration", type=float, default=60, help="seconds of tokens per stream")
+    parser.add_argument("--duration", type=float, default=20, help="seconds of tokens per stream")
     parser.add_argument("--tokens-per-second", type=float, default=50, help="per stream")
     parser.add_argument("--ramp-per-second", type=float, default=200, help="new streams per second")
     parser.add_argument(
         "--paths",
-        default="naive,app",
-        help="what to serve, one run each per stream count, in this order: naive (the naive Django "
-        "proxy, the baseline), app, and the NAMEs of --tree",
-    )
-    parser.add_argument(
-        "--tree",
-        action="append",
-        default=[],
-        metavar="NAME=DIR",
-        help="another source tree of the app, served like app as path NAME (say, this tree with one "
-        "change reverted); repeatable",
+        default="naive,stack,app",
+        help="what to serve, one run each per stream count, in this order: naive (the bare naive "
+        "proxy), stack (the same-stack naive proxy), app",
     )
     parser.add_argument(
         "--repeat",
@@ -760,59 +623,25 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--bound-ms", type=float, default=50.0, help="the p99 bound for the capacity line")
     parser.add_argument("--profile", action="store_true", help="py-spy record daphne during the run")
-    parser.add_argument(
-        "--metrics",
-        choices=("on", "off", "both"),
-        default="on",
-        help="QUOTES_METRICS_ENABLED for the app; both: alternate off/on runs (--rounds each)",
-    )
-    parser.add_argument(
-        "--relay",
-        choices=("on", "off", "both"),
-        default="off",
-        help="REDIS_URL set (a fresh redis-server) for the app; both: alternate off/on runs (--rounds each)",
-    )
-    parser.add_argument("--rounds", type=int, default=2, help="with --metrics/--relay both: runs per setting")
-    args = parse_args(parser, argv, smoke={"streams": 5, "duration": 2})
+    args = parse_args(parser, argv, smoke={"streams": 4, "duration": 1})
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    TREES.update(trees(args.tree))
-    if unknown := [p for p in paths if p not in ("naive", "app", *TREES)]:
-        parser.error(f"unknown paths {unknown}: naive, app or a --tree NAME")
+    if unknown := [p for p in paths if p not in PATHS]:
+        parser.error(f"unknown paths {unknown}: {', '.join(PATHS)}")
     fd_limit = raise_fd_limit(4 * max(counts) + 256)
     print(machine(), f"; open files limit {fd_limit}", flush=True)
     reports = []
-    # With both: off and on interleaved, so a load that drifts over the runs hits both alike.
-    settings_order = [False, True] * args.rounds if args.metrics == "both" else [args.metrics == "on"]
-    relay_order = [False, True] * args.rounds if args.relay == "both" else [args.relay == "on"]
     for streams in counts:
-        for path in [
-            p for i in range(args.repeat) for p in paths[i % len(paths) :] + paths[: i % len(paths)]
-        ]:
-            for metrics in settings_order if path != "naive" else [False]:
-                for relay in relay_order if path != "naive" else [False]:
-                    report = one_run(streams, args, path, metrics=metrics, relay=relay)
-                    report.setdefault("relay", "off")
-                    reports.append(report)
-                    print(json.dumps(report, indent=1), flush=True)
+        for i in range(args.repeat):
+            for path in paths[i % len(paths) :] + paths[: i % len(paths)]:
+                report = one_run(streams, args, path)
+                reports.append(report)
+                print(json.dumps(report, indent=1), flush=True)
     print(summary_table(reports))
     print("\n".join(capacity_lines(reports, args.bound_ms)))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     out = ARTIFACTS / "load.json"
     out.write_text(json.dumps({"reports": reports}, indent=1) + "\n")
-    if args.metrics == "both":
-        for streams in counts:
-            by, off, on = cpu_off_on(reports, streams, "metrics")
-            print(
-                f"{streams} streams: daphne CPU per token, metrics off {by['off']} (mean {off:.1f} µs), "
-                f"on {by['on']} (mean {on:.1f} µs): on - off = {on - off:+.1f} µs ({(on - off) / off:+.1%})"
-            )
-    if args.relay == "both":
-        for streams in counts:
-            cpu, off, on = cpu_off_on(reports, streams, "relay")
-            print(
-                f"{streams} streams: daphne CPU per token, REDIS_URL unset {cpu['off']} (mean {off:.1f} µs), "
-                f"set {cpu['on']} (mean {on:.1f} µs): set - unset = {on - off:+.1f} µs ({(on - off) / off:+.1%})"
-            )
     print(f"raw: {out}", file=sys.stderr)
 
 

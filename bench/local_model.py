@@ -1,5 +1,5 @@
 """The embedded model (Gemma 3 270M on llama.cpp from the xllamacpp wheel): what the app costs
-over the raw library, how the slots share the model, and what memory a process and a stream take.
+over the raw library, how the slots share the model, and what memory the model takes.
 
     .venv/bin/python -m bench.local_model            # about two minutes
     .venv/bin/python -m bench.local_model --help
@@ -9,8 +9,8 @@ round (topics change between rounds, so llama.cpp's prompt-prefix reuse helps ea
 
 - raw: an `xllamacpp.Server` of its own in this process, with the backend's parameters (slots,
   context, threads), called the library's own way: `handle_completions(body, callback)` on a
-  thread, with the exact body the backend sends (`completion_body`: the app's frame, greedy
-  sampling, the same stop strings), so both stop on the same token;
+  thread, with the exact body the backend sends (`completion_body` with its lead: the app's
+  frame, greedy sampling, the same stop strings);
 - the app's `LocalBackend.stream()` in this process (its own server);
 - the HTTP endpoint under daphne (AI_BACKEND=local, the persona set to temperature 0 and the
   same budget), read by an incremental SSE parser.
@@ -23,30 +23,28 @@ TTFT is from the call (or the request) to the first non-empty token; tokens/s is
 the whole wait (call to last token). The rate after the first token, (tokens - 1) / (last -
 first), is shown as a second ratio: over HTTP it is flattered when tokens arrive bunched.
 
-Memory: RSS (/proc/<pid>/status) of daphne idle before the model loads and after; then, with the
-Workers AI backend on a fake upstream that stalls after one token, RSS with 0, 30, 60, 90 open
-streams (distinct topics, so the gateway does not coalesce them), and the slope per stream.
+Memory: RSS (/proc/<pid>/status) of the HTTP path's daphne idle, before the model loads, and
+after its warm-up generations (RSS and threads per open stream on the Workers AI backend:
+bench/load.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from harness.workers_ai import Scenario
-
 from .common import (
     PERSONA,
-    SSETimer,
     StreamTiming,
-    Upstream,
     machine,
     median,
     ms,
@@ -56,7 +54,6 @@ from .common import (
     rss_kib,
     serve_app,
     table,
-    workers_ai_env,
 )
 
 TOPICS = (
@@ -94,7 +91,7 @@ def setup_django() -> None:
 
 
 def make_request(topic: str, max_tokens: int) -> Any:
-    from quotes.ai.events import GenerationRequest, Message
+    from quotes.backends.base import GenerationRequest, Message
 
     return GenerationRequest(
         model="gemma-3-270m",
@@ -111,6 +108,11 @@ def make_request(topic: str, max_tokens: int) -> Any:
     )
 
 
+def warm(series: Series, topics: Sequence[str]) -> None:
+    for topic in topics:
+        series.run(topic)
+
+
 def raw_server(backend: Any) -> Any:
     """A bare xllamacpp.Server with the backend's own parameters."""
     import xllamacpp
@@ -121,7 +123,8 @@ def raw_server(backend: Any) -> Any:
     params.n_ctx = backend.n_ctx * backend.slots
     params.cpuparams.n_threads = backend.n_threads
     params.cpuparams_batch.n_threads = backend.n_threads
-    params.cache_ram_mib = 0
+    params.cache_ram_mib = backend.prompt_cache_mib
+    params.swa_full = True
     params.verbosity = -1
     params.hostnames = ["127.0.0.1"]
     params.port = 0
@@ -130,10 +133,11 @@ def raw_server(backend: Any) -> Any:
 
 
 def raw_runner(server: Any, max_tokens: int) -> Callable[[str], StreamTiming]:
-    from quotes.ai.backends.local import completion_body
+    from quotes.backends.local import completion_body, quote_lead
 
     def run(topic: str) -> StreamTiming:
-        body = completion_body(make_request(topic, max_tokens))
+        request = make_request(topic, max_tokens)
+        body = completion_body(request, quote_lead(request))
         timing = StreamTiming(started=time.perf_counter())
 
         def on_chunk(chunk: dict[str, Any]) -> bool:
@@ -156,7 +160,7 @@ def raw_runner(server: Any, max_tokens: int) -> Callable[[str], StreamTiming]:
 def backend_runner(
     backend: Any, loop: asyncio.AbstractEventLoop, max_tokens: int
 ) -> Callable[[str], StreamTiming]:
-    from quotes.ai.events import Done, Error, Token
+    from streaming.events import Done, Error, Token
 
     async def stream(topic: str) -> StreamTiming:
         timing = StreamTiming(started=time.perf_counter())
@@ -228,28 +232,37 @@ SPEED_HEADERS = [
 def speed_section(args: argparse.Namespace) -> list[str]:
     from django.conf import settings
 
-    from quotes.ai.backends.local import LocalBackend, ensure_model_file
+    from quotes.backends.local import LocalBackend, ensure_model_file
 
-    path = ensure_model_file(settings.LOCAL_MODEL.path)
+    ensure_model_file(settings.LOCAL_MODEL_PATH)
     loop = asyncio.new_event_loop()
-    backend = LocalBackend.from_settings(replace(settings.LOCAL_MODEL, path=path))
-    server = raw_server(backend)
-    series = [
-        Series("raw xllamacpp (handle_completions)", raw_runner(server, args.max_tokens)),
-        Series("LocalBackend.stream() in-process", backend_runner(backend, loop, args.max_tokens)),
-    ]
+    backend = LocalBackend.from_settings()
     sql = [
         f"UPDATE quotes_persona SET temperature = 0, max_tokens = {args.max_tokens} WHERE slug = '{PERSONA}'"
     ]
-    with (
-        serve_app("daphne", migrate_sql=sql, AI_BACKEND="local", LOCAL_MODEL_PRELOAD="true") as app,
-        httpx.Client(timeout=60, trust_env=False) as client,
-    ):
+    memory: list[str] = []
+    # Each path loads its own model (a few seconds each): the daphne starts, and later loads its
+    # model, while this process loads its two.
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as beside:
+        loading = beside.submit(raw_server, backend)
+        if not args.no_http:
+            app = stack.enter_context(serve_app(migrate_sql=sql, AI_BACKEND="local"))
+            client = stack.enter_context(httpx.Client(timeout=60, trust_env=False))
+            idle = rss_kib(app.pid)
+        series = [
+            Series("raw xllamacpp (handle_completions)", raw_runner(loading.result(), args.max_tokens)),
+            Series("LocalBackend.stream() in-process", backend_runner(backend, loop, args.max_tokens)),
+        ]
         if not args.no_http:
             series.append(Series("HTTP endpoint under daphne", http_runner(client, app.stream_url)))
-        for s in series:  # warm up: the first call after loading is slow
-            for topic in TOPICS[: args.warmup]:
-                s.run(topic)
+        # Warm up (the first call after loading is slow), the daphne's path beside the others.
+        warming = [beside.submit(warm, s, TOPICS[: args.warmup]) for s in series[2:]]
+        for s in series[:2]:
+            warm(s, TOPICS[: args.warmup])
+        for future in warming:
+            future.result()
+        if not args.no_http:
+            memory = memory_section(idle, rss_kib(app.pid))
         print(f"speed: {args.rounds} interleaved generations per path ...", flush=True)
         for i in range(args.rounds):
             topic = TOPICS[i % len(TOPICS)]
@@ -259,7 +272,6 @@ def speed_section(args: argparse.Namespace) -> list[str]:
     parallel = parallel_rows(backend, loop, args)
     loop.run_until_complete(backend.aclose())
     loop.close()
-    del server
     # Raw and in-process send the same request (same topic, greedy): the same tokens expected.
     mismatched = sum(
         1 for i in range(args.rounds) if series[0].timings[i].tokens != series[1].timings[i].tokens
@@ -278,6 +290,7 @@ def speed_section(args: argparse.Namespace) -> list[str]:
         "",
         table(PARALLEL_HEADERS, parallel),
         "",
+        *memory,
     ]
     print("\n".join(section), flush=True)
     return section
@@ -297,7 +310,7 @@ def parallel_rows(
     backend: Any, loop: asyncio.AbstractEventLoop, args: argparse.Namespace
 ) -> list[list[object]]:
     """N requests at once on the backend's slots, against the same N one after the other."""
-    from quotes.ai.events import Done, Token
+    from streaming.events import Done, Token
 
     async def one(topic: str) -> tuple[int, float, float]:
         request = make_request(topic, args.parallel_tokens)
@@ -350,124 +363,23 @@ def parallel_rows(
 # -- memory -----------------------------------------------------------------------------------------
 
 
-def memory_section(args: argparse.Namespace) -> list[str]:
-    rows: list[list[object]] = []
-    # The generation's length does not move the RSS (llama.cpp sizes its buffers at the load).
-    sql = [f"UPDATE quotes_persona SET max_tokens = {args.max_tokens} WHERE slug = '{PERSONA}'"]
-    with (
-        serve_app("daphne", migrate_sql=sql, AI_BACKEND="local", LOCAL_MODEL_PRELOAD="false") as app,
-        httpx.Client(timeout=60, trust_env=False) as client,
-    ):
-        idle = rss_kib(app.pid)
-        body = b'{"persona": "%s"}' % PERSONA.encode()
-        read_stream(client, app.stream_url, content=body, headers={"Content-Type": "application/json"})
-        loaded = rss_kib(app.pid)
-    rows.append(["daphne idle, model not loaded", idle["VmRSS"], idle["RssAnon"], idle["RssFile"], ""])
-    rows.append(
+def memory_section(idle: dict[str, int], loaded: dict[str, int]) -> list[str]:
+    rows = [
+        ["daphne idle, model not loaded", idle["VmRSS"], idle["RssAnon"], idle["RssFile"], ""],
         [
-            "after the model loads (one generation)",
+            "after the model loads (the warm-up)",
             loaded["VmRSS"],
             loaded["RssAnon"],
             loaded["RssFile"],
             f"+{(loaded['VmRSS'] - idle['VmRSS']) / 1024:.0f} MiB",
-        ]
-    )
-    section = [
+        ],
+    ]
+    return [
         "## Memory (KiB, daphne process)",
         "",
         table(["state", "VmRSS", "RssAnon", "RssFile", "added"], rows),
         "",
     ]
-    section += stream_memory(args.streams)
-    print("\n".join(section), flush=True)
-    return section
-
-
-def stream_memory(steps: list[int]) -> list[str]:
-    fast = Scenario(tokens=(" a", " b", " c"), usage=(24, 3), padding=True)
-    slow = Scenario(
-        tokens=(" a", " b", " c"), usage=(24, 3), padding=True, stall_after_tokens=1, stall_s=60.0
-    )
-    with Upstream("fake", fast) as fake, serve_app("daphne", **workers_ai_env(fake)) as app:
-        readings: list[tuple[int, dict[str, int]]] = []
-
-        async def main() -> None:
-            limits = httpx.Limits(max_connections=max(steps) + 10)
-            async with httpx.AsyncClient(timeout=120, trust_env=False, limits=limits) as client:
-                for i in range(30):  # warm up every lazily built thing on the path
-                    await open_stream(client, app.stream_url, f"warm {i}", None)
-                await asyncio.sleep(0.5)
-                readings.append((0, rss_kib(app.pid)))
-                fake.set_scenario(slow)
-                release = asyncio.Event()
-                tasks: list[asyncio.Task[None]] = []
-                for count in steps:
-                    started = [asyncio.Event() for _ in range(count - len(tasks))]
-                    for event in started:
-                        topic = f"topic {len(tasks)}"
-                        tasks.append(
-                            asyncio.create_task(open_stream(client, app.stream_url, topic, release, event))
-                        )
-                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-                    await asyncio.sleep(0.5)
-                    readings.append((count, rss_kib(app.pid)))
-                release.set()
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run(main())
-    base = readings[0][1]["VmRSS"]
-    rows = [
-        [
-            count,
-            r["VmRSS"],
-            r["RssAnon"],
-            r["Threads"],
-            r["VmRSS"] - base,
-            f"{(r['VmRSS'] - base) / count:.0f}" if count else "",
-        ]
-        for count, r in readings
-    ]
-    xs = [c for c, _ in readings]
-    ys = [r["VmRSS"] for _, r in readings]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs
-    )
-    return [
-        "Open streams (Workers AI backend, fake upstream stalled after the first token):",
-        "",
-        table(["open streams", "VmRSS", "RssAnon", "threads", "added KiB", "KiB/stream"], rows),
-        "",
-        f"Least-squares slope: {slope:.0f} KiB per open stream.",
-        "",
-    ]
-
-
-async def open_stream(
-    client: httpx.AsyncClient,
-    url: str,
-    topic: str,
-    release: asyncio.Event | None,
-    started: asyncio.Event | None = None,
-) -> None:
-    """Open a stream, signal once its first token is in, then hold it until `release`."""
-    import json
-
-    timing = StreamTiming(started=time.perf_counter())
-    parser = SSETimer(timing)
-    body = json.dumps({"persona": PERSONA, "topic": topic}).encode()
-    async with client.stream("POST", url, content=body, headers={"Content-Type": "application/json"}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for chunk in r.aiter_raw():
-            parser.feed(chunk)
-            if timing.tokens and started is not None and not started.is_set():
-                started.set()
-                if release is not None:
-                    await release.wait()
-                    return
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -477,12 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="generations per path (interleaved)")
     parser.add_argument("--max-tokens", type=int, default=64, help="token budget per generation")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up generations per path")
-    parser.add_argument("--no-http", action="store_true", help="skip the daphne HTTP path")
+    parser.add_argument("--no-http", action="store_true", help="skip the daphne HTTP path (and memory)")
     parser.add_argument("--parallel-tokens", type=int, default=64, help="token budget in the slots section")
     parser.add_argument("--parallel-rounds", type=int, default=5, help="rounds per row in the slots section")
-    parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--no-speed", action="store_true")
-    parser.add_argument("--streams", type=int, nargs="+", default=[30, 60, 90], help="open-stream steps")
     args = parse_args(
         parser,
         argv,
@@ -492,15 +401,11 @@ def main(argv: list[str] | None = None) -> None:
             "warmup": 1,
             "parallel_tokens": 4,
             "parallel_rounds": 1,
-            "streams": [2, 4],
         },
     )
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
     setup_django()
-    report = [] if args.no_speed else speed_section(args)
-    if not args.no_memory:
-        report += memory_section(args)
-    print("\n\n" + "\n".join(report))
+    print("\n\n" + "\n".join(speed_section(args)))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,35 @@
-"""What the app adds to a Workers AI stream, measured against reading the same upstream directly.
+"""What the app adds to a Workers AI stream's first token, against the same upstream read directly
+and against two naive proxies: bare, and on the app's own stack.
 
-    .venv/bin/python -m bench.proxy_overhead            # about a minute
+    .venv/bin/python -m bench.proxy_overhead            # about two minutes
     .venv/bin/python -m bench.proxy_overhead --help
 
 One run, side by side, requests interleaved (the order rotates every round):
 
-1. TTFT: the fake upstream (harness/workers_ai.py, in its own process, 32 padded tokens, no
-   delay) read directly -- same URL, body and headers the app sends, replayed from what the fake
-   recorded -- and through the app under daphne and under uvicorn (`POST /api/quotes/stream`).
-   Fairness: the fake answers `Connection: close`, so the direct client opens one TCP connection
-   per request; the client keeps one keep-alive connection to the app, which opens one TCP
-   connection per request upstream. Each path pays exactly one loopback connect per request; the
-   difference is the app's own work plus one extra loopback hop. The upstream's receive time
-   splits the added time into "before the upstream has the request" and "after".
-2. Tokens/s: one fast stream (200 padded tokens, no delay), direct vs app, alternated.
-3. Connection reuse: an upstream that keeps connections alive (plain and TLS), read directly
-   reusing one connection, directly with a fresh connection per request, and through the app
-   (counting the connections the app opens upstream).
-4. Profile: py-spy samples daphne while the driver sends app requests (CPU only, no idle).
+1. TTFT: the fake upstream (harness/workers_ai.py's KeepAliveUpstream, in its own process, 32
+   padded tokens, no delay, connections kept open as Cloudflare's are) read directly (the very
+   request the app sends, replayed from what the upstream recorded; once on one kept connection,
+   once on a new connection per request: what a connection costs), and through:
+   - the bare naive proxy (bench/naive: one async view re-streaming the upstream's bytes, no
+     middleware, no database) under daphne with the app's flags;
+   - the same-stack naive proxy: that view at /bench/naive under the app's own settings and
+     middleware, served by the app's own daphne (bench/naive/stack_settings.py), so it pays
+     what Django's stack pays;
+   - the app, `POST /api/quotes/stream` on that same daphne (`"fresh": true`: no answer-cache
+     lookup, every request goes upstream), and the same app answering from its cache (a hit).
+   The naive proxies forward the app's own upstream request (its URL, checked against what the
+   upstream recorded, its body, the same token). Every client keeps one connection to its
+   server, and every path keeps its connections upstream: the table counts the upstream
+   connections each opened per request (0.00: kept). The upstream's receive time splits the
+   added time into "before the upstream has the request" and "after".
+   The issue's bar: the app's added TTFT at most 1.3x the same-stack naive proxy's.
+2. Tokens/s: one fast stream (200 padded tokens, no delay) per path, alternated.
+3. Profile: py-spy (requirements-bench.txt) samples the app's daphne while the driver sends app
+   requests (CPU only, no idle); skipped without py-spy or with --profile-seconds 0.
+4. In-process: Django's ASGI handler driven directly (no server) in a subprocess: a stream to its
+   first token (wall and CPU time, and the sync_to_async hops before it, by target) beside the
+   upstream read directly, and a refusal (503 over_capacity with Retry-After, the open-stream cap
+   at 0) through Django's handler and middleware: what each refused stream of an overload costs.
 """
 
 from __future__ import annotations
@@ -25,10 +37,10 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import re
-import ssl
+import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +56,6 @@ from .common import (
     PYTHON,
     ROOT,
     AppServer,
-    Server,
     StreamTiming,
     Upstream,
     direct_ttft,
@@ -53,20 +64,29 @@ from .common import (
     ms,
     parse_args,
     percentile,
+    ratio,
     read_stream,
-    self_signed_cert,
     serve_app,
     serve_naive,
     stream_in_process,
     table,
-    trees,
     workers_ai_env,
 )
 
-APP_BODY = b'{"persona": "%s"}' % PERSONA.encode()
-APP_HEADERS = {"Content-Type": "application/json"}
+#: the app's requests: every one goes upstream (no answer-cache lookup); a hit asks without it
+APP_BODY = json.dumps({"persona": PERSONA, "fresh": True}).encode()
+HIT_BODY = json.dumps({"persona": PERSONA}).encode()
+JSON = {"Content-Type": "application/json"}
 #: request headers not replayed to the upstream (httpx sets its own)
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding"}
+DIRECT, NEW_CONNECTION, BARE, STACK, APP, HIT = (
+    "direct",
+    "direct, a new connection each",
+    "naive proxy, bare",
+    "naive proxy, same stack",
+    "app",
+    "app, cache hit",
+)
 
 
 def ttft_scenario(tokens: int) -> Scenario:
@@ -98,6 +118,9 @@ class Reader:
     def ttfts(self) -> list[float]:
         return [t.ttft for t in self.timings]
 
+    def added(self, direct: Reader) -> float:
+        return median(self.ttfts()) - median(direct.ttfts())
+
 
 def interleave(paths: list[Reader], rounds: int) -> None:
     for i in range(rounds):
@@ -106,55 +129,37 @@ def interleave(paths: list[Reader], rounds: int) -> None:
             path.once()
 
 
+def warm(paths: list[Reader], count: int) -> None:
+    for path in paths:
+        for _ in range(count):
+            path.run()
+
+
+def last_request(upstream: Upstream) -> tuple[str, dict[str, str], bytes]:
+    """The path, headers and body of the request the upstream read last (the app's)."""
+    last = upstream.stats()["last"]
+    return last["path"], {k: v for k, v in last["headers"].items() if k not in HOP_HEADERS}, last["body"]
+
+
 def direct_request(
-    upstream: Upstream, client: httpx.Client, *, fresh: bool = False
+    upstream: Upstream, client: httpx.Client, *, new_connection: bool = False
 ) -> Callable[[], StreamTiming]:
     """Replay the request the app last sent to `upstream`: same path, body and headers."""
-    last = upstream.stats()["last"]
-    url = upstream.base_url + last["path"]
-    headers = {k: v for k, v in last["headers"].items() if k not in HOP_HEADERS}
-    if fresh:
+    path, headers, body = last_request(upstream)
+    if new_connection:
         headers["connection"] = "close"
-    body: bytes = last["body"]
-    return lambda: read_stream(client, url, content=body, headers=headers)
+    return lambda: read_stream(client, upstream.base_url + path, content=body, headers=headers)
 
 
-def app_request(app: AppServer, client: httpx.Client) -> Callable[[], StreamTiming]:
-    return lambda: read_stream(client, app.stream_url, content=APP_BODY, headers=APP_HEADERS)
+def post(client: httpx.Client, url: str, body: bytes) -> Callable[[], StreamTiming]:
+    return lambda: read_stream(client, url, content=body, headers=JSON)
 
 
-def client(verify: ssl.SSLContext | bool = True) -> httpx.Client:
-    return httpx.Client(timeout=30, trust_env=False, verify=verify)
+def client() -> httpx.Client:
+    return httpx.Client(timeout=30, trust_env=False)
 
 
-# -- 1 + 2: TTFT and tokens/s against the fake ----------------------------------------------------
-
-
-def ttft_rows(direct: Reader, paths: list[Reader], naive: Reader | None = None) -> list[list[object]]:
-    """TTFT per path, the time each adds to reading the upstream directly, and that added time
-    as a multiple of the naive proxy's (the goal: <= 1)."""
-    d = direct.ttfts()
-    base = median(naive.ttfts()) - median(d) if naive is not None else float("nan")
-    rows: list[list[object]] = [
-        [direct.name, ms(median(d)), ms(percentile(d, 99)), "", "", "", ms(median(direct.to_upstream)), ""]
-    ]
-    for path in paths:
-        a = path.ttfts()
-        added = median(a) - median(d)
-        rows.append(
-            [
-                path.name,
-                ms(median(a)),
-                ms(percentile(a, 99)),
-                ms(added),
-                ms(percentile(a, 99) - percentile(d, 99)),
-                f"{added / base:.2f}" if naive is not None and base > 0 else "",
-                ms(median(path.to_upstream)) if path.to_upstream else "",
-                ms(median(path.to_upstream) - median(direct.to_upstream)) if path.to_upstream else "",
-            ]
-        )
-    return rows
-
+# -- 1 + 2: TTFT and tokens/s ----------------------------------------------------------------
 
 TTFT_HEADERS = [
     "path",
@@ -162,24 +167,142 @@ TTFT_HEADERS = [
     "TTFT p99 ms",
     "added p50 ms",
     "added p99 ms",
-    "added p50 / naive's",
+    "added / bare naive's",
+    "added / same-stack naive's",
     "to upstream p50 ms",
     "of which before upstream ms",
+    "upstream connections/request",
 ]
 
 
-def rate_rows(direct: Reader, apps: list[Reader]) -> list[list[object]]:
-    base = median([t.tokens_per_s for t in direct.timings])
-    rows: list[list[object]] = [[direct.name, f"{base:,.0f}", "1.00", direct.timings[0].tokens]]
-    for path in apps:
-        rate = median([t.tokens_per_s for t in path.timings])
-        rows.append([path.name, f"{rate:,.0f}", f"{rate / base:.2f}", path.timings[0].tokens])
+def ttft_rows(direct: Reader, paths: list[Reader], requests: int) -> list[list[object]]:
+    """TTFT per path, the time each adds to reading the upstream directly, that added time as a
+    multiple of each naive proxy's, and the upstream connections each opened."""
+    d = direct.ttfts()
+    by_name = {p.name: p for p in paths}
+    bare, stack = by_name[BARE].added(direct), by_name[STACK].added(direct)
+    to_upstream = median(direct.to_upstream)
+    connections = f"{direct.connections / requests:.2f}"
+    rows: list[list[object]] = [
+        [direct.name, ms(median(d)), ms(percentile(d, 99)), "", "", "", "", ms(to_upstream), "", connections]
+    ]
+    for path in paths:
+        a, added = path.ttfts(), path.added(direct)
+        rows.append(
+            [
+                path.name,
+                ms(median(a)),
+                ms(percentile(a, 99)),
+                ms(added),
+                ms(percentile(a, 99) - percentile(d, 99)),
+                ratio(added, bare) if path.name != NEW_CONNECTION else "",
+                ratio(added, stack) if path.name != NEW_CONNECTION else "",
+                ms(median(path.to_upstream)) if path.to_upstream else "",
+                ms(median(path.to_upstream) - to_upstream) if path.to_upstream else "",
+                f"{path.connections / requests:.2f}" if path.upstream else "",
+            ]
+        )
     return rows
 
 
-# -- 4: profile -------------------------------------------------------------------------------------
+def rate_rows(direct: Reader, paths: list[Reader]) -> list[list[object]]:
+    base = median([t.tokens_per_s for t in direct.timings])
+    rows: list[list[object]] = [[direct.name, f"{base:,.0f}", "1.00", direct.timings[0].tokens]]
+    for path in paths:
+        rate = median([t.tokens_per_s for t in path.timings])
+        rows.append([path.name, f"{rate:,.0f}", ratio(rate, base), path.timings[0].tokens])
+    return rows
+
+
+def ttft_sections(args: argparse.Namespace) -> list[str]:
+    with contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(Upstream("keepalive", ttft_scenario(args.ttft_tokens)))
+        env = {**workers_ai_env(upstream), "QUOTES_CACHE_TTL": "3600", **args.extra_env}
+        app = stack.enter_context(serve_app(stack=True, **env))
+        naive = stack.enter_context(serve_naive(**env))
+        app_path = Reader(APP, post(stack.enter_context(client()), app.stream_url, APP_BODY), upstream)
+        warm([app_path], args.warmup)  # and the upstream learns what the app sends
+        path, _, body = last_request(upstream)
+        expected = env["BENCH_UPSTREAM_URL"].removeprefix(upstream.base_url)
+        if path != expected:
+            raise RuntimeError(f"the app asks the upstream for {path}; the naive proxies for {expected}")
+        direct = Reader(DIRECT, direct_request(upstream, stack.enter_context(client())), upstream)
+        new = direct_request(upstream, stack.enter_context(client()), new_connection=True)
+        paths = [
+            Reader(NEW_CONNECTION, new, upstream),
+            Reader(BARE, post(stack.enter_context(client()), naive.stream_url, body), upstream),
+            Reader(STACK, post(stack.enter_context(client()), app.naive_url, body), upstream),
+            app_path,
+            Reader(HIT, post(stack.enter_context(client()), app.stream_url, HIT_BODY)),
+        ]
+        warm([direct, *paths[:3], paths[4]], args.warmup)
+        print(f"TTFT: {args.requests} interleaved requests per path ...", flush=True)
+        interleave([direct, *paths], args.requests)
+        app_added, by_name = app_path.added(direct), {p.name: p for p in paths}
+        report = [
+            f"## TTFT, an upstream that keeps connections ({args.ttft_tokens} padded tokens), "
+            f"{args.requests} requests per path",
+            "",
+            table(TTFT_HEADERS, ttft_rows(direct, paths, args.requests)),
+            "",
+            f"The app's added TTFT p50: {ratio(app_added, by_name[STACK].added(direct))}x the same-stack "
+            f"naive proxy's (bar: 1.3x), {ratio(app_added, by_name[BARE].added(direct))}x the bare one's.",
+            "",
+        ]
+        print("\n".join(report), flush=True)
+
+        upstream.set_scenario(ttft_scenario(args.fast_tokens))
+        rate_paths = [Reader(p.name, p.run) for p in [direct, *paths[1:4]]]  # a replay is paced: no hit
+        warm(rate_paths, 1)
+        print(f"tokens/s: {args.fast_streams} streams of {args.fast_tokens} tokens per path ...", flush=True)
+        interleave(rate_paths, args.fast_streams)
+        report += [
+            f"## Tokens/s, one fast stream ({args.fast_tokens} padded tokens, no delay), "
+            f"median of {args.fast_streams} per path",
+            "",
+            table(
+                ["path", "tokens/s", "ratio to direct", "tokens"], rate_rows(rate_paths[0], rate_paths[1:])
+            ),
+            "",
+        ]
+        print(report[-2], flush=True)
+        upstream.set_scenario(ttft_scenario(args.ttft_tokens))
+        if args.profile_seconds > 0:
+            report += profile_section(app, args)
+        report += in_process_section(upstream, app, args)
+    return report
+
+
+# -- 3: profile -------------------------------------------------------------------------------------
 
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^:()]*)(?::\d+)?\)$")
+
+#: leaf frames of a thread that is waiting, not running (py-spy's --nonblocking mode cannot
+#: always tell, so they are dropped here by name)
+IDLE_LEAVES = (
+    "EpollSelector.select",
+    "_worker (concurrent/futures/thread.py",
+    "Condition.wait",
+    "Thread._wait_for_tstate_lock",
+)
+#: frames worth an inclusive figure: the request path's steps
+MARKERS = (
+    "ASGIHandler.handle (",
+    "ASGIHandler.send_response (",
+    "stream_quote (",
+    "admit (",
+    "parse (",
+    "start (",
+    "stream_response (",
+    "Generation.run (",
+    "Generation.read (",
+    "WorkersAIBackend.stream (",
+    "RowWriter._write (",
+    "SyncToAsync.__call__ (",
+    "AsyncConnectionPool.handle_async_request (",
+    "WebRequest.process (",
+    "Request.write (",
+)
 
 
 def _bucket(frame: str) -> str:
@@ -187,55 +310,17 @@ def _bucket(frame: str) -> str:
     path = match["file"] if match else frame
     if "site-packages/" in path:
         return path.split("site-packages/")[1].split("/")[0].removesuffix(".py")
-    if "/quotes/" in path or path.startswith("quotes/"):
-        return "quotes (app)"
+    for package in ("quotes", "streaming"):
+        if f"/{package}/" in path or path.startswith(f"{package}/"):
+            return f"{package} (app)"
     if "/lib/python" in path or path.startswith("<frozen"):
         return "stdlib:" + Path(path).stem
     return path
 
 
-#: leaf frames of a thread that is waiting, not running (py-spy's --nonblocking mode cannot
-#: always tell, so they are dropped here by name)
-IDLE_LEAVES = (
-    "EpollSelector.select",
-    "_worker (concurrent/futures/thread.py:81)",
-    "Condition.wait",
-    "Thread._wait_for_tstate_lock",
-)
-#: frames worth an inclusive figure: the request path's known costs
-MARKERS = (
-    "stream_quote (",
-    "_find_persona (",
-    "check_context_window (",
-    "stream_generation (",
-    "WorkersAIBackend.stream (",
-    "StreamParser.feed (",
-    "EventSource.aiter_sse (",
-    "_sse_body (",
-    "_save (",
-    "SyncToAsync.__call__ (",
-    "ThreadPoolExecutor.submit (",
-    "Thread.start (",
-    "SyncToAsync.thread_handler (",
-    "BaseDatabaseWrapper.ensure_connection (",
-    "BaseDatabaseWrapper.connect (",
-    "close_old_connections (",
-    "QuerySet.get (",
-    "Model.save (",
-    "AsyncConnectionPool.handle_async_request (",
-    "AsyncIOBackend.connect_tcp (",
-    "AsyncHTTP11Connection.handle_async_request (",
-    "StaticFilesMiddleware.__call__ (",
-    "ASGIHandler.handle (",
-    "ASGIHandler.send_response (",
-    "WebRequest.process (",
-    "Request.write (",
-)
-
-
 def summarize_profile(raw: Path, requests: int, rate: int) -> str:
     """Where daphne's CPU went (idle waits dropped): by thread, by package of the innermost
-    frame, and inclusive figures for the request path's known costs."""
+    frame, and inclusive figures for the request path's steps."""
     threads: collections.Counter[str] = collections.Counter()
     packages: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
@@ -244,89 +329,81 @@ def summarize_profile(raw: Path, requests: int, rate: int) -> str:
         stack, _, count_text = line.rpartition(" ")
         if not stack:
             continue
-        count = int(count_text)
-        frames = stack.split(";")
+        count, frames = int(count_text), stack.split(";")
         if frames[-1].startswith(IDLE_LEAVES):
             idle += count
             continue
         total += count
         thread = frames[0].partition(": ")[2] if frames[0].startswith("thread") else "?"
-        threads[re.sub(r"-\d+_\d+$", "-N_M", thread)] += count
+        threads[re.sub(r"-\d+(_\d+)?$", "-N", thread)] += count
         packages[_bucket(frames[-1])] += count
-        seen = set()
-        for frame in frames:
-            for marker in MARKERS:
-                if frame.startswith(marker) and marker not in seen:
-                    seen.add(marker)
-                    inclusive[marker.removesuffix(" (")] += count
+        for marker in {m for m in MARKERS for frame in frames if frame.startswith(m)}:
+            inclusive[marker.removesuffix(" (")] += count
     if not total:
         return "py-spy recorded no samples"
     cpu_ms = total / rate * 1000 / max(requests, 1)
-    lines = [
-        f"{total} busy samples ({idle} idle dropped) at {rate} Hz over {requests} requests: "
-        f"~{cpu_ms:.2f} ms of daphne CPU per request (py-spy's own load included)",
-        "",
-        "By thread (ThreadPoolExecutor-N_M: asgiref's per-request sync_to_async threads):",
-        *(f"  {share * 100 / total:5.1f}%  {name}" for name, share in threads.most_common(6)),
-        "By package of the innermost (running) frame:",
-        *(f"  {share * 100 / total:5.1f}%  {name}" for name, share in packages.most_common(12)),
-        "Inclusive, per request path step (a sample counts once per step on its stack):",
-        *(f"  {share * 100 / total:5.1f}%  {name}" for name, share in inclusive.most_common()),
-    ]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            f"{total} busy samples ({idle} idle dropped) at {rate} Hz over {requests} requests: "
+            f"~{cpu_ms:.2f} ms of daphne CPU per request (py-spy's own load included)",
+            "",
+            "By thread:",
+            *(f"  {share * 100 / total:5.1f}%  {name}" for name, share in threads.most_common(6)),
+            "By package of the innermost (running) frame:",
+            *(f"  {share * 100 / total:5.1f}%  {name}" for name, share in packages.most_common(12)),
+            "Inclusive, per request path step (a sample counts once per step on its stack):",
+            *(f"  {share * 100 / total:5.1f}%  {name}" for name, share in inclusive.most_common()),
+        ]
+    )
 
 
-def _drive(app: AppServer, seconds: float) -> int:
+def profile_section(app: AppServer, args: argparse.Namespace) -> list[str]:
+    py_spy = shutil.which("py-spy", path=str(Path(PYTHON).parent)) or shutil.which("py-spy")
+    if py_spy is None:
+        return ["## py-spy profile of daphne: skipped (py-spy is not installed: requirements-bench.txt)", ""]
+    print(f"profiling daphne with py-spy for {args.profile_seconds:g} s ...", flush=True)
+    raw = ARTIFACTS / "proxy-daphne.pyspy.txt"
+    command = [py_spy, "record", "--pid", str(app.pid), "--rate", str(args.profile_rate), "--format", "raw"]
+    command += ["--duration", str(max(1, round(args.profile_seconds))), "--nonblocking", "--threads"]
+    recorder = subprocess.Popen([*command, "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(0.5)  # let py-spy attach
     requests = 0
     with client() as c:
-        run = app_request(app, c)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and requests < 20_000:
+        run = post(c, app.stream_url, APP_BODY)
+        deadline = time.monotonic() + args.profile_seconds
+        while time.monotonic() < deadline:
             run()
             requests += 1
-    return requests
+    _, errors = recorder.communicate(timeout=60)
+    profile = (
+        summarize_profile(raw, requests, args.profile_rate)
+        if raw.exists()
+        else f"py-spy wrote no profile: {errors.decode(errors='replace')[-500:]}"
+    )
+    print(profile, flush=True)
+    return ["## py-spy profile of daphne on the TTFT path", "", "```", profile, "```", ""]
 
 
-def profile_daphne(app: AppServer, seconds: float, rate: int) -> str:
-    """Two windows: raw stacks (summarised here), then a flame graph for people."""
-    py_spy = Path(PYTHON).with_name("py-spy")
-    raw = ARTIFACTS / "proxy-daphne.pyspy.txt"
-    svg = ARTIFACTS / "proxy-daphne.svg"
-    requests = 0
-    for output, extra in ((raw, ["--format", "raw"]), (svg, [])):
-        command = [str(py_spy), "record", "--pid", str(app.pid), "--rate", str(rate)]
-        command += ["--duration", str(int(seconds)), "--nonblocking", "--threads", *extra, "-o", str(output)]
-        recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)  # let py-spy attach
-        count = _drive(app, seconds)
-        requests = requests or count
-        recorder.wait(60)
-    if not raw.exists():
-        return "py-spy did not write a profile"
-    return f"flame graph: {svg}\n" + summarize_profile(raw, requests, rate)
+# -- 4: in-process ----------------------------------------------------------------------------------
+
+WORKER = "from bench.proxy_overhead import in_process_worker as w; w()"
 
 
-# -- 5: attribution: the sync_to_async hops on the TTFT path --------------------------------------
-
-ATTRIBUTION_WORKER = "from bench.proxy_overhead import attribution_worker as w; w()"
-
-
-def attribution_worker() -> None:
+def in_process_worker() -> None:
     """Run in a subprocess with the app's environment: drive the ASGI app in-process (Django's
-    handler, no server) and a direct httpx read of the same upstream, interleaved, and time every
-    `sync_to_async` call (each is a hop to the request's thread and back) made before the first
-    token. Prints one JSON line."""
+    handler, no server) interleaved with a direct read of the upstream, timing every
+    `sync_to_async` call (a hop to the request's thread and back) made before the first token;
+    then refusals at an open-stream cap of 0. Prints one JSON line."""
     import asyncio
-    import json
     import os
-    import sys
 
     from asgiref.sync import SyncToAsync
 
     from config.asgi import application
 
-    hops: list[tuple[str, float, float]] = []
+    hops: list[tuple[str, str, float, float]] = []
     original = SyncToAsync.__call__
+    app_code = tuple(f"{ROOT / package}/" for package in ("quotes", "streaming"))
 
     async def timed(self: SyncToAsync[..., object], *args: object, **kwargs: object) -> object:
         started = time.perf_counter()
@@ -335,92 +412,108 @@ def attribution_worker() -> None:
         finally:
             func = getattr(self, "func", None)
             name = getattr(func, "__qualname__", None) or type(func).__name__
-            hops.append((name, started, time.perf_counter() - started))
+            # Whose hop: Django's handler awaits its own (the request waits), the app's tasks
+            # (the generation's, the row writer's) run beside the response.
+            task = asyncio.current_task()
+            code = getattr(task.get_coro(), "cr_code", None) if task else None
+            where = (
+                "the app's tasks" if code and code.co_filename.startswith(app_code) else "Django's handler"
+            )
+            hops.append((where, name, started, time.perf_counter() - started))
 
     SyncToAsync.__call__ = timed  # type: ignore[method-assign,assignment]
-    rounds = int(sys.argv[-1]) if sys.argv[-1].isdigit() else 150
+    requests, warmup = int(os.environ["BENCH_REQUESTS"]), int(os.environ["BENCH_WARMUP"])
     direct_url, direct_body = os.environ["BENCH_DIRECT_URL"], os.environ["BENCH_DIRECT_BODY"].encode()
     direct_headers = json.loads(os.environ["BENCH_DIRECT_HEADERS"])
 
-    async def through_app() -> tuple[float, float, float]:
-        """TTFT through the ASGI app, the time before it spent in sync_to_async hops, and the
-        first token's time stamp."""
-        hops.clear()
-        timing = await stream_in_process(application, APP_BODY)
-        first = timing.first_token
-        in_hops = sum(d for _, t, d in hops if t < first)
-        return first - timing.started, in_hops, first
-
-    async def direct(client: httpx.AsyncClient) -> float:
-        return await direct_ttft(client, direct_url, content=direct_body, headers=direct_headers)
-
     async def run() -> dict[str, object]:
-        async with httpx.AsyncClient(trust_env=False) as client:
-            for _ in range(20):
-                await through_app()
-                await direct(client)
-            app_ttft, app_hops, direct_ttft = [], [], []
-            per_name: collections.Counter[str] = collections.Counter()
-            per_name_s: collections.defaultdict[str, float] = collections.defaultdict(float)
-            for _ in range(rounds):
-                ttft, in_hops, first = await through_app()
-                app_ttft.append(ttft)
-                app_hops.append(in_hops)
-                for name, t, d in hops:
+        from django.conf import settings
+
+        out: dict[str, list[float]] = collections.defaultdict(list)
+        per_name: collections.Counter[str] = collections.Counter()
+        per_name_s: collections.Counter[str] = collections.Counter()
+        async with httpx.AsyncClient(trust_env=False) as http:
+            for n in range(warmup + requests):
+                hops.clear()
+                timing = await stream_in_process(application, APP_BODY)
+                assert timing.status == 200 and timing.first_token, timing.status
+                direct = await direct_ttft(http, direct_url, content=direct_body, headers=direct_headers)
+                if n < warmup:
+                    continue
+                first = timing.first_token
+                out["wall"].append(first - timing.started)
+                out["cpu"].append(timing.first_token_cpu - timing.started_cpu)
+                out["direct"].append(direct)
+                out["hops"].append(sum(d for w, _, t, d in hops if t < first and w == "Django's handler"))
+                for where, name, t, d in hops:
                     if t < first:
-                        per_name[name] += 1
-                        per_name_s[name] += d
-                direct_ttft.append(await direct(client))
-            return {
-                "app_ttft": app_ttft,
-                "app_hops": app_hops,
-                "direct_ttft": direct_ttft,
-                "hops": {n: [c / rounds, per_name_s[n] / rounds] for n, c in per_name.most_common()},
-            }
+                        per_name[f"{where}: {name}"] += 1
+                        per_name_s[f"{where}: {name}"] += d
+        settings.QUOTES_MAX_OPEN_STREAMS = 0  # every stream refused: over_capacity
+        for n in range(warmup + requests):
+            timing = await stream_in_process(application, APP_BODY)
+            headers = sorted(k.decode().title() for k, _ in timing.raw_headers)
+            assert timing.status == 503 and "Retry-After" in headers, (timing.status, headers)
+            if n >= warmup:
+                out["refusal_wall"].append(timing.ended - timing.started)
+                out["refusal_cpu"].append(timing.ended_cpu - timing.started_cpu)
+        return {
+            **out,
+            "refusal_headers": headers,
+            "per_hop": {n: [c / requests, per_name_s[n] / requests] for n, c in per_name.most_common()},
+        }
 
     print(json.dumps(asyncio.run(run())))
 
 
-def attribution(fake: Upstream, app: AppServer, rounds: int) -> list[str]:
-    import json
-
-    last = fake.stats()["last"]
+def in_process_section(upstream: Upstream, app: AppServer, args: argparse.Namespace) -> list[str]:
+    print(f"in-process: {args.in_process_requests} streams and refusals through Django's handler ...")
+    path, headers, body = last_request(upstream)
     env = {
         **app.env,
         "DJANGO_SETTINGS_MODULE": "config.settings",
-        "BENCH_DIRECT_URL": fake.base_url + last["path"],
-        "BENCH_DIRECT_BODY": last["body"].decode(),
-        "BENCH_DIRECT_HEADERS": json.dumps(
-            {k: v for k, v in last["headers"].items() if k not in HOP_HEADERS}
-        ),
+        "BENCH_REQUESTS": str(args.in_process_requests),
+        "BENCH_WARMUP": str(args.warmup),
+        "BENCH_DIRECT_URL": upstream.base_url + path,
+        "BENCH_DIRECT_BODY": body.decode(),
+        "BENCH_DIRECT_HEADERS": json.dumps(headers),
     }
-    output = subprocess.run(
-        [PYTHON, "-c", ATTRIBUTION_WORKER, str(rounds)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    output = subprocess.run([PYTHON, "-c", WORKER], env=env, cwd=ROOT, capture_output=True, text=True)
     if output.returncode:
-        raise RuntimeError(f"the attribution worker failed:\n{output.stderr[-3000:]}")
-    stdout = output.stdout
-    data = json.loads(stdout.strip().splitlines()[-1])
-    app_ttft, hops_s, direct_ttft = data["app_ttft"], data["app_hops"], data["direct_ttft"]
-    added = median(app_ttft) - median(direct_ttft)
-    rows = [
-        [name, f"{count:.1f}", f"{seconds * 1000:.3f}"] for name, (count, seconds) in data["hops"].items()
+        raise RuntimeError(f"the in-process worker failed:\n{output.stderr[-3000:]}")
+    data = json.loads(output.stdout.strip().splitlines()[-1])
+    added = [a - d for a, d in zip(data["wall"], data["direct"], strict=True)]
+
+    def row(name: str, wall: list[float], cpu: list[float] | None = None) -> list[str]:
+        cells = [ms(percentile(wall, 50)), ms(percentile(wall, 90))]
+        return [name, *cells, *([ms(percentile(cpu, 50)), ms(percentile(cpu, 90))] if cpu else ["", ""])]
+
+    section = [
+        f"## In-process: Django's ASGI handler, no server, {args.in_process_requests} requests each",
+        "",
+        table(
+            ["request", "wall p50 ms", "wall p90 ms", "CPU p50 ms", "CPU p90 ms"],
+            [
+                row("direct read of the upstream (reference)", data["direct"]),
+                row("stream: POST /api/quotes/stream to its first token", data["wall"], data["cpu"]),
+                row("  added over the direct read", added),
+                row("refusal: 503 over_capacity, whole answer", data["refusal_wall"], data["refusal_cpu"]),
+            ],
+        ),
+        "",
+        f"TTFT direct p50 {ms(median(data['direct']))} ms; through the ASGI app in-process p50 "
+        f"{ms(median(data['wall']))} ms (added {ms(median(added))} ms), of which waiting on Django's "
+        f"handler's sync_to_async hops p50 {ms(median(data['hops']))} ms. The refusal's headers: "
+        + ", ".join(data["refusal_headers"]),
+        "",
+        table(
+            ["whose: sync_to_async target, before the first token", "calls/request", "ms/request"],
+            [[name, f"{count:.1f}", f"{s * 1000:.3f}"] for name, (count, s) in data["per_hop"].items()],
+        ),
+        "",
     ]
-    return [
-        f"## Where the added TTFT goes: Django's handler in-process (no server), {rounds} requests",
-        "",
-        f"TTFT direct p50 {ms(median(direct_ttft))} ms; through the ASGI app in-process "
-        f"p50 {ms(median(app_ttft))} ms (added {ms(added)} ms). Time before the first token spent "
-        f"waiting on sync_to_async hops: p50 {ms(median(hops_s))} ms per request "
-        f"({median(hops_s) / added * 100 if added > 0 else 0:.0f}% of the added time).",
-        "",
-        table(["sync_to_async target before the first token", "calls/request", "ms/request"], rows),
-        "",
-    ]
+    print("\n".join(section), flush=True)
+    return section
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -435,21 +528,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-tokens", type=int, default=32)
     parser.add_argument("--fast-tokens", type=int, default=200, help="tokens in the tokens/s stream")
     parser.add_argument("--fast-streams", type=int, default=30, help="tokens/s streams per path")
-    parser.add_argument("--no-uvicorn", action="store_true")
-    parser.add_argument("--no-reuse", action="store_true", help="skip the connection-reuse part")
     parser.add_argument("--profile-seconds", type=float, default=8.0, help="0: no profile")
-    parser.add_argument("--attribution-requests", type=int, default=150, help="0: skip")
     parser.add_argument("--profile-rate", type=int, default=250)
+    parser.add_argument("--in-process-requests", type=int, default=300, help="streams and refusals")
     parser.add_argument(
-        "--tree",
-        action="append",
-        default=[],
-        metavar="NAME=DIR",
-        help="another source tree of the app, served under daphne as one more path interleaved with "
-        "the others (say, this tree with one change reverted); repeatable",
-    )
-    parser.add_argument(
-        "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for every app"
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for the app"
     )
     args = parse_args(
         parser,
@@ -460,183 +543,14 @@ def main(argv: list[str] | None = None) -> None:
             "fast_tokens": 20,
             "fast_streams": 2,
             "profile_seconds": 1,
-            "attribution_requests": 3,
+            "in_process_requests": 3,
         },
     )
-    other_trees = trees(args.tree)
-    extra_env = dict(item.partition("=")[::2] for item in args.env)
-
+    args.extra_env = dict(item.partition("=")[::2] for item in args.env)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
-    servers: list[Server] = ["daphne"] if args.no_uvicorn else ["daphne", "uvicorn"]
-    report: list[str] = []
-
-    with Upstream("fake", ttft_scenario(args.ttft_tokens)) as fake, contextlib.ExitStack() as stack:
-        app_env = {**workers_ai_env(fake), **extra_env}
-        apps = [stack.enter_context(serve_app(s, **app_env)) for s in servers]
-        tree_apps = {
-            name: stack.enter_context(serve_app("daphne", root=root, name=name, **app_env))
-            for name, root in other_trees.items()
-        }
-        clients = [stack.enter_context(client()) for _ in [*apps, *tree_apps]]
-        names = [f"app under {app.server}" for app in apps] + [f"{name} under daphne" for name in tree_apps]
-        app_paths = [
-            Reader(name, app_request(app, c), fake)
-            for name, app, c in zip(names, [*apps, *tree_apps.values()], clients, strict=True)
-        ]
-        for path in app_paths:  # warm up, and teach the fake what the app sends
-            for _ in range(args.warmup):
-                path.run()
-        # The baseline: the naive Django proxy forwarding the very request the app sends.
-        last = fake.stats()["last"]
-        naive_app = stack.enter_context(
-            serve_naive(
-                fake.base_url + last["path"],
-                {k: v for k, v in last["headers"].items() if k not in HOP_HEADERS},
-            )
-        )
-        naive_client = stack.enter_context(client())
-        naive = Reader(
-            "naive Django proxy under daphne",
-            lambda: read_stream(naive_client, naive_app.stream_url, content=last["body"], headers={}),
-            fake,
-        )
-        # The answer cache: the same app with its cache on, asked the same question again.
-        hit_app = stack.enter_context(
-            serve_app(
-                "daphne", **{**app_env, "QUOTES_CACHE_TTL": "3600", "QUOTES_CACHE_REPLAY_PACING_MS": "0"}
-            )
-        )
-        hit = Reader("app under daphne, cache hit", app_request(hit_app, stack.enter_context(client())))
-        direct_client = stack.enter_context(client())
-        direct = Reader("direct (fake upstream)", direct_request(fake, direct_client), fake)
-        for path in (naive, hit, direct):
-            for _ in range(args.warmup):
-                path.run()
-        app_paths.insert(0, naive)
-        app_paths.append(hit)
-
-        print(f"TTFT: {args.requests} interleaved requests per path ...", flush=True)
-        interleave([direct, *app_paths], args.requests)
-        reused = {p.name: len({t.local_addr for t in p.timings}) for p in app_paths}
-        report += [
-            f"## TTFT, fake upstream ({args.ttft_tokens} padded tokens, Connection: close), "
-            f"{args.requests} requests per path",
-            "",
-            table(TTFT_HEADERS, ttft_rows(direct, app_paths, naive)),
-            "",
-            f"client->server connections used over the run: {reused} (1 = keep-alive held); "
-            f"upstream connections per request: direct {direct.connections / args.requests:.2f}, "
-            + ", ".join(f"{p.name} {p.connections / args.requests:.2f}" for p in app_paths if p.upstream),
-            "",
-        ]
-        print("\n".join(report[-5:]), flush=True)
-        app_paths.remove(hit)  # a replay is paced on purpose: no tokens/s figure for it
-
-        fake.set_scenario(ttft_scenario(args.fast_tokens))
-        rate_direct = Reader("direct (fake upstream)", direct.run)
-        rate_apps = [Reader(p.name, p.run) for p in app_paths]
-        for path in [rate_direct, *rate_apps]:
-            path.run()
-        print(f"tokens/s: {args.fast_streams} streams of {args.fast_tokens} tokens per path ...", flush=True)
-        interleave([rate_direct, *rate_apps], args.fast_streams)
-        report += [
-            f"## Tokens/s, one fast stream ({args.fast_tokens} padded tokens, no delay), "
-            f"median of {args.fast_streams} per path",
-            "",
-            table(["path", "tokens/s", "ratio to direct", "tokens"], rate_rows(rate_direct, rate_apps)),
-            "",
-        ]
-        print(report[-2], flush=True)
-
-        if args.profile_seconds > 0:
-            fake.set_scenario(ttft_scenario(args.ttft_tokens))
-            print(f"profiling daphne with py-spy for {args.profile_seconds:.0f} s ...", flush=True)
-            profile = profile_daphne(apps[0], args.profile_seconds, args.profile_rate)
-            report += ["## py-spy profile of daphne on the TTFT path", "", "```", profile, "```", ""]
-            print(profile, flush=True)
-        if args.attribution_requests:
-            fake.set_scenario(ttft_scenario(args.ttft_tokens))
-            print("attributing the added TTFT (in-process ASGI) ...", flush=True)
-            section = attribution(fake, apps[0], args.attribution_requests)
-            report += section
-            print("\n".join(section), flush=True)
-
-    if not args.no_reuse:
-        report += reuse_section(args)
-
+    report = ttft_sections(args)
     print("\n\n" + "\n".join(report))
-
-
-def reuse_section(args: argparse.Namespace) -> list[str]:
-    scenario = ttft_scenario(args.ttft_tokens)
-    with tempfile.TemporaryDirectory(prefix="bench-tls-") as tmp, contextlib.ExitStack() as stack:
-        tls = self_signed_cert(Path(tmp))
-        plain = stack.enter_context(Upstream("keepalive", scenario))
-        app = stack.enter_context(serve_app("daphne", **workers_ai_env(plain)))
-        app_path = Reader(
-            "app under daphne -> keep-alive upstream", app_request(app, stack.enter_context(client())), plain
-        )
-        for _ in range(args.warmup):
-            app_path.run()
-        reuse = Reader(
-            "direct, reusing one connection", direct_request(plain, stack.enter_context(client())), plain
-        )
-        fresh = Reader(
-            "direct, new connection each",
-            direct_request(plain, stack.enter_context(client()), fresh=True),
-            plain,
-        )
-        paths = [reuse, fresh, app_path]
-        if tls is not None:
-            secure = stack.enter_context(Upstream("keepalive-tls", scenario, tls))
-            secure.set_scenario(scenario)
-            context = ssl.create_default_context(cafile=tls[0])
-            # Teach the TLS upstream the app's request by replaying the plain one once.
-            last = plain.stats()["last"]
-            with client(context) as c:
-                headers = {k: v for k, v in last["headers"].items() if k not in HOP_HEADERS}
-                read_stream(c, secure.base_url + last["path"], content=last["body"], headers=headers)
-            paths += [
-                Reader(
-                    "direct TLS, reusing one connection",
-                    direct_request(secure, stack.enter_context(client(context))),
-                    secure,
-                ),
-                Reader(
-                    "direct TLS, new connection each",
-                    direct_request(secure, stack.enter_context(client(context)), fresh=True),
-                    secure,
-                ),
-            ]
-        for path in paths:
-            for _ in range(args.warmup):
-                path.run()
-            path.timings.clear()
-            path.to_upstream.clear()
-            path.connections = 0
-        print(f"connection reuse: {args.requests} interleaved requests per path ...", flush=True)
-        interleave(paths, args.requests)
-    rows = [
-        [
-            p.name,
-            ms(median(p.ttfts())),
-            ms(percentile(p.ttfts(), 99)),
-            ms(median(p.ttfts()) - median(reuse.ttfts())),
-            f"{p.connections / args.requests:.2f}",
-        ]
-        for p in paths
-    ]
-    section = [
-        f"## Connection reuse: an upstream that allows keep-alive, {args.requests} requests per path",
-        "",
-        table(
-            ["path", "TTFT p50 ms", "TTFT p99 ms", "vs reusing p50 ms", "upstream connections/request"], rows
-        ),
-        "",
-    ]
-    print(section[2], flush=True)
-    return section
 
 
 if __name__ == "__main__":

@@ -1,21 +1,25 @@
-"""A rolling restart under load (issue 14): hold N streams through nginx in the production layout
-and restart both daphne processes one after the other, as deploy/rolling-restart does. Count the
-streams that arrived whole, those that were resumed, and those that were lost.
+"""A rolling restart under load (issues 14, 34): hold N streams through nginx in the production
+layout and restart both daphne processes one after the other, as deploy/rolling-restart does.
+Count the streams that arrived whole, those that were resumed, and those that were lost.
 
-    .venv/bin/python -m bench.rolling_restart                      # 300 streams, drain 20 s
-    .venv/bin/python -m bench.rolling_restart --drain-timeout 3    # cut streams: reconnect + resume
+    .venv/bin/python -m bench.rolling_restart                      # 100 streams, drain 20 s
+    .venv/bin/python -m bench.rolling_restart --drain-timeout 3    # cut streams: reconnect, resume
 
 The layout is bench/scaleout_load.py's: two daphne processes started as
 deploy/systemd/persona-quotes@.service starts them (`python -m quotes.ops.server`, which drains on
 SIGTERM), nginx in front with deploy/nginx's proxy rules and its upstream block (least_conn,
-max_fails, keep-alive), one PostgreSQL, one Redis, and the stamping upstream of bench/load.py at
-50 tokens/s in `numbered` mode: token n is `n,`, so every answer is the same known text and the
-client checks that it arrived whole, in order, once.
+the consistent hash on the csrftoken cookie, max_conns, keep-alive), one PostgreSQL, one Redis,
+and the stamping upstream of bench/load.py at 50 tokens/s in `numbered` mode: token n is `n,`,
+so every answer is the same known text and the client checks that it arrived whole, in order,
+once. The daphnes' settings are the deployed ones (QUOTES_MAX_OPEN_STREAMS 100): one process
+must hold every stream while the other restarts, so more clients than that (or than nginx's
+max_conns) meet 503s, retried after their Retry-After.
 
-Each of the N clients loops: POST /api/quotes/stream (a topic of its own, so nothing coalesces or
-comes from the cache), read the SSE body to `data: [DONE]`, compare the text, next quote. Mid-run
-the restart runs exactly like deploy/rolling-restart: SIGTERM to process 1, wait for it to exit
-(the drain), start it again, wait until its /healthz answers 200, then the same for process 2.
+Each of the N clients (a visitor: a loopback address and a csrftoken cookie of its own) loops:
+POST /api/quotes/stream (a topic of its own, so nothing coalesces or comes from the cache), read
+the SSE body to `data: [DONE]`, compare the text, next quote. Mid-run the restart runs exactly
+like deploy/rolling-restart: SIGTERM to process 1, wait for it to exit (the drain), start it
+again, wait until its /healthz answers 200, then the same for process 2.
 
 Per quote, one outcome:
 
@@ -23,9 +27,9 @@ Per quote, one outcome:
 - resumed: the stream ended with `event: reconnect` (a drain's deadline), the client asked again
   through nginx with `Last-Event-ID: <last id>` (after the event's `retry_ms`) and got exactly
   the rest;
-- resume failed: after `event: reconnect`, the resume was refused (e.g. 404 resume_unavailable,
-  or an `error` event `generation_lost`: the generation ended with its drained process)
-  or started a second generation (its text began again at `1,`);
+- resume failed: after `event: reconnect`, the resume was refused (404 resume_unavailable: a
+  generation lives in its process only, and this one ended with its drained process) or
+  started a second generation (its text began again at `1,`);
 - lost: anything else: an error event, a body cut without `event: reconnect`, a truncated,
   duplicated or wrong text, a 5xx other than a 503 before any header, a stream that hung.
 
@@ -33,19 +37,21 @@ A 503 before any header (a draining process, when nginx had no other process to 
 outcome: the client waits its Retry-After and asks again, and the count of those is shown.
 
 Log rows: nginx logs every attempt it made on a daphne (`$upstream_status`,
-`$upstream_bytes_received`); each attempt a daphne answered must have its row in PostgreSQL
-(a refusal's row counts its requests), except a successful resume, which continues the row of
-the generation it resumes.
+`$upstream_bytes_received`); each stream a daphne admitted must have its row in PostgreSQL
+(a resume served reads the row of the generation it resumes), and each 503 a daphne answered
+(a draining process's) its count in quotes_refusal.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -60,18 +66,25 @@ from bench.common import (
     ARTIFACTS,
     PERSONA,
     STREAM_PATH,
+    Log,
     attempts_site,
     machine,
     nginx_attempts,
     parse_args,
     percentile,
-    row_accounting,
     table,
 )
-from bench.load import StampingUpstream, numbered_text, raise_fd_limit, response_texts, whole_events
-from bench.scaleout_load import StampingUpstreamStub, count_rows, production_env, truncate
+from bench.load import (
+    StampingUpstream,
+    numbered_text,
+    raise_fd_limit,
+    request_bytes,
+    response_texts,
+    whole_events,
+)
+from bench.scaleout_load import StampingUpstreamStub, production_env, warm_up
 from harness.daphne import migrate, start_daphne, wait_until_healthy
-from harness.services import free_port, nginx, postgres, redis, stop_process, tail
+from harness.services import client_address, free_port, nginx, postgres, redis, stop_process, tail
 
 # -- the layout ---------------------------------------------------------------------------------------
 
@@ -152,10 +165,12 @@ class Client:
         self.expected = numbered_text(tokens)
         # Nominal length, then room for a saturated machine and a drain; past it the quote hung.
         self.quote_timeout_s = tokens / tps * 4 + 90
-        self.idle_timeout_s = 40.0  # > QUOTES_KEEPALIVE_INTERVAL (15 s)
+        self.idle_timeout_s = 40.0  # > QUOTES_KEEPALIVE_S (15 s)
         self.t0 = t0
         self.quotes: list[Quote] = []
         self.stop = asyncio.Event()
+        #: each client's csrftoken cookie, as its page set it
+        self.cookies: dict[int, str] = collections.defaultdict(lambda: secrets.token_hex(16))
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -175,6 +190,8 @@ class Client:
                 await asyncio.sleep(0.5)  # as a page would, before its next quote
 
     async def one_quote(self, quote: Quote) -> None:
+        """One quote of client `quote.client` (its loopback address, and its cookie: a resume
+        goes where nginx's hash sends that cookie, as a visitor's does)."""
         body = json.dumps({"persona": PERSONA, "topic": f"rolling {quote.client} {quote.seq}"}).encode()
         text = bytearray()
         last_id: str | None = None
@@ -209,15 +226,15 @@ class Client:
         """One quote's requests until its body ends: 503s before any header are retried here;
         Cut when the stream ended with `event: reconnect`; returns at `data: [DONE]`."""
         resume = last_id is not None
-        extra = f"Last-Event-ID: {last_id}\r\n" if resume else ""
-        request = (
-            f"POST {STREAM_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
-        ).encode() + body
+        request = request_bytes(
+            STREAM_PATH, body, f"Last-Event-ID: {last_id}\r\n" if resume else "", self.cookies[quote.client]
+        )
         while True:
             attempt = Attempt(started=self.now(), resume=resume)
             quote.attempts.append(attempt)
-            reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+            reader, writer = await asyncio.open_connection(
+                self.host, self.port, limit=1 << 20, local_addr=(client_address(quote.client), 0)
+            )
             try:
                 writer.write(request)
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.idle_timeout_s)
@@ -261,10 +278,6 @@ class Client:
             if b"event: error" in complete:
                 at = complete.find(b"event: error")
                 detail = complete[at : at + 200].decode(errors="replace")
-                if resume and b'"generation_lost"' in complete[at:]:
-                    # The resume was answered, and refused cleanly: the process that had the
-                    # generation drained it (quotes.ai.gateway.relay), the client may ask again.
-                    raise ResumeFailed(detail)
                 raise Lost(detail)
             if b"event: reconnect" in complete:
                 at = complete.find(b"event: reconnect")
@@ -348,17 +361,6 @@ async def drive(
 # -- the figures ---------------------------------------------------------------------------------------
 
 
-def refusal_rows(database_url: str) -> tuple[int, int]:
-    """The refusal (busy) rows and the requests they count (quotes/ai/refusals.py)."""
-    import psycopg
-
-    with psycopg.connect(database_url.replace("postgres://", "postgresql://", 1)) as connection:
-        row = connection.execute(
-            "SELECT COUNT(*), COALESCE(SUM(request_count), 0) FROM quotes_generation WHERE status = 'busy'"
-        ).fetchone()
-    return (int(row[0]), int(row[1])) if row else (0, 0)
-
-
 def open_at(quotes: list[Quote], process: Process, at: float) -> int:
     """Streams that daphne `process` was sending when it got SIGTERM."""
     return sum(
@@ -375,7 +377,7 @@ def report(
     client: Client,
     processes: list[Process],
     attempts: dict[str, Any],
-    rows: dict[str, int],
+    rows: dict[str, Any],
     args: argparse.Namespace,
     tokens: int,
     wall_s: float,
@@ -383,12 +385,6 @@ def report(
 ) -> dict[str, Any]:
     quotes = client.quotes
     outcomes = Counter(q.outcome for q in quotes)
-    resumed_attempts = sum(
-        1 for q in quotes if q.outcome == "resumed" for a in q.attempts if a.resume and a.status == 200
-    )
-    answered = sum(attempts["answered_by_daphne"].values())
-    # A resume continues the row of the generation it resumes: no row of its own.
-    accounting = row_accounting(answered - resumed_attempts, rows)
     durations = sorted(q.ended - q.started for q in quotes if q.outcome in ("whole", "resumed"))
     restart_from, restart_to = processes[0].sigterm_at, processes[-1].healthy_at
     during = [q for q in quotes if q.started < restart_to and q.ended > restart_from]
@@ -426,8 +422,7 @@ def report(
             for p in processes
         ],
         "nginx": attempts,
-        "rows": rows,
-        **accounting,
+        **rows,
         "wall_s": round(wall_s, 1),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -450,6 +445,7 @@ def print_report(r: dict[str, Any]) -> None:
                 "rows / expected",
                 "lost rows",
                 "extra rows",
+                "refusals counted / answered",
             ],
             [
                 [
@@ -465,6 +461,7 @@ def print_report(r: dict[str, Any]) -> None:
                     f"{r['rows_total']} / {r['rows_expected']}",
                     r["lost_rows"],
                     r["extra_rows"],
+                    f"{r['refusals_counted']} / {r['refusals_expected']}",
                 ]
             ],
         )
@@ -500,8 +497,8 @@ def print_report(r: dict[str, Any]) -> None:
         f"answered by a daphne {n['answered_by_daphne']}, not answered {n['not_answered']}"
     )
     print(
-        f"log rows by status (requests counted): {r['rows']}; refusal rows: "
-        f"{r['refusal_rows']['rows']} counting {r['refusal_rows']['requests_counted']} requests"
+        f"log rows by status: {r['rows']}; refusals counted {r['refusals_counted']} of the "
+        f"{r['refusals_expected']} 503s the daphnes answered"
     )
     for sample in r["lost_samples"]:
         print(f"lost: {sample}")
@@ -513,7 +510,7 @@ def print_report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams", type=int, default=300, help="concurrent streams (clients)")
+    parser.add_argument("--streams", type=int, default=100, help="concurrent streams (clients)")
     parser.add_argument(
         "--quote-seconds", type=float, default=8.0, help="seconds of tokens per quote (at 50 tokens/s)"
     )
@@ -535,34 +532,31 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="extra environment for the daphnes (QUOTES_MAX_OPEN_STREAMS is raised to 2 x --streams, and "
-        "the adaptive limit is off: one process holds every stream while the other restarts)",
+        help="extra environment for the daphnes (deployed settings otherwise)",
     )
-    args = parse_args(parser, argv, smoke={"streams": 4, "quote_seconds": 1, "restart_after": 1, "after": 1})
+    args = parse_args(
+        parser, argv, smoke={"streams": 4, "quote_seconds": 0.5, "restart_after": 0.5, "after": 0.5}
+    )
     tokens = int(args.quote_seconds * args.tokens_per_second)
     print(machine(), f"; open files limit {raise_fd_limit(6 * args.streams + 512)}", flush=True)
-    extra = [
-        f"QUOTES_MAX_OPEN_STREAMS={2 * args.streams}",
-        "QUOTES_LOOP_LAG_TARGET_MS=0",  # the restart is measured, not the limit: no stream refused by lag
-        f"QUOTES_DRAIN_TIMEOUT_S={args.drain_timeout:g}",
-        *args.env,
-    ]
+    extra = [f"QUOTES_DRAIN_TIMEOUT_S={args.drain_timeout:g}", *args.env]
     with tempfile.TemporaryDirectory(prefix="bench-rolling-") as tmp:
         workdir = Path(tmp)
         with postgres(workdir) as pg, redis(workdir) as redis_url:
             migrate_env = production_env(pg.url, redis_url, StampingUpstreamStub(), extra)
             migrate(migrate_env)
-            truncate(pg.url)
             upstream = StampingUpstream(tokens, args.tokens_per_second, numbered=True)
             processes: list[Process] = []
             try:
                 env = production_env(pg.url, redis_url, upstream, extra)
                 for index in (1, 2):
                     port = free_port()
-                    log = workdir / f"daphne-{index}.log"
-                    processes.append(Process(index, port, log, start_daphne(port, env, log)))
+                    path = workdir / f"daphne-{index}.log"
+                    processes.append(Process(index, port, path, start_daphne(port, env, path)))
                 for process in processes:
                     wait_until_healthy(process.url, process.popen, process.log)
+                    warm_up(process.url)
+                log = Log(pg.url)  # after the warm-up quotes
                 port = free_port()
                 access_log = workdir / "nginx-attempts.log"
                 site = attempts_site(port, [p.address for p in processes], access_log, server=UPSTREAM_HEADER)
@@ -580,8 +574,7 @@ def main(argv: list[str] | None = None) -> None:
                 ) as proxy:
                     client, wall_s = asyncio.run(drive(proxy.url, processes, env, args, tokens))
                     attempts = nginx_attempts(access_log)
-                    rows = count_rows(pg.url, expected=sum(attempts["answered_by_daphne"].values()))
-                    busy_rows = refusal_rows(pg.url)
+                    rows = log.settled(attempts["generations"], attempts["refusals"])
                     nginx_errors = tail(nginx_dir / "nginx" / "error.log", 15)
                     # For a post-mortem: what nginx did and what the daphnes said.
                     kept = ARTIFACTS / "rolling-restart"
@@ -597,7 +590,6 @@ def main(argv: list[str] | None = None) -> None:
                     stop_process(process.popen)
                 upstream.close()
             result = report(client, processes, attempts, rows, args, tokens, wall_s, load_before)
-            result["refusal_rows"] = {"rows": busy_rows[0], "requests_counted": busy_rows[1]}
             if result["lost"]:
                 for process in processes:
                     print(f"--- daphne {process.index} log (tail)\n{tail(process.log, 15)}")

@@ -1,27 +1,27 @@
 """bench/load.py in the production layout: daphne processes behind nginx, sharing PostgreSQL and
 Redis, as docs/deployment.md runs them (harness/services.py starts the same servers).
 
-    .venv/bin/python -m bench.scaleout_load --processes 1,2 --ladder 200,300,400 --duration 20
-    .venv/bin/python -m bench.scaleout_load --processes 2 --streams 1000 --duration 60   # graceful
+    .venv/bin/python -m bench.scaleout_load --processes 2 --streams 1000 --duration 20   # overload
+    .venv/bin/python -m bench.scaleout_load --processes 1,2 --ladder 60,100,150 --duration 20 \
+        --env QUOTES_MAX_OPEN_STREAMS=100000                                          # capacity
 
 Each run starts fresh servers (one to N daphne processes as deploy/systemd/persona-quotes@.service
 starts them, and nginx in front of them with deploy/nginx's upstream block and locations:
 harness.daphne) against one PostgreSQL and one Redis for the whole invocation, and the stamping
 upstream of bench/load.py (50 tokens/s per stream, each token stamped with the time it left).
-The load client is load.py's: one asyncio loop, raw sockets, 200 new streams/s, all through
-nginx. Figures as in load.py, summed over the daphne processes. Log rows are counted in
-PostgreSQL and compared with the requests the daphnes answered, from nginx's log of its
-attempts: a refusal has its row too (shared with the other refusals of its window: its
-`request_count`), and a request nginx retried on the other process after a 503 was answered,
-and counted, by both (bench.common.row_accounting).
+The load client is load.py's: one asyncio loop, raw sockets, 200 new streams/s, each from a
+loopback address and with a csrftoken cookie of its own (nginx hashes on the cookie and limits
+connections per address), all through nginx. Figures as in load.py, summed over the daphne
+processes.
 
-The per-client limits are raised (the load comes from one address, as no real visitor would);
-the per-process open-stream limit is left as configured (by default adaptive, following each
-process's event-loop lag, with no static ceiling: quotes/ai/gateway/capacity.py): it is what
-turns the streams a process cannot hold into quick 503s. Pass --env NAME=VALUE to change it
-(QUOTES_LOOP_LAG_TARGET_MS=0 and no QUOTES_MAX_OPEN_STREAMS: no limit at all, for the raw
-capacity). Each daphne's limit, open streams and lag (its /metrics, once a second) and every
-process's CPU during the plateau are in the report's "admission".
+Admission is as deployed: each process's static cap (QUOTES_MAX_OPEN_STREAMS, 100 by default)
+answers 503 over_capacity with Retry-After; nginx tries the other process after a 503, and
+answers its own 503 once both have max_conns requests in flight. The per-client rate limits are
+raised (the load is one machine's). Log rows are counted in PostgreSQL against the streams the
+daphnes admitted, and the refusals counted (quotes_refusal) against the 503s they answered, both
+from nginx's log of its attempts: a request refused by one process and then by the other is
+counted by each (bench.common.nginx_attempts). Every process's CPU during the plateau, by role,
+is in the report's "cpu_pct".
 """
 
 from __future__ import annotations
@@ -38,28 +38,26 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from bench.common import (
     ARTIFACTS,
-    ROWS_BY_STATUS,
+    PERSONA,
+    STREAM_PATH,
     HasApiBaseUrl,
+    Log,
     attempts_site,
     machine,
     nginx_attempts,
     parse_args,
-    settled_counts,
     table,
     workers_ai_env,
 )
 from bench.load import StampingUpstream, build_report, capacity_lines, drive, raise_fd_limit
 from harness.daphne import migrate, production_base_env, start_daphne, wait_until_healthy
 from harness.services import free_port, nginx, postgres, redis, stop_process
-
-if TYPE_CHECKING:
-    import psycopg
 
 
 def production_env(
@@ -70,10 +68,8 @@ def production_env(
         redis_url=redis_url,
         DJANGO_LOG_LEVEL="WARNING",
         **workers_ai_env(upstream),
-        AI_MAX_CONNECTIONS="2000",
-        QUOTES_METRICS_TOKEN=METRICS_TOKEN,
         QUOTES_CACHE_TTL="0",
-        QUOTES_RATE_LIMIT="1000000/s",
+        QUOTES_RATE_LIMIT="1000000/minute",
         QUOTES_MAX_CONCURRENT_STREAMS="1000000",
     )
     for item in extra:
@@ -96,31 +92,19 @@ def daphnes(
             started.append((start_daphne(port, env, log), f"127.0.0.1:{port}", log))
         for process, address, log in started:
             wait_until_healthy(f"http://{address}", process, log)
+            warm_up(f"http://{address}")
         yield [(process, address) for process, address, _ in started]
     finally:
         for process, _, _ in started:
             stop_process(process)
 
 
-def _connect(database_url: str) -> psycopg.Connection[Any]:
-    import psycopg
-
-    return psycopg.connect(database_url.replace("postgres://", "postgresql://", 1))
-
-
-def count_rows(database_url: str, expected: int, timeout_s: float = 120.0) -> dict[str, int]:
-    """Rows by status in the PostgreSQL log, once they are all there (bench.common.settled_counts)."""
-
-    def fetch() -> dict[str, int]:
-        with _connect(database_url) as connection:
-            return dict(connection.execute(ROWS_BY_STATUS).fetchall())
-
-    return settled_counts(fetch, expected, timeout_s)
-
-
-def truncate(database_url: str) -> None:
-    with _connect(database_url) as connection:
-        connection.execute("TRUNCATE quotes_generation CASCADE")
+def warm_up(url: str) -> None:
+    """A quote straight from the process (not through nginx), as a process in service has
+    written some: the persona in its memory, its upstream pool and row writer started."""
+    response = httpx.post(url + STREAM_PATH, json={"persona": PERSONA, "topic": "warm"}, timeout=60)
+    if response.status_code != 200 or not response.text.endswith("data: [DONE]\n\n"):
+        raise RuntimeError(f"{url}: the warm-up quote failed: {response.text[:300]}")
 
 
 def one_run(
@@ -128,28 +112,23 @@ def one_run(
 ) -> dict[str, Any]:
     tokens = int(args.duration * args.tokens_per_second)
     upstream = StampingUpstream(tokens, args.tokens_per_second)
-    truncate(database_url)
     load_before = os.getloadavg()
     try:
         env = production_env(database_url, redis_url, upstream, args.env)
         with daphnes(processes, env, workdir) as servers:
+            log = Log(database_url)  # after the warm-up quotes
             port = free_port()
             nginx_dir = workdir / f"nginx-{processes}-{streams}-{time.time_ns()}"
             nginx_dir.mkdir()
             access_log = nginx_dir / "attempts.log"
             site = attempts_site(port, [address for _, address in servers], access_log)
             with (
-                nginx(
-                    nginx_dir,
-                    site=site,
-                    port=port,
-                    worker_connections=2 * streams + 256,
-                ) as proxy,
-                AdmissionWatch([address for _, address in servers], roots=layout_roots(workdir)) as watch,
+                nginx(nginx_dir, site=site, port=port, worker_connections=2 * streams + 256) as proxy,
+                CPUWatch(layout_roots(workdir)) as watch,
             ):
                 run, plateau = asyncio.run(
                     drive(
-                        proxy.url,
+                        proxy.url + STREAM_PATH,
                         [p.pid for p, _ in servers],
                         upstream,
                         streams,
@@ -157,18 +136,15 @@ def one_run(
                         args.ramp_per_second,
                     )
                 )
-                # Each attempt a daphne answered has its row; a refused request nginx then tried
-                # on the other process has one in each (bench.common.row_accounting).
                 attempts = nginx_attempts(access_log)
-                answered = sum(attempts["answered_by_daphne"].values())
-                rows = count_rows(database_url, expected=answered)
+            # While the daphnes run: their refusals are written every 5 s.
+            rows = log.settled(attempts["generations"], attempts["refusals"])
     finally:
         upstream.close()
     report = build_report(
         run,
         plateau,
         rows,
-        expected_rows=answered,
         path=f"app x{processes}",
         streams=streams,
         tokens=tokens,
@@ -177,7 +153,7 @@ def one_run(
     )
     report["processes"] = processes
     report["nginx"] = attempts
-    report["admission"] = watch.summary((plateau["ramp_s"] + 1, args.duration - 1))
+    report["cpu_pct"] = watch.summary((plateau["ramp_s"] + 1, args.duration - 1))
     return report
 
 
@@ -190,26 +166,19 @@ def layout_roots(workdir: Path) -> list[int]:
     return roots
 
 
-METRICS_TOKEN = "bench-scaleout-metrics-token-0123456789"
+class CPUWatch(threading.Thread):
+    """Once a second for the whole run: the CPU time of every process of the layout (this load
+    client, the upstream, nginx, the daphnes, Redis, PostgreSQL), to say where the machine's
+    cores go during the plateau."""
 
-
-class AdmissionWatch(threading.Thread):
-    """Once a second for the whole run: each daphne's admission as its /metrics shows it
-    (quotes.ai.gateway.capacity: the limit, the open streams, the smoothed event-loop lag),
-    scraped from each process directly (not through nginx); and the CPU time of every process
-    of the layout (this load client, the upstream, nginx, the daphnes, Redis, PostgreSQL), to
-    say where the machine's cores go during the plateau."""
-
-    def __init__(self, addresses: list[str], roots: list[int]) -> None:
+    def __init__(self, roots: list[int]) -> None:
         super().__init__(daemon=True)
-        self.addresses = addresses
         self.roots = roots
-        self.samples: list[dict[str, float]] = []
         self.cpu: list[tuple[float, dict[str, float]]] = []
         self.stop = threading.Event()
         self.started = time.monotonic()
 
-    def __enter__(self) -> AdmissionWatch:
+    def __enter__(self) -> CPUWatch:
         self.start()
         return self
 
@@ -218,44 +187,19 @@ class AdmissionWatch(threading.Thread):
         self.join(5)
 
     def run(self) -> None:
-        from prometheus_client.parser import text_string_to_metric_families
-
         while not self.stop.wait(1.0):
             self.cpu.append((time.monotonic() - self.started, cpu_by_role(self.roots)))
-            for address in self.addresses:
-                try:
-                    response = httpx.get(
-                        f"http://{address}/metrics",
-                        headers={"Authorization": f"Bearer {METRICS_TOKEN}"},
-                        timeout=5,
-                    )
-                except httpx.HTTPError:
-                    continue
-                sample = {"process": float(self.addresses.index(address))}
-                for family in text_string_to_metric_families(response.text):
-                    if family.name in ADMISSION_GAUGES:
-                        sample[family.name] = sum(s.value for s in family.samples)
-                self.samples.append(sample)
 
-    def summary(self, plateau: tuple[float, float]) -> dict[str, Any]:
-        """Per gauge: min, median and max over the samples with a stream open (all processes);
-        and each role's CPU (% of one core) between `plateau`'s two times (s from the start)."""
-        busy = [s for s in self.samples if s.get("quotes_admission_open_streams", 0) > 0]
-        out: dict[str, Any] = {"samples": len(busy)}
-        for name in ADMISSION_GAUGES:
-            values = sorted(s[name] for s in busy if name in s)
-            if values:
-                # The middle sample, not an interpolated median: with no limit the limit reads
-                # +Inf, and inf - inf is nan.
-                out[name] = [round(values[0], 4), round(values[len(values) // 2], 4), round(values[-1], 4)]
+    def summary(self, plateau: tuple[float, float]) -> dict[str, float]:
+        """Each role's CPU (% of one core) between `plateau`'s two times (s from the start)."""
         inside = [(t, cpu) for t, cpu in self.cpu if plateau[0] <= t <= plateau[1]]
-        if len(inside) >= 2:
-            (t0, first), (t1, last) = inside[0], inside[-1]
-            out["cpu_pct"] = {
-                role: round(100 * (last.get(role, 0.0) - first.get(role, 0.0)) / (t1 - t0), 1)
-                for role in sorted(last)
-            }
-        return out
+        if len(inside) < 2:
+            return {}
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        return {
+            role: round(100 * (last.get(role, 0.0) - first.get(role, 0.0)) / (t1 - t0), 1)
+            for role in sorted(last)
+        }
 
 
 def cpu_by_role(roots: list[int]) -> dict[str, float]:
@@ -316,13 +260,6 @@ ROLES = (
 )
 
 
-ADMISSION_GAUGES = (
-    "quotes_admission_limit",
-    "quotes_admission_open_streams",
-    "quotes_event_loop_lag_seconds",
-)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", default="1,2", help="comma-separated daphne process counts")
@@ -334,11 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bound-ms", type=float, default=50.0)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     # A cap of 3 per process: the smoke run's 10 streams meet refusals, and nginx's retry of
-    # each on the other process (their rows counted on both).
+    # each on the other process (counted by both).
     args = parse_args(
         parser,
         argv,
-        smoke={"processes": "2", "streams": 10, "duration": 2, "env": ["QUOTES_MAX_OPEN_STREAMS=3"]},
+        smoke={"processes": "2", "streams": 10, "duration": 1, "env": ["QUOTES_MAX_OPEN_STREAMS=3"]},
     )
     counts = [int(x) for x in args.ladder.split(",")] if args.ladder else [args.streams]
     process_counts = [int(x) for x in args.processes.split(",")]
@@ -366,45 +303,31 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['rows_total']}/{r['rows_expected']}",
             r["lost_rows"],
             r["extra_rows"],
+            f"{r['refusals_counted']}/{r['refusals_expected']}",
             r["added_delay_ms"]["p50"],
             r["added_delay_ms"]["p99"],
             r["daphne_cpu_pct"],
             r["cpu_per_token_us"],
             round(r["rss_per_stream_kib"]),
-            r["daphne_threads_max"],
+            r["threads_max"],
             "/".join(f"{x:.1f}" for x in r["load_average_before"]),
         ]
         for r in reports
     ]
-    print(
-        table(
-            [
-                "daphnes",
-                "streams",
-                "completed",
-                "503",
-                "503 with Retry-After",
-                "503 p99 ms",
-                "other errors",
-                "rows/answered",
-                "lost rows",
-                "extra rows",
-                "added p50 ms",
-                "added p99 ms",
-                "daphne CPU %",
-                "CPU µs/token",
-                "RSS KiB/stream",
-                "threads",
-                "load avg before",
-            ],
-            rows,
-        )
-    )
+    headers = ["daphnes", "streams", "completed", "503", "503 with Retry-After", "503 p99 ms", "other errors"]
+    headers += ["rows/admitted", "lost rows", "extra rows", "refusals counted/answered", "added p50 ms"]
+    headers += [
+        "added p99 ms",
+        "daphne CPU %",
+        "CPU µs/token",
+        "RSS KiB/stream",
+        "threads",
+        "load avg before",
+    ]
+    print(table(headers, rows))
     print("\n".join(capacity_lines(reports, args.bound_ms)))
     for r in reports:
-        print(
-            f"{r['processes']} daphnes, {r['streams']} streams: admission (min/median/max) {r['admission']}"
-        )
+        print(f"{r['processes']} daphnes, {r['streams']} streams: CPU % of a core by role {r['cpu_pct']}")
     out = ARTIFACTS / "scaleout-load.json"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(reports, indent=1) + "\n")

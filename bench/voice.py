@@ -4,11 +4,11 @@
     .venv/bin/python -m bench.voice --score artifacts/bench/voice/<run> guesses.txt
     .venv/bin/python -m bench.voice --measure artifacts/bench/voice/<run>   # figures again
 
-Writes `--per-persona` quotes per persona on each topic, through the real gateway
-(`stream_generation`, the answer cache off) and the embedded model (AI_BACKEND=local), on a
-fresh SQLite database migrated from scratch, so the personas are the seeded ones with their
-seeded voice examples. One generation at a time; the personas take turns, as on a site where
-visitors ask for different personas.
+Writes `--per-persona` quotes per persona on each topic, through the app's own generation
+(`quotes.generations.start`, as `manage.py quote` does, the answer cache off) and the embedded
+model (AI_BACKEND=local), on a fresh SQLite database migrated from scratch, so the personas are
+the seeded ones with their seeded voice examples. One generation at a time; the personas take
+turns, as on a site where visitors ask for different personas.
 
 It writes, in `--out` (default artifacts/bench/voice/<time>/):
 
@@ -37,9 +37,7 @@ It prints:
 
 Sampling and frame can be varied without touching the personas' rows (unsaved, in memory):
 `--temperature --top-p --top-k --repeat-penalty`, `--examples K` (the first K), `--order`.
-
-It also runs on code from before issue 23 (no voice examples field): the examples for the
-attribution and copy figures then come from the seed migration (`--examples-from`).
+`--smoke`: two personas, one topic, 8 tokens (the smoke test's run).
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import ARTIFACTS, ROOT, machine, median, percentile, table
+from .common import ARTIFACTS, ROOT, machine, median, parse_args, percentile, table
 
 DEFAULT_TOPICS = "ladders,bread,keys,the sea"
 SEED_MIGRATION = ROOT / "quotes" / "migrations" / "0013_seed_voice_examples.py"
@@ -117,12 +115,9 @@ def distinct_2(texts: list[str]) -> float:
 
 
 def parse_lines(text: str) -> list[str]:
-    """Example lines, as the app parses them (its parser when the code has one)."""
-    try:
-        from quotes.ai.voice import parse_examples
-    except ImportError:  # code from before issue 23
-        lines = [line.strip() for line in text.splitlines()]
-        return [line.split(": ", 1)[-1] for line in lines if line and not line.startswith("#")]
+    """Example lines, as the app parses them."""
+    from quotes.backends.voice import parse_examples
+
     return [example.text for example in parse_examples(text)]
 
 
@@ -158,7 +153,7 @@ def setup_django(database: str | None) -> None:
     os.environ["AI_BACKEND"] = "local"
     os.environ.setdefault("DJANGO_LOG_LEVEL", "WARNING")
     os.environ["QUOTES_CACHE_TTL"] = "0"
-    os.environ["QUOTES_RATE_LIMIT"] = "100000/m"
+    os.environ["QUOTES_RATE_LIMIT"] = "100000/minute"
     os.environ["QUOTES_MAX_CONCURRENT_STREAMS"] = "1000"
     os.environ["DATABASE_URL"] = database or f"sqlite:///{tempfile.mkdtemp(prefix='voice-bench-')}/db.sqlite3"
     import django
@@ -193,7 +188,6 @@ def shape_examples(text: str, *, keep: int | None, order: str, rng: random.Rando
 
 def prepare(personas: list[Any], args: argparse.Namespace, rng: random.Random) -> dict[str, list[str]]:
     """Apply the command line's overrides to the (unsaved) personas; their examples, by slug."""
-    seeds = seed_examples(Path(args.examples_from))
     examples = {}
     for persona in personas:
         for name, value in (
@@ -206,36 +200,30 @@ def prepare(personas: list[Any], args: argparse.Namespace, rng: random.Random) -
                 setattr(persona, name, value)
         if args.max_tokens:
             persona.max_tokens = args.max_tokens
-        if hasattr(persona, "voice_examples"):
-            if args.no_examples:
-                examples[persona.slug] = parse_lines(persona.voice_examples)
-                persona.voice_examples = ""
-            else:
-                persona.voice_examples = shape_examples(
-                    persona.voice_examples, keep=args.examples, order=args.order, rng=rng
-                )
-                examples[persona.slug] = parse_lines(persona.voice_examples)
+        if args.no_examples:
+            examples[persona.slug] = parse_lines(persona.voice_examples)
+            persona.voice_examples = ""
         else:
-            examples[persona.slug] = parse_lines(seeds.get(persona.slug, ""))
+            persona.voice_examples = shape_examples(
+                persona.voice_examples, keep=args.examples, order=args.order, rng=rng
+            )
+            examples[persona.slug] = parse_lines(persona.voice_examples)
     return examples
 
 
 async def generate(persona: Any, topic: str) -> Quote:
-    from quotes.ai.backends import get_backend
-    from quotes.ai.events import Error, Token, Usage
-    from quotes.ai.gateway.generation import Client, stream_generation
+    from quotes import generations, limits
+    from quotes.backends import get_backend
+    from streaming.events import Error, Token, Usage
 
     quote = Quote(persona=persona.slug, name=persona.name, topic=topic)
     backend: Any = get_backend("local")
     started = time.perf_counter()
-    events = stream_generation(
-        persona=persona,
-        topic=topic,
-        client=Client(key="bench", ip_hash=""),
-        bypass_cache=True,
-        transport="bench",
-    )
-    async for event in events:
+    # The persona as prepare() changed it (unsaved), not as the database has it: no parse().
+    client = limits.Client("bench")
+    asked = generations.Quote(persona, None, generations.clean_topic(topic, default=""), fresh=True)
+    generation = await generations.start(asked, client, await limits.admit(client), transport="bench")
+    async for event in generation.read():
         if type(event) is Token:
             if quote.ttft_ms is None:
                 quote.ttft_ms = (time.perf_counter() - started) * 1000
@@ -248,8 +236,8 @@ async def generate(persona: Any, topic: str) -> Quote:
     if backend.jobs:
         stats = backend.jobs[-1]
         quote.cached_tokens = getattr(stats, "cached_tokens", None)
-        # A quote the copy rule ended: the gateway closed the backend's stream ("stopped", or
-        # not yet marked when it is read here).
+        # A quote the copy rule ended: the generation closed the backend's stream ("stopped",
+        # or not yet marked when it is read here).
         quote.stop_reason = stats.stop_reason if stats.stop_reason not in ("", "stopped") else "copy cut"
     quote.text = quote.text.strip()
     return quote
@@ -258,12 +246,13 @@ async def generate(persona: Any, topic: str) -> Quote:
 async def time_first_token(persona: Any, topic: str, *, cache: bool) -> tuple[float, int]:
     """TTFT of the persona's request straight on the backend, with llama.cpp's prompt cache on
     or off (off: the whole frame is read), and the prompt's length."""
-    from quotes.ai.backends import get_backend
-    from quotes.ai.backends.local import completion_body
-    from quotes.ai.events import Token, Usage
+    from quotes.backends import get_backend
+    from quotes.backends.local import completion_body, quote_lead
+    from streaming.events import Token, Usage
 
     backend: Any = get_backend("local")
-    body = {**completion_body(persona.build_request(topic=topic)), "cache_prompt": cache, "max_tokens": 4}
+    request = persona.build_request(topic=topic)
+    body = {**completion_body(request, quote_lead(request)), "cache_prompt": cache, "max_tokens": 4}
     started, first, prompt = time.perf_counter(), math.nan, 0
     async for event in backend.stream_completion(body):
         if type(event) is Token and math.isnan(first):
@@ -274,8 +263,9 @@ async def time_first_token(persona: Any, topic: str, *, cache: bool) -> tuple[fl
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from quotes.ai.backends import reset_backends
+    from quotes.backends import reset_backends
     from quotes.models import Persona
+    from quotes.rows import writer
 
     rng = random.Random(args.seed)
     personas = [p async for p in Persona.objects.active().order_by("display_order", "name")]
@@ -307,6 +297,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 timing.cold_ms.append(cold)
                 timing.frame_tokens.append(prompt)
     finally:
+        await writer().flush(10.0)
         await reset_backends()
     return report(quotes, timings, examples, personas, args, rng)
 
@@ -568,7 +559,7 @@ def remeasure(directory: Path, examples_from: Path) -> dict[str, Any]:
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-persona", type=int, default=2, help="quotes per persona on each topic")
     parser.add_argument("--topics", default=DEFAULT_TOPICS, help="comma-separated")
@@ -598,7 +589,7 @@ def main() -> None:
         "--sampling",
         default="",
         help="llama.cpp defaults to change in this process, e.g. dry_multiplier=0.8,min_p=0.05 "
-        "(quotes.ai.backends.local.SAMPLING_DEFAULTS)",
+        "(quotes.backends.local.SAMPLING_DEFAULTS)",
     )
     parser.add_argument("--examples-from", default=str(SEED_MIGRATION), help=argparse.SUPPRESS)
     parser.add_argument("--timing", type=int, default=2, help="warm/cold rounds per persona (0: none)")
@@ -618,7 +609,18 @@ def main() -> None:
     parser.add_argument(
         "--coherence-score", nargs="+", metavar=("OUT", "VERDICTS"), help="score readers' y/n verdicts"
     )
-    args = parser.parse_args()
+    args = parse_args(
+        parser,
+        argv,
+        smoke={
+            "per_persona": 1,
+            "topics": "rain",
+            "personas": "alan-watts,lao-tzu",
+            "max_tokens": 8,
+            "timing": 1,
+            "quiet": True,
+        },
+    )
     if args.coherence_sheet:
         out, *runs = args.coherence_sheet
         coherence_sheet(Path(out), [Path(run) for run in runs], args.seed)
@@ -634,7 +636,7 @@ def main() -> None:
         print_summary(remeasure(Path(args.measure), Path(args.examples_from)))
         return
     setup_django(args.database)
-    from quotes.ai.backends import local
+    from quotes.backends import local
 
     if args.max_sentences is not None:
         local.MAX_SENTENCES = args.max_sentences

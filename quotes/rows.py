@@ -79,6 +79,7 @@ class RowWriter:
         self.refusals: Counter[tuple[int, dt.datetime, str]] = Counter()
         self.failing = ""
         self.refusal_writes = 0
+        self.refusals_in_flight = 0
         self._wake = asyncio.Event()
         self._flush_due: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
@@ -104,8 +105,9 @@ class RowWriter:
         rows left, one JSON line each."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        writes = self.refusal_writes + (1 if self.refusals else 0)
-        while (self.waiting or self.refusal_writes < writes) and loop.time() < deadline:
+        # A write under way, then one more for what it did not take: counts come in meanwhile.
+        target = self.refusal_writes + self.refusals_in_flight + (1 if self.refusals else 0)
+        while (self.waiting or self.refusal_writes < target) and loop.time() < deadline:
             self._start()
             await asyncio.sleep(0.05)
         for row, _, done in self.waiting:
@@ -187,19 +189,32 @@ class RowWriter:
             self._flush_due.cancel()
             self._flush_due = None
         counts, self.refusals = self.refusals, Counter()
-        while counts:
-            (persona_id, hour, code), count = next(iter(counts.items()))
-            try:
-                keys = {"persona_id": persona_id, "hour": hour, "code": code}
-                if not await Refusal.objects.filter(**keys).aupdate(count=F("count") + count):
-                    await Refusal.objects.acreate(**keys, count=count)
-            except UNREACHABLE:
-                self.refusals.update(counts)  # those not written yet: the next try
-                raise
-            except IntegrityError:  # its persona is gone: nothing to count them against
-                logger.warning("%d refusals not counted: persona %s is gone", count, persona_id)
-            del counts[persona_id, hour, code]
+        self.refusals_in_flight = 1
+        try:
+            while counts:
+                (persona_id, hour, code), count = next(iter(counts.items()))
+                try:
+                    await _add_refusals(persona_id, hour, code, count)
+                except UNREACHABLE:
+                    self.refusals.update(counts)  # those not written yet: the next try
+                    raise
+                del counts[persona_id, hour, code]
+        finally:
+            self.refusals_in_flight = 0
         self.refusal_writes += 1
+
+
+async def _add_refusals(persona_id: int, hour: dt.datetime, code: str, count: int) -> None:
+    keys = {"persona_id": persona_id, "hour": hour, "code": code}
+    for _ in range(2):  # another process may make the hour's row between our update and create
+        if await Refusal.objects.filter(**keys).aupdate(count=F("count") + count):
+            return
+        try:
+            await Refusal.objects.acreate(**keys, count=count)
+            return
+        except IntegrityError:
+            continue
+    logger.warning("%d refusals not counted: persona %s is gone", count, persona_id)
 
 
 def refused(error: QuoteError, slug: object, transport: str) -> None:

@@ -1,7 +1,9 @@
 """The naive Django proxy: one async view that opens an httpx stream to the upstream and yields
-its `aiter_raw()` chunks into a StreamingHttpResponse. No middleware, no database, no parsing:
-the cheapest thing Django + httpx + daphne can do with a stream, and so the baseline row of
-bench/proxy_overhead.py and bench/load.py."""
+its `aiter_raw()` chunks into a StreamingHttpResponse. No parsing, no database: the cheapest thing
+Django + httpx + daphne can do with a stream, and so the baseline rows of bench/proxy_overhead.py
+and bench/load.py, bare (settings.py, these urlpatterns) and under the app's own stack
+(stack_settings.py). The upstream comes from the environment, set by the benchmark that starts
+it: BENCH_UPSTREAM_URL (the full URL to POST to) and BENCH_UPSTREAM_HEADERS (a JSON object)."""
 
 from __future__ import annotations
 
