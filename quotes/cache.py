@@ -18,7 +18,8 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.core.cache import cache
+from django.conf import settings
+from django.core.cache import BaseCache, caches
 from redis.exceptions import RedisError
 
 from streaming.events import Done, Event, Meta, from_json, to_json
@@ -32,6 +33,16 @@ T = TypeVar("T")
 RETRY_S = 2.0
 _down_until = 0.0
 _failing = False
+_stores: dict[str, BaseCache] = {}
+
+
+def store(alias: str = "default") -> BaseCache:
+    """The process's one cache object for `alias`. (Django makes one per request context under
+    ASGI, and a RedisCache one opens a connection pool of its own that nothing closes.)"""
+    key = f"{alias}:{json.dumps(settings.CACHES[alias], sort_keys=True, default=str)}"
+    if key not in _stores:
+        _stores[key] = caches.create_connection(alias)
+    return _stores[key]
 
 
 async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
@@ -82,7 +93,7 @@ def answer_key(*, backend: str, request: GenerationRequest, version_id: int | No
 
 async def get_answer(key: str) -> list[Event] | None:
     """The complete answer kept under `key` (ending with Done), or None."""
-    stored = await call(cache.get, key)
+    stored = await call(store().get, key)
     try:
         answer = from_json(stored) if stored is not None else None
     except ValueError:
@@ -99,4 +110,4 @@ async def store_answer(key: str, events: list[Event], *, ttl: int) -> None:
         for e in events
         if not (type(e) is Meta and e.id is not None)  # the generation's own opening
     ]
-    await call(cache.set, key, to_json([*kept, Done()]), timeout=ttl)
+    await call(store().set, key, to_json([*kept, Done()]), timeout=ttl)

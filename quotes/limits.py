@@ -29,7 +29,7 @@ from decimal import Decimal
 
 import redis.asyncio
 from django.conf import settings
-from django.core.cache import caches
+from django.core.cache import BaseCache
 from limits import RateLimitItem, parse
 from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
@@ -257,14 +257,13 @@ def until_tomorrow() -> int:
 
 
 async def _add(key: str, units: int) -> int:
-    counters = caches["counters"]
-    total = await cache.call(_add_now, counters, key, units)
+    total = await cache.call(_add_now, cache.store("counters"), key, units)
     return total if total is not None else _add_here(key, units)
 
 
-def _add_now(counters: object, key: str, units: int) -> int:
-    counters.add(key, 0, timeout=2 * 86400)  # type: ignore[attr-defined]
-    return int(counters.incr(key, units))  # type: ignore[attr-defined]
+def _add_now(counters: BaseCache, key: str, units: int) -> int:
+    counters.add(key, 0, timeout=2 * 86400)
+    return int(counters.incr(key, units))
 
 
 _here: dict[str, int] = {}
@@ -313,6 +312,6 @@ async def reserve(persona_id: int, persona_limit: Decimal | None, most_usd: floa
 async def spent_today(persona_id: int | None = None) -> Decimal:
     """Today's spend (reserved or settled) as the ceilings count it."""
     key = _day_key(persona_id)
-    value = await cache.call(caches["counters"].get, key, 0)
+    value = await cache.call(cache.store("counters").get, key, 0)
     units = _here.get(key, 0) if value is None else int(value)
     return Decimal(units) / UNIT

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.core.cache import cache as shared_cache
 from django.db import InterfaceError, OperationalError, close_old_connections
 from django.db.models.signals import post_delete, post_migrate, post_save
 
@@ -85,7 +84,7 @@ async def get_active(slug: str) -> ActivePersona | None:
     """The active persona called `slug` with its current version, or None; raises the 503 while
     the database is down and this process never loaded it."""
     global _under, _slugs
-    current = await cache.call(shared_cache.get, VERSION_KEY, "")
+    current = await cache.call(cache.store().get, VERSION_KEY, "")
     if current is None or current != _under:  # a change, or no shared cache to tell: reload
         _entries.clear()
         _slugs, _under = None, current
@@ -150,7 +149,7 @@ def bump(*, signal: object = None, instance: object = None, **_: Any) -> None:
     _entries.clear()
     _slugs, _under = None, object()
     try:
-        shared_cache.set(VERSION_KEY, uuid.uuid4().hex, timeout=None)
+        cache.store().set(VERSION_KEY, uuid.uuid4().hex, timeout=None)
     except Exception:  # Redis down: each process reads the database again within MAX_AGE_S
         logger.warning("could not tell the other processes that personas changed", exc_info=True)
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.core.cache import cache
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
 from redis.exceptions import RedisError
@@ -23,6 +22,7 @@ from streaming.generation import generations
 
 from ..backends import get_backend
 from ..backends.local import LocalBackend
+from ..cache import store
 from ..limits import DRAINING_RETRY_S
 from ..models import Persona
 from ..rows import writer
@@ -42,9 +42,9 @@ async def _database() -> Check:
 async def _cache() -> Check:
     key = f"healthz:{uuid.uuid4().hex}"
     try:
-        await sync_to_async(cache.set, thread_sensitive=False)(key, "ok", timeout=30)
-        value = await sync_to_async(cache.get, thread_sensitive=False)(key)
-        await sync_to_async(cache.delete, thread_sensitive=False)(key)
+        await sync_to_async(store().set, thread_sensitive=False)(key, "ok", timeout=30)
+        value = await sync_to_async(store().get, thread_sensitive=False)(key)
+        await sync_to_async(store().delete, thread_sensitive=False)(key)
     except (RedisError, OSError) as exc:  # the process serves on its own meanwhile
         return {"status": "failing", "detail": f"{type(exc).__name__}: {exc}"[:300]}
     if value != "ok":
