@@ -128,7 +128,7 @@ def bodies(draw: st.DrawFn) -> bytes:
     return body
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(body=bodies(), data=st.data())
 def test_upstream_events_match_the_reference_however_the_body_is_cut(
     body: bytes, data: st.DataObject

@@ -26,7 +26,7 @@ from tests.asgi import AsgiStream, parse_sse, post_stream, read_events
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 ARTIFACT = Path(__file__).resolve().parents[2] / "artifacts" / "reliability.json"
-TRIALS = 10
+TRIALS = 6
 SEED = 8
 
 

@@ -69,15 +69,15 @@ async def test_post_streams_workers_ai_wire_format_and_logs_one_row(fake: FakeWo
 
 
 async def test_a_row_says_running_while_its_generation_streams(fake: FakeWorkersAI) -> None:
-    fake.script(Scenario(tokens=["tick"] * 50, token_delay_s=0.02))
+    fake.script(Scenario(tokens=["tick"] * 30, token_delay_s=0.02))
     stream = post_stream()
     await read_events(stream, 2)
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.1)
     [row] = await rows()
     assert row.status == Generation.Status.RUNNING
     await stream.read_all()
     [row] = await rows()
-    assert row.status == Generation.Status.OK and row.text == "tick" * 50
+    assert row.status == Generation.Status.OK and row.text == "tick" * 30
 
 
 async def test_eventsource_get_starts_with_retry_and_ends_with_done(fake: FakeWorkersAI) -> None:
@@ -153,7 +153,7 @@ async def test_cache_keeps_only_complete_answers_and_follows_the_persona_ttl(
 
 
 async def test_identical_requests_in_flight_make_one_upstream_call(fake: FakeWorkersAI) -> None:
-    fake.script(Scenario(tokens=["a", "b", "c", "d"], token_delay_s=0.1))
+    fake.script(Scenario(tokens=["a", "b", "c", "d"], token_delay_s=0.05))
     first = post_stream()
     await read_events(first, 1)
     second = post_stream()
@@ -166,14 +166,14 @@ async def test_identical_requests_in_flight_make_one_upstream_call(fake: FakeWor
 
 
 async def test_a_joiner_keeps_the_upstream_when_the_first_client_leaves(fake: FakeWorkersAI) -> None:
-    fake.script(Scenario(tokens=["tick"] * 30, token_delay_s=0.03))
+    fake.script(Scenario(tokens=["tick"] * 20, token_delay_s=0.02))
     first = post_stream()
     await read_events(first, 1)
     second = post_stream()
     await read_events(second, 1)
     await first.disconnect()
     response = await second.read_all()
-    assert tokens(response.body) == "tick" * 30
+    assert tokens(response.body) == "tick" * 20
     assert len(fake.requests) == 1 and not fake.requests[0].client_disconnected.is_set()
 
 
@@ -196,7 +196,7 @@ async def test_retries_then_falls_back_before_the_first_token_only(
 
 
 async def test_deadlines_first_token_and_idle(fake: FakeWorkersAI, settings: Any) -> None:
-    settings.QUOTES_POLICY = Policy(max_attempts=1, ttft_timeout_s=0.5, idle_timeout_s=0.5, total_timeout_s=5)
+    settings.QUOTES_POLICY = Policy(max_attempts=1, ttft_timeout_s=0.3, idle_timeout_s=0.3, total_timeout_s=5)
     fake.script(Scenario(stall_before_s=3))
     response = await post_quote()
     assert (response.status, response.json()["error"]["code"]) == (504, "upstream_timeout")
@@ -208,8 +208,8 @@ async def test_deadlines_first_token_and_idle(fake: FakeWorkersAI, settings: Any
 
 
 async def test_keepalive_pings_while_the_model_stalls_mid_stream(fake: FakeWorkersAI, settings: Any) -> None:
-    settings.QUOTES_KEEPALIVE_S = 0.2
-    fake.script(Scenario(tokens=["a", "b"], stall_after_tokens=1, stall_s=0.9))
+    settings.QUOTES_KEEPALIVE_S = 0.1
+    fake.script(Scenario(tokens=["a", "b"], stall_after_tokens=1, stall_s=0.45))
     response = await post_quote()
     assert response.body.count(b": ping\n\n") >= 2
     assert tokens(response.body.replace(b": ping\n\n", b"")) == "ab"
