@@ -135,8 +135,10 @@ def check_rolling_restart(output: str) -> None:
     rows, expected = fraction(r["rows / expected"], " / ")
     assert rows == expected == quotes, r
     assert (r["lost rows"], r["extra rows"]) == ("0", "0"), r
-    counted, answered = fraction(r["refusals counted / answered"], " / ")
-    assert 0 < counted <= answered, r  # at most: see check_scaleout_load
+    # Refused while draining: counted by the app (nginx's log, which gives `answered`, misses a
+    # refusal whose client had already gone).
+    counted, _ = fraction(r["refusals counted / answered"], " / ")
+    assert counted > 0, r
     restarts = table_with(output, "drain + exit s")
     assert [p["daphne"] for p in restarts] == ["1", "2"], restarts
     assert all(p["exit code"] == "0" for p in restarts), restarts

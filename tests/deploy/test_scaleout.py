@@ -26,7 +26,6 @@ import httpx
 import pytest
 
 from harness import scaleout
-from harness.faults import faults
 from harness.faults.layout import PERSONA, Layout
 from harness.services import client_address
 
@@ -123,21 +122,6 @@ def test_a_visitors_resume_and_stop_reach_the_process_that_holds_the_generation(
         if min(held["A"], held["B"]) >= 2:
             break
     assert min(held["A"], held["B"]) >= 2, f"the visitors' generations were held by {dict(held)}"
-
-
-# -- deploys ------------------------------------------------------------------------------------
-
-
-def test_a_rolling_restart_with_a_20_s_drain_cuts_no_stream(layout: Layout) -> None:
-    layout.use_tokens(30, 20)  # 1.5 s quotes, one after another, 20 clients
-    report = faults.run(layout, faults.FAULTS["rolling-restart"], clients=20, fault_s=0, after_s=1)
-    figures = "\n".join(f"  {k}: {v}" for k, v in faults.summary(report).items())
-    assert not report.failed(), "\n".join(report.failed()) + "\n" + figures
-    restarts = report.injected
-    assert isinstance(restarts, list) and [r.exit_code for r in restarts] == [0, 0], restarts
-    assert all(r.drain_s < 20 for r in restarts), restarts  # its streams ended, it did not wait out the drain
-    assert Counter(q.outcome for q in report.quotes) == {"done": len(report.quotes)}, figures
-    assert len(report.during()) > 20, figures
 
 
 # -- overload -----------------------------------------------------------------------------------
