@@ -27,9 +27,9 @@ One run, side by side, requests interleaved (the order rotates every round):
 3. Profile: py-spy (requirements-bench.txt) samples the app's daphne while the driver sends app
    requests (CPU only, no idle); skipped without py-spy or with --profile-seconds 0.
 4. In-process: Django's ASGI handler driven directly (no server) in a subprocess: a stream to its
-   first token (wall and CPU time, and the sync_to_async hops before it, by target) beside the
-   upstream read directly, and a refusal (503 over_capacity with Retry-After, the open-stream cap
-   at 0) through Django's handler and middleware: what each refused stream of an overload costs.
+   first token (wall and CPU time) beside the upstream read directly, and a refusal (503
+   over_capacity with Retry-After, the open-stream cap at 0) through Django's handler and
+   middleware: what each refused stream of an overload costs.
 """
 
 from __future__ import annotations
@@ -391,37 +391,13 @@ WORKER = "from bench.proxy_overhead import in_process_worker as w; w()"
 
 def in_process_worker() -> None:
     """Run in a subprocess with the app's environment: drive the ASGI app in-process (Django's
-    handler, no server) interleaved with a direct read of the upstream, timing every
-    `sync_to_async` call (a hop to the request's thread and back) made before the first token;
-    then refusals at an open-stream cap of 0. Prints one JSON line."""
+    handler, no server) interleaved with a direct read of the upstream; then refusals at an
+    open-stream cap of 0. Prints one JSON line."""
     import asyncio
     import os
 
-    from asgiref.sync import SyncToAsync
-
     from config.asgi import application
 
-    hops: list[tuple[str, str, float, float]] = []
-    original = SyncToAsync.__call__
-    app_code = tuple(f"{ROOT / package}/" for package in ("quotes", "streaming"))
-
-    async def timed(self: SyncToAsync[..., object], *args: object, **kwargs: object) -> object:
-        started = time.perf_counter()
-        try:
-            return await original(self, *args, **kwargs)
-        finally:
-            func = getattr(self, "func", None)
-            name = getattr(func, "__qualname__", None) or type(func).__name__
-            # Whose hop: Django's handler awaits its own (the request waits), the app's tasks
-            # (the generation's, the row writer's) run beside the response.
-            task = asyncio.current_task()
-            code = getattr(task.get_coro(), "cr_code", None) if task else None
-            where = (
-                "the app's tasks" if code and code.co_filename.startswith(app_code) else "Django's handler"
-            )
-            hops.append((where, name, started, time.perf_counter() - started))
-
-    SyncToAsync.__call__ = timed  # type: ignore[method-assign,assignment]
     requests, warmup = int(os.environ["BENCH_REQUESTS"]), int(os.environ["BENCH_WARMUP"])
     direct_url, direct_body = os.environ["BENCH_DIRECT_URL"], os.environ["BENCH_DIRECT_BODY"].encode()
     direct_headers = json.loads(os.environ["BENCH_DIRECT_HEADERS"])
@@ -430,11 +406,8 @@ def in_process_worker() -> None:
         from django.conf import settings
 
         out: dict[str, list[float]] = collections.defaultdict(list)
-        per_name: collections.Counter[str] = collections.Counter()
-        per_name_s: collections.Counter[str] = collections.Counter()
         async with httpx.AsyncClient(trust_env=False) as http:
             for n in range(warmup + requests):
-                hops.clear()
                 timing = await stream_in_process(application, APP_BODY)
                 assert timing.status == 200 and timing.first_token, timing.status
                 direct = await direct_ttft(http, direct_url, content=direct_body, headers=direct_headers)
@@ -444,11 +417,6 @@ def in_process_worker() -> None:
                 out["wall"].append(first - timing.started)
                 out["cpu"].append(timing.first_token_cpu - timing.started_cpu)
                 out["direct"].append(direct)
-                out["hops"].append(sum(d for w, _, t, d in hops if t < first and w == "Django's handler"))
-                for where, name, t, d in hops:
-                    if t < first:
-                        per_name[f"{where}: {name}"] += 1
-                        per_name_s[f"{where}: {name}"] += d
         settings.QUOTES_MAX_OPEN_STREAMS = 0  # every stream refused: over_capacity
         for n in range(warmup + requests):
             timing = await stream_in_process(application, APP_BODY)
@@ -457,11 +425,7 @@ def in_process_worker() -> None:
             if n >= warmup:
                 out["refusal_wall"].append(timing.ended - timing.started)
                 out["refusal_cpu"].append(timing.ended_cpu - timing.started_cpu)
-        return {
-            **out,
-            "refusal_headers": headers,
-            "per_hop": {n: [c / requests, per_name_s[n] / requests] for n, c in per_name.most_common()},
-        }
+        return {**out, "refusal_headers": headers}
 
     print(json.dumps(asyncio.run(run())))
 
@@ -502,14 +466,8 @@ def in_process_section(upstream: Upstream, app: AppServer, args: argparse.Namesp
         ),
         "",
         f"TTFT direct p50 {ms(median(data['direct']))} ms; through the ASGI app in-process p50 "
-        f"{ms(median(data['wall']))} ms (added {ms(median(added))} ms), of which waiting on Django's "
-        f"handler's sync_to_async hops p50 {ms(median(data['hops']))} ms. The refusal's headers: "
+        f"{ms(median(data['wall']))} ms (added {ms(median(added))} ms). The refusal's headers: "
         + ", ".join(data["refusal_headers"]),
-        "",
-        table(
-            ["whose: sync_to_async target, before the first token", "calls/request", "ms/request"],
-            [[name, f"{count:.1f}", f"{s * 1000:.3f}"] for name, (count, s) in data["per_hop"].items()],
-        ),
         "",
     ]
     print("\n".join(section), flush=True)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.cache import BaseCache, caches
+from django.core.cache.backends.locmem import LocMemCache
 from redis.exceptions import RedisError
 
 from streaming.events import Done, Event, Meta, from_json, to_json
@@ -51,7 +52,10 @@ async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | No
     if time.monotonic() < _down_until:
         return None
     try:
-        result = await sync_to_async(operation, thread_sensitive=False)(*args, **kwargs)
+        if isinstance(getattr(operation, "__self__", None), LocMemCache):
+            result = operation(*args, **kwargs)  # this process's memory: microseconds, no thread
+        else:
+            result = await sync_to_async(operation, thread_sensitive=False)(*args, **kwargs)
     except (RedisError, OSError) as exc:
         if not _failing:
             logger.warning("the cache is unavailable (%s); serving without it", type(exc).__name__)
