@@ -110,10 +110,6 @@ def stopped() -> Error:
     return Error(code=ErrorCode.STOPPED, message="The quote was stopped.", status=409)
 
 
-def internal(message: str = "Something went wrong while writing the quote.") -> Error:
-    return Error(code=ErrorCode.INTERNAL_ERROR, message=message, status=500)
-
-
 def upstream_auth() -> Error:
     """Our credentials were refused upstream: the visitor gets no detail, the log does."""
     return Error(
@@ -146,19 +142,17 @@ def upstream_unavailable(message: str = f"The model service is having trouble ri
     return Error(code=ErrorCode.UPSTREAM_UNAVAILABLE, message=message, status=502)
 
 
-def upstream_rejected(message: str, status: int) -> Error:
-    return Error(code=ErrorCode.UPSTREAM_REJECTED, message=message, status=status)
-
-
 def upstream_status_error(status: int) -> Error:
     """The visitor's error for an upstream's non-2xx answer, from its status alone: what the
     upstream wrote (internal addresses, keys, its billing) is for the log (`upstream_text`)."""
     if status in (401, 403):
         return upstream_auth()
     if status == 429:
-        return upstream_rejected(f"The model service is receiving too many requests. {_RETRY}", 429)
+        return Error(ErrorCode.UPSTREAM_REJECTED, f"The model service is overloaded. {_RETRY}", 429)
     if 400 <= status < 500:
-        return upstream_rejected(f"The model service rejected the request (HTTP {status}).", status)
+        return Error(
+            ErrorCode.UPSTREAM_REJECTED, f"The model service refused the request (HTTP {status}).", status
+        )
     if status >= 500:
         return upstream_unavailable()
     return upstream_malformed(f"The model service gave an unexpected answer (HTTP {status}).")

@@ -26,7 +26,7 @@ from typing import Any
 from django.conf import settings
 
 from streaming.events import Done, Error, Event, Meta
-from streaming.generation import Generation, generations, replay
+from streaming.generation import FAILED, Generation, generations, replay
 from streaming.policy import generate
 
 from . import limits, personas
@@ -35,7 +35,7 @@ from .backends.base import Backend, GenerationRequest, Message
 from .backends.catalog import count_tokens_estimate, estimate_cost, get_model
 from .backends.voice import guard_copies
 from .cache import answer_key, get_answer, store_answer
-from .errors import ErrorCode, QuoteError, internal, stopped
+from .errors import ErrorCode, QuoteError, stopped
 from .models import Generation as Row
 from .models import Persona, PersonaVersion
 from .ops import metrics
@@ -284,7 +284,7 @@ async def _live(
     """A generation's life: its row inserted, its source run, its row completed, its end told."""
     rows = writer()
     rows.insert(row)
-    end: Done | Error = internal()
+    end: Done | Error = FAILED
     try:
         end = await generation.run(source)
         finish_fields(row, generation, end)

@@ -258,7 +258,9 @@ def until_tomorrow() -> int:
 
 async def _add(key: str, units: int) -> int:
     total = await cache.call(_add_now, cache.store("counters"), key, units)
-    return total if total is not None else _add_here(key, units)
+    if total is None:  # the shared counters are down: this process's own
+        total = _here[key] = _here.get(key, 0) + units
+    return total
 
 
 def _add_now(counters: BaseCache, key: str, units: int) -> int:
@@ -267,12 +269,6 @@ def _add_now(counters: BaseCache, key: str, units: int) -> int:
 
 
 _here: dict[str, int] = {}
-
-
-def _add_here(key: str, units: int) -> int:
-    """While the shared counters are down: this process's own."""
-    _here[key] = _here.get(key, 0) + units
-    return _here[key]
 
 
 @dataclass(slots=True)

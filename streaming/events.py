@@ -82,10 +82,6 @@ class Ping:
 Event = Token | Usage | Meta | Done | Error | Ping
 
 
-def terminal(event: Event) -> bool:
-    return type(event) is Done or type(event) is Error
-
-
 def merged(events: Iterable[Event]) -> Meta:
     """What the Meta events among `events` say, in order."""
     meta = Meta()

@@ -258,9 +258,3 @@ def validate_generation_settings(
     elif lora is not None and not lora.strip():
         errors["lora"] = ValidationError("lora must name an adapter.", code="required")
     return errors
-
-
-def check_generation_settings(model_id: str, **settings: object) -> None:
-    errors = validate_generation_settings(model_id, **settings)  # type: ignore[arg-type]
-    if errors:
-        raise ValidationError(errors)

@@ -78,15 +78,11 @@ async def _log_writer() -> Check:
     return {"status": "ok", "waiting": len(rows.waiting)}
 
 
-CHECKS: dict[str, Callable[[], Awaitable[Check]]] = {
-    "database": _database,
-    "cache": _cache,
-    "backend": _backend,
-    "log": _log_writer,
-}
+Probe = Callable[[], Awaitable[Check]]
+CHECKS: dict[str, Probe] = {"database": _database, "cache": _cache, "backend": _backend, "log": _log_writer}
 
 
-async def _run(check: Callable[[], Awaitable[Check]]) -> Check:
+async def _run(check: Probe) -> Check:
     started = time.perf_counter()
     try:
         async with asyncio.timeout(CHECK_TIMEOUT_S):
