@@ -150,14 +150,9 @@ def post_stream(
     )
 
 
-async def post_quote(
-    body: dict[str, Any] | bytes | None = None,
-    *,
-    headers: dict[str, str] | None = None,
-    client: tuple[str, int] | None = TEST_CLIENT,
-) -> StreamedResponse:
+async def post_quote(body: dict[str, Any] | bytes | None = None, **kwargs: Any) -> StreamedResponse:
     """`post_stream`, sent and read to its end."""
-    stream = post_stream(body, headers=headers, client=client)
+    stream = post_stream(body, **kwargs)
     await stream.start()
     return await stream.read_all()
 

@@ -4,6 +4,8 @@
 - `workers_ai_settings`: the site on the workers-ai backend against the fake, one attempt, short
   deadlines (a test that wants retries or fallbacks sets QUOTES_POLICY itself).
 - `workers_ai_backend`: a WorkersAIBackend on the fake, closed on the test's own loop.
+- `fake`: the site on `workers_ai_settings`, its backends closed on the test's own loop; a test
+  module overrides it to set its persona up with `saved(persona, field=value)`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from contextlib import suppress
 from typing import Any
 
 import pytest
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 
 from harness.services import free_port
 from harness.workers_ai import FakeWorkersAI
 from quotes.backends import reset_backends
 from quotes.backends.workers_ai import WorkersAIBackend
+from quotes.models import Persona
+from quotes.services import persona_save
 from streaming.policy import Policy
 
 #: Secret-looking credentials: tests assert they never reach an error, a log line or a page.
@@ -99,3 +103,17 @@ def unaccepting_port() -> Iterator[int]:
     for filler in fillers:
         filler.close()
     server.close()
+
+
+@pytest.fixture
+async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
+    yield fake_workers_ai
+    await reset_backends()  # their httpx clients belong to this test's loop
+
+
+async def saved(persona: Persona, **fields: Any) -> Persona:
+    """`persona` with `fields` changed, saved as an editor saves it (a new version)."""
+    for name, value in fields.items():
+        setattr(persona, name, value)
+    await sync_to_async(persona_save)(persona=persona)
+    return persona

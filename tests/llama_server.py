@@ -5,7 +5,6 @@ the same runtime as the embedded backend) running Gemma 3 270M on 127.0.0.1, in 
 Fixtures:
 - `llama_server` (session): a `LlamaServer` with `base_url` (ends in /v1), `api_key` (the
   server is started with one, so auth failures can be tested for real), `model_path`, `log_path`.
-- `llama_server_url` (session): just the base URL.
 
 The model file is assembled on first use at settings.LOCAL_MODEL_PATH. Start-up takes about 2 s.
 """
@@ -95,11 +94,6 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServ
         yield LlamaServer(base_url=base_url, api_key=api_key, model_path=model_path, log_path=log_path)
     finally:
         stop_process(process)
-
-
-@pytest.fixture(scope="session")
-def llama_server_url(llama_server: LlamaServer) -> str:
-    return llama_server.base_url
 
 
 def serve(model: Path, port: int, api_key: str, n_ctx: int = 1024, threads: int = 2) -> None:

@@ -14,7 +14,7 @@ WebSocket consumer in-process); the upstream is the fake Workers AI on 127.0.0.1
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,10 +25,10 @@ from django.db.backends.signals import connection_created
 
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes import personas
-from quotes.backends import reset_backends
 from quotes.models import Generation, Persona, Vote
 from quotes.services import persona_save
 from tests.asgi import CSRF, FORM_URL, STREAM_URL, htmx_form_post, post_quote, request
+from tests.fixtures import saved
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration, pytest.mark.services]
 
@@ -36,16 +36,12 @@ SAFARI = "Mozilla/5.0 (Macintosh; Intel Mac OS X 10_15_7) AppleWebKit/605.1.15 V
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    persona.cache_ttl = 0  # every request a generation of its own
-    await sync_to_async(persona_save)(persona=persona)
+async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
+    await saved(persona, cache_ttl=0)  # every request a generation of its own
     # Loaded now: a refusal is counted against this test's persona, not an earlier test's, which
     # quotes.personas still holds (its database row gone, the count's write fails until flush gives up).
     await personas.get_active(persona.slug)
-    yield fake_workers_ai
-    await reset_backends()
+    return fake
 
 
 def body(topic: str = "rain") -> dict[str, str]:

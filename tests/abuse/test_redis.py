@@ -19,7 +19,7 @@ import pickle
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ import redis
 from harness.workers_ai import FakeWorkersAI
 from quotes import cache as quotes_cache
 from quotes import limits
-from quotes.backends import reset_backends
 from quotes.models import Persona
 from tests.asgi import StreamedResponse, post_quote, request
 
@@ -39,11 +38,8 @@ DONE = b"data: [DONE]\n\n"
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    yield fake_workers_ai
-    await reset_backends()
+async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
+    return fake
 
 
 class Exploit:

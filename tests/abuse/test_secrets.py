@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +90,10 @@ def test_the_debug_error_page_prints_no_credential(tmp_path: Path, closed_port: 
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
+async def fake(fake: FakeWorkersAI, persona: Persona, workers_ai_settings: Any) -> FakeWorkersAI:
     workers_ai_settings.AI_GATEWAY_ID = GATEWAY_ID  # through AI Gateway: both ids in the URL
     await reset_backends()
-    yield fake_workers_ai
-    await reset_backends()
+    return fake
 
 
 @pytest.mark.integration

@@ -21,37 +21,30 @@ import os
 import socket
 import struct
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings as django_settings
 
 from harness.daphne import INSTANCE_UNIT, environment, migrate, running_daphne
 from harness.services import deploy_site, free_port, nginx
 from harness.workers_ai import FakeWorkersAI
-from quotes.backends import reset_backends
 from quotes.models import Generation, Persona
 from quotes.rows import writer
-from quotes.services import persona_save
 from tests.asgi import STREAM_URL, StreamedResponse, htmx_form_post, parse_sse, post_quote, request
-from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN
+from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN, saved
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    persona.cache_ttl = 0  # every request a generation of its own
-    await sync_to_async(persona_save)(persona=persona)
-    yield fake_workers_ai
-    await reset_backends()
+async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
+    await saved(persona, cache_ttl=0)  # every request a generation of its own
+    return fake
 
 
 async def get(query: str, headers: dict[str, str] | None = None) -> StreamedResponse:

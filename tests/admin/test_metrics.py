@@ -7,16 +7,16 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import math
-from collections.abc import AsyncIterator
+import re
 from dataclasses import replace
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.backends import reset_backends
 from quotes.backends.local import LocalBackend
 from quotes.models import Generation, Persona
 from tests.asgi import StreamedResponse, post_quote, post_stream, request
@@ -34,12 +34,6 @@ LOCAL = {"backend": "local", "model": "gemma-3-270m"}
 def _metrics_token(settings: Any) -> None:
     settings.QUOTES_METRICS_ENABLED, settings.QUOTES_METRICS_TOKEN = True, TOKEN
     settings.QUOTES_METRICS_ALLOW = ()
-
-
-@pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
-    yield fake_workers_ai
-    await reset_backends()  # its httpx client is closed on this test's loop
 
 
 class Scrape:
@@ -217,3 +211,16 @@ async def test_metrics_embedded_model_slots_queue_and_busy(persona: Any, local_b
             break
         await asyncio.sleep(0.02)
     assert (await scrape()).value("quotes_local_model_slots_in_use") == 0
+
+
+async def test_the_grafana_dashboard_queries_only_metrics_that_are_exported(
+    local_backend: LocalBackend,
+) -> None:
+    response = await request("GET", "/metrics", headers=AUTH)
+    exported = set()
+    for family in text_string_to_metric_families(response.body.decode()):
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
+        exported |= {family.name + suffix for suffix in suffixes}
+    dashboard = (Path(__file__).parents[2] / "deploy/grafana/persona-quotes.json").read_text()
+    queried = set(re.findall(r"\b(?:quotes|process)_[a-z_]+", dashboard))
+    assert "quotes_spend_today_usd" in queried and queried <= exported, queried - exported

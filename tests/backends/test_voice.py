@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.backends import reset_backends
 from quotes.backends.base import Message, VoiceExample
 from quotes.backends.local import FRAME_HEADER, LocalBackend, completion_prompt
 from quotes.backends.voice import (
@@ -155,12 +154,6 @@ def test_chat_request_carries_the_examples_as_earlier_answers() -> None:
         Message("user", "More?"),
     )
     assert request.conversation == (Message("user", "More?"),)
-
-
-@pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
-    yield fake_workers_ai
-    await reset_backends()
 
 
 @pytest.mark.integration

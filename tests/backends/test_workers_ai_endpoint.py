@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from asgiref.sync import sync_to_async
 from django.forms.models import model_to_dict
 
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.backends import reset_backends
 from quotes.backends.workers_ai import ERROR_CODES
 from quotes.models import Generation, Persona
-from quotes.services import persona_save
 from tests.asgi import StreamedResponse, parse_sse, post_quote, request, without_ids
-from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN, TEST_GATEWAY_TOKEN
+from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN, TEST_GATEWAY_TOKEN, saved
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -53,14 +50,10 @@ async def on(settings: Any, fake: FakeWorkersAI, backend: str) -> None:
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    await on(workers_ai_settings, fake_workers_ai, "workers-ai")
-    persona.model = MODEL
-    await sync_to_async(persona_save)(persona=persona)
-    yield fake_workers_ai
-    await reset_backends()
+async def fake(fake: FakeWorkersAI, persona: Persona, workers_ai_settings: Any) -> FakeWorkersAI:
+    await on(workers_ai_settings, fake, "workers-ai")
+    await saved(persona, model=MODEL)
+    return fake
 
 
 @pytest.fixture(params=["workers-ai", "openai"])

@@ -24,7 +24,6 @@ from django.db import connections
 from harness.services import free_port
 from harness.workers_ai import FakeWorkersAI
 from quotes import personas
-from quotes.backends import reset_backends
 from quotes.models import Generation, Persona
 from quotes.ops.logging import ClientErrorFilter, RequestIdFilter
 from tests.asgi import htmx_form_post, parse_sse, post_quote, request
@@ -82,10 +81,9 @@ async def database_down(tmp_path: Path) -> AsyncIterator[Callable[[], Awaitable[
 
 
 @pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
+async def fake(fake: FakeWorkersAI, workers_ai_settings: Any) -> AsyncIterator[FakeWorkersAI]:
     workers_ai_settings.QUOTES_CACHE_TTL = 0
-    yield fake_workers_ai
-    await reset_backends()
+    yield fake
     personas.outage.recovered()  # the next test starts with no outage in this process
 
 

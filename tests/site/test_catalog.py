@@ -9,7 +9,6 @@ from django.core.exceptions import ValidationError
 from quotes.backends import catalog
 from quotes.backends.catalog import (
     MODELS,
-    check_generation_settings,
     choices,
     count_tokens_estimate,
     doc_url,
@@ -165,10 +164,3 @@ def test_validate_takes_a_lora_only_on_lora_models_and_reports_every_bad_field()
         "top_k",
         "lora",
     }
-
-
-def test_check_generation_settings_raises_a_per_field_error() -> None:
-    check_generation_settings(LLAMA_31, max_tokens=16, temperature=1)
-    with pytest.raises(ValidationError) as caught:
-        check_generation_settings(LLAMA_31, max_tokens=16, temperature=6)
-    assert list(caught.value.message_dict) == ["temperature"]

@@ -5,23 +5,15 @@ posted to its own URL under Django's CSRF check; the JSON format untouched for e
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.backends import reset_backends
 from quotes.models import Generation, Persona
 from tests.asgi import htmx_form_post, parse_sse, request
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
-
-
-@pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
-    yield fake_workers_ai
-    await reset_backends()
 
 
 def data_of(events: list[dict[str, str]], name: str) -> dict[str, Any]:

@@ -87,5 +87,5 @@ def test_quote_command_streams_to_stdout_and_logs_or_names_the_personas(persona:
     assert row.status == Generation.Status.OK
     assert out.getvalue() == f"{row.text}\n  — gemma-3-270m as {persona.name}\n"
     Persona.objects.exclude(pk=persona.pk).delete()  # the seeded ones, when this test runs first
-    with pytest.raises(CommandError, match="No active persona 'nobody'; try one of: test-watts$"):
+    with pytest.raises(CommandError, match=r"No active persona 'nobody'; try one of: test-watts$"):
         call_command("quote", "nobody")

@@ -4,7 +4,6 @@ every change an editor makes, here or in another process."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -13,7 +12,6 @@ from django.db import connection, connections
 
 from harness.workers_ai import FakeWorkersAI
 from quotes import personas
-from quotes.backends import reset_backends
 from quotes.models import Persona
 from tests.asgi import post_quote
 
@@ -31,10 +29,9 @@ def test_seeded_personas_include_the_original_demo_and_all_validate() -> None:
 
 
 @pytest.fixture
-async def fake(workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI) -> AsyncIterator[FakeWorkersAI]:
+async def fake(fake: FakeWorkersAI, workers_ai_settings: Any) -> FakeWorkersAI:
     workers_ai_settings.QUOTES_CACHE_TTL = 0  # every quote asks the model
-    yield fake_workers_ai
-    await reset_backends()
+    return fake
 
 
 @pytest.mark.integration

@@ -3,20 +3,17 @@ parse_messages, check_context_window), then sent upstream as the persona's chat.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from asgiref.sync import sync_to_async
 
 from harness.workers_ai import FakeWorkersAI
-from quotes.backends import reset_backends
 from quotes.backends.base import Message
 from quotes.errors import QuoteError
 from quotes.generations import check_context_window, clean_topic, parse_messages
 from quotes.models import Generation, Persona
-from quotes.services import persona_save
 from tests.asgi import parse_sse, post_quote
+from tests.fixtures import saved
 
 TOO_LONG = "word " * 390  # ~1950 characters, ~490 estimated tokens
 
@@ -88,13 +85,9 @@ def test_a_conversation_must_fit_the_models_context_window() -> None:
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    persona.max_tokens, persona.temperature = 48, 1.25
-    await sync_to_async(persona_save)(persona=persona)
-    yield fake_workers_ai
-    await reset_backends()
+async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
+    await saved(persona, max_tokens=48, temperature=1.25)
+    return fake
 
 
 @pytest.mark.integration

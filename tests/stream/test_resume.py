@@ -7,17 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from asgiref.sync import sync_to_async
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.backends import reset_backends
 from quotes.models import Generation, Persona
-from quotes.services import persona_save
 from tests.asgi import parse_sse, post_quote, post_stream, read_events, request
+from tests.fixtures import saved
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -25,14 +22,10 @@ TICKS = [f"t{n} " for n in range(40)]
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    persona.model = "@cf/meta/llama-3.1-8b-instruct"
-    await sync_to_async(persona_save)(persona=persona)
-    workers_ai_settings.QUOTES_RESUME_GRACE_S = 5
-    yield fake_workers_ai
-    await reset_backends()
+async def fake(fake: FakeWorkersAI, persona: Persona, settings: Any) -> FakeWorkersAI:
+    await saved(persona, model="@cf/meta/llama-3.1-8b-instruct")
+    settings.QUOTES_RESUME_GRACE_S = 5
+    return fake
 
 
 def last_id(body: bytes) -> str:

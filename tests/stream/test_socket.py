@@ -7,25 +7,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.backends import reset_backends
 from quotes.models import Generation, Persona
-from quotes.services import persona_save
+from tests.fixtures import saved
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    persona.model = "@cf/meta/llama-3.1-8b-instruct"
-    await sync_to_async(persona_save)(persona=persona)
-    yield fake_workers_ai
-    await reset_backends()
+async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
+    await saved(persona, model="@cf/meta/llama-3.1-8b-instruct")
+    return fake
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from decimal import Decimal
 from typing import Any
 
@@ -14,11 +13,11 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.backends import reset_backends
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
 from streaming.policy import Policy
 from tests.asgi import htmx_form_post, parse_sse, post_quote, post_stream, read_events, request, without_ids
+from tests.fixtures import saved
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -28,14 +27,9 @@ TEXT = "Stay hungry, stay foolish."
 
 
 @pytest.fixture
-async def fake(
-    workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, persona: Persona
-) -> AsyncIterator[FakeWorkersAI]:
-    """The workers-ai backend against the fake, for the test persona on the catalog's model."""
-    persona.model = MODEL
-    await sync_to_async(persona_save)(persona=persona)
-    yield fake_workers_ai
-    await reset_backends()
+async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
+    await saved(persona, model=MODEL)
+    return fake
 
 
 async def rows() -> list[Generation]:
