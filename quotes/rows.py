@@ -18,6 +18,7 @@ import json
 import logging
 import weakref
 from collections import Counter, deque
+from contextvars import Context
 from decimal import Decimal
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
@@ -137,11 +138,11 @@ class RowWriter:
     def _start(self) -> None:
         self._wake.set()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._write_all())
+            # A fresh context, not a copy of the request's: that holds the request's connection.
+            self._task = asyncio.get_running_loop().create_task(self._write_all(), context=Context())
 
     async def _write_all(self) -> None:
-        # A context of its own: its ORM calls go to one thread of its own, never to the
-        # thread of whichever request made it.
+        # Its ORM calls go to one thread of its own, never to a request's.
         async with ThreadSensitiveContext():
             try:
                 await self._write_until_cancelled()
