@@ -1,13 +1,10 @@
 """The request log's rows, written by one task per process through Django's async ORM.
 
-A generation's row is inserted `running` as it starts (`insert`) and completed once as it ends
-(`finish`, from the generation's events): neither write waits in front of the first token. While
-the database is down, rows wait in a bounded queue in memory, in order, and the site keeps
-streaming; they are written when it is back. A row that cannot be written (the queue is full,
-the row itself is refused, or the process exits first) is logged as one JSON line, so it is
-never lost silently. Refused requests are no rows: they are counted per persona, hour and code
-(`count_refusal`), and the counts written every FLUSH_S.
-"""
+A generation's row is inserted `running` as it starts and completed once as it ends: neither
+write waits in front of the first token. While the database is down or refuses writes, rows wait
+in a bounded queue in memory, in order; a row that cannot be written (the queue is full, the row
+is refused, the process exits first) is logged as one JSON line. Refused requests are no rows:
+they are counted per persona, hour and code, and the counts written every FLUSH_S."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from decimal import Decimal
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.core import serializers
-from django.db import IntegrityError, close_old_connections, connections
+from django.db import IntegrityError, InternalError, close_old_connections, connections
 from django.db.models import F
 from django.utils import timezone
 
@@ -44,6 +41,8 @@ MAX_WAITING = 10_000
 ROW_WAIT_S = 2.0
 FLUSH_S = 5.0
 CANCELLED = frozenset({"stopped", "abandoned", "server_draining"})
+#: The database is unreachable, or refuses writes (InternalError: read-only): rows wait.
+WAIT_FOR_DATABASE: tuple[type[Exception], ...] = (*UNREACHABLE, InternalError)
 
 
 def finish_fields(row: Generation, generation: LiveGeneration, end: Done | Error) -> None:
@@ -89,8 +88,7 @@ class RowWriter:
         self._queue(row, final=False)
 
     async def finish(self, row: Generation) -> None:
-        """Queue the whole row; wait (at most ROW_WAIT_S, and not while the database is down)
-        until it is written, so that a client who has seen the end finds it."""
+        """Queue the whole row; wait until it is written (at most ROW_WAIT_S, not while failing)."""
         done = self._queue(row, final=True)
         if not self.failing:
             await asyncio.wait([done], timeout=ROW_WAIT_S)
@@ -102,8 +100,7 @@ class RowWriter:
             self._flush_due = asyncio.get_running_loop().call_later(FLUSH_S, self._start)
 
     async def flush(self, timeout_s: float) -> None:
-        """Write the rows waiting and the refusals counted so far (within `timeout_s`); log the
-        rows left, one JSON line each."""
+        """Write the rows waiting and the refusals counted (within `timeout_s`); log rows left."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         # A write under way, then one more for what it did not take: counts come in meanwhile.
@@ -163,8 +160,11 @@ class RowWriter:
                     done.set_result(None)
                 if self.refusals:
                     await self._write_refusals()
-            except UNREACHABLE as exc:
-                outage.failed(exc)
+            except WAIT_FOR_DATABASE as exc:
+                if not isinstance(exc, InternalError):
+                    outage.failed(exc)
+                elif not self.failing:
+                    logger.warning("the database refuses the log's writes; rows wait in memory: %s", exc)
                 self.failing = f"{type(exc).__name__}: {exc}"[:200]
                 await sync_to_async(close_old_connections)()
                 await asyncio.sleep(backoff)

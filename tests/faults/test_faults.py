@@ -7,11 +7,12 @@ silent for more than a few seconds, no ERROR line or traceback in the logs.
 
 - PostgreSQL stopped for 35 s (past the 30 s for which a process trusts the personas it loaded):
   every quote is still served whole, and the rows, waiting in memory, are written once it is back;
+- PostgreSQL read-only: the same, with no ERROR line (a refused write waits like an unreachable one);
 - Redis stopped: the site keeps serving (the cache and the rate limits fall back to each process);
 - a process killed with SIGKILL: every generation it held has its row, `running`, which
   gateway_stats counts as lost once older than the total deadline.
 
-bench/faults.py runs these and more (the database read-only, Redis hung, the upstream hung) longer.
+bench/faults.py runs these and more (Redis hung, the upstream hung) longer.
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ def test_postgres_restarted_after_35_s_every_quote_is_served_and_every_row_writt
 def test_redis_stopped_the_site_keeps_serving(layout: Layout) -> None:
     report = run(layout, "redis-stopped", fault_s=3.0)
     assert Counter(q.outcome for q in report.during()) == {"done": len(report.during())}
+
+
+def test_a_read_only_database_keeps_the_rows_waiting_without_an_error(layout: Layout) -> None:
+    """Reads work and writes fail (PostgreSQL's InternalError, no OperationalError): quotes are
+    served whole, their rows wait in memory and are written once it takes writes again."""
+    report = run(layout, "database-read-only", fault_s=3.0)
+    assert Counter(q.outcome for q in report.quotes) == {"done": len(report.quotes)}
+    assert {status for _, status, _ in report.rows.values()} == {"ok"}
 
 
 def test_a_killed_process_leaves_a_running_row_for_every_generation_it_held(layout: Layout) -> None:
