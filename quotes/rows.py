@@ -195,8 +195,8 @@ class RowWriter:
             while counts:
                 (persona_id, hour, code), count = next(iter(counts.items()))
                 try:
-                    await _add_refusals(persona_id, hour, code, count)
-                except UNREACHABLE:
+                    await sync_to_async(_add_refusals)(persona_id, hour, code, count)
+                except WAIT_FOR_DATABASE:
                     self.refusals.update(counts)  # those not written yet: the next try
                     raise
                 del counts[persona_id, hour, code]
@@ -205,13 +205,13 @@ class RowWriter:
         self.refusal_writes += 1
 
 
-async def _add_refusals(persona_id: int, hour: dt.datetime, code: str, count: int) -> None:
+def _add_refusals(persona_id: int, hour: dt.datetime, code: str, count: int) -> None:
     keys = {"persona_id": persona_id, "hour": hour, "code": code}
     for _ in range(2):  # another process may make the hour's row between our update and create
-        if await Refusal.objects.filter(**keys).aupdate(count=F("count") + count):
+        if Refusal.objects.filter(**keys).update(count=F("count") + count):
             return
         try:
-            await Refusal.objects.acreate(**keys, count=count)
+            Refusal.objects.create(**keys, count=count)
             return
         except IntegrityError:
             continue
@@ -244,13 +244,13 @@ _writers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RowWriter] = weak
 
 def write_refusals_left() -> None:
     """At exit, once nothing answers any more: the refusals counted since the last write (sync)."""
-    for rows in list(_writers.values()):
-        for (persona_id, hour, code), count in rows.refusals.items():
-            keys = {"persona_id": persona_id, "hour": hour, "code": code}
-            with contextlib.suppress(IntegrityError):
-                if not Refusal.objects.filter(**keys).update(count=F("count") + count):
-                    Refusal.objects.create(**keys, count=count)
-        rows.refusals.clear()
+    try:
+        for rows in list(_writers.values()):
+            for key, count in rows.refusals.items():
+                _add_refusals(*key, count)
+            rows.refusals.clear()
+    finally:
+        connections.close_all()
 
 
 def writer() -> RowWriter:
