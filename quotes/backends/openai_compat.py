@@ -188,10 +188,7 @@ class OpenAICompatBackend:
 
     async def _status_error(self, response: httpx.Response) -> Error:
         status = response.status_code
-        try:
-            detail = _error_detail(await read_error_body(response))
-        except httpx.HTTPError:
-            detail = ""  # the status alone still says what happened
+        detail = _error_detail(await read_error_body(response))
         error = upstream_status_error(status)
         if status in (401, 403):
             logger.warning(

@@ -52,10 +52,14 @@ class LineEnds(httpx.AsyncByteStream):
 
 
 async def read_error_body(response: httpx.Response, limit: int = 64 * 1024) -> bytes:
-    """At most `limit` bytes of an error body: enough for any envelope, bounded against a runaway."""
+    """At most `limit` bytes of an error body: enough for any envelope, bounded against a runaway;
+    none if it cannot be read (cut, undecodable): the status alone still says what happened."""
     body = bytearray()
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= limit:
-            break
+    try:
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) >= limit:
+                break
+    except httpx.HTTPError:
+        return b""
     return bytes(body[:limit])

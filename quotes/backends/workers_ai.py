@@ -301,10 +301,7 @@ class WorkersAIBackend:
             )
 
             if not response.is_success:
-                try:
-                    body = await read_error_body(response)
-                except httpx.TransportError:
-                    body = b""
+                body = await read_error_body(response)
                 said = upstream_said(body, self._secrets)
                 status = response.status_code
                 said = f"HTTP {status}: {said}" if said else f"HTTP {status}"
