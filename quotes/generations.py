@@ -305,7 +305,7 @@ def _upstream(
 ) -> AsyncGenerator[Event, None]:
     """The persona's backend under the retry and fallback policy; a quote never copies eight
     words in a row from one of the persona's voice examples."""
-    models = list(dict.fromkeys([primary.model, *persona.fallback_models, *settings.QUOTES_FALLBACK_MODELS]))
+    models = model_chain(persona, primary.model)
 
     def attempt(model: str) -> AsyncGenerator[Event, None]:
         request = (
@@ -318,6 +318,11 @@ def _upstream(
     return generate(attempt, models, settings.QUOTES_POLICY)
 
 
+def model_chain(persona: Persona, model: str) -> list[str]:
+    """`model`, then the persona's fallbacks, then the site's, each once."""
+    return list(dict.fromkeys((model, *persona.fallback_models, *settings.QUOTES_FALLBACK_MODELS)))
+
+
 async def _joined(other: Generation) -> AsyncGenerator[Event, None]:
     """An identical generation's events, without its own id and cache status."""
     async for event in other.follow():
@@ -328,6 +333,7 @@ def most_cost(persona: Persona, request: GenerationRequest) -> float:
     """The most this generation can cost on any of its models: every prompt character a token,
     plus a chat template's, and max_tokens written."""
     prompt = sum(len(m.content) + 16 for m in request.messages)
-    models = (request.model, *persona.fallback_models, *settings.QUOTES_FALLBACK_MODELS)
-    costs = [estimate_cost(model, prompt, request.max_tokens) for model in models]
+    costs = [
+        estimate_cost(model, prompt, request.max_tokens) for model in model_chain(persona, request.model)
+    ]
     return max((cost for cost in costs if cost is not None), default=0.0)

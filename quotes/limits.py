@@ -305,9 +305,9 @@ async def reserve(persona_id: int, persona_limit: Decimal | None, most_usd: floa
     return spend
 
 
-async def spent_today(persona_id: int | None = None) -> Decimal:
-    """Today's spend (reserved or settled) as the ceilings count it."""
-    key = _day_key(persona_id)
+async def spent_today() -> Decimal:
+    """Today's spend (reserved or settled) as the site's ceiling counts it."""
+    key = _day_key(None)
     value = await cache.call(cache.store("counters").get, key, 0)
     units = _here.get(key, 0) if value is None else int(value)
     return Decimal(units) / UNIT

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.serializers.json import DjangoJSONEncoder
 
 from quotes.models import Persona
-
-
-def _plain(value: object) -> object:
-    """A field's value as JSON holds it: a decimal (a daily spend ceiling) as its exact text."""
-    return str(value) if isinstance(value, Decimal) else value
 
 
 def persona_fields() -> list[str]:
@@ -31,8 +26,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         fields = persona_fields()
         personas = Persona.objects.order_by("display_order", "name", "slug")
-        data = [{name: _plain(getattr(persona, name)) for name in fields} for persona in personas]
-        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+        data = [{name: getattr(persona, name) for name in fields} for persona in personas]
+        # A decimal (a daily spend ceiling) as its exact text.
+        text = json.dumps(data, cls=DjangoJSONEncoder, indent=2, ensure_ascii=False) + "\n"
         output = options["output"]
         if not output:
             self.stdout.write(text, ending="")
