@@ -29,14 +29,14 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import httpx
 
 from harness.daphne import APP, SINGLE_UNIT, daphne_command, environment, migrate, running
 from harness.services import deploy_site, free_port
 from harness.sse import Reader
-from harness.workers_ai import FakeWorkersAI, KeepAliveUpstream
+from harness.workers_ai import KeepAliveUpstream, backend_env
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Raw outputs and logs; BENCH_ARTIFACTS moves them (the smoke test keeps a tiny run's away from
@@ -52,8 +52,6 @@ MODEL = "@cf/meta/llama-3.1-8b-instruct"
 STREAM_PATH = "/api/quotes/stream"
 #: the same-stack naive proxy's path (bench/naive/stack_urls.py)
 NAIVE_PATH = "/bench/naive"
-
-UpstreamKind = Literal["fake", "keepalive"]
 
 
 # -- machine and numbers ---------------------------------------------------------------------------
@@ -305,69 +303,36 @@ async def stream_in_process(application: Callable[..., Awaitable[None]], body: b
 # -- upstreams in their own process ------------------------------------------------------------------
 
 
-def _upstream_main(conn: Connection, kind: UpstreamKind, scenario: Any) -> None:
+def _upstream_main(conn: Connection, scenario: Any) -> None:
     """The upstream process: serve, and answer the driver's commands on `conn`."""
-    if kind == "fake":
-        fake = FakeWorkersAI().start()
-        fake.default = scenario
-
-        def stats() -> dict[str, Any]:
-            last = fake.requests[-1] if fake.requests else None
-            return {
-                "requests": len(fake.requests),
-                "connections": len(fake.requests),  # one connection per request, always
-                "last": {
-                    "path": last.path,
-                    "headers": last.headers,
-                    "body": last.body,
-                    "received_at": last.received_at,
-                }
-                if last
-                else {},
-            }
-
-        def set_scenario(value: Any) -> None:
-            fake.default = value
-
-        conn.send(fake.port)
-    else:
-        upstream = KeepAliveUpstream(scenario)
-        ready = threading.Event()
-        threading.Thread(target=lambda: asyncio.run(upstream.serve(ready)), daemon=True).start()
-        ready.wait(10)
-
-        def stats() -> dict[str, Any]:
-            return {"requests": upstream.requests, "connections": upstream.connections, "last": upstream.last}
-
-        def set_scenario(value: Any) -> None:
-            upstream.scenario = value
-
-        conn.send(upstream.port)
+    upstream = KeepAliveUpstream(scenario)
+    ready = threading.Event()
+    threading.Thread(target=lambda: asyncio.run(upstream.serve(ready)), daemon=True).start()
+    ready.wait(10)
+    conn.send(upstream.port)
     while True:
         command, arg = conn.recv()
         if command == "scenario":
-            set_scenario(arg)
+            upstream.scenario = arg
             conn.send(True)
         elif command == "stats":
-            conn.send(stats())
+            conn.send(
+                {"requests": upstream.requests, "connections": upstream.connections, "last": upstream.last}
+            )
         else:
-            if kind == "fake":
-                fake.stop()
             conn.send(True)
             return
 
 
 class Upstream:
-    """An upstream server in a process of its own (so its work does not share the driver's GIL):
-    "fake" (harness.workers_ai.FakeWorkersAI: a connection per request) or "keepalive" (its
-    KeepAliveUpstream: connections kept for the next request)."""
+    """harness.workers_ai's KeepAliveUpstream (connections kept for the next request) in a
+    process of its own, so its work does not share the driver's GIL."""
 
-    def __init__(self, kind: UpstreamKind, scenario: Any) -> None:
-        self.kind = kind
+    def __init__(self, scenario: Any) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_upstream_main, args=(child, kind, scenario), daemon=True, name=f"upstream-{kind}"
+            target=_upstream_main, args=(child, scenario), daemon=True, name="upstream"
         )
         self._process.start()
         self.port: int = self._conn.recv()
@@ -412,8 +377,6 @@ class Upstream:
 class AppServer:
     url: str
     process: subprocess.Popen[bytes]
-    db_path: Path
-    log_path: Path
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -466,10 +429,7 @@ def workers_ai_env(upstream: HasApiBaseUrl) -> dict[str, str]:
     """The workers-ai backend against `upstream` (any of the benchmarks' upstreams or the fake),
     and the naive proxies' upstream: the URL and headers the app's backend sends to."""
     return {
-        "AI_BACKEND": "workers-ai",
-        "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
-        "CLOUDFLARE_API_TOKEN": API_TOKEN,
-        "CLOUDFLARE_API_BASE_URL": upstream.api_base_url,
+        **backend_env(upstream.api_base_url, ACCOUNT_ID, API_TOKEN),
         "BENCH_UPSTREAM_URL": f"{upstream.api_base_url}/accounts/{ACCOUNT_ID}/ai/run/{MODEL}",
         "BENCH_UPSTREAM_HEADERS": json.dumps(
             {"Authorization": f"Bearer {API_TOKEN}", "Content-Type": "application/json"}
@@ -494,8 +454,8 @@ def serve_app(
                 connection.execute(statement)
         if stack:
             env["DJANGO_SETTINGS_MODULE"] = "bench.naive.stack_settings"
-        with serve_asgi(APP, env, name) as (process, url, log_path):
-            yield AppServer(url, process, db_path, log_path, env)
+        with serve_asgi(APP, env, name) as (process, url, _):
+            yield AppServer(url, process, env)
 
 
 @contextlib.contextmanager
@@ -503,8 +463,8 @@ def serve_naive(**extra_env: str) -> Iterator[AppServer]:
     """The bare naive proxy (bench/naive: no middleware, no database) under plain daphne with the
     app's daphne flags, forwarding every POST to /api/quotes/stream to BENCH_UPSTREAM_URL."""
     env = {**os.environ, **extra_env, "DJANGO_SETTINGS_MODULE": "bench.naive.settings"}
-    with serve_asgi("bench.naive.asgi:application", env, "naive") as (process, url, log_path):
-        yield AppServer(url, process, Path(os.devnull), log_path, env)
+    with serve_asgi("bench.naive.asgi:application", env, "naive") as (process, url, _):
+        yield AppServer(url, process, env)
 
 
 @contextlib.contextmanager

@@ -216,7 +216,7 @@ def rate_rows(direct: Reader, paths: list[Reader]) -> list[list[object]]:
 
 def ttft_sections(args: argparse.Namespace) -> list[str]:
     with contextlib.ExitStack() as stack:
-        upstream = stack.enter_context(Upstream("keepalive", ttft_scenario(args.ttft_tokens)))
+        upstream = stack.enter_context(Upstream(ttft_scenario(args.ttft_tokens)))
         env = {**workers_ai_env(upstream), "QUOTES_CACHE_TTL": "3600", **args.extra_env}
         app = stack.enter_context(serve_app(stack=True, **env))
         naive = stack.enter_context(serve_naive(**env))

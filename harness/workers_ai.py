@@ -7,7 +7,7 @@ loop) and a daphne subprocess can all talk to it.
 
     fake = FakeWorkersAI().start()
     fake.script(Scenario(tokens=["café", " 日本"], split="random"), Scenario.out_of_capacity())
-    ... point WORKERS_AI.base_url at fake.api_base_url ...
+    ... point the app at it: backend_env(fake.api_base_url, account, token) ...
     fake.requests[0].json["messages"]
     fake.stop()
 
@@ -561,6 +561,16 @@ async def _read_body(reader: asyncio.StreamReader, headers: Mapping[str, str]) -
     if length > _MAX_REQUEST_BYTES:
         raise ValueError("request body too large")
     return await reader.readexactly(length) if length else b""
+
+
+def backend_env(api_base_url: str, account_id: str, api_token: str) -> dict[str, str]:
+    """The app's environment for its workers-ai backend to call the upstream at `api_base_url`."""
+    return {
+        "AI_BACKEND": "workers-ai",
+        "CLOUDFLARE_ACCOUNT_ID": account_id,
+        "CLOUDFLARE_API_TOKEN": api_token,
+        "CLOUDFLARE_API_BASE_URL": api_base_url,
+    }
 
 
 def _json(value: object) -> bytes:

@@ -43,7 +43,7 @@ from harness.services import (
     redis_server,
     stop_process,
 )
-from harness.workers_ai import FakeWorkersAI, Scenario
+from harness.workers_ai import FakeWorkersAI, Scenario, backend_env
 
 METRICS_TOKEN = secrets.token_urlsafe(24)
 METRICS_CONF = ROOT / "deploy" / "nginx" / "persona-quotes-metrics.conf"
@@ -282,9 +282,7 @@ def started(settings: Settings | None = None) -> Iterator[Layout]:
             env = production_base_env(
                 database_url=pg.url,
                 redis_url=redis.url,
-                CLOUDFLARE_ACCOUNT_ID="acct-layout",
-                CLOUDFLARE_API_TOKEN="cfut_LAYOUT-" + secrets.token_hex(16),
-                CLOUDFLARE_API_BASE_URL=fake.api_base_url,
+                **backend_env(fake.api_base_url, "acct-layout", "cfut_LAYOUT-" + secrets.token_hex(16)),
                 # Clients ask from 127.0.0.0/8, quote after quote: no rate limit in the way.
                 QUOTES_RATE_LIMIT="100000/minute",
                 QUOTES_CACHE_TTL="3600",  # topics are unique: misses

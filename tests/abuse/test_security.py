@@ -32,7 +32,7 @@ from django.conf import settings as django_settings
 
 from harness.daphne import INSTANCE_UNIT, environment, migrate, running_daphne
 from harness.services import deploy_site, free_port, nginx
-from harness.workers_ai import FakeWorkersAI
+from harness.workers_ai import FakeWorkersAI, backend_env
 from quotes.models import Generation, Persona
 from quotes.rows import writer
 from tests.asgi import STREAM_URL, StreamedResponse, htmx_form_post, parse_sse, post_quote, request
@@ -395,10 +395,7 @@ def daphne(tmp_path_factory: pytest.TempPathFactory, fake_workers_ai_server: Fak
     env = environment(
         DJANGO_ALLOWED_HOSTS="127.0.0.1",
         DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}",
-        AI_BACKEND="workers-ai",
-        CLOUDFLARE_ACCOUNT_ID=TEST_ACCOUNT_ID,
-        CLOUDFLARE_API_TOKEN=TEST_API_TOKEN,
-        CLOUDFLARE_API_BASE_URL=fake_workers_ai_server.api_base_url,
+        **backend_env(fake_workers_ai_server.api_base_url, TEST_ACCOUNT_ID, TEST_API_TOKEN),
         QUOTES_RATE_LIMIT="1/hour",
         QUOTES_CACHE_TTL="0",
         QUOTES_TRUSTED_PROXIES="127.0.0.2",

@@ -135,9 +135,9 @@ def test_gateway_stats_breakdowns(known_log: dict[str, Persona]) -> None:
 @pytest.mark.integration
 @pytest.mark.django_db(transaction=True)
 async def test_a_real_429_is_counted_in_refusals_not_stored_as_a_row(
-    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI
+    persona: Persona, fake: FakeWorkersAI, settings: Any
 ) -> None:
-    workers_ai_settings.QUOTES_RATE_LIMIT = "1/hour"
+    settings.QUOTES_RATE_LIMIT = "1/hour"
     assert (await post_quote()).status == 200
     refused = [await post_quote() for _ in range(3)]
     await writer().flush(5.0)  # the counts are written every few seconds, and at exit

@@ -18,7 +18,7 @@ from playwright.sync_api import Page, expect
 
 from harness.daphne import ROOT, SINGLE_UNIT, daphne_command, environment, migrate, running, wait_for
 from harness.services import free_port
-from harness.workers_ai import FakeWorkersAI, Scenario
+from harness.workers_ai import FakeWorkersAI, Scenario, backend_env
 
 SCREENSHOTS = ROOT / "artifacts" / "screenshots"
 ACCOUNT_ID = "acct-test"
@@ -69,13 +69,7 @@ def start_site(tmp_dir: Path, **settings: str) -> Iterator[Site]:
 
 
 def workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:
-    return {
-        "AI_BACKEND": "workers-ai",
-        "CLOUDFLARE_ACCOUNT_ID": ACCOUNT_ID,
-        "CLOUDFLARE_API_TOKEN": API_TOKEN,
-        "CLOUDFLARE_API_BASE_URL": fake.api_base_url,
-        "LOCAL_MODEL_PRELOAD": "false",
-    }
+    return {**backend_env(fake.api_base_url, ACCOUNT_ID, API_TOKEN), "LOCAL_MODEL_PRELOAD": "false"}
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.load import PATHS
+from bench.proxy_overhead import APP, BARE, DIRECT, HIT, NEW_CONNECTION, STACK
+
 pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +92,7 @@ def fraction(text: str, separator: str = "/") -> tuple[int, int]:
 
 def check_load(output: str) -> None:
     summary = table_with(output, "tokens recv/expected")
-    assert [r["path"] for r in summary] == ["naive proxy, bare", "naive proxy, same stack", "app"], summary
+    assert [r["path"] for r in summary] == list(PATHS.values()), summary
     for r in summary:
         assert r["completed"] == f"{r['streams']}/{r['streams']}", r
         assert (r["503"], r["errors"]) == ("0", "0"), r
@@ -100,8 +103,8 @@ def check_load(output: str) -> None:
             positive(r[column])
         number(r["RSS KiB/stream"])  # a few streams' worth is noise, either side of 0
         number(r["threads/stream"])
-    assert row(summary, "path", "naive proxy, bare")["CPU / bare naive's"] == "1.00"
-    assert row(summary, "path", "naive proxy, same stack")["CPU / same-stack naive's"] == "1.00"
+    assert row(summary, "path", PATHS["naive"])["CPU / bare naive's"] == "1.00"
+    assert row(summary, "path", PATHS["stack"])["CPU / same-stack naive's"] == "1.00"
     app = summary[-1]
     assert (app["lost rows"], app["extra rows"]) == ("0", "0"), app
 
@@ -146,32 +149,23 @@ def check_rolling_restart(output: str) -> None:
 
 def check_proxy_overhead(output: str) -> None:
     ttft = table_with(output, "added / same-stack naive's")
-    assert [r["path"] for r in ttft] == [
-        "direct",
-        "direct, a new connection each",
-        "naive proxy, bare",
-        "naive proxy, same stack",
-        "app",
-        "app, cache hit",
-    ], ttft
+    assert [r["path"] for r in ttft] == [DIRECT, NEW_CONNECTION, BARE, STACK, APP, HIT], ttft
     for r in ttft:
         positive(r["TTFT p50 ms"])
     for r in ttft[2:]:
         positive(r["added / bare naive's"])
         positive(r["added / same-stack naive's"])
-    assert row(ttft, "path", "naive proxy, bare")["added / bare naive's"] == "1.00"
-    assert row(ttft, "path", "naive proxy, same stack")["added / same-stack naive's"] == "1.00"
+    assert row(ttft, "path", BARE)["added / bare naive's"] == "1.00"
+    assert row(ttft, "path", STACK)["added / same-stack naive's"] == "1.00"
     connections = {r["path"]: r["upstream connections/request"] for r in ttft}
-    assert (connections["direct"], connections["direct, a new connection each"]) == ("0.00", "1.00"), ttft
-    assert all(0 <= number(connections[p]) <= 1 for p in ("naive proxy, bare", "app")), ttft
+    assert (connections[DIRECT], connections[NEW_CONNECTION]) == ("0.00", "1.00"), ttft
+    assert all(0 <= number(connections[p]) <= 1 for p in (BARE, APP)), ttft
     ratios = re.search(r"added TTFT p50: (\S+)x the same-stack naive proxy's .*?, (\S+)x the bare", output)
     assert ratios, output[-3000:]
     positive(ratios[1])
     positive(ratios[2])
     rate = table_with(output, "ratio to direct")
-    assert [r["path"] for r in rate] == ["direct", "naive proxy, bare", "naive proxy, same stack", "app"], (
-        rate
-    )
+    assert [r["path"] for r in rate] == [DIRECT, BARE, STACK, APP], rate
     for r in rate:
         positive(r["tokens/s"])
         positive(r["ratio to direct"])

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from logging.handlers import BufferingHandler
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,11 @@ def captured() -> Iterator[list[logging.LogRecord]]:
     """Every record as config/settings.py's console handler passes it on (through its filters)."""
     import config.asgi  # noqa: F401  (its first import configures logging, which replaces root handlers)
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[assignment,method-assign]
+    handler = BufferingHandler(capacity=1_000_000)
     handler.addFilter(RequestIdFilter())
     handler.addFilter(ClientErrorFilter())
     logging.getLogger().addHandler(handler)
-    yield records
+    yield handler.buffer
     logging.getLogger().removeHandler(handler)
 
 

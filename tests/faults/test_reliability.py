@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes.backends import reset_backends
 from quotes.backends.local import LocalBackend
 from quotes.models import Generation, Persona
 from tests.asgi import AsgiStream, parse_sse, post_stream, read_events
@@ -65,24 +64,23 @@ def record(backend: str, measure: str, delays: list[float], **extra: Any) -> Non
 
 
 async def test_disconnect_trials_workers_ai_close_the_upstream_and_log_cancelled(
-    persona: Persona, workers_ai_settings: Any, fake_workers_ai: FakeWorkersAI, unlimited: Any
+    persona: Persona, fake: FakeWorkersAI, unlimited: Any
 ) -> None:
     rng, delays = random.Random(SEED), []
-    fake_workers_ai.default = Scenario(tokens=[f" w{i}" for i in range(400)], token_delay_s=0.005)
+    fake.default = Scenario(tokens=[f" w{i}" for i in range(400)], token_delay_s=0.005)
     for trial in range(TRIALS):
         stream = post_stream({"persona": persona.slug, "topic": f"trial {trial}"})
         received = await read_events(stream, rng.randint(1, 30))
         sent_at = time.monotonic()  # the fake stamps with time.monotonic() too
         await stream.disconnect()
-        upstream = fake_workers_ai.requests[-1]
+        upstream = fake.requests[-1]
         assert await asyncio.to_thread(upstream.client_disconnected.wait, 5), f"trial {trial}"
         delay = upstream.disconnected_at - sent_at  # type: ignore[operator]
         assert delay < 1.0, f"trial {trial}: the upstream was closed {delay:.3f} s after the disconnect"
         await cancelled_row(stream, received)
         delays.append(max(delay, 0.0))
-    assert len(fake_workers_ai.requests) == TRIALS
+    assert len(fake.requests) == TRIALS
     record("workers-ai", "upstream socket closed (the fake's disconnected_at)", delays)
-    await reset_backends()
 
 
 async def test_disconnect_trials_local_model_stop_the_model_thread_and_log_cancelled(

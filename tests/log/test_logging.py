@@ -19,7 +19,6 @@ import pytest
 from harness.daphne import environment, make_command, running
 from harness.services import free_port
 from harness.workers_ai import Scenario
-from quotes.backends import reset_backends
 from quotes.ops.logging import JsonFormatter, RequestIdFilter, TextFormatter
 from tests.asgi import request
 from tests.fixtures import TEST_API_TOKEN
@@ -65,13 +64,10 @@ async def test_request_id_is_taken_from_the_proxy_returned_and_logged(console: A
 
 @pytest.mark.integration
 @pytest.mark.django_db(transaction=True)
-async def test_a_streams_lines_carry_its_request_id(
-    console: Any, workers_ai_settings: Any, fake_workers_ai: Any, persona: Any
-) -> None:
-    fake_workers_ai.script(Scenario.model_not_found())
+async def test_a_streams_lines_carry_its_request_id(console: Any, fake: Any, persona: Any) -> None:
+    fake.script(Scenario.model_not_found())
     body, headers = {"persona": persona.slug}, {"x-request-id": "rid-42"}
     response = await request("POST", "/api/quotes/stream", json_body=body, headers=headers)
-    await reset_backends()
 
     assert response.status == 400
     backend_lines = [r for r in console[1] if r.name == "quotes.backends.workers_ai"]

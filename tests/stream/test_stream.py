@@ -66,8 +66,11 @@ async def test_a_row_says_running_while_its_generation_streams(fake: FakeWorkers
     fake.script(Scenario(tokens=["tick"] * 30, token_delay_s=0.02))
     stream = post_stream()
     await read_events(stream, 2)
-    await asyncio.sleep(0.1)
-    [row] = await rows()
+    for _ in range(25):  # the insert follows the first token, off its path
+        if written := await rows():
+            break
+        await asyncio.sleep(0.02)
+    [row] = written
     assert row.status == Generation.Status.RUNNING
     await stream.read_all()
     [row] = await rows()
