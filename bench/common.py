@@ -48,7 +48,7 @@ ACCOUNT_ID = "bench-account"
 API_TOKEN = "bench-token-0123456789abcdef"
 PERSONA = "alan-watts"
 #: the seeded personas' Workers AI model: the URL the naive proxies forward to is the app's
-MODEL = "@cf/meta/llama-3.1-8b-instruct"
+MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
 STREAM_PATH = "/api/quotes/stream"
 #: the same-stack naive proxy's path (bench/naive/stack_urls.py)
 NAIVE_PATH = "/bench/naive"

@@ -13,16 +13,21 @@ import os
 import secrets
 import shlex
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from harness.services import stop_process, tail
+from harness.services import free_port, stop_process, tail
+from harness.workers_ai import FakeWorkersAI, backend_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,3 +253,53 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) ->
     while not condition():
         assert time.monotonic() < deadline, f"never: {what}"
         time.sleep(0.05)
+
+
+# -- a site on SQLite: the browser tests' and the system tests' one-process server ----------------
+
+ACCOUNT_ID = "acct-test"
+#: A secret-looking credential the Workers AI sites run with: it must never reach a page.
+API_TOKEN = "cfut_BROWSER-4c1d9e8f7a6b5c4d3e2f1a0b9c8d7e6fQQ"
+
+
+@dataclass
+class Site:
+    url: str
+    db_path: Path
+    log_path: Path
+
+    def query(self, sql: str, *params: object) -> list[tuple[Any, ...]]:
+        with sqlite3.connect(self.db_path) as connection:
+            return connection.execute(sql, params).fetchall()
+
+    def last_row(self, columns: str = "error_code, text") -> tuple[Any, ...]:
+        """The newest generation's status and `columns`, once it is no longer `running`."""
+        sql = f"SELECT status, {columns} FROM quotes_generation ORDER BY id DESC LIMIT 1"
+        wait_for(lambda: [r[0] for r in self.query(sql)] not in ([], ["running"]), "a finished row")
+        return self.query(sql)[0]
+
+
+@contextmanager
+def start_site(tmp_dir: Path, **settings: str) -> Iterator[Site]:
+    """A fresh SQLite file, migrated, and the app served on it by daphne as deploy/ runs it."""
+    db_path = tmp_dir / "db.sqlite3"
+    defaults = {
+        "DJANGO_DEBUG": "true",  # static files from the source tree (no collectstatic); the same CSP
+        "DATABASE_URL": f"sqlite:///{db_path}",
+        "LOCAL_MODEL_PRELOAD": "true",
+        # Sites are shared by tests: no answer cache, no rate limit to speak of. Tests of those opt in.
+        "QUOTES_CACHE_TTL": "0",
+        "QUOTES_RATE_LIMIT": "1000/minute",
+        "QUOTES_MAX_CONCURRENT_STREAMS": "50",
+        "QUOTES_DRAIN_TIMEOUT_S": "1",
+    }
+    env = environment(**{**defaults, **settings})
+    migrate(env)
+    port, log_path = free_port(), tmp_dir / "daphne.log"
+    command = daphne_command(SINGLE_UNIT, port)
+    with running(command, port, env, log_path, path="/", any_status=True) as (_, url):
+        yield Site(url, db_path, log_path)
+
+
+def workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:
+    return {**backend_env(fake.api_base_url, ACCOUNT_ID, API_TOKEN), "LOCAL_MODEL_PRELOAD": "false"}

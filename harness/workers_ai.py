@@ -35,7 +35,11 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
 from typing import Any, Literal
+
+import jsonschema
 
 Split = None | int | Literal["random"] | Sequence[int]
 
@@ -56,9 +60,33 @@ _REASONS = {
     504: "Gateway Timeout",
 }
 
-#: Documented Workers AI error codes -> (HTTP status, message), from workers-ai.md.
+#: What Cloudflare's docs say of the models (scripts/refresh_catalog.py writes it from a checkout
+#: of cloudflare/cloudflare-docs; `source` names the files and commits): each text-generation
+#: model's input schema, verbatim, and the ids Cloudflare retired. Read here, never from the app.
+CATALOG: dict[str, Any] = json.loads(Path(__file__).with_name("workers_ai_models.json").read_text())
+
+
+@cache
+def _validator(model: str) -> Any:
+    schema = CATALOG["schemas"][model]
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def schema_violation(model: str, body: object) -> str:
+    """What the model's published input schema finds wrong with `body`, or "" (valid)."""
+    error = jsonschema.exceptions.best_match(_validator(model).iter_errors(body))
+    if error is None:
+        return ""
+    where = "/" + "/".join(str(part) for part in error.absolute_path)
+    return f"{error.validator} at '{where}' not met: {error.message[:200]}"
+
+
+#: Documented Workers AI error codes -> (HTTP status, message): the errors page of Cloudflare's docs
+#: (src/content/docs/workers-ai/platform/errors.mdx); 5006, a body the schema refuses, is not in
+#: it, and comes from what the API answers (cloudflare/ai#279: "AiError: Bad input: Error: ...").
 ERROR_CODES: dict[int, tuple[int, str]] = {
     5007: (400, "No such model @cf/nope/nope or task"),
+    5006: (400, "AiError: Bad input: Error: oneOf at '/' not met, 0 matches"),
     3003: (400, "Bad input: incomplete request"),
     5005: (405, "LoRA is not supported for this model"),
     5016: (403, "You must accept the model's terms of use before using it"),
@@ -70,16 +98,17 @@ ERROR_CODES: dict[int, tuple[int, str]] = {
     3007: (408, "Request timeout"),
     3008: (408, "Request aborted"),
     3036: (429, "Capacity limit: you have used up your daily free allocation of 10,000 neurons"),
-    3040: (429, "Capacity temporarily exceeded, please try again."),
+    3040: (429, "No more data centers to forward the request to"),
 }
 
 #: Every documented Workers AI code -> (our code, our HTTP status). Written out, not read from the
 #: backend, so a wrong mapping there fails (tests/backends/test_workers_ai_endpoint.py,
 #: tests/faults/test_reliability.py).
 EXPECTED_ERRORS: dict[int, tuple[str, int]] = {
-    5007: ("model_not_found", 400),
-    3042: ("model_not_found", 400),
-    3003: ("upstream_bad_request", 400),
+    5007: ("model_not_found", 502),
+    3042: ("model_not_found", 502),
+    3003: ("upstream_bad_request", 502),
+    5006: ("upstream_bad_request", 502),
     5005: ("lora_not_supported", 400),
     5016: ("upstream_forbidden", 403),
     5018: ("upstream_forbidden", 403),
@@ -92,6 +121,10 @@ EXPECTED_ERRORS: dict[int, tuple[str, int]] = {
     3040: ("upstream_capacity", 429),
 }
 
+#: The model a request names when a test or a benchmark has no reason to name another: one Workers AI
+#: offers today (the site's default, quotes.backends.catalog.DEFAULT_MODEL, is not imported: the
+#: fake knows nothing of the app).
+DEFAULT_MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
 _RUN_ROUTE = re.compile(r"^/client/v4/accounts/(?P<account>[^/]+)/ai/run/(?P<model>.+)$")
 _GATEWAY_ROUTE = re.compile(r"^/gateway/v1/(?P<account>[^/]+)/(?P<gateway>[^/]+)/workers-ai/(?P<model>.+)$")
 #: Workers AI's OpenAI-compatible endpoint: what AI_BACKEND=openai calls (the model is in the body).
@@ -111,6 +144,12 @@ class Scenario:
     usage: tuple[int, int] | None = (12, 6)
     #: put `usage` on the last token's event instead of an event of its own
     usage_with_token: bool = False
+    #: `finish_reason` on the usage event only, as streams carry it since 2026-02-17 (Workers AI
+    #: release notes); "token": on the last token's event, as before; None: nowhere
+    finish_reason: Literal["usage", "token"] | None = "usage"
+    #: the model name an OpenAI-style chunk says answered (vLLM echoes its own, OpenAI a dated
+    #: snapshot's); None: the model asked for
+    served_model: str | None = None
     crlf: bool = False
     cr_only: bool = False
     #: a `"p":"<random letters>"` field on every event, as the real API sends
@@ -216,8 +255,10 @@ class Scenario:
         return cls.error(3036)
 
     @classmethod
-    def out_of_capacity(cls) -> Scenario:
-        return cls.error(3040)
+    def out_of_capacity(cls, retry_after: int | None = 1) -> Scenario:
+        """3040: a 429 to retry after Retry-After (shared/reference/workers-ai.md)."""
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+        return cls.error(3040, headers=headers)
 
     @classmethod
     def unauthorized(cls, message: str = "Authentication error") -> Scenario:
@@ -441,7 +482,9 @@ class FakeWorkersAI:
 
         with self._lock:
             self._requests.append(record)
-            if record.route and method == "POST":
+            if record.route and method == "POST" and (refusal := _refusal(record)) is not None:
+                scenario = refusal  # as Cloudflare answers before it runs anything: nothing scripted is used
+            elif record.route and method == "POST":
                 scenario = self._script.popleft() if self._script else self.default
                 if record.route == "openai":
                     scenario = replace(scenario, openai_style=True)
@@ -563,6 +606,18 @@ async def _read_body(reader: asyncio.StreamReader, headers: Mapping[str, str]) -
     return await reader.readexactly(length) if length else b""
 
 
+def _refusal(record: RecordedRequest) -> Scenario | None:
+    """What Workers AI answers before it runs a model: 5007 for a model it does not offer (unknown
+    or retired), 5006 for a body the model's input schema refuses (the native route; the
+    OpenAI-compatible one takes OpenAI's body)."""
+    model = record.model
+    if model not in CATALOG["schemas"] or model in CATALOG["retired"]:
+        return Scenario.error(5007, f"No such model {model} or task")
+    if record.route != "openai" and (violation := schema_violation(model, record.json)):
+        return Scenario.error(5006, f"AiError: Bad input: Error: {violation}")
+    return None
+
+
 def backend_env(api_base_url: str, account_id: str, api_token: str) -> dict[str, str]:
     """The app's environment for its workers-ai backend to call the upstream at `api_base_url`."""
     return {
@@ -592,7 +647,7 @@ def _error_body(scenario: Scenario) -> bytes:
 
 def _stream_pieces(scenario: Scenario, record: RecordedRequest, rng: random.Random) -> list[_Piece]:
     eol = "\r" if scenario.cr_only else "\r\n" if scenario.crlf else "\n"
-    model = record.model or "@cf/meta/llama-3.1-8b-instruct"
+    model = scenario.served_model or record.model or DEFAULT_MODEL
 
     def event(payload: dict[str, Any]) -> bytes:
         if scenario.padding:
@@ -607,17 +662,20 @@ def _stream_pieces(scenario: Scenario, record: RecordedRequest, rng: random.Rand
         prompt, completion = scenario.usage
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def token_payload(text: str | int, *, with_usage: bool) -> dict[str, Any]:
+    def token_payload(text: str | int, *, with_usage: bool, last: bool) -> dict[str, Any]:
+        finish = "stop" if last and scenario.finish_reason == "token" else None
         if scenario.openai_style:
             payload: dict[str, Any] = {
                 "id": "chatcmpl-fake",
                 "object": "chat.completion.chunk",
                 "created": 1_700_000_000,
                 "model": model,
-                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
             }
         else:
             payload = {"response": text}
+            if finish:
+                payload["finish_reason"] = finish
         if with_usage:
             payload["usage"] = usage_fields()
         return payload
@@ -631,7 +689,8 @@ def _stream_pieces(scenario: Scenario, record: RecordedRequest, rng: random.Rand
     pieces: list[_Piece] = []
     for count, text in enumerate(tokens, start=1):
         with_usage = scenario.usage is not None and scenario.usage_with_token and count == len(tokens)
-        piece = _Piece(event(token_payload(text, with_usage=with_usage)), after_s=scenario.token_delay_s)
+        payload = token_payload(text, with_usage=with_usage, last=count == len(tokens))
+        piece = _Piece(event(payload), after_s=scenario.token_delay_s)
         pieces.append(piece)
         if count == scenario.malformed_after_tokens:
             pieces.append(_Piece(f"data: {{not json{eol}{eol}".encode()))
@@ -642,16 +701,22 @@ def _stream_pieces(scenario: Scenario, record: RecordedRequest, rng: random.Rand
             piece.drop = True
             return pieces
     if scenario.usage is not None and not scenario.usage_with_token:
+        finish = "stop" if scenario.finish_reason == "usage" else None
         if scenario.openai_style:
-            payload: dict[str, Any] = {
+            choices = [{"index": 0, "delta": {}, "finish_reason": finish}] if finish else []
+            last: dict[str, Any] = {
                 "id": "chatcmpl-fake",
                 "object": "chat.completion.chunk",
-                "choices": [],
+                "created": 1_700_000_000,
+                "model": model,
+                "choices": choices,
+                "usage": usage_fields(),
             }
-            payload["usage"] = usage_fields()
         else:
-            payload = {"response": "", "usage": usage_fields()}
-        pieces.append(_Piece(event(payload)))
+            last = {"response": "", "usage": usage_fields()}
+            if finish:
+                last["finish_reason"] = finish
+        pieces.append(_Piece(event(last)))
     if scenario.send_done:
         done = f"data: [DONE]{eol}{eol}".encode()
         if scenario.comments:
@@ -660,7 +725,7 @@ def _stream_pieces(scenario: Scenario, record: RecordedRequest, rng: random.Rand
     return pieces
 
 
-def render_body(scenario: Scenario, *, model: str = "@cf/meta/llama-3.1-8b-instruct") -> bytes:
+def render_body(scenario: Scenario, *, model: str = DEFAULT_MODEL) -> bytes:
     """The stream body the fake sends for `scenario` (before chunked framing), e.g. to pick
     split offsets. Padding is random unless the scenario has a seed."""
     record = RecordedRequest("POST", "", {}, b"", None, 0.0, route="run", model=model)

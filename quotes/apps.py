@@ -9,5 +9,6 @@ class QuotesConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # Connects the signals that keep each process's personas in step with the database.
-        from . import personas  # noqa: F401
+        # Connects the signals that keep each process's personas in step with the database, and
+        # registers the system checks of the models personas and settings name.
+        from . import checks, personas  # noqa: F401

@@ -21,15 +21,16 @@ import re
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 
-from streaming.events import Done, Error, Event, Meta
+from streaming.events import Done, Error, Event, Meta, Token
 from streaming.generation import FAILED, Generation, generations, replay
 from streaming.policy import generate
 
-from . import limits, personas
+from . import limits, personas, spend
 from .backends import backend_for
 from .backends.base import Backend, GenerationRequest, Message
 from .backends.catalog import count_tokens_estimate, estimate_cost, get_model
@@ -146,7 +147,7 @@ def check_context_window(persona: Persona, request: GenerationRequest) -> None:
     """The prompts, the turns and the answer's max_tokens must fit the model's context."""
     model = backend_for(persona).model_name(request.model)
     info = get_model(model)
-    if info is None:
+    if info is None or info.context_window is None:
         return
     prompt = sum(count_tokens_estimate(m.content) + 4 for m in request.messages)
     if prompt + request.max_tokens > info.context_window:
@@ -227,9 +228,11 @@ async def start(
     joined = registry.joinable(key) if key and cached is None else None
     if key:
         metrics.cache_lookup(hit=cached is not None or joined is not None)
-    spend = None
+    models = [backend.model_name(model) for model in model_chain(persona, request.model)]
+    reservation = None
     if cached is None and joined is None and backend.paid:
-        spend = await limits.reserve(persona.pk, persona.daily_spend_limit_usd, most_cost(persona, request))
+        most = most_cost(models, request)
+        reservation = await spend.reserve(persona.pk, persona.daily_spend_limit_usd, most)
     generation = Generation(
         str(uuid.uuid4()),
         client=client.key,
@@ -239,14 +242,13 @@ async def start(
     status = (
         Row.CacheStatus.HIT if cached or joined else Row.CacheStatus.MISS if key else Row.CacheStatus.BYPASS
     )
-    model = backend.model_name(request.model)
-    generation.events.append(Meta(model=model, cache_status=status.upper(), id=generation.id))
+    generation.events.append(Meta(model=models[0], cache_status=status.upper(), id=generation.id))
     row = Row(
         public_id=generation.id,
         persona=persona,
         persona_version=None if preview else quote.version,
         backend=backend.name,
-        model=model,
+        model=models[0],
         topic=quote.topic,
         status=Row.Status.RUNNING,
         cache_status=status,
@@ -261,7 +263,8 @@ async def start(
     else:
         source, joinable = _upstream(backend, persona, quote, request), True
     registry.add(generation, key if joinable else "")
-    task = asyncio.create_task(_live(generation, source, row, slot, key, ttl, spend, transport))
+    bill = Bill(models, request, paid=backend.paid, reservation=reservation)
+    task = asyncio.create_task(_live(generation, source, row, slot, key, ttl, bill, transport))
     _tasks.add(task)
     task.add_done_callback(_tasks.discard)
     return generation
@@ -278,26 +281,50 @@ async def _live(
     slot: limits.Slot,
     key: str,
     ttl: int,
-    spend: limits.Spend | None,
+    bill: Bill,
     transport: str,
 ) -> None:
-    """A generation's life: its row inserted, its source run, its row completed, its end told."""
+    """A generation's life: its row inserted, its source run, its row completed, its end told.
+    Whatever fails at the end, the row is completed, the slot given back and the readers told."""
     rows = writer()
     rows.insert(row)
     end: Done | Error = FAILED
     try:
         end = await generation.run(source)
-        finish_fields(row, generation, end)
-        metrics.stream_finished(row, transport)
-        if key and type(end) is Done and row.cache_status == Row.CacheStatus.MISS:
-            await store_answer(key, generation.events, ttl=ttl)  # before [DONE]: a client who saw it finds it
-        if spend is not None:
-            await spend.settle(row.cost_usd)
-        await rows.finish(row)
     finally:
-        slot.release()
-        generations().ended(generation, key, keep_s=settings.QUOTES_RESUME_TTL_S)
-        generation.close(end)
+        try:
+            await _record(generation, end, row, key, ttl, bill, transport)
+        finally:
+            slot.release()
+            generations().ended(generation, key, keep_s=settings.QUOTES_RESUME_TTL_S)
+            generation.close(end)
+
+
+async def _record(
+    generation: Generation, end: Done | Error, row: Row, key: str, ttl: int, bill: Bill, transport: str
+) -> None:
+    """The row completed from the generation's events, its answer cached, its cost settled; a
+    step that fails is logged and the next still runs."""
+    try:
+        finish_fields(row, generation, end)
+        bill.price(row, generation, end)
+        metrics.stream_finished(row, transport)
+    except Exception:
+        logger.exception("generation %s: its row could not be completed from its events", generation.id)
+        row.status, row.error_code = Row.Status.ERROR, ErrorCode.INTERNAL_ERROR
+    if key and type(end) is Done and row.status == Row.Status.OK and row.cache_status == Row.CacheStatus.MISS:
+        try:
+            await store_answer(key, generation.events, ttl=ttl)  # before [DONE]: a client who saw it finds it
+        except Exception:
+            logger.exception("generation %s: its answer could not be cached", generation.id)
+    if bill.reservation is not None:
+        try:
+            await bill.reservation.settle(row.cost_usd)
+        except Exception:
+            logger.exception(
+                "generation %s: its spend could not be settled (its reservation stays)", generation.id
+            )
+    await writer().finish(row)
 
 
 def _upstream(
@@ -323,17 +350,70 @@ def model_chain(persona: Persona, model: str) -> list[str]:
     return list(dict.fromkeys((model, *persona.fallback_models, *settings.QUOTES_FALLBACK_MODELS)))
 
 
+def most_cost(models: list[str], request: GenerationRequest) -> float:
+    """The most this generation can cost on any of `models` (the chain, as the backend names
+    them): every prompt character a token, plus a chat template's, and max_tokens written."""
+    prompt = most_prompt_tokens(request)
+    costs = [estimate_cost(model, prompt, request.max_tokens) for model in models]
+    return max((cost for cost in costs if cost is not None), default=0.0)
+
+
+def most_prompt_tokens(request: GenerationRequest) -> int:
+    """A prompt's tokens at most: each character one, and 16 a turn for the chat template."""
+    return sum(len(m.content) + 16 for m in request.messages)
+
+
+#: How a generation can end with no text, the upstream working on it when we left: its prompt
+#: may have been billed.
+LEFT_WORKING = frozenset(
+    {
+        ErrorCode.STOPPED,
+        ErrorCode.ABANDONED,
+        ErrorCode.SERVER_DRAINING,
+        ErrorCode.UPSTREAM_TIMEOUT,
+        ErrorCode.DEADLINE_EXCEEDED,
+        ErrorCode.IDLE_TIMEOUT,
+        ErrorCode.UPSTREAM_DROPPED,
+    }
+)
+
+
+@dataclass(slots=True)
+class Bill:
+    """What a generation costs: `models`, its model chain as the backend names them (a row is
+    priced by the one the app asked for, never by the name an upstream echoes), and the
+    reservation it settles."""
+
+    models: list[str]
+    request: GenerationRequest
+    paid: bool
+    reservation: spend.Reservation | None
+
+    def price(self, row: Row, generation: Generation, end: Done | Error) -> None:
+        """The row's cost: its usage at the price of the model asked for; without usage (a stop,
+        a drop, a deadline, a server that sends none) an estimate, never $0 (`cost_estimated`):
+        the prompt, counted as the reservation counts it, plus the text streamed."""
+        if row.cache_status == Row.CacheStatus.HIT:
+            return
+        model = self.models[min(row.fallback_step, len(self.models) - 1)]
+        if row.prompt_tokens is not None and row.completion_tokens is not None:
+            cost = estimate_cost(model, row.prompt_tokens, row.completion_tokens)
+            estimated = False
+        elif self.paid:
+            text = [event.text for event in generation.events if type(event) is Token]
+            if not text and not (type(end) is Error and end.code in LEFT_WORKING):
+                return  # the upstream refused it: an error answer is not billed
+            written = max(len(text), count_tokens_estimate("".join(text)))
+            cost = estimate_cost(model, most_prompt_tokens(self.request), written)
+            estimated = True
+        else:
+            return
+        if cost is not None:
+            row.cost_usd = Decimal(str(round(cost, 8)))
+            row.cost_estimated = estimated
+
+
 async def _joined(other: Generation) -> AsyncGenerator[Event, None]:
     """An identical generation's events, without its own id and cache status."""
     async for event in other.follow():
         yield Meta(event.model, event.headers, event.step) if type(event) is Meta else event
-
-
-def most_cost(persona: Persona, request: GenerationRequest) -> float:
-    """The most this generation can cost on any of its models: every prompt character a token,
-    plus a chat template's, and max_tokens written."""
-    prompt = sum(len(m.content) + 16 for m in request.messages)
-    costs = [
-        estimate_cost(model, prompt, request.max_tokens) for model in model_chain(persona, request.model)
-    ]
-    return max((cost for cost in costs if cost is not None), default=0.0)

@@ -9,14 +9,11 @@ view and the WebSocket's start, before any work.
 3. The client's concurrent streams (429 `too_many_streams`): a `Slot`, held by the generation
    that starts until it ends, dropped connection or not.
 
-Paid generations also reserve their most possible cost against the daily spend ceilings (the
-site's, the persona's) before they start, and settle the real cost when they end (`Spend`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import hashlib
 import hmac
 import logging
@@ -25,11 +22,9 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from decimal import Decimal
 
 import redis.asyncio
 from django.conf import settings
-from django.core.cache import BaseCache
 from limits import RateLimitItem, parse
 from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
@@ -238,76 +233,3 @@ def close_socket(client: Client) -> None:
     for key in (client.key, client.network):
         if sockets[key] <= 0:
             sockets.pop(key, None)
-
-
-# -- the daily spend ceilings --------------------------------------------------------------------
-
-UNIT = 10**9  # nano-dollars: the rows keep costs to 1e-8
-
-
-def _day_key(persona_id: int | None = None) -> str:
-    day = dt.datetime.now(dt.UTC).date().isoformat()
-    return f"quotes:spend:{day}" + (f":{persona_id}" if persona_id is not None else "")
-
-
-def until_tomorrow() -> int:
-    now = dt.datetime.now(dt.UTC)
-    tomorrow = dt.datetime.combine(now.date() + dt.timedelta(days=1), dt.time(), tzinfo=dt.UTC)
-    return max(1, math.ceil((tomorrow - now).total_seconds()))
-
-
-async def _add(key: str, units: int) -> int:
-    total = await cache.call(_add_now, cache.store("counters"), key, units)
-    if total is None:  # the shared counters are down: this process's own
-        total = _here[key] = _here.get(key, 0) + units
-    return total
-
-
-def _add_now(counters: BaseCache, key: str, units: int) -> int:
-    counters.add(key, 0, timeout=2 * 86400)
-    return int(counters.incr(key, units))
-
-
-_here: dict[str, int] = {}
-
-
-@dataclass(slots=True)
-class Spend:
-    """A generation's reservation against the ceilings that apply to it."""
-
-    keys: list[str]
-    units: int
-
-    async def settle(self, cost_usd: Decimal | None) -> None:
-        """The real cost replaces the reservation."""
-        delta = math.ceil((cost_usd or 0) * UNIT) - self.units
-        self.units += delta
-        if delta:
-            for key in self.keys:
-                await _add(key, delta)
-
-
-async def reserve(persona_id: int, persona_limit: Decimal | None, most_usd: float) -> Spend:
-    """Reserve `most_usd` (the most this generation can cost) against today's ceilings; the 503
-    `budget_exhausted` QuoteError when that would pass one. With no ceiling set, nothing."""
-    ceilings = [(_day_key(), settings.QUOTES_DAILY_SPEND_LIMIT_USD), (_day_key(persona_id), persona_limit)]
-    units = math.ceil(most_usd * UNIT)
-    spend = Spend([], units)
-    for key, ceiling in ceilings:
-        if ceiling is None:
-            continue
-        spend.keys.append(key)
-        if await _add(key, units) > ceiling * UNIT:
-            for taken in spend.keys:
-                await _add(taken, -units)
-            message = "Today's budget for new quotes from this model is spent. Cached quotes still work."
-            raise QuoteError(ErrorCode.BUDGET_EXHAUSTED, message, 503, retry_after=until_tomorrow())
-    return spend
-
-
-async def spent_today() -> Decimal:
-    """Today's spend (reserved or settled) as the site's ceiling counts it."""
-    key = _day_key(None)
-    value = await cache.call(cache.store("counters").get, key, 0)
-    units = _here.get(key, 0) if value is None else int(value)
-    return Decimal(units) / UNIT

@@ -11,7 +11,7 @@ from django.db import models
 from django.dispatch import Signal
 
 from .backends.base import GENERATION_FIELDS, SAMPLING_FIELDS, GenerationRequest, Message, VoiceExample
-from .backends.catalog import get_model, validate_generation_settings
+from .backends.catalog import DEFAULT_MODEL, RETIRED, get_model, retired_error, validate_generation_settings
 from .backends.voice import example_problems, parse_examples
 
 TEMPLATE_VARIABLES = frozenset({"topic"})
@@ -93,7 +93,7 @@ class Persona(models.Model):
     )
     model = models.CharField(
         max_length=200,
-        default="@cf/meta/llama-3.1-8b-instruct",
+        default=DEFAULT_MODEL,
         help_text="A model from the catalog. The embedded model stands in for it when no Cloudflare credentials are set.",
     )
     fallback_models = models.JSONField(
@@ -153,8 +153,11 @@ class Persona(models.Model):
             errors["fallback_models"] = ValidationError("Fallback models must be a list of model ids.")
         else:
             unknown = [m for m in fallbacks if get_model(m) is None]
+            retired = [m for m in fallbacks if m in RETIRED]
             if unknown:
                 errors["fallback_models"] = ValidationError(f"Unknown model(s): {', '.join(unknown)}.")
+            elif retired:
+                errors["fallback_models"] = retired_error(retired[0])
             elif self.model in fallbacks:
                 errors["fallback_models"] = ValidationError("A fallback must differ from the model itself.")
         if errors:
@@ -266,6 +269,12 @@ class Generation(models.Model):
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
     cost_usd = models.DecimalField(
         "estimated cost (USD)", max_digits=12, decimal_places=8, null=True, blank=True
+    )
+    cost_estimated = models.BooleanField(
+        "cost without usage",
+        default=False,
+        help_text="The upstream sent no token counts (a stop, a dropped or cut-off stream): the cost "
+        "is the prompt, counted as the spend ceiling reserves it, plus the text streamed.",
     )
     ttft_ms = models.FloatField("time to first token (ms)", null=True, blank=True)
     duration_ms = models.FloatField(null=True, blank=True)

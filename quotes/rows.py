@@ -16,7 +16,6 @@ import logging
 import weakref
 from collections import Counter, deque
 from contextvars import Context
-from decimal import Decimal
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.core import serializers
@@ -27,7 +26,6 @@ from django.utils import timezone
 from streaming.events import Done, Error, Token, Usage, merged
 from streaming.generation import Generation as LiveGeneration
 
-from .backends.catalog import estimate_cost
 from .errors import QuoteError
 from .models import Generation, Refusal
 from .ops import metrics
@@ -46,7 +44,8 @@ WAIT_FOR_DATABASE: tuple[type[Exception], ...] = (*UNREACHABLE, InternalError)
 
 
 def finish_fields(row: Generation, generation: LiveGeneration, end: Done | Error) -> None:
-    """What a generation's events say, onto its row: status, text, usage, cost, timings."""
+    """What a generation's events say, onto its row: status, text, usage, timings (its cost is
+    the bill's: quotes.generations.Bill)."""
     events = generation.events
     meta = merged(events)
     usage = next((e for e in reversed(events) if type(e) is Usage), None)
@@ -62,9 +61,6 @@ def finish_fields(row: Generation, generation: LiveGeneration, end: Done | Error
         row.status = Generation.Status.OK
     if usage is not None:
         row.prompt_tokens, row.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-        cost = estimate_cost(row.model, usage.prompt_tokens, usage.completion_tokens)
-        if row.cache_status != Generation.CacheStatus.HIT and cost is not None:
-            row.cost_usd = Decimal(str(round(cost, 8)))
     now = asyncio.get_running_loop().time()
     if generation.first_token_at is not None:
         row.ttft_ms = (generation.first_token_at - generation.started_at) * 1000

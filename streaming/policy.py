@@ -1,7 +1,8 @@
 """Retries and fallbacks, before the first token only, under one set of deadlines.
 
-Each model in turn, each up to `max_attempts` times; after the first token a failure ends the
-stream (a retry would repeat text). The deadlines live here and nowhere else: to the first token
+Each model in turn, each up to `max_attempts` times (after the upstream's Retry-After when it
+gives one, else a backoff); after the first token a failure ends the stream (a retry would repeat
+text). The deadlines live here and nowhere else: to the first token
 (across every attempt, each getting an equal share of what is left), between tokens, and in
 total. One timer per stream keeps them (`Watchdog`): an `asyncio.timeout` around each wait would
 push and cancel a timer per token.
@@ -69,7 +70,12 @@ async def generate(
             for tried in range(policy.max_attempts):
                 if tried:
                     growth = {"linear": tried, "exponential": 2 ** (tried - 1)}.get(policy.backoff, 1)
-                    await asyncio.sleep(policy.retry_delay_s * growth)
+                    # The upstream's Retry-After, when it gave one; past the first-token deadline,
+                    # the next model instead.
+                    delay = max(policy.retry_delay_s * growth, error.retry_after or 0)
+                    if loop.time() + delay >= first_token_deadline:
+                        break
+                    await asyncio.sleep(delay)
                 now = loop.time()
                 if now >= first_token_deadline:
                     error = timeout_error(started=False, total=now >= deadline)

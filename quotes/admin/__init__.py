@@ -38,6 +38,7 @@ from django.views.decorators.csrf import csrf_protect
 from django_stubs_ext import StrPromise
 
 from .. import services
+from ..backends import catalog
 from ..backends.base import SAMPLING_FIELDS
 from ..encoders import error_response
 from ..errors import ErrorCode, QuoteError
@@ -51,7 +52,7 @@ from .preview import InvalidPersona, preview_persona, stream_preview
 @admin.register(Persona)
 class PersonaAdmin(admin.ModelAdmin[Persona]):
     form = PersonaForm
-    list_display = ("name", "slug", "model", "current_version", "is_active", "display_order")
+    list_display = ("name", "slug", "model_and_state", "current_version", "is_active", "display_order")
     list_display_links = ("name",)
     list_editable = ("is_active", "display_order")
     list_filter = ("is_active", "model", "backend")
@@ -73,6 +74,15 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Persona]:
         return super().get_queryset(request).annotate(_latest_version=Max("versions__number"))
+
+    @admin.display(description="Model", ordering="model")
+    def model_and_state(self, obj: Persona) -> str:
+        """The model, marked when it (or a fallback) cannot serve: retired, or unknown to the catalog."""
+        fallbacks = obj.fallback_models if isinstance(obj.fallback_models, list) else []
+        problems = [
+            f"{m} {problem}" for m in (obj.model, *fallbacks) if (problem := catalog.model_problem(m))
+        ]
+        return f"{obj.model} ⚠ " + "; ".join(problems) if problems else obj.model
 
     @admin.display(description="Version")
     def current_version(self, obj: Persona) -> str:
@@ -286,7 +296,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
                     "cache_status",
                     ("error_code", "error_message"),
                     ("backend", "model", "fallback_step"),
-                    ("prompt_tokens", "completion_tokens", "cost_usd"),
+                    ("prompt_tokens", "completion_tokens", "cost_usd", "cost_estimated"),
                     ("ttft_ms", "duration_ms"),
                     ("feedback", "shared_at"),
                     "client_hash",

@@ -60,6 +60,17 @@ class PersonaForm(forms.ModelForm[Persona]):
         for field in SAMPLING_FIELDS.values():
             if field.help_text:
                 self.fields[field.name].help_text = field.help_text
+        # A persona on a retired model shows it (marked), so the form can say why it is refused
+        # rather than "not one of the available choices".
+        current = self.initial.get("model")
+        retired = catalog.RETIRED.get(current) if isinstance(current, str) else None
+        if retired is not None:
+            choice = self.fields["model"]
+            assert isinstance(choice, forms.ChoiceField)
+            choice.choices = [
+                *catalog.choices(),
+                (retired.id, f"{retired.id} (retired on {retired.retired_on})"),
+            ]
 
     def clean_voice_examples(self) -> str:
         # A browser posts CRLF: stored so, the same examples would be a new version on every save.

@@ -1,23 +1,31 @@
-"""Model facts in one table: context window, output limit, LoRA, prices, sampling ranges, doc links.
+"""Model facts: context window, output limit, LoRA, prices, sampling ranges, doc links.
 
-Sources: the cloudflare-docs repository (`src/content/workers-ai-models/*.json`,
-`workers-ai/platform/pricing.mdx`) and shared/reference/workers-ai.md. Prices live here and
-nowhere else; `None` means none is published (beta models were billed at no charge). The ranges
-are each input schema's `minimum`/`maximum`. `max_output_tokens` is Cloudflare's documented
-limit where there is one (Llama 2's, when streaming launched), else our cap.
+The Workers AI models are Cloudflare's, as its docs repository publishes them, in
+workers_ai_models.json: a snapshot with its source (the files and their commits) that
+scripts/refresh_catalog.py writes from a checkout of cloudflare/cloudflare-docs
+(docs/deployment.md, "The model catalog"). It offers every active text-generation model that suits
+short quotes; a retired one stays known as "retired on <date>, use <model>", with its last facts,
+so old rows and personas still display and price. The embedded model is ours. `None` means no
+figure is published: no price (beta models were billed at no charge), no context window.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from django.core.exceptions import ValidationError
 
 from .base import SAMPLING_FIELDS
 
 #: Our cap on a quote's length where Cloudflare documents no output limit.
-_OUR_OUTPUT_CAP = 2048
+OUR_OUTPUT_CAP = 2048
+#: The model new personas get, and the seeded ones: see docs/deployment.md, "The model catalog".
+DEFAULT_MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
+LOCAL_MODEL = "gemma-3-270m"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,162 +45,150 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
 
-TEMPERATURE = Range(0, 5)
-TOP_P_OLD = Range(0, 2)
-TOP_P_NEW = Range(0.001, 1)
-TOP_K = Range(1, 50)
-SEED = Range(1, 9_999_999_999)
-PENALTY = Range(0, 2)
-SIGNED_PENALTY = Range(-2, 2)
+#: Where an input schema gives no range: Cloudflare's usual one.
+USUAL_RANGES = {
+    "temperature": Range(0, 5),
+    "top_p": Range(0, 2),
+    "top_k": Range(1, 50),
+    "seed": Range(1, 9_999_999_999),
+    "repetition_penalty": Range(0, 2),
+    "frequency_penalty": Range(0, 2),
+    "presence_penalty": Range(0, 2),
+}
 
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     id: str
     name: str
-    context_window: int
+    context_window: int | None
     #: USD per million tokens; None when no price is published.
     price_in_per_m: float | None
     price_out_per_m: float | None
     doc_url: str
-    max_output_tokens: int = _OUR_OUTPUT_CAP
+    max_output_tokens: int = OUR_OUTPUT_CAP
     supports_lora: bool = False
+    beta: bool = False
     backend: Literal["workers-ai", "local"] = "workers-ai"
     default_max_tokens: int = 256  # Cloudflare's, for every text-generation model
-    temperature: Range = TEMPERATURE
-    top_p: Range = TOP_P_OLD
-    top_k: Range = TOP_K
-    seed: Range = SEED
-    repetition_penalty: Range = PENALTY
-    frequency_penalty: Range = PENALTY
-    presence_penalty: Range = PENALTY
+    #: set for a model Cloudflare retired: the day, and the model we move its personas to
+    retired_on: dt.date | None = None
+    successor: str = ""
+    ranges: tuple[tuple[str, Range], ...] = tuple(USUAL_RANGES.items())
+
+    def range(self, field: str) -> Range:
+        return dict(self.ranges)[field]
+
+    @property
+    def label(self) -> str:
+        """The model with what it costs and holds, for a choice in the admin."""
+        if self.price_in_per_m is None or self.price_out_per_m is None:
+            price = "price not published"
+        elif self.price_in_per_m == self.price_out_per_m == 0:
+            price = "free"
+        else:
+            price = f"${self.price_in_per_m:g} in / ${self.price_out_per_m:g} out per M tokens"
+        window = f", {self.context_window // 1000}k context" if self.context_window else ""
+        return f"{self.name} ({price}{window}{', beta' if self.beta else ''})"
 
 
 def _cf_doc(model_id: str) -> str:
     return f"https://developers.cloudflare.com/workers-ai/models/{model_id.rsplit('/', 1)[-1]}/"
 
 
-def _cf(model_id: str, name: str, **facts: object) -> ModelInfo:
-    return ModelInfo(id=model_id, name=name, doc_url=_cf_doc(model_id), **facts)  # type: ignore[arg-type]
+def _workers_ai(model_id: str, facts: dict[str, Any]) -> ModelInfo:
+    window = facts.get("context_window")
+    output = facts.get("max_output_tokens") or OUR_OUTPUT_CAP
+    retired = facts.get("retired_on")
+    ranges = {**USUAL_RANGES, **{name: Range(*bounds) for name, bounds in facts.get("ranges", {}).items()}}
+    return ModelInfo(
+        id=model_id,
+        name=model_id.removeprefix("@cf/").removeprefix("@hf/"),
+        context_window=window,
+        price_in_per_m=facts.get("price_in_per_m"),
+        price_out_per_m=facts.get("price_out_per_m"),
+        doc_url=_cf_doc(model_id),
+        max_output_tokens=min(output, window) if window else output,
+        supports_lora=bool(facts.get("lora")),
+        beta=bool(facts.get("beta")),
+        retired_on=dt.date.fromisoformat(retired) if retired else None,
+        successor=facts.get("successor", ""),
+        ranges=tuple(ranges.items()),
+    )
 
+
+SNAPSHOT: dict[str, Any] = json.loads(Path(__file__).with_name("workers_ai_models.json").read_text())
+#: The day the snapshot was taken from Cloudflare's docs.
+SNAPSHOT_DATE = dt.date.fromisoformat(SNAPSHOT["source"]["date"])
 
 MODELS: dict[str, ModelInfo] = {
-    m.id: m
-    for m in (
-        # The original persona-quote demo's model: beta, a LoRA base model; 8,192-token context.
-        _cf(
-            "@cf/google/gemma-2b-it-lora",
-            "Gemma 2B IT (LoRA)",
-            context_window=8192,
-            supports_lora=True,
-            price_in_per_m=None,
-            price_out_per_m=None,
-        ),
-        _cf(
-            "@cf/meta/llama-2-7b-chat-int8",
-            "Llama 2 7B Chat (int8)",
-            context_window=2048,
-            max_output_tokens=1800,
-            price_in_per_m=None,
-            price_out_per_m=None,
-        ),
-        _cf(
-            "@cf/meta/llama-2-7b-chat-fp16",
-            "Llama 2 7B Chat (fp16)",
-            context_window=3072,
-            max_output_tokens=2500,
-            price_in_per_m=0.556,
-            price_out_per_m=6.667,
-        ),
-        # Beta LoRA base model. Cloudflare states no context window for it; 32,768 is
-        # Mistral 7B v0.2's own (unconfirmed for Workers AI).
-        _cf(
-            "@cf/mistral/mistral-7b-instruct-v0.2-lora",
-            "Mistral 7B Instruct v0.2 (LoRA)",
-            context_window=32768,
-            supports_lora=True,
-            price_in_per_m=None,
-            price_out_per_m=None,
-        ),
-        _cf(
-            "@cf/meta/llama-3.1-8b-instruct",
-            "Llama 3.1 8B Instruct",
-            context_window=8192,
-            price_in_per_m=0.282,
-            price_out_per_m=0.827,
-        ),
-        _cf(
-            "@cf/meta/llama-3.3-70b-instruct-fp8-fast",
-            "Llama 3.3 70B Instruct (fp8, fast)",
-            context_window=24000,
-            price_in_per_m=0.293,
-            price_out_per_m=2.253,
-            top_p=TOP_P_NEW,
-            frequency_penalty=SIGNED_PENALTY,
-            presence_penalty=SIGNED_PENALTY,
-        ),
-        # Small and cheap. Context: Llama 3.2's 128k; the schema caps a prompt at 131,072 chars
-        # (approximate for Workers AI).
-        _cf(
-            "@cf/meta/llama-3.2-3b-instruct",
-            "Llama 3.2 3B Instruct",
-            context_window=128000,
-            price_in_per_m=0.051,
-            price_out_per_m=0.335,
-        ),
-        _cf(
-            "@cf/google/gemma-3-12b-it",
-            "Gemma 3 12B IT",
-            context_window=80000,
-            supports_lora=True,
-            price_in_per_m=0.345,
-            price_out_per_m=0.556,
-        ),
-        _cf(
-            "@cf/mistralai/mistral-small-3.1-24b-instruct",
-            "Mistral Small 3.1 24B Instruct",
-            context_window=128000,
-            price_in_per_m=0.351,
-            price_out_per_m=0.555,
-        ),
-        # Loaded with n_ctx=1024 (its own is 32,768); llama.cpp takes top_p as a probability.
-        ModelInfo(
-            id="gemma-3-270m",
-            name="Gemma 3 270M (embedded)",
-            context_window=1024,
-            max_output_tokens=256,
-            price_in_per_m=0.0,
-            price_out_per_m=0.0,
-            doc_url="https://huggingface.co/google/gemma-3-270m",
-            backend="local",
-            top_p=Range(0, 1),
-        ),
-    )
+    **{model_id: _workers_ai(model_id, facts) for model_id, facts in sorted(SNAPSHOT["models"].items())},
+    # Loaded with n_ctx=1024 (its own is 32,768); llama.cpp takes top_p as a probability.
+    LOCAL_MODEL: ModelInfo(
+        id=LOCAL_MODEL,
+        name="Gemma 3 270M (embedded)",
+        context_window=1024,
+        max_output_tokens=256,
+        price_in_per_m=0.0,
+        price_out_per_m=0.0,
+        doc_url="https://huggingface.co/google/gemma-3-270m",
+        backend="local",
+        ranges=tuple({**USUAL_RANGES, "top_p": Range(0, 1)}.items()),
+    ),
+}
+RETIRED: dict[str, ModelInfo] = {
+    model_id: _workers_ai(model_id, facts) for model_id, facts in sorted(SNAPSHOT["retired"].items())
 }
 
 
 def get_model(model_id: str) -> ModelInfo | None:
-    return MODELS.get(model_id)
+    """An offered model's facts, or a retired one's last facts; None for an id nobody knows."""
+    return MODELS.get(model_id) or RETIRED.get(model_id)
+
+
+def is_workers_ai(model_id: str) -> bool:
+    return model_id.startswith(("@cf/", "@hf/"))
+
+
+def model_problem(model_id: str) -> str:
+    """Why `model_id` cannot serve: retired by Cloudflare, or a Workers AI id the catalog does not
+    know; "" when it can (or is not a Workers AI id: an OpenAI-compatible server's own name)."""
+    retired = RETIRED.get(model_id)
+    if retired is not None:
+        return f"was retired by Cloudflare on {retired.retired_on}: use {retired.successor}"
+    if is_workers_ai(model_id) and model_id not in MODELS:
+        return f"is not in the Workers AI catalog (Cloudflare's docs of {SNAPSHOT_DATE})"
+    return ""
 
 
 def doc_url(model_id: str) -> str:
     """The model's documentation page: the catalog's, else Cloudflare's pattern for `@cf/` and
     `@hf/` ids, else an empty string."""
-    info = MODELS.get(model_id)
+    info = get_model(model_id)
     if info is not None:
         return info.doc_url
-    if model_id.startswith(("@cf/", "@hf/")):
+    if is_workers_ai(model_id):
         return _cf_doc(model_id)
     return ""
 
 
 def choices() -> list[tuple[str, str]]:
-    return [(m.id, m.name) for m in MODELS.values()]
+    """The offered models (never a retired one), with what they cost."""
+    return [(m.id, m.label) for m in MODELS.values()]
+
+
+def retired_error(model_id: str) -> ValidationError:
+    info = RETIRED[model_id]
+    return ValidationError(
+        "%(model)s was retired by Cloudflare on %(day)s: choose another model, such as %(successor)s.",
+        code="retired_model",
+        params={"model": model_id, "day": info.retired_on, "successor": info.successor},
+    )
 
 
 def estimate_cost(model_id: str, prompt_tokens: int, completion_tokens: int) -> float | None:
     """USD for one request, or None when the model is unknown or has no published price."""
-    info = MODELS.get(model_id)
+    info = get_model(model_id)
     if info is None or info.price_in_per_m is None or info.price_out_per_m is None:
         return None
     return (prompt_tokens * info.price_in_per_m + completion_tokens * info.price_out_per_m) / 1_000_000
@@ -212,6 +208,8 @@ def validate_generation_settings(
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"not a sampling field: {', '.join(sorted(unknown))}")
+    if model_id in RETIRED:
+        return {"model": retired_error(model_id)}
     info = MODELS.get(model_id)
     if info is None:
         return {
@@ -238,7 +236,7 @@ def validate_generation_settings(
         value = sampling.get(field.name)
         if value is None:
             continue
-        allowed: Range = getattr(info, field.name)
+        allowed = info.range(field.name)
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if not number or (field.integer and not float(value).is_integer()) or value not in allowed:
             kind = "a whole number" if field.integer else "a number"

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -45,11 +46,22 @@ _MODEL_ID = re.compile(r"@?[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9
 
 _RETRY = "Please try again shortly."
 
-# Documented Workers AI codes -> (our code, the status we answer, a message for the visitor).
+#: The site's request itself was refused: our fault, not the visitor's (a 502 to them).
+_OUR_REQUEST = "The model service refused the site's request. This is not your fault; please try again later."
+
+# Documented Workers AI codes (src/content/docs/workers-ai/platform/errors.mdx in Cloudflare's docs)
+# -> (our code, the status we answer, a message for the visitor). 5006 is not in that table: it is
+# what Workers AI answers a body its input schema refuses ("AiError: Bad input: Error: oneOf at '/'
+# not met", cloudflare/ai#279).
 ERROR_CODES: dict[int, tuple[ErrorCode, int, str]] = {
-    5007: (ErrorCode.MODEL_NOT_FOUND, 400, "That model does not exist on Workers AI."),
-    3042: (ErrorCode.MODEL_NOT_FOUND, 400, "That model id is not valid on Workers AI."),
-    3003: (ErrorCode.UPSTREAM_BAD_REQUEST, 400, "The model service says the request was incomplete."),
+    5007: (
+        ErrorCode.MODEL_NOT_FOUND,
+        502,
+        "This persona's model is not offered by Workers AI any more. The site's admins have been told.",
+    ),
+    3042: (ErrorCode.MODEL_NOT_FOUND, 502, "This persona's model id is not valid on Workers AI."),
+    3003: (ErrorCode.UPSTREAM_BAD_REQUEST, 502, _OUR_REQUEST),
+    5006: (ErrorCode.UPSTREAM_BAD_REQUEST, 502, _OUR_REQUEST),
     5005: (ErrorCode.LORA_NOT_SUPPORTED, 400, "This model does not accept a LoRA adapter."),
     5016: (
         ErrorCode.UPSTREAM_FORBIDDEN,
@@ -69,17 +81,28 @@ ERROR_CODES: dict[int, tuple[ErrorCode, int, str]] = {
     ),
     3040: (ErrorCode.UPSTREAM_CAPACITY, 429, f"The model is out of capacity right now. {_RETRY}"),
 }
+#: Said once per persona and model in a process (a persona on a retired model would otherwise log
+#: on every quote while its fallback serves).
+ONCE = frozenset({ErrorCode.MODEL_NOT_FOUND})
 
 
-def error_for_status(status: int, body: bytes) -> Error:
-    """The visitor's Error for a non-2xx answer, by documented envelope code, else by status. What
-    Workers AI said is for the operator's log only (`upstream_said`)."""
+def error_for_status(status: int, body: bytes, retry_after: int | None = None) -> Error:
+    """The visitor's Error for a non-2xx answer, by documented envelope code, else by status, with
+    the upstream's Retry-After. What Workers AI said is for the operator's log only
+    (`upstream_said`)."""
     codes, _ = _parse_envelope(body)
     for number in codes:
         if number in ERROR_CODES:
             code, our_status, message = ERROR_CODES[number]
-            return Error(code, message, our_status)
-    return upstream_status_error(status)
+            return Error(code, message, our_status, retry_after=retry_after)
+    error = upstream_status_error(status)
+    return replace(error, retry_after=retry_after) if retry_after is not None else error
+
+
+def retry_after(headers: httpx.Headers) -> int | None:
+    """A Retry-After in seconds (the delay form; an HTTP date is not worth parsing here)."""
+    value = headers.get("retry-after", "")
+    return min(int(value), 3600) if value.isdigit() else None
 
 
 def upstream_said(body: bytes, secrets: Iterable[str]) -> str:
@@ -214,6 +237,7 @@ class WorkersAIBackend:
         self._secrets = tuple(s for s in (api_token, gateway_token) if s)
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._said_once: set[tuple[str, str, str]] = set()
 
     @classmethod
     def from_settings(cls) -> WorkersAIBackend:
@@ -305,7 +329,7 @@ class WorkersAIBackend:
                 said = upstream_said(body, self._secrets)
                 status = response.status_code
                 said = f"HTTP {status}: {said}" if said else f"HTTP {status}"
-                yield self._log(error_for_status(status, body), request, said)
+                yield self._log(error_for_status(status, body, retry_after(headers)), request, said)
                 return
             content_type = response.headers.get("content-type", "")
             if "text/event-stream" not in content_type.partition(";")[0].lower():
@@ -347,12 +371,19 @@ class WorkersAIBackend:
                 await messages.aclose()
 
     def _log(self, error: Error, request: GenerationRequest, said: str = "") -> Error:
+        if error.code in ONCE:
+            key = (error.code, request.speaker, request.model)
+            if key in self._said_once:
+                return error
+            self._said_once.add(key)
         logger.warning(
-            "workers-ai %s: %s (model %s, status %s)%s",
+            "workers-ai %s: %s (persona %s, model %s, status %s)%s%s",
             error.code,
             error.message,
+            request.speaker,
             request.model,
             error.status,
             f" Workers AI said: {said}" if said else "",
+            " Said once per persona and model; its fallbacks serve meanwhile." if error.code in ONCE else "",
         )
         return error

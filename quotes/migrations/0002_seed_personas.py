@@ -2,7 +2,9 @@ from __future__ import annotations
 
 from django.db import migrations
 
-MODEL = "@cf/meta/llama-3.1-8b-instruct"
+# The site's default model when this was last changed (quotes.backends.catalog.DEFAULT_MODEL): an
+# active one, so a new database never names a retired model (0015 moves older databases off them).
+MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
 
 PERSONAS = [
     {

@@ -22,7 +22,7 @@ from streaming.generation import generations
 
 from ..backends import loaded_backends
 from ..backends.local import LocalBackend
-from ..limits import spent_today
+from ..spend import spent_today
 
 if TYPE_CHECKING:
     from ..models import Generation

@@ -44,11 +44,29 @@ def draining_server(**options: Any) -> Server:
         loop = asyncio.get_event_loop()
         for number in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(number, on_signal, number)
+        warn_about_models()
 
     if options.get("action_logger") is not None:
         options["action_logger"] = without_query(options["action_logger"])
     server = Server(signal_handlers=False, ready_callable=ready, **options)
     return server
+
+
+def warn_about_models() -> None:
+    """What `manage.py check --database default` says of the models personas and settings name
+    (retired by Cloudflare, or unknown), once, as the server starts."""
+    from quotes import checks
+
+    try:
+        found = [
+            *checks.settings_on_retired_models(),
+            *checks.personas_on_retired_models(databases=["default"]),
+        ]
+    except Exception:
+        logger.exception("the models of the personas could not be checked")
+        return
+    for message in found:
+        logger.warning("%s %s", message.msg, message.hint)
 
 
 async def drain_then_stop(server: Server) -> None:

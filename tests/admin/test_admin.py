@@ -68,7 +68,7 @@ def staff(name: str, *codenames: str) -> Client:
         ("user_prompt_template", "About {subject}", "Unknown variable {subject}; use only {topic}."),
         ("user_prompt_template", "About {topic", "The template is not valid"),
         ("model", "@cf/nobody/unknown-model", "Select a valid choice."),
-        ("fallback_models", ["@cf/meta/llama-3.1-8b-instruct"], "A fallback must differ from the model"),
+        ("fallback_models", ["@cf/meta/llama-3.1-8b-instruct-fp8"], "A fallback must differ from the model"),
         ("lora", "my-adapter", "does not take an adapter"),
         ("max_tokens", 3000, "max_tokens must be a whole number from 1 to 2048"),
         ("top_k", 51, "top_k must be a whole number from 1 to 50"),
@@ -90,10 +90,16 @@ def test_admin_form_error_is_on_its_field(admin_client: Client, field: str, valu
 def test_admin_form_models_come_from_the_catalog_and_lora_fits_a_lora_model(admin_client: Client) -> None:
     persona, lora_model = watts(), "@cf/google/gemma-2b-it-lora"
     page = admin_client.get(CHANGE.format(pk=persona.pk)).content.decode()
-    assert f'<option value="{lora_model}">Gemma 2B IT (LoRA)</option>' in page
+    # Each model with what it costs (the demo's beta LoRA model has no published price).
+    assert (
+        f'<option value="{lora_model}">google/gemma-2b-it-lora (price not published, 8k context, beta)</option>'
+        in page
+    )
+    assert "meta/llama-3.2-3b-instruct ($0.051 in / $0.335 out per M tokens" in page
+    assert "llama-3.1-8b-instruct<" not in page and "llama-3.1-8b-instruct (" not in page  # retired
     for heading in ("Identity", "Prompts", "Model", "Sampling", "Publishing"):
         assert f">{heading}</h2>" in page
-    fallbacks = ["@cf/meta/llama-3.2-3b-instruct", "@cf/meta/llama-3.1-8b-instruct"]
+    fallbacks = ["@cf/meta/llama-3.2-3b-instruct", "@cf/meta/llama-3.1-8b-instruct-fp8"]
     data = form_data(persona, model=lora_model, lora="my-adapter", fallback_models=fallbacks, top_k=40)
     response = admin_client.post(CHANGE.format(pk=persona.pk), data)
     assert response.status_code == 302, response.context["adminform"].form.errors

@@ -31,7 +31,7 @@ from tests.asgi import post_quote, request
 ANALYTICS = "/admin/quotes/generation/analytics/"
 EXPORT = "/admin/quotes/generation/export.csv"
 DAY = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
-LLAMA, MISTRAL = "@cf/meta/llama-3.1-8b-instruct", "@cf/mistral/mistral-7b-instruct-v0.1"
+LLAMA, MISTRAL = "@cf/meta/llama-3.1-8b-instruct-fp8", "@cf/mistral/mistral-7b-instruct-v0.1"
 
 
 def log(persona: Persona, at: dt.datetime, **fields: Any) -> Generation:
@@ -123,7 +123,8 @@ def test_gateway_stats_breakdowns(known_log: dict[str, Persona]) -> None:
     assert (lao_tzu.requests, lao_tzu.errors, lao_tzu.ttft_p50, lao_tzu.refused) == (0, 0, None, 9)
     models = {row.key: row for row in stats.by_model}
     assert {k: r.requests for k, r in models.items()} == {LLAMA: 6, MISTRAL: 2}
-    assert models[MISTRAL].ttft_p50 == 300 and models[LLAMA].label == "Llama 3.1 8B Instruct"
+    assert models[MISTRAL].ttft_p50 == 300 and models[LLAMA].label == "meta/llama-3.1-8b-instruct-fp8"
+    assert models[MISTRAL].label == "mistral/mistral-7b-instruct-v0.1"  # retired: its rows still show
 
     with_previews = gateway_stats(since=DAY, until=at(24), include_previews=True)
     assert with_previews.requests == 9 and with_previews.ttft_p95 == pytest.approx(500 + 0.75 * 9500)
@@ -208,7 +209,11 @@ def test_analytics_page_renders_numbers_charts_and_refusals(admin_client: Client
     assert (kpis["Error rate"], kpis["TTFT p50 / p95"]) == ("25.0%", "321 / 321 ms")
     assert "7 refused" in html and _rows(html, "by-persona")["Alan Watts alan-watts"][-1] == "7"
     assert html.count("<svg") >= 6 and re.search(r'<svg [^>]*role="img"', html)
-    assert "Requests per hour, by status" in html and "upstream_timeout" in html and "Llama 3.1 8B" in html
+    assert (
+        "Requests per hour, by status" in html
+        and "upstream_timeout" in html
+        and "meta/llama-3.1-8b-instruct-fp8" in html
+    )
     assert "Refused requests per hour (429, 503)" in html and "rate_limited: 7" in html
 
 

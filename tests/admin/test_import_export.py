@@ -55,7 +55,7 @@ def every_field_set() -> dict[str, Any]:
         "voice_examples": "# From her letters (none survive).\ngeometry: A line is the shortest road.",
         "backend": "workers-ai",
         "model": "@cf/google/gemma-2b-it-lora",
-        "fallback_models": ["@cf/meta/llama-3.2-3b-instruct", "@cf/meta/llama-3.1-8b-instruct"],
+        "fallback_models": ["@cf/meta/llama-3.2-3b-instruct", "@cf/meta/llama-3.1-8b-instruct-fp8"],
         "lora": "hypatia-adapter",
         "max_tokens": 120,
         "temperature": 0.35,

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 TOKEN = "metrics-test-token-3f9a1c"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-MODEL, FALLBACK = "@cf/meta/llama-3.1-8b-instruct", "@cf/meta/llama-3.2-3b-instruct"
+MODEL, FALLBACK = "@cf/meta/llama-3.1-8b-instruct-fp8", "@cf/meta/llama-3.2-3b-instruct"
 LOCAL = {"backend": "local", "model": "gemma-3-270m"}
 
 
@@ -132,7 +132,7 @@ async def test_metrics_error_ok_refused_cost_and_todays_spend_on_workers_ai(
     rows = {row.topic: row async for row in Generation.objects.all()}
     after = await scrape()
 
-    assert [a.status for a in answers] == [400, 200, 429] and set(rows) == {"one", "two"}  # a refusal: no row
+    assert [a.status for a in answers] == [502, 200, 429] and set(rows) == {"one", "two"}  # a refusal: no row
     base, cost = {"backend": "workers-ai", "model": MODEL}, rows["two"].cost_usd
     assert moved(before, after, "quotes_requests_total", outcome="error", code="model_not_found", **base) == 1
     assert moved(before, after, "quotes_requests_total", outcome="ok", code="", **base) == 1

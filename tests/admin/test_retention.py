@@ -19,7 +19,10 @@ from quotes.models import Generation, Persona, Refusal, Vote
 
 pytestmark = [pytest.mark.django_db, pytest.mark.integration, pytest.mark.services]
 
-REQUEST = {"model": "@cf/meta/llama-3.1-8b-instruct", "messages": [{"role": "user", "content": "x" * 500}]}
+REQUEST = {
+    "model": "@cf/meta/llama-3.1-8b-instruct-fp8",
+    "messages": [{"role": "user", "content": "x" * 500}],
+}
 
 
 def logged(persona: Persona, *, days_ago: float, **fields: Any) -> Generation:

@@ -217,7 +217,8 @@ def test_every_documented_workers_ai_code_has_its_mapping() -> None:
 
 
 def test_fake_writes_the_documented_format_with_the_line_ending_asked() -> None:
-    usage = b'data: {"response":"","usage":{"prompt_tokens":12,"completion_tokens":6,"total_tokens":18}}'
+    # finish_reason on the usage event only (the Workers AI release notes, 2026-02-17)
+    usage = b'data: {"response":"","usage":{"prompt_tokens":12,"completion_tokens":6,"total_tokens":18},"finish_reason":"stop"}'
     blocks = [
         b": keepalive",
         b'data: {"response":"a"}',

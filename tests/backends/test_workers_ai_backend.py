@@ -22,7 +22,7 @@ from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN, TEST_GATEWAY_TOKEN
 
 pytestmark = pytest.mark.integration
 
-MODEL = "@cf/meta/llama-3.1-8b-instruct"
+MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
 REQUEST = GenerationRequest(
     model=MODEL,
     messages=(Message("system", "You are Ada Lovelace."), Message("user", "Write a quote about engines.")),

@@ -27,7 +27,7 @@ from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN, TEST_GATEWAY_TOKEN, 
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
-MODEL = "@cf/meta/llama-3.1-8b-instruct"
+MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
 LOGGERS = {"workers-ai": "quotes.backends.workers_ai", "openai": "quotes.backends.openai_compat"}
 
 
@@ -120,7 +120,7 @@ async def test_a_quote_reaches_the_visitor_in_workers_ai_format_through_the_gate
     assert response.headers["x-quote-model"] == MODEL
     assert (
         response.headers["x-quote-model-url"]
-        == "https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct/"
+        == "https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct-fp8/"
     )
     # The upstream's headers with the app's own fallback step (the primary model: 0) and cache
     # status (skip-cache bypasses our answer cache too), unless Cloudflare's cache hit.

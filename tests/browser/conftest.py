@@ -6,70 +6,19 @@ from __future__ import annotations
 
 import itertools
 import re
-import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from playwright.sync_api import Page, expect
 
-from harness.daphne import ROOT, SINGLE_UNIT, daphne_command, environment, migrate, running, wait_for
-from harness.services import free_port
-from harness.workers_ai import FakeWorkersAI, Scenario, backend_env
+from harness.daphne import ROOT, Site, start_site, workers_ai_env
+from harness.workers_ai import FakeWorkersAI, Scenario
 
 SCREENSHOTS = ROOT / "artifacts" / "screenshots"
-ACCOUNT_ID = "acct-test"
-#: A secret-looking credential the Workers AI sites run with: it must never reach a page.
-API_TOKEN = "cfut_BROWSER-4c1d9e8f7a6b5c4d3e2f1a0b9c8d7e6fQQ"
 #: Whole words: a token ending in "c" or "cf" is held back until the next (it could start a credential).
 QUOTE = "The work you do is the play you have not yet noticed."
 TOKENS = tuple(re.findall(r"\.|\s?\w+", QUOTE))
-
-
-@dataclass
-class Site:
-    url: str
-    db_path: Path
-    log_path: Path
-
-    def query(self, sql: str, *params: object) -> list[tuple[Any, ...]]:
-        with sqlite3.connect(self.db_path) as connection:
-            return connection.execute(sql, params).fetchall()
-
-    def last_row(self, columns: str = "error_code, text") -> tuple[Any, ...]:
-        """The newest generation's status and `columns`, once it is no longer `running`."""
-        sql = f"SELECT status, {columns} FROM quotes_generation ORDER BY id DESC LIMIT 1"
-        wait_for(lambda: [r[0] for r in self.query(sql)] not in ([], ["running"]), "a finished row")
-        return self.query(sql)[0]
-
-
-@contextmanager
-def start_site(tmp_dir: Path, **settings: str) -> Iterator[Site]:
-    """A fresh SQLite file, migrated, and the app served on it by daphne as deploy/ runs it."""
-    db_path = tmp_dir / "db.sqlite3"
-    defaults = {
-        "DJANGO_DEBUG": "true",  # static files from the source tree (no collectstatic); the same CSP
-        "DATABASE_URL": f"sqlite:///{db_path}",
-        "LOCAL_MODEL_PRELOAD": "true",
-        # Sites are shared by tests: no answer cache, no rate limit to speak of. Tests of those opt in.
-        "QUOTES_CACHE_TTL": "0",
-        "QUOTES_RATE_LIMIT": "1000/minute",
-        "QUOTES_MAX_CONCURRENT_STREAMS": "50",
-        "QUOTES_DRAIN_TIMEOUT_S": "1",
-    }
-    env = environment(**{**defaults, **settings})
-    migrate(env)
-    port, log_path = free_port(), tmp_dir / "daphne.log"
-    command = daphne_command(SINGLE_UNIT, port)
-    with running(command, port, env, log_path, path="/", any_status=True) as (_, url):
-        yield Site(url, db_path, log_path)
-
-
-def workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:
-    return {**backend_env(fake.api_base_url, ACCOUNT_ID, API_TOKEN), "LOCAL_MODEL_PRELOAD": "false"}
 
 
 @pytest.fixture(scope="session")

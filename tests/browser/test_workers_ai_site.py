@@ -10,29 +10,15 @@ from collections.abc import Iterator
 import pytest
 from playwright.sync_api import Page, expect
 
-from harness.daphne import wait_for
+from harness.daphne import ACCOUNT_ID, API_TOKEN, Site, start_site, wait_for, workers_ai_env
 from harness.workers_ai import FakeWorkersAI, Scenario
 
-from .conftest import (
-    ACCOUNT_ID,
-    API_TOKEN,
-    QUOTE,
-    RECORDER,
-    TOKENS,
-    Site,
-    besides,
-    card_state,
-    open_persona,
-    screenshot,
-    start_site,
-    streamed,
-    workers_ai_env,
-)
+from .conftest import QUOTE, RECORDER, TOKENS, besides, card_state, open_persona, screenshot, streamed
 
 pytestmark = pytest.mark.system
 
-MODEL = "@cf/meta/llama-3.1-8b-instruct"
-MODEL_URL = "https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct/"
+MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
+MODEL_URL = "https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct-fp8/"
 
 TRANSPORTS = pytest.mark.parametrize("transport", ["htmx", "fetch"])
 

@@ -69,7 +69,7 @@ async def test_a_streams_lines_carry_its_request_id(console: Any, fake: Any, per
     body, headers = {"persona": persona.slug}, {"x-request-id": "rid-42"}
     response = await request("POST", "/api/quotes/stream", json_body=body, headers=headers)
 
-    assert response.status == 400
+    assert response.status == 502
     backend_lines = [r for r in console[1] if r.name == "quotes.backends.workers_ai"]
     assert backend_lines and all(r.request_id == "rid-42" for r in backend_lines)
 

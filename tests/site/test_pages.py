@@ -53,13 +53,13 @@ def test_persona_page_has_the_streaming_hooks_and_its_scripts_urls(persona: Any,
 
 async def test_a_persona_on_its_own_backend_names_that_backends_model(persona: Any, settings: Any) -> None:
     settings.AI_BACKEND = "workers-ai"  # the site on Workers AI, this persona on the embedded model
-    persona.backend, persona.model = "local", "@cf/meta/llama-3.1-8b-instruct"
+    persona.backend, persona.model = "local", "@cf/meta/llama-3.1-8b-instruct-fp8"
     await persona.asave()
 
     page = await request("GET", f"/personas/{persona.slug}/")
 
     assert page.status == 200 and "gemma-3-270m" in page.body.decode()
-    assert "llama-3.1-8b-instruct" not in page.body.decode()
+    assert "llama-3.1-8b-instruct-fp8" not in page.body.decode()
 
 
 def test_avatars_and_button_icons_are_svg_not_emoji(persona: Persona, client: Client) -> None:

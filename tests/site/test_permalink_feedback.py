@@ -21,7 +21,7 @@ from tests.asgi import request
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration]
 
 TEXT = '\nThe rain does not <hurry> & "still" arrives.'
-LLAMA = "@cf/meta/llama-3.1-8b-instruct"
+LLAMA = "@cf/meta/llama-3.1-8b-instruct-fp8"
 
 
 def make_generation(persona: Persona, **fields: object) -> Generation:
@@ -48,7 +48,7 @@ def test_permalink_page_shows_the_quote_with_open_graph_tags(persona: Persona, c
     assert response.status_code == 200
     html = response.content.decode()
     assert "The rain does not &lt;hurry&gt; &amp; &quot;still&quot; arrives." in html and "Alan Watts" in html
-    assert 'href="https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct/"' in html
+    assert 'href="https://developers.cloudflare.com/workers-ai/models/llama-3.1-8b-instruct-fp8/"' in html
     assert f'datetime="{generation.created_at.isoformat()}"'[:30] in html
     parser = MetaTags()
     parser.feed(html)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes import generations, limits
+from quotes import generations, limits, spend
 from quotes.models import Generation, Persona
 from tests.asgi import post_quote, post_stream, read_events, request
 from tests.fixtures import saved
@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
-    await saved(persona, model="@cf/meta/llama-3.1-8b-instruct", cache_ttl=0)  # no cache: a generation each
+    await saved(
+        persona, model="@cf/meta/llama-3.1-8b-instruct-fp8", cache_ttl=0
+    )  # no cache: a generation each
     return fake
 
 
@@ -101,7 +103,7 @@ async def test_a_burst_never_spends_past_the_daily_ceiling(
     character a token, max_tokens written), atomically in the shared counters: a burst admits
     only what fits, and the real costs, settled at the end, stay under the ceiling."""
     request = persona.build_request(topic=persona.default_topic)
-    most = Decimal(str(generations.most_cost(persona, request)))
+    most = Decimal(str(generations.most_cost([persona.model], request)))
     settings.QUOTES_DAILY_SPEND_LIMIT_USD = most * Decimal("3.5")
     fake.default = Scenario(tokens=["tick"] * 10, token_delay_s=0.02)
     burst = await asyncio.gather(*(post_quote(client=(f"198.51.100.{n}", 1)) for n in range(12)))
@@ -110,6 +112,6 @@ async def test_a_burst_never_spends_past_the_daily_ceiling(
     assert {response.json()["error"]["code"] for response in burst if response.status == 503} == {
         "budget_exhausted"
     }
-    spent = await limits.spent_today()
+    spent = await spend.spent_today()
     assert 0 < spent <= settings.QUOTES_DAILY_SPEND_LIMIT_USD
     assert spent == sum([row.cost_usd async for row in Generation.objects.all()], Decimal(0))

@@ -23,7 +23,7 @@ TICKS = [f"t{n} " for n in range(40)]
 
 @pytest.fixture
 async def fake(fake: FakeWorkersAI, persona: Persona, settings: Any) -> FakeWorkersAI:
-    await saved(persona, model="@cf/meta/llama-3.1-8b-instruct")
+    await saved(persona, model="@cf/meta/llama-3.1-8b-instruct-fp8")
     settings.QUOTES_RESUME_GRACE_S = 5
     return fake
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 async def fake(fake: FakeWorkersAI, persona: Persona) -> FakeWorkersAI:
-    await saved(persona, model="@cf/meta/llama-3.1-8b-instruct")
+    await saved(persona, model="@cf/meta/llama-3.1-8b-instruct-fp8")
     return fake
 
 
@@ -49,7 +49,7 @@ async def test_a_start_streams_meta_tokens_and_done_and_logs_a_row(
 ) -> None:
     await socket.send_json_to({"type": "start", "persona": "test-watts", "topic": "rain"})
     frames = await frames_until(socket, "done")
-    assert frames[0]["type"] == "meta" and frames[0]["model"] == "@cf/meta/llama-3.1-8b-instruct"
+    assert frames[0]["type"] == "meta" and frames[0]["model"] == "@cf/meta/llama-3.1-8b-instruct-fp8"
     assert "".join(f["text"] for f in frames if f["type"] == "token") == "Stay hungry, stay foolish."
     assert frames[-1]["usage"]["total_tokens"] == 18 and all("event_id" in f for f in frames)
     row = await Generation.objects.aget(public_id=frames[-1]["id"])

@@ -21,7 +21,7 @@ from tests.fixtures import saved
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
-MODEL = "@cf/meta/llama-3.1-8b-instruct"
+MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
 FALLBACK = "@cf/meta/llama-3.2-3b-instruct"
 TEXT = "Stay hungry, stay foolish."
 
@@ -102,7 +102,7 @@ async def test_htmx_form_gets_escaped_fragments_and_named_events(fake: FakeWorke
 async def test_an_error_before_any_text_has_its_real_status_and_a_row(fake: FakeWorkersAI) -> None:
     fake.script(Scenario.model_not_found())
     response = await post_quote()
-    assert response.status == 400
+    assert response.status == 502
     assert response.json()["error"]["code"] == "model_not_found"
     [row] = await rows()
     assert (row.status, row.error_code) == ("error", "model_not_found")
