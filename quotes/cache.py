@@ -46,21 +46,11 @@ def store(alias: str = "default") -> BaseCache:
     return _stores[key]
 
 
-class Unavailable(Exception):
-    """The cache failed (or is resting after a failure). `attempted`: the operation was sent, so
-    the cache may have done it though no answer came (a timeout); False: it surely was not."""
-
-    def __init__(self, *, attempted: bool) -> None:
-        super().__init__("the cache is unavailable")
-        self.attempted = attempted
-
-
-async def attempt(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`operation(*args, **kwargs)` on a worker thread (inline for this process's memory);
-    `Unavailable` when the cache fails or is resting."""
+async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    """`operation(*args, **kwargs)` on a worker thread; None when the cache fails or is resting."""
     global _down_until, _failing
     if time.monotonic() < _down_until:
-        raise Unavailable(attempted=False)
+        return None
     try:
         if isinstance(getattr(operation, "__self__", None), LocMemCache):
             result = operation(*args, **kwargs)  # this process's memory: microseconds, no thread
@@ -70,19 +60,11 @@ async def attempt(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if not _failing:
             logger.warning("the cache is unavailable (%s); serving without it", type(exc).__name__)
         _failing, _down_until = True, time.monotonic() + RETRY_S
-        raise Unavailable(attempted=True) from exc
+        return None
     if _failing:
         _failing = False
         logger.info("the cache answers again")
     return result
-
-
-async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
-    """`attempt`, with None when the cache fails or is resting."""
-    try:
-        return await attempt(operation, *args, **kwargs)
-    except Unavailable:
-        return None
 
 
 class JSONSerializer:

@@ -82,7 +82,7 @@ async def _end_of_async_test() -> AsyncIterator[None]:
     """An async test's generations end, and their rows are written, in its own loop while its
     database is there."""
     yield
-    from quotes import limits
+    from quotes import limits, spend
     from quotes.generations import DRAINED
     from quotes.rows import writer
     from streaming.generation import generations
@@ -90,6 +90,7 @@ async def _end_of_async_test() -> AsyncIterator[None]:
     await generations().drain(0, DRAINED)
     await writer().close()
     await limits.close()
+    await spend.close()
     await sync_to_async(connections.close_all)()
 
 

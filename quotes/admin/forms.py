@@ -60,17 +60,21 @@ class PersonaForm(forms.ModelForm[Persona]):
         for field in SAMPLING_FIELDS.values():
             if field.help_text:
                 self.fields[field.name].help_text = field.help_text
-        # A persona on a retired model shows it (marked), so the form can say why it is refused
-        # rather than "not one of the available choices".
+        # A persona on a retired model (or fallback) shows it, marked, so the form can say why it
+        # is refused rather than "not one of the available choices".
         current = self.initial.get("model")
-        retired = catalog.RETIRED.get(current) if isinstance(current, str) else None
-        if retired is not None:
-            choice = self.fields["model"]
-            assert isinstance(choice, forms.ChoiceField)
-            choice.choices = [
-                *catalog.choices(),
-                (retired.id, f"{retired.id} (retired on {retired.retired_on})"),
-            ]
+        fallbacks = self.initial.get("fallback_models")
+        set_now = [current, *(fallbacks if isinstance(fallbacks, list) else [])]
+        retired = [
+            catalog.RETIRED[m] for m in dict.fromkeys(set_now) if isinstance(m, str) and m in catalog.RETIRED
+        ]
+        marked = [(m.id, f"{m.id} (retired on {m.retired_on})") for m in retired]
+        self.models = [*catalog.choices(), *marked]
+        if marked:
+            for name in ("model", "fallback_models"):
+                choice = self.fields[name]
+                assert isinstance(choice, forms.ChoiceField)
+                choice.choices = self.models
 
     def clean_voice_examples(self) -> str:
         # A browser posts CRLF: stored so, the same examples would be a new version on every save.
@@ -79,7 +83,7 @@ class PersonaForm(forms.ModelForm[Persona]):
     def clean_fallback_models(self) -> list[str]:
         # In the catalog's order, as the select lists them.
         chosen = set(self.cleaned_data.get("fallback_models") or [])
-        return [model_id for model_id, _ in catalog.choices() if model_id in chosen]
+        return [model_id for model_id, _ in self.models if model_id in chosen]
 
 
 class StatsRangeForm(forms.Form):

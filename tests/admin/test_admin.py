@@ -108,6 +108,40 @@ def test_admin_form_models_come_from_the_catalog_and_lora_fits_a_lora_model(admi
     assert persona.fallback_models == fallbacks[::-1]  # the catalog's order, as the select lists them
 
 
+def test_admin_marks_a_persona_on_a_retired_model_and_its_form_refuses_it(admin_client: Client) -> None:
+    """A database from before the refresh (the migration moved the seeded personas; a restored
+    backup can hold a retired model still): the list says so, the form shows the model, refuses
+    it and names its successor, and saves once another is chosen."""
+    retired, successor = "@cf/meta/llama-3.1-8b-instruct", "@cf/meta/llama-3.1-8b-instruct-fp8"
+    Persona.objects.filter(slug="alan-watts").update(model=retired)
+    Persona.objects.filter(slug="mark-twain").update(fallback_models=["@cf/nobody/nothing"])
+    listing = admin_client.get("/admin/quotes/persona/").content.decode()
+    assert f"{retired} ⚠ {retired} was retired by Cloudflare on 2026-05-30: use {successor}" in listing
+    assert "⚠ @cf/nobody/nothing is not in the Workers AI catalog" in listing
+    assert listing.count("⚠") == 2
+
+    persona = watts()
+    page = admin_client.get(CHANGE.format(pk=persona.pk)).content.decode()
+    assert f'<option value="{retired}" selected>{retired} (retired on 2026-05-30)</option>' in page
+    response = admin_client.post(CHANGE.format(pk=persona.pk), form_data(persona))
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert errors == {
+        "model": [
+            f"{retired} was retired by Cloudflare on 2026-05-30: choose another model, such as {successor}."
+        ]
+    }
+    response = admin_client.post(CHANGE.format(pk=persona.pk), form_data(persona, model=successor))
+    assert response.status_code == 302 and watts().model == successor
+    # A retired fallback is shown and refused the same way.
+    Persona.objects.filter(slug="alan-watts").update(fallback_models=[retired])
+    page = admin_client.get(CHANGE.format(pk=persona.pk)).content.decode()
+    assert f'<option value="{retired}" selected>{retired} (retired on 2026-05-30)</option>' in page
+    response = admin_client.post(CHANGE.format(pk=persona.pk), form_data(watts()))
+    errors = response.context["adminform"].form.errors
+    assert list(errors) == ["fallback_models"] and "was retired by Cloudflare" in errors["fallback_models"][0]
+
+
 # --- versions ---------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -83,6 +84,12 @@ def expected(scenario: Scenario) -> list[Event]:
     pieces += [str(token) for token in scenario.tokens]
     usage = [Usage(*scenario.usage)] if scenario.usage else []
     return [Meta(model=MODEL), *(Token(piece) for piece in pieces if piece), *usage, Done()]
+
+
+def error_of(number: int) -> Error:
+    """The Error a documented Workers AI code becomes, as harness/workers_ai.py expects it."""
+    code, status = EXPECTED_ERRORS[number]
+    return Error(code, ERROR_CODES[number][2], status)
 
 
 def text_of(events: list[Event]) -> str:
@@ -200,6 +207,10 @@ async def test_reads_a_body_cut_at_every_single_byte_offset(backend: Backend, fa
         Scenario(tokens=[42, " is", "", 0]),
         Scenario(tokens=NON_ASCII, openai_style=True, split="random", seed=1),
         Scenario(tokens=["!"], long_line=1_000_000, split=65_536),
+        # finish_reason on the last token (before 2026-02-17), or on none; the usage chunk is the default
+        Scenario(tokens=NON_ASCII, finish_reason="token"),
+        Scenario(tokens=NON_ASCII, openai_style=True, finish_reason="token"),
+        Scenario(tokens=NON_ASCII, finish_reason=None),
     ],
     ids=[
         "cr-reads-apart",
@@ -209,6 +220,9 @@ async def test_reads_a_body_cut_at_every_single_byte_offset(backend: Backend, fa
         "numbers",
         "openai",
         "1MB-line",
+        "finish-on-token",
+        "openai-finish-on-token",
+        "no-finish-reason",
     ],
 )
 async def test_reads_each_wire_variant(backend: Backend, fake: Fake, scenario: Scenario) -> None:
@@ -269,6 +283,39 @@ async def test_maps_each_upstream_error_to_its_code_in_our_words(
     if scenario.error_message:  # what Workers AI said is for the operator's log
         logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "quotes.backends.workers_ai")
         assert f"Workers AI said: HTTP {scenario.status}: {scenario.error_message}" in logged
+
+
+# -- the fake answers as Cloudflare does before it runs a model -------------------------------------
+
+
+@pytest.mark.parametrize("model", ["@cf/meta/llama-3.1-8b-instruct", "@cf/nobody/nothing"])
+async def test_a_retired_or_unknown_model_is_model_not_found_said_once_per_persona_and_model(
+    backend: Backend, fake: Fake, caplog: pytest.LogCaptureFixture, model: str
+) -> None:
+    fake.script(Scenario())  # never used: Workers AI refuses the model before it runs anything
+    request = replace(REQUEST, model=model)
+    for _ in range(3):
+        assert await collect(backend, request) == [Meta(model=model), error_of(5007)]
+    assert fake.pending == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "quotes.backends.workers_ai"]
+    assert len(said) == 1 and f"No such model {model} or task" in said[0] and "Ada Lovelace" in said[0]
+    await collect(backend, replace(request, speaker="Mark Twain"))  # another persona: said again
+    assert len([r for r in caplog.records if r.name == "quotes.backends.workers_ai"]) == 2
+
+
+async def test_a_body_the_models_schema_refuses_is_5006_a_bad_request_of_ours(
+    backend: Backend, fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Llama 3.1's published schema takes a temperature from 0 to 5."""
+    assert await collect(backend, replace(REQUEST, temperature=9.0)) == [Meta(model=MODEL), error_of(5006)]
+    said = "\n".join(r.getMessage() for r in caplog.records if r.name == "quotes.backends.workers_ai")
+    assert "AiError: Bad input: Error:" in said and "temperature" in said
+    assert fake.requests[0].scenario is not None and fake.requests[0].scenario.error_code == 5006
+
+
+async def test_out_of_capacity_carries_cloudflares_retry_after(backend: Backend, fake: Fake) -> None:
+    fake.script(Scenario.out_of_capacity(retry_after=7))
+    assert await collect(backend) == [Meta(model=MODEL), replace(error_of(3040), retry_after=7)]
 
 
 async def test_reports_a_refused_connection_and_a_connect_timeout(

@@ -192,6 +192,51 @@ async def test_retries_then_falls_back_before_the_first_token_only(
     assert parse_sse(response.body)[-1]["event"] == "error"
 
 
+async def test_out_of_capacity_is_retried_after_cloudflares_retry_after_then_falls_back(
+    fake: FakeWorkersAI, persona: Persona, settings: Any
+) -> None:
+    settings.QUOTES_POLICY = Policy(max_attempts=2, retry_delay_s=0.01, ttft_timeout_s=5, idle_timeout_s=2)
+    await saved(persona, fallback_models=[FALLBACK])
+    fake.script(*[Scenario.out_of_capacity(retry_after=1)] * 2, Scenario(tokens=["Saved"]))
+    assert tokens((await post_quote()).body) == "Saved"
+    first, second, third = fake.requests
+    assert [first.model, second.model, third.model] == [MODEL, MODEL, FALLBACK]
+    assert second.received_at - first.received_at >= 1  # Cloudflare's Retry-After, not our 10 ms
+    # A Retry-After past the first-token deadline: the next model at once.
+    settings.QUOTES_POLICY = Policy(max_attempts=2, retry_delay_s=0.01, ttft_timeout_s=3, idle_timeout_s=2)
+    fake.script(Scenario.out_of_capacity(retry_after=30), Scenario(tokens=["Next"]))
+    assert tokens((await post_quote({"persona": "test-watts", "fresh": True})).body) == "Next"
+    assert [r.model for r in fake.requests[3:]] == [MODEL, FALLBACK]
+
+
+async def test_a_persona_on_a_retired_model_streams_from_its_fallback_with_one_warning(
+    fake: FakeWorkersAI, persona: Persona, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a database from before the refresh holds it (the admin's form refuses a retired model):
+    Workers AI answers 5007 for it, before any text, and the fallback serves."""
+    retired = "@cf/meta/llama-3.1-8b-instruct"
+    await Persona.objects.filter(pk=persona.pk).aupdate(model=retired, fallback_models=[FALLBACK])
+    for topic in ("one", "two", "three"):
+        response = await post_quote({"persona": "test-watts", "topic": topic})
+        assert (response.status, tokens(response.body)) == (200, TEXT)
+        assert response.headers["x-quote-model"] == FALLBACK and response.headers["cf-aig-step"] == "1"
+    assert [r.model for r in fake.requests] == [retired, FALLBACK] * 3
+    warned = [r for r in caplog.records if r.name == "quotes.backends.workers_ai"]
+    assert (
+        len(warned) == 1 and "model_not_found" in warned[0].getMessage() and retired in warned[0].getMessage()
+    )
+    assert [(row.model, row.fallback_step, row.status) for row in await rows()] == [(FALLBACK, 1, "ok")] * 3
+
+    # With no fallback: a clear error, its own code, never a 500.
+    await Persona.objects.filter(pk=persona.pk).aupdate(fallback_models=[])
+    response = await post_quote({"persona": "test-watts", "topic": "four"})
+    assert response.status == 502
+    assert response.json()["error"] == {
+        "code": "model_not_found",
+        "message": "This persona's model is not offered by Workers AI any more. The site's admins have been told.",
+    }
+
+
 async def test_deadlines_first_token_and_idle(fake: FakeWorkersAI, settings: Any) -> None:
     settings.QUOTES_POLICY = Policy(max_attempts=1, ttft_timeout_s=0.3, idle_timeout_s=0.3, total_timeout_s=5)
     fake.script(Scenario(stall_before_s=3))
