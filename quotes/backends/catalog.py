@@ -3,7 +3,7 @@
 The Workers AI models are Cloudflare's, as its docs repository publishes them, in
 workers_ai_models.json: a snapshot with its source (the files and their commits) that
 scripts/refresh_catalog.py writes from a checkout of cloudflare/cloudflare-docs
-(docs/deployment.md, "The model catalog"). It offers every active text-generation model that suits
+(docs/deployment.md, section 8). It offers every active text-generation model that suits
 short quotes; a retired one stays known as "retired on <date>, use <model>", with its last facts,
 so old rows and personas still display and price. The embedded model is ours. `None` means no
 figure is published: no price (beta models were billed at no charge), no context window.
@@ -23,7 +23,7 @@ from .base import SAMPLING_FIELDS
 
 #: Our cap on a quote's length where Cloudflare documents no output limit.
 OUR_OUTPUT_CAP = 2048
-#: The model new personas get, and the seeded ones: see docs/deployment.md, "The model catalog".
+#: The model new personas get, and the seeded ones (docs/deployment.md, section 8).
 DEFAULT_MODEL = "@cf/meta/llama-3.1-8b-instruct-fp8"
 LOCAL_MODEL = "gemma-3-270m"
 

@@ -195,7 +195,11 @@ def test_the_cut_generations_close_their_upstream_keep_their_rows_and_the_proces
 
 
 def test_every_refusal_is_counted_up_to_the_exit(drained: Drained) -> None:
-    # The last answer may be counted and then cut by the exit itself, before the client reads it.
+    """Counted: every HTTP refusal answered, the late WebSocket start's (always), and perhaps one
+    more: the client asks one request at a time, and the last may be counted and then cut by the
+    exit itself before the client reads it. (The bound forgot the socket's refusal, so it held only
+    when the last request was not cut: it failed about one run in three.)"""
     answered = len(drained.refused)
     assert answered > 0, "no refusal was answered while draining"
-    assert answered <= drained.refusals_counted <= answered + 1, (answered, drained.refusals_counted)
+    counted = drained.refusals_counted
+    assert answered + 1 <= counted <= answered + 2, (answered, counted)

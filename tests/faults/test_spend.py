@@ -60,7 +60,9 @@ def spend_today(site: Site) -> Decimal:
 def row_costs(site: Site) -> list[tuple[str, str, Decimal, int]]:
     """(status, error code, cost, cost estimated) of every row, once none is running."""
     wait_for(lambda: not site.query("SELECT 1 FROM quotes_generation WHERE status = 'running'"), "rows done")
-    rows = site.query("SELECT status, error_code, cost_usd, cost_estimated FROM quotes_generation ORDER BY id")
+    rows = site.query(
+        "SELECT status, error_code, cost_usd, cost_estimated FROM quotes_generation ORDER BY id"
+    )
     return [(status, code, Decimal(str(cost or 0)), estimated) for status, code, cost, estimated in rows]
 
 
@@ -94,7 +96,9 @@ def test_quotes_stopped_after_their_first_token_spend_an_estimate_and_meet_the_c
     served = statuses.count(200)
     assert 1 <= served < 12 and statuses == [200] * served + [503] * (12 - served), statuses
     assert len(fake.requests) == served  # a refused quote never reaches Cloudflare
-    assert [(status, code, estimated) for status, code, _, estimated in rows] == [("cancelled", "stopped", 1)] * served
+    assert [(status, code, estimated) for status, code, _, estimated in rows] == [
+        ("cancelled", "stopped", 1)
+    ] * served
     costs = [cost for *_, cost, _ in rows]
     # Each bills its prompt (at least the few-shot frame's ~1,000 characters as tokens) and a token.
     assert all(cost > 1000 * PRICE_IN / 10**6 for cost in costs), costs
@@ -116,7 +120,9 @@ def test_an_upstream_that_names_another_model_is_priced_by_the_model_asked_for(
         "QUOTES_METRICS_ALLOW": "127.0.0.1/32",
     }
     with start_site(tmp_path, **env) as site, httpx.Client(timeout=30) as client:
-        answers = [client.post(f"{site.url}/api/quotes/stream", json={"persona": "alan-watts"}) for _ in range(6)]
+        answers = [
+            client.post(f"{site.url}/api/quotes/stream", json={"persona": "alan-watts"}) for _ in range(6)
+        ]
         rows = row_costs(site)
         models = {model for (model,) in site.query("SELECT model FROM quotes_generation")}
         spent = spend_today(site)
@@ -172,7 +178,9 @@ def test_a_redis_hung_between_reservations_and_settlements_leaves_the_counter_at
         costs = sum(cost for *_, cost, _ in rows)
         units = int(costs * 10**9)
         one_reservation = reserved // 4
-        wait_for(lambda: units <= int(store.get(key) or 0) <= units + one_reservation, "the counter paid back", 20)
+        wait_for(
+            lambda: units <= int(store.get(key) or 0) <= units + one_reservation, "the counter paid back", 20
+        )
         counter = int(store.get(key) or 0)
         store.close()
 
