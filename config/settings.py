@@ -5,6 +5,8 @@ secrets. Code reads `django.conf.settings`, never `os.environ`, so tests can ove
 from __future__ import annotations
 
 import ipaddress
+import math
+import re
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -30,6 +32,69 @@ class Env(environ.Env):
         except (ValueError, TypeError, ArithmeticError) as exc:
             raise ImproperlyConfigured(f"{var} has a bad value: {exc}") from None
 
+    def number(self, var: str, *, default: Any, low: float, high: float, integer: bool = False) -> Any:
+        """A finite number from `low` to `high` (NaN, Infinity, 1e400 and the like are refused),
+        else start-up stops with the variable's name and the form it takes."""
+        raw = self.str(var, default="").strip()
+        if not raw:
+            return default
+        try:
+            value: float = int(raw) if integer else float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and low <= value <= high):
+            kind = "a whole number" if integer else "a number"
+            raise ImproperlyConfigured(
+                f"{var} must be {kind} from {_show(low)} to {_show(high)}; got {raw!r}."
+            )
+        return value
+
+    def dollars(self, var: str, *, high: Decimal) -> Decimal | None:
+        """An amount of US dollars from 0 to `high`, or None when unset."""
+        raw = self.str(var, default="").strip()
+        if not raw:
+            return None
+        try:
+            value = Decimal(raw)
+        except ArithmeticError:
+            value = Decimal("NaN")
+        if not (value.is_finite() and 0 <= value <= high):
+            raise ImproperlyConfigured(
+                f"{var} must be an amount of US dollars from 0 to {high}, such as 5.00; got {raw!r}."
+            )
+        return value
+
+    def rate(self, var: str, *, default: str) -> str:
+        """A rate in the `limits` package's notation, such as 20/minute; `20/m` (the habit other
+        Django rate limiters teach) is taken as 20/minute. At least one request per period."""
+        raw = self.str(var, default=default).strip()
+        match = _RATE.fullmatch(raw.lower())
+        unit = _UNITS.get(match["unit"], "") if match else ""
+        if not match or not unit or int(match["amount"]) < 1 or int(match["multiples"] or 1) < 1:
+            raise ImproperlyConfigured(
+                f"{var} must be a rate such as 20/minute or 100/2 hours (per second, minute, hour or day); got {raw!r}."
+            )
+        multiples = int(match["multiples"] or 1)
+        rate = (
+            f"{int(match['amount'])}/{multiples} {unit}"
+            if multiples > 1
+            else f"{int(match['amount'])}/{unit}"
+        )
+        parse(rate)  # the notation the `limits` package reads
+        return rate
+
+
+def _show(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+_RATE = re.compile(r"(?P<amount>\d+)\s*(?:/|per)\s*(?P<multiples>\d*)\s*(?P<unit>[a-z]+)")
+_UNITS = {
+    **{name: name for name in ("second", "minute", "hour", "day")},
+    **{name + "s": name for name in ("second", "minute", "hour", "day")},
+    **{"s": "second", "sec": "second", "m": "minute", "min": "minute", "h": "hour", "hr": "hour", "d": "day"},
+}
+
 
 env = Env()
 
@@ -37,11 +102,6 @@ env = Env()
 def _check(name: str, ok: bool, expected: str) -> None:
     if not ok:
         raise ImproperlyConfigured(f"{name} must be {expected}.")
-
-
-def _rate(value: str) -> str:
-    parse(value)  # the `limits` package's notation, "20/minute": a ValueError otherwise
-    return value
 
 
 def _network(value: str) -> bool:
@@ -202,41 +262,43 @@ AI_GATEWAY_ID = env.str("AI_GATEWAY_ID", default="")
 AI_GATEWAY_BASE_URL = env.str("AI_GATEWAY_BASE_URL", default="https://gateway.ai.cloudflare.com/v1")
 AI_GATEWAY_TOKEN = env.str("AI_GATEWAY_TOKEN", default="")
 AI_GATEWAY_SKIP_CACHE = env.bool("AI_GATEWAY_SKIP_CACHE", default=False)
-AI_GATEWAY_CACHE_TTL = _ttl = env.int("AI_GATEWAY_CACHE_TTL", default=None)
-_check("AI_GATEWAY_CACHE_TTL", _ttl is None or 60 <= _ttl <= 2592000, "60 to 2592000")
+AI_GATEWAY_CACHE_TTL = env.number("AI_GATEWAY_CACHE_TTL", default=None, low=60, high=2_592_000, integer=True)
 OPENAI_BASE_URL = env.str("OPENAI_BASE_URL", default="")
 OPENAI_API_KEY = env.str("OPENAI_API_KEY", default="")
 
 _MODEL = Path.home() / ".cache/persona-quotes/models/gemma-3-270m-q4_k_m.gguf"
 LOCAL_MODEL_PATH = Path(env.str("LOCAL_MODEL_PATH", default=str(_MODEL)))
-LOCAL_MODEL_THREADS = env.int("LOCAL_MODEL_THREADS", default=2)
-LOCAL_MODEL_SLOTS = env.int("LOCAL_MODEL_SLOTS", default=4)
-_check("LOCAL_MODEL_SLOTS", 1 <= LOCAL_MODEL_SLOTS <= 64, "1 to 64")
+LOCAL_MODEL_THREADS = env.number("LOCAL_MODEL_THREADS", default=2, low=1, high=256, integer=True)
+LOCAL_MODEL_SLOTS = env.number("LOCAL_MODEL_SLOTS", default=4, low=1, high=64, integer=True)
 LOCAL_MODEL_PRELOAD = env.bool("LOCAL_MODEL_PRELOAD", default=False)
 
 # --- Streams ----------------------------------------------------------------------------------
 
 # Two attempts per model; the first-token deadline is across every attempt: the headers wait for it.
 QUOTES_POLICY = Policy(
-    ttft_timeout_s=env.float("QUOTES_TTFT_TIMEOUT", default=30.0),
-    total_timeout_s=env.float("AI_TOTAL_TIMEOUT", default=120.0),
+    ttft_timeout_s=env.number("QUOTES_TTFT_TIMEOUT", default=30.0, low=0.1, high=3600),
+    total_timeout_s=env.number("AI_TOTAL_TIMEOUT", default=120.0, low=0.1, high=3600),
 )
 QUOTES_FALLBACK_MODELS = env.list("QUOTES_FALLBACK_MODELS", default=[])
-QUOTES_CACHE_TTL = env.int("QUOTES_CACHE_TTL", default=AI_GATEWAY_CACHE_TTL or 3600)
+QUOTES_CACHE_TTL = env.number(
+    "QUOTES_CACHE_TTL", default=AI_GATEWAY_CACHE_TTL or 3600, low=0, high=2_592_000, integer=True
+)
 QUOTES_CACHE_REPLAY_PACING_MS = 5
 QUOTES_KEEPALIVE_S = 15.0
-QUOTES_RESUME_GRACE_S = env.float("QUOTES_RESUME_GRACE_S", default=10.0)
-_check("QUOTES_RESUME_GRACE_S", 0 <= QUOTES_RESUME_GRACE_S <= 300, "0 to 300")
+QUOTES_RESUME_GRACE_S = env.number("QUOTES_RESUME_GRACE_S", default=10.0, low=0, high=300)
 QUOTES_RESUME_TTL_S = 300
-QUOTES_DRAIN_TIMEOUT_S = env.float("QUOTES_DRAIN_TIMEOUT_S", default=20.0)
+QUOTES_DRAIN_TIMEOUT_S = env.number("QUOTES_DRAIN_TIMEOUT_S", default=20.0, low=0, high=3600)
 
 # Admission (quotes/limits.py).
-QUOTES_MAX_OPEN_STREAMS = env.int("QUOTES_MAX_OPEN_STREAMS", default=100)
-QUOTES_MAX_CONCURRENT_STREAMS = env.int("QUOTES_MAX_CONCURRENT_STREAMS", default=3)
-QUOTES_RATE_LIMIT = env.get_value("QUOTES_RATE_LIMIT", cast=_rate, default="20/minute")
-QUOTES_FEEDBACK_RATE_LIMIT = env.get_value("QUOTES_FEEDBACK_RATE_LIMIT", cast=_rate, default="30/minute")
-QUOTES_DAILY_SPEND_LIMIT_USD = env.get_value("QUOTES_DAILY_SPEND_LIMIT_USD", cast=Decimal, default=None)
-_check("QUOTES_DAILY_SPEND_LIMIT_USD", (QUOTES_DAILY_SPEND_LIMIT_USD or 0) >= 0, "an amount of US dollars")
+QUOTES_MAX_OPEN_STREAMS = env.number(
+    "QUOTES_MAX_OPEN_STREAMS", default=100, low=1, high=100_000, integer=True
+)
+QUOTES_MAX_CONCURRENT_STREAMS = env.number(
+    "QUOTES_MAX_CONCURRENT_STREAMS", default=3, low=1, high=1000, integer=True
+)
+QUOTES_RATE_LIMIT = env.rate("QUOTES_RATE_LIMIT", default="20/minute")
+QUOTES_FEEDBACK_RATE_LIMIT = env.rate("QUOTES_FEEDBACK_RATE_LIMIT", default="30/minute")
+QUOTES_DAILY_SPEND_LIMIT_USD = env.dollars("QUOTES_DAILY_SPEND_LIMIT_USD", high=Decimal(1_000_000))
 QUOTES_MAX_SOCKETS = 8
 QUOTES_SOCKET_IDLE_S = 60.0
 
@@ -257,8 +319,9 @@ _allow = env.list("QUOTES_METRICS_ALLOW", default=[])
 _check("QUOTES_METRICS_ALLOW", "unix" not in _allow and all(map(_network, _allow)), "addresses or networks")
 QUOTES_METRICS_ALLOW = tuple(ipaddress.ip_network(item, strict=False) for item in _allow)
 QUOTES_LOG_CONTENT = False  # topics and quotes stay out of the logs (the admin has them)
-QUOTES_LOG_RETENTION_DAYS = env.int("QUOTES_LOG_RETENTION_DAYS", default=90)
-_check("QUOTES_LOG_RETENTION_DAYS", QUOTES_LOG_RETENTION_DAYS >= 0, "0 (keep every row) or more")
+QUOTES_LOG_RETENTION_DAYS = env.number(
+    "QUOTES_LOG_RETENTION_DAYS", default=90, low=0, high=36_500, integer=True
+)
 QUOTES_KEPT_QUOTE_RETENTION_DAYS = 0  # rated and shared quotes: kept for good
 
 AXES_FAILURE_LIMIT = 5

@@ -267,6 +267,7 @@ class Site:
     url: str
     db_path: Path
     log_path: Path
+    process: subprocess.Popen[bytes] | None = None
 
     def query(self, sql: str, *params: object) -> list[tuple[Any, ...]]:
         with sqlite3.connect(self.db_path) as connection:
@@ -297,8 +298,8 @@ def start_site(tmp_dir: Path, **settings: str) -> Iterator[Site]:
     migrate(env)
     port, log_path = free_port(), tmp_dir / "daphne.log"
     command = daphne_command(SINGLE_UNIT, port)
-    with running(command, port, env, log_path, path="/", any_status=True) as (_, url):
-        yield Site(url, db_path, log_path)
+    with running(command, port, env, log_path, path="/", any_status=True) as (process, url):
+        yield Site(url, db_path, log_path, process)
 
 
 def workers_ai_env(fake: FakeWorkersAI) -> dict[str, str]:

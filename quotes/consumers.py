@@ -91,14 +91,7 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             await self._refuse(exc, content.get("persona") if isinstance(content, dict) else None)
 
     async def _start(self, content: dict[str, Any]) -> None:
-        client = self._client()
-        slot = await limits.admit(client)
-        try:
-            quote = await generations.parse(content)
-            generation = await generations.start(quote, client, slot, transport="websocket")
-        except BaseException:
-            slot.release()
-            raise
+        generation = await generations.begin(self._client(), transport="websocket", params=content)
         self._read(generation, 0)
 
     def _read(self, generation: Generation, after: int) -> None:

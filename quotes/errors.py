@@ -55,6 +55,8 @@ class ErrorCode(StrEnum):
     # How a generation ended early (on its log row, and to a client still reading it).
     STOPPED = "stopped"
     ABANDONED = "abandoned"
+    #: the process writing it died (its row was left `running`: marked so by the prune and at start)
+    LOST = "lost"
     #: the site's daily spend ceiling (or the persona's) is reached: paid models wait for tomorrow
     BUDGET_EXHAUSTED = "budget_exhausted"
     # Our own model and gateway.

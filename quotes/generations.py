@@ -1,7 +1,8 @@
 """A quote's generation, from the request to its row.
 
-    quote = await parse(params)                      # the input, checked (400, 404)
-    generation = await start(quote, client, slot)    # its source, its row, its task
+    generation = await begin(client, transport=..., params=params)
+        # admission (limits.admit: 503, 429), the input checked (parse: 400, 404), then
+        # start(quote, client, slot): its source, its row, its task
     generation.read(after)                           # what a connection streams
     find(last_event_id), stop(public_id, client)     # a resume, a stop
 
@@ -40,7 +41,7 @@ from .errors import ErrorCode, QuoteError, stopped
 from .models import Generation as Row
 from .models import Persona, PersonaVersion
 from .ops import metrics
-from .rows import finish_fields, writer
+from .rows import clamp_cost, finish_fields, writer
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +209,28 @@ async def stop(public_id: str, client: limits.Client) -> bool | None:
 
 
 # -- starting one ------------------------------------------------------------------------------
+
+
+async def begin(
+    client: limits.Client,
+    *,
+    transport: str,
+    params: dict[str, Any] | None = None,
+    quote: Quote | None = None,
+    preview: bool = False,
+) -> Generation:
+    """The one way a stream starts, whatever its transport: admission (503, 429), then its input
+    (`params` checked by `parse`, or a `quote` made already: the admin's preview), then its
+    generation, which keeps the client's slot until it ends; the slot is given back if it does
+    not start."""
+    slot = await limits.admit(client)
+    try:
+        if quote is None:
+            quote = await parse(params or {})
+        return await start(quote, client, slot, transport=transport, preview=preview)
+    except BaseException:
+        slot.release()
+        raise
 
 
 async def start(
@@ -409,7 +432,7 @@ class Bill:
         else:
             return
         if cost is not None:
-            row.cost_usd = Decimal(str(round(cost, 8)))
+            row.cost_usd = clamp_cost(Decimal(str(round(cost, 8))))
             row.cost_estimated = estimated
 
 

@@ -159,10 +159,24 @@ async def count_stream(client: Client) -> None:
 
 
 async def count_action(action: str, client: Client) -> None:
-    """A rating, share or stop: each in a budget of its own, per client and per network. A
-    network gets one client's budget, not six: a vote is one per client, and an IPv6 /48 holds
-    65,536 clients (/64s), whose votes must not add up to a quote's verdict."""
-    await count(client, bucket=action, limit=settings.QUOTES_FEEDBACK_RATE_LIMIT, network_factor=1)
+    """A rating, share or a stop that stops nothing: each in a budget of its own, per client, and
+    per network six times it (a household or an office shares one)."""
+    await count(client, bucket=action, limit=settings.QUOTES_FEEDBACK_RATE_LIMIT)
+
+
+#: Votes on one quote from one network, in a day: an IPv6 /48 holds 65,536 clients (/64s), whose
+#: votes must not add up to a quote's verdict.
+VOTES_PER_NETWORK = f"{NETWORK_FACTOR}/day"
+
+
+async def count_vote(client: Client, quote_id: str) -> None:
+    """One more vote on `quote_id` from `client`'s network: the 429 QuoteError past VOTES_PER_NETWORK."""
+    if not client.network:
+        return
+    retry_after = await limiter().hit(parse(VOTES_PER_NETWORK), f"vote:{quote_id}:{client.network}")
+    if retry_after is not None:
+        message = "Your network has rated this quote as often as it may. Thank you: it counted."
+        raise QuoteError(ErrorCode.RATE_LIMITED, message, 429, retry_after=retry_after)
 
 
 # -- this process's streams --------------------------------------------------------------------

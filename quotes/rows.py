@@ -2,9 +2,12 @@
 
 A generation's row is inserted `running` as it starts and completed once as it ends: neither
 write waits in front of the first token. While the database is down or refuses writes, rows wait
-in a bounded queue in memory, in order; a row that cannot be written (the queue is full, the row
-is refused, the process exits first) is logged as one JSON line. Refused requests are no rows:
-they are counted per persona, hour and code, and the counts written every FLUSH_S."""
+in memory, in order, at most MAX_WAITING generations (a generation's insert and its end are one
+entry: the end takes the place of an insert not yet written). A row the database refuses (its
+persona deleted, a value no column holds) is set aside; the writer goes on with the next. A row
+of which nothing can be written (the queue is full, the row is refused, the process exits first)
+is logged as one JSON line, and counted lost. Refused requests are no rows: they are counted per
+persona, hour and code, and the counts written every FLUSH_S."""
 
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import time
 import weakref
-from collections import Counter, deque
+from collections import Counter
 from contextvars import Context
+from decimal import Decimal
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.core import serializers
@@ -33,8 +38,13 @@ from .personas import UNREACHABLE, outage, peek
 
 logger = logging.getLogger(__name__)
 
-#: Rows waiting at most (about 2 KiB each); past it a row is logged instead.
+#: Generations whose rows wait at most (about 2 KiB each); past it a row is logged instead.
 MAX_WAITING = 10_000
+#: What the columns hold: PostgreSQL's integer, and a DecimalField(12, 8).
+MAX_COUNT = 2**31 - 1
+MAX_COST = Decimal("9999.99999999")
+#: How long /healthz says `failing` after the database refused a row.
+REFUSED_SHOWN_S = 300.0
 #: How long a generation's end waits for its row (the row follows if the database is slow).
 ROW_WAIT_S = 2.0
 FLUSH_S = 5.0
@@ -49,31 +59,53 @@ def finish_fields(row: Generation, generation: LiveGeneration, end: Done | Error
     events = generation.events
     meta = merged(events)
     usage = next((e for e in reversed(events) if type(e) is Usage), None)
-    row.model = meta.model or row.model
-    row.fallback_step = meta.step or 0
+    row.model = (meta.model or row.model)[:200]
+    row.fallback_step = min(meta.step or 0, 32767)
     row.upstream_headers = meta.headers
-    # PostgreSQL cannot store NUL in text: a model that writes one must not cost the row.
-    row.text = "".join(e.text for e in events if type(e) is Token).replace("\x00", "")
+    row.text = _storable("".join(e.text for e in events if type(e) is Token))
     if type(end) is Error:
         row.status = Generation.Status.CANCELLED if end.code in CANCELLED else Generation.Status.ERROR
-        row.error_code, row.error_message = end.code, end.message
+        row.error_code, row.error_message = end.code[:50], _storable(end.message)
     else:
         row.status = Generation.Status.OK
-    if usage is not None:
-        row.prompt_tokens, row.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+    if usage is not None:  # an upstream's counts, whatever they are, as the columns hold them
+        row.prompt_tokens = min(max(usage.prompt_tokens, 0), MAX_COUNT)
+        row.completion_tokens = min(max(usage.completion_tokens, 0), MAX_COUNT)
     now = asyncio.get_running_loop().time()
     if generation.first_token_at is not None:
         row.ttft_ms = (generation.first_token_at - generation.started_at) * 1000
     row.duration_ms = (now - generation.started_at) * 1000
 
 
+def _storable(text: str) -> str:
+    """`text` as every database stores it: PostgreSQL takes no NUL, and no driver sends a lone
+    surrogate (JSON can carry one: "\\ud800")."""
+    text = text.replace("\x00", "")
+    return text if text.isascii() else text.encode("utf-8", "replace").decode()
+
+
+def clamp_cost(cost: Decimal) -> Decimal:
+    return min(cost, MAX_COST)
+
+
+class Waiting:
+    """A generation's row waiting to be written: its insert, or (`final`) the whole row."""
+
+    __slots__ = ("done", "final", "row")
+
+    def __init__(self, row: Generation, final: bool, done: asyncio.Future[None]) -> None:
+        self.row, self.final, self.done = row, final, done
+
+
 class RowWriter:
-    """This event loop's writer: a queue of rows in order, one task writing them."""
+    """This event loop's writer: the rows waiting, a generation each, in order; one task writing them."""
 
     def __init__(self) -> None:
-        self.waiting: deque[tuple[Generation, bool, asyncio.Future[None]]] = deque()
+        self.waiting: dict[str, Waiting] = {}
         self.refusals: Counter[tuple[int, dt.datetime, str]] = Counter()
         self.failing = ""
+        #: the last row the database refused: when, and why
+        self.refused: tuple[float, str] | None = None
         self.refusal_writes = 0
         self.refusals_in_flight = 0
         self._wake = asyncio.Event()
@@ -104,9 +136,9 @@ class RowWriter:
         while (self.waiting or self.refusal_writes < target) and loop.time() < deadline:
             self._start()
             await asyncio.sleep(0.05)
-        for row, _, done in self.waiting:
-            lost(row, "the process exited before the database took it")
-            done.set_result(None)
+        for waiting in self.waiting.values():
+            lost(waiting.row, "the process exited before the database took it")
+            waiting.done.set_result(None)
         self.waiting.clear()
 
     async def close(self) -> None:
@@ -118,12 +150,19 @@ class RowWriter:
                 await self._task
 
     def _queue(self, row: Generation, *, final: bool) -> asyncio.Future[None]:
+        key = str(row.public_id)
+        waiting = self.waiting.get(key)
+        if waiting is not None:  # its insert has not been written: the whole row takes its place
+            waiting.final = waiting.final or final
+            return waiting.done
         done = asyncio.get_running_loop().create_future()
         if len(self.waiting) >= MAX_WAITING:
-            lost(row, "too many rows waiting for the database")
+            if final:  # its insert, if it was written, stays `running` until the prune marks it lost
+                lost(row, "too many rows waiting for the database", counted=row.pk is None)
+            # else its end will bring the whole row
             done.set_result(None)
             return done
-        self.waiting.append((row, final, done))
+        self.waiting[key] = Waiting(row, final, done)
         metrics.ROWS_WAITING.set(len(self.waiting))
         self._start()
         return done
@@ -149,11 +188,14 @@ class RowWriter:
             self._wake.clear()
             try:
                 while self.waiting:
-                    row, final, done = self.waiting[0]
-                    await self._write(row, final)
-                    self.waiting.popleft()
+                    key, waiting = next(iter(self.waiting.items()))
+                    final = waiting.final
+                    await self._write(waiting.row, final)
+                    if waiting.final != final:
+                        continue  # it ended while its insert was written: now the whole row
+                    del self.waiting[key]
                     metrics.ROWS_WAITING.set(len(self.waiting))
-                    done.set_result(None)
+                    waiting.done.set_result(None)
                 if self.refusals:
                     await self._write_refusals()
             except WAIT_FOR_DATABASE as exc:
@@ -176,10 +218,16 @@ class RowWriter:
         try:
             if not final:
                 await row.asave(force_insert=True)
-            elif not await Generation.objects.filter(public_id=row.public_id).aupdate(**_fields(row)):
-                await row.asave(force_insert=True)  # its insert was lost: the whole row now
-        except IntegrityError as exc:  # the row itself is refused (its persona deleted, say)
-            lost(row, f"the database refused it: {exc}")
+            elif row.pk is None or not await Generation.objects.filter(pk=row.pk).aupdate(**_fields(row)):
+                row.pk = None
+                await row.asave(force_insert=True)  # its insert was refused or lost: the whole row now
+        except WAIT_FOR_DATABASE:
+            raise
+        except Exception as exc:  # the row itself is refused: its persona deleted, a value no column holds
+            why = f"{type(exc).__name__}: {exc}"[:300]
+            self.refused = (time.monotonic(), why)
+            if final:  # (an insert refused: the row's end tries the whole row again)
+                lost(row, f"the database refused it: {why}", counted=row.pk is None)
 
     async def _write_refusals(self) -> None:
         if self._flush_due is not None:
@@ -195,6 +243,8 @@ class RowWriter:
                 except WAIT_FOR_DATABASE:
                     self.refusals.update(counts)  # those not written yet: the next try
                     raise
+                except Exception:  # these counts themselves are refused: set aside, the rest go on
+                    logger.exception("%d refusals (%s) not counted", count, code)
                 del counts[persona_id, hour, code]
         finally:
             self.refusals_in_flight = 0
@@ -228,9 +278,11 @@ def _fields(row: Generation) -> dict[str, object]:
     return {name: getattr(row, name) for name in names}
 
 
-def lost(row: Generation, why: str) -> None:
-    """A row the database will not get: its fields as one JSON line in the log, at ERROR."""
-    metrics.row_lost()
+def lost(row: Generation, why: str, *, counted: bool = True) -> None:
+    """A row the database will not get (`counted`: nothing of it; else its end, and the row stays
+    `running`): its fields as one JSON line in the log, at ERROR."""
+    if counted:
+        metrics.row_lost()
     (record,) = json.loads(serializers.serialize("json", [row]))
     logger.error("log row not written (%s): %s", why, json.dumps(record["fields"], ensure_ascii=False))
 

@@ -1,18 +1,22 @@
 """Every write of personas, their versions, the votes on a quote and its being shared: one
-transaction each. Reads live in quotes.admin.analytics.
+transaction each; and the rows a dead process left `running`, marked lost. Reads live in
+quotes.admin.analytics.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Field, Sum
 from django.utils import timezone
 
 from .backends.base import GENERATION_FIELDS
+from .errors import ErrorCode
 from .models import Generation, Persona, PersonaVersion, Vote
 
 
@@ -88,3 +92,24 @@ async def generation_share(*, public_id: uuid.UUID) -> bool:
     if await shareable.filter(shared_at__isnull=True).aupdate(shared_at=timezone.now()):
         return True
     return await shareable.aexists()
+
+
+#: How long a row may wait for the database past a generation's end before it is taken for lost.
+LOST_MARGIN_S = 60.0
+
+
+def lost_before() -> dt.datetime:
+    """A `running` row created before this belongs to a process that died mid-stream: no
+    generation lives past the total deadline plus the resume grace."""
+    longest = settings.QUOTES_POLICY.total_timeout_s + settings.QUOTES_RESUME_GRACE_S + LOST_MARGIN_S
+    return timezone.now() - dt.timedelta(seconds=longest)
+
+
+def generations_mark_lost() -> int:
+    """The rows a dead process left `running` (killed, crashed: nothing will complete them), marked
+    `error` with the code `lost` (the prune job, and each server's start, run it)."""
+    return Generation.objects.filter(status=Generation.Status.RUNNING, created_at__lt=lost_before()).update(
+        status=Generation.Status.ERROR,
+        error_code=ErrorCode.LOST,
+        error_message="The process writing this quote stopped before it ended (it was killed or crashed).",
+    )

@@ -157,13 +157,7 @@ async def _stream(
             await limits.count_stream(client)
             generation, after = generations.find(last_event_id)
             return await stream_response(generation, encoder, after)
-        slot = await limits.admit(client)
-        try:
-            quote = await generations.parse(params)
-            generation = await generations.start(quote, client, slot, transport=transport)
-        except BaseException:
-            slot.release()
-            raise
+        generation = await generations.begin(client, transport=transport, params=params)
         return await stream_response(generation, encoder)
     except QuoteError as exc:
         rows.refused(exc, params.get("persona"), transport)
@@ -241,9 +235,12 @@ def _form_params(request: HttpRequest) -> dict[str, Any]:
 ActionView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
 
 
-def quote_action(action: str, *, json_body: bool = False) -> Callable[[ActionView], ActionView]:
+def quote_action(
+    action: str, *, json_body: bool = False, counted: bool = True
+) -> Callable[[ActionView], ActionView]:
     """A POST-only JSON view for a quote: another site's page refused first, then the method,
-    the body's type, then the count against the action's budget; a QuoteError is its JSON."""
+    the body's type, then (`counted`) the count against the action's budget; a QuoteError is its
+    JSON."""
 
     def decorator(view: ActionView) -> ActionView:
         async def action_view(request: HttpRequest, public_id: uuid.UUID) -> HttpResponseBase:
@@ -253,7 +250,8 @@ def quote_action(action: str, *, json_body: bool = False) -> Callable[[ActionVie
                     raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
                 body = _json_body(request) if json_body else {}
                 client = await client_of(request)
-                await limits.count_action(action, client)
+                if counted:
+                    await limits.count_action(action, client)
                 return await view(request, public_id, client, body)
             except QuoteError as exc:
                 return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
@@ -264,14 +262,17 @@ def quote_action(action: str, *, json_body: bool = False) -> Callable[[ActionVie
 
 
 @csrf_exempt  # refuse_cross_site instead: another site's page cannot stop a visitor's quote
-@quote_action("stop")
+@quote_action("stop", counted=False)
 async def stop_quote(
     request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: Any
 ) -> JsonResponse:
     """Stop the client's own generation now (its row says `stopped`); `stopped` is false when it
-    had ended. Anyone else, and an unknown id, gets the same 404."""
+    had ended. Anyone else, and an unknown id, gets the same 404. Only those count against the
+    budget for stops: a Stop that stops a visitor's own quote saves what it would cost, and is
+    never refused."""
     stopped = await generations.stop(str(public_id), client)
     if stopped is None:
+        await limits.count_action("stop", client)
         raise QuoteError(ErrorCode.UNKNOWN_STREAM, "You have no quote with this id.", 404)
     return JsonResponse({"id": str(public_id), "stopped": stopped})
 
@@ -307,6 +308,7 @@ async def quote_feedback(
         raise QuoteError(ErrorCode.NOT_RATEABLE, "Only a finished quote can be rated.", 409)
     if generation.created_at < timezone.now() - FEEDBACK_WINDOW:
         raise QuoteError(ErrorCode.FEEDBACK_CLOSED, "This quote is too old to be rated now.", 403)
+    await limits.count_vote(client, str(public_id))
     await services.generation_feedback_set(generation_id=generation.pk, client_key=client.key, value=value)
     return JsonResponse({"id": str(generation.public_id), "feedback": value})
 

@@ -311,7 +311,9 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
     @admin.display(description="Status", ordering="status")
     def state(self, obj: Generation) -> str:
         """A `running` row older than the total deadline: its process died mid-stream."""
-        if obj.status == Generation.Status.RUNNING and obj.created_at < analytics.lost_before():
+        if obj.error_code == ErrorCode.LOST or (
+            obj.status == Generation.Status.RUNNING and obj.created_at < services.lost_before()
+        ):
             return analytics.LOST
         return obj.status
 

@@ -23,14 +23,15 @@ from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
 
-from django.conf import settings
 from django.db.models import Case, CharField, Count, F, Q, QuerySet, Sum, Value, When
 from django.db.models.functions import TruncDay, TruncHour
 from django.utils import timezone
 
 from ..backends.base import GENERATION_FIELDS
 from ..backends.catalog import get_model
+from ..errors import ErrorCode
 from ..models import Generation, Persona, PersonaVersion, Refusal
+from ..services import lost_before
 
 Bucket = Literal["hour", "day"]
 
@@ -39,15 +40,14 @@ STATUSES: tuple[str, ...] = (*Generation.Status.values, LOST)
 FAILED_STATUSES = (Generation.Status.ERROR, LOST)
 
 
-def lost_before() -> dt.datetime:
-    """A `running` row created before this belongs to a process that died mid-stream."""
-    return timezone.now() - dt.timedelta(seconds=settings.QUOTES_POLICY.total_timeout_s + 60)
-
-
 def with_state(rows: QuerySet[Generation]) -> QuerySet[Generation]:
-    """`state`: a row's status, or `lost` for a `running` row older than the total deadline."""
-    lost = When(status=Generation.Status.RUNNING, created_at__lt=lost_before(), then=Value(LOST))
-    return rows.annotate(state=Case(lost, default=F("status"), output_field=CharField()))
+    """`state`: a row's status, or `lost` for a row a dead process left: marked so (the prune job,
+    a server's start), or still `running` past the longest a generation lives."""
+    lost = [
+        When(error_code=ErrorCode.LOST, then=Value(LOST)),
+        When(status=Generation.Status.RUNNING, created_at__lt=lost_before(), then=Value(LOST)),
+    ]
+    return rows.annotate(state=Case(*lost, default=F("status"), output_field=CharField()))
 
 
 #: The admin's and the command's named ranges.

@@ -37,7 +37,7 @@ def preview_persona(request: HttpRequest, saved: Persona) -> tuple[Persona, obje
     if request.content_type == "application/json":
         try:
             body = json.loads(request.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested deeper than Python recurses)
             raise QuoteError(ErrorCode.INVALID_JSON, "The body is not valid JSON.", 400) from None
         fields = body.get("fields") if isinstance(body, dict) else None
         if not isinstance(fields, dict):
@@ -61,13 +61,8 @@ async def stream_preview(
     client = limits.Client.of(request.META.get("REMOTE_ADDR") or "", user_id)
     try:
         generations.check_context_window(persona, persona.build_request(topic=topic))
-        slot = await limits.admit(client)
-        try:
-            quote = generations.Quote(persona, None, topic, fresh=True)
-            generation = await generations.start(quote, client, slot, transport="preview", preview=True)
-        except BaseException:
-            slot.release()
-            raise
+        quote = generations.Quote(persona, None, topic, fresh=True)
+        generation = await generations.begin(client, transport="preview", quote=quote, preview=True)
     except QuoteError as exc:
         return error_response(exc)
     return await stream_response(generation, WorkersAIEncoder())

@@ -162,7 +162,7 @@ class OpenAICompatBackend:
                         usage = Usage(
                             int(counts.get("prompt_tokens") or 0), int(counts.get("completion_tokens") or 0)
                         )
-                except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
                     ending = upstream_malformed()
                     break
         except SSEError:  # 2xx but not text/event-stream: a server ignoring "stream"
@@ -226,7 +226,7 @@ def _error_detail(raw: bytes) -> str:
     text = raw.decode("utf-8", errors="replace")
     try:
         body = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
     if isinstance(body, dict):
         if "error" in body:

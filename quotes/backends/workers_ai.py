@@ -115,7 +115,7 @@ def _parse_envelope(body: bytes) -> tuple[list[int], str]:
     """The error codes and the first message of a Cloudflare v4 envelope; ([], "") otherwise."""
     try:
         envelope = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return [], ""
     errors = envelope.get("errors") if isinstance(envelope, dict) else None
     if not isinstance(errors, list):
@@ -164,7 +164,7 @@ class StreamParser:
             return []
         try:
             payload = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             payload = None
         if not isinstance(payload, dict):
             self.finished = True

@@ -25,7 +25,7 @@ from ..backends.local import LocalBackend
 from ..cache import store
 from ..limits import DRAINING_RETRY_S
 from ..models import Persona
-from ..rows import writer
+from ..rows import REFUSED_SHOWN_S, writer
 
 CHECK_TIMEOUT_S = 3.0
 
@@ -75,6 +75,12 @@ async def _log_writer() -> Check:
     rows = writer()  # its own state: no query (the database check asks the database)
     if rows.failing:
         return {"status": "failing", "waiting": len(rows.waiting), "detail": rows.failing}
+    if rows.refused is not None and time.monotonic() - rows.refused[0] < REFUSED_SHOWN_S:
+        return {
+            "status": "failing",
+            "waiting": len(rows.waiting),
+            "detail": f"a row was refused: {rows.refused[1]}",
+        }
     return {"status": "ok", "waiting": len(rows.waiting)}
 
 

@@ -108,10 +108,13 @@ def _lower(record: logging.LogRecord, level: int) -> None:
 
 
 def _secrets() -> list[str]:
-    """The configured credentials, the passwords in REDIS_URL and DATABASES included."""
+    """The configured credentials, the passwords in REDIS_URL and DATABASES included, and the
+    Cloudflare account and gateway ids (with a token, they are what an attacker needs)."""
     try:
         values = [
             settings.CLOUDFLARE_API_TOKEN,
+            settings.CLOUDFLARE_ACCOUNT_ID,
+            settings.AI_GATEWAY_ID,
             settings.AI_GATEWAY_TOKEN,
             settings.OPENAI_API_KEY,
             settings.SECRET_KEY,

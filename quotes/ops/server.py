@@ -44,12 +44,24 @@ def draining_server(**options: Any) -> Server:
         loop = asyncio.get_event_loop()
         for number in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(number, on_signal, number)
+        mark_lost_rows()
         warn_about_models()
 
     if options.get("action_logger") is not None:
         options["action_logger"] = without_query(options["action_logger"])
     server = Server(signal_handlers=False, ready_callable=ready, **options)
     return server
+
+
+def mark_lost_rows() -> None:
+    """The rows a process that died (this one's previous life, say) left `running`: marked lost."""
+    from quotes.services import generations_mark_lost
+
+    try:
+        if marked := generations_mark_lost():
+            logger.warning("%d log rows left running by a process that died were marked lost", marked)
+    except Exception:
+        logger.exception("the rows left running could not be marked lost")
 
 
 def warn_about_models() -> None:

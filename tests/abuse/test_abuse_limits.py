@@ -6,7 +6,8 @@ WebSocket consumer in-process); the upstream is the fake Workers AI on 127.0.0.1
   (issues 20, 29); share and stop are rate-limited (issue 29).
 - Issue 35, point 1: another site's page cannot spend a visitor's budget. The cross-site check
   comes first everywhere; bad input counts only from this site or from no browser; a 406 never.
-- Issue 35, point 5: feedback, share and stop have a per-network budget.
+- Issue 35, point 5: feedback, share and stop have a per-network budget; issue 39, point 3: six
+  times a client's, and a Stop of one's own quote is never refused.
 - Issue 35, point 2: sockets are admitted: a bounded number per client and per network; one
   that starts nothing, or keeps sending refused frames, is closed.
 """
@@ -27,7 +28,16 @@ from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes import personas
 from quotes.models import Generation, Persona, Vote
 from quotes.services import persona_save
-from tests.asgi import CSRF, FORM_URL, STREAM_URL, htmx_form_post, post_quote, request
+from tests.asgi import (
+    CSRF,
+    FORM_URL,
+    STREAM_URL,
+    htmx_form_post,
+    post_quote,
+    post_stream,
+    read_events,
+    request,
+)
 from tests.fixtures import saved
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.integration, pytest.mark.services]
@@ -144,6 +154,33 @@ async def test_share_and_stop_are_rate_limited(persona: Persona, settings: Any, 
     assert [answer.status for answer in answers] == [404, 404, 429]
     assert answers[-1].json()["error"]["code"] == "rate_limited"
     assert int(answers[-1].headers["retry-after"]) > 0
+
+
+async def test_one_address_cannot_spend_its_neighbours_budgets_and_a_stop_of_ones_own_is_never_refused(
+    fake: FakeWorkersAI, persona: Persona, settings: Any
+) -> None:
+    """Issue 39, point 3: the network had one client's budget, so thirty stops from one address
+    refused its neighbours' Stop, and their generations ran on, paid."""
+    settings.QUOTES_FEEDBACK_RATE_LIMIT = "3/minute"
+    fake.default = Scenario(tokens=["tick"] * 200, token_delay_s=0.02)
+    spender, neighbour = ("198.51.100.1", 1), ("198.51.100.2", 1)
+    misses = [await request("POST", f"/api/quotes/{uuid.uuid4()}/stop", client=spender) for _ in range(4)]
+    assert [answer.status for answer in misses] == [404, 404, 404, 429]  # its own budget, spent
+    for who in (neighbour, spender):  # its neighbour's Stop, and its own Stop of its own quote
+        stream = post_stream(body(), client=who)
+        await read_events(stream, 2)
+        quote = stream.response.headers["x-quote-id"]  # type: ignore[union-attr]
+        stopped = await request("POST", f"/api/quotes/{quote}/stop", client=who)
+        assert (stopped.status, stopped.json()) == (200, {"id": quote, "stopped": True})
+        await stream.read_all()
+    rows = [row async for row in Generation.objects.order_by("id")]
+    assert [(row.status, row.error_code) for row in rows] == [("cancelled", "stopped")] * 2
+    # Ratings and shares: the spender's budget is its own; the network has six times it.
+    csrf = {"cookie": f"csrftoken={CSRF}", "x-csrftoken": CSRF}
+    share = f"/api/quotes/{rows[0].public_id}/share"
+    shares = [await request("POST", share, client=spender, headers=csrf) for _ in range(4)]
+    assert [answer.status for answer in shares] == [404, 404, 404, 429]  # (a cancelled quote is not shared)
+    assert (await request("POST", share, client=neighbour, headers=csrf)).status == 404
 
 
 # -- issue 35, point 1: what another site's page can spend -------------------------------------

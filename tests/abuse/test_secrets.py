@@ -85,7 +85,15 @@ def test_the_debug_error_page_prints_no_credential(tmp_path: Path, closed_port: 
     assert all(
         name in page for name in ("CLOUDFLARE_API_TOKEN", "REDIS_URL", "CACHES", "headers")
     )  # shown, masked
-    for secret in (TEST_API_TOKEN, TEST_GATEWAY_TOKEN, OPENAI_KEY, REDIS_PASSWORD):
+    assert "CLOUDFLARE_ACCOUNT_ID" in page and "AI_GATEWAY_ID" in page  # shown, masked (issue 39)
+    for secret in (
+        TEST_API_TOKEN,
+        TEST_GATEWAY_TOKEN,
+        OPENAI_KEY,
+        REDIS_PASSWORD,
+        TEST_ACCOUNT_ID,
+        GATEWAY_ID,
+    ):
         assert secret not in page, secret
 
 

@@ -391,4 +391,9 @@ async def test_preview_needs_csrf_staff_post_and_valid_values(persona: Persona, 
     assert (response.status, error["code"]) == (400, "invalid_persona")
     assert set(error["fields"]) == {"user_prompt_template", "top_k"} and "top_k" in error["message"]
     assert "Unknown variable {subject}" in error["fields"]["user_prompt_template"][0]
+    # JSON nested deeper than Python recurses was a 500 (a RecursionError): a 400 like any bad JSON.
+    deep = await request(
+        "POST", url, body=b"[" * 100_000, headers={**staff_headers, "content-type": "application/json"}
+    )
+    assert (deep.status, deep.json()["error"]["code"]) == (400, "invalid_json")
     assert await Generation.objects.acount() == 0

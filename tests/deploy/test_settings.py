@@ -20,19 +20,40 @@ PRODUCTION = {"DJANGO_SECRET_KEY": "prod-test-" + "k3y" * 20, "DJANGO_ALLOWED_HO
 #: Documented in the README's table but read by a library, not by config/settings.py.
 READ_ELSEWHERE = {"OMP_WAIT_POLICY"}
 #: A bad value for each of these (on top of PRODUCTION) stops start-up with a message naming it.
-BAD = {
-    "DJANGO_SECRET_KEY": "dev-only-insecure-key-change-me-0123456789abcdef",  # config/settings.py's, public
-    "AI_BACKEND": "gpt",
-    "QUOTES_RATE_LIMIT": "20",
-    "QUOTES_FEEDBACK_RATE_LIMIT": "lots",
-    "LOCAL_MODEL_SLOTS": "0",
-    "QUOTES_RESUME_GRACE_S": "-1",
-    "AI_GATEWAY_CACHE_TTL": "0",  # under 60 (0 once slipped through as "unset")
-    "QUOTES_TRUSTED_PROXIES": "nginx",
-    "DJANGO_CSRF_TRUSTED_ORIGINS": "quotes.example.com",
-    "AI_TOTAL_TIMEOUT": "soon",
-    "QUOTES_MAX_OPEN_STREAMS": "lots",
-    "QUOTES_DAILY_SPEND_LIMIT_USD": "ten",
+BAD = [
+    ("DJANGO_SECRET_KEY", "dev-only-insecure-key-change-me-0123456789abcdef"),  # config/settings.py's, public
+    ("AI_BACKEND", "gpt"),
+    ("QUOTES_RATE_LIMIT", "20"),
+    ("QUOTES_FEEDBACK_RATE_LIMIT", "lots"),
+    ("LOCAL_MODEL_SLOTS", "0"),
+    ("QUOTES_RESUME_GRACE_S", "-1"),
+    ("AI_GATEWAY_CACHE_TTL", "0"),  # under 60 (0 once slipped through as "unset")
+    ("QUOTES_TRUSTED_PROXIES", "nginx"),
+    ("DJANGO_CSRF_TRUSTED_ORIGINS", "quotes.example.com"),
+    ("AI_TOTAL_TIMEOUT", "soon"),
+    ("QUOTES_MAX_OPEN_STREAMS", "lots"),
+    ("QUOTES_DAILY_SPEND_LIMIT_USD", "ten"),
+    # Issue 39: nonsense that was taken (NaN, Infinity and 1e400 meant "no ceiling").
+    ("QUOTES_DAILY_SPEND_LIMIT_USD", "NaN"),
+    ("QUOTES_DAILY_SPEND_LIMIT_USD", "Infinity"),
+    ("QUOTES_DAILY_SPEND_LIMIT_USD", "1e400"),
+    ("QUOTES_MAX_OPEN_STREAMS", "0"),
+    ("QUOTES_MAX_OPEN_STREAMS", "-1"),
+    ("QUOTES_MAX_CONCURRENT_STREAMS", "0"),
+    ("AI_TOTAL_TIMEOUT", "-1"),
+    ("AI_TOTAL_TIMEOUT", "nan"),
+    ("QUOTES_DRAIN_TIMEOUT_S", "-5"),
+    ("QUOTES_RATE_LIMIT", "0/minute"),
+    ("QUOTES_RATE_LIMIT", "1/0second"),
+]
+#: What a refusal says of each variable's form, and what is taken.
+FORMS = {
+    "QUOTES_DAILY_SPEND_LIMIT_USD": "must be an amount of US dollars from 0 to 1000000",
+    "QUOTES_MAX_OPEN_STREAMS": "must be a whole number from 1 to 100000",
+    "QUOTES_MAX_CONCURRENT_STREAMS": "must be a whole number from 1 to 1000",
+    "AI_TOTAL_TIMEOUT": "must be a number from 0.1 to 3600",
+    "QUOTES_DRAIN_TIMEOUT_S": "must be a number from 0 to 3600",
+    "QUOTES_RATE_LIMIT": "must be a rate such as 20/minute",
 }
 ENVIRONMENTS: dict[str, dict[str, str]] = {
     "production": PRODUCTION,
@@ -43,7 +64,12 @@ ENVIRONMENTS: dict[str, dict[str, str]] = {
         "REDIS_URL": "redis://127.0.0.1:6399/2",
     },
     **{name: {k: v for k, v in PRODUCTION.items() if k != name} for name in PRODUCTION},  # missing
-    **{f"{name}={value}": {**PRODUCTION, name: value} for name, value in BAD.items()},
+    **{f"{name}={value}": {**PRODUCTION, name: value} for name, value in BAD},
+    "short rates": {
+        **PRODUCTION,
+        "QUOTES_RATE_LIMIT": "20/m",
+        "QUOTES_FEEDBACK_RATE_LIMIT": "100 per 2 hours",
+    },
 }
 
 RUN_EACH = """
@@ -63,6 +89,7 @@ print(json.dumps(out, default=repr))
 """
 SHOWN = ["DEBUG", "SECURE_SSL_REDIRECT", "SESSION_COOKIE_SECURE", "CSRF_COOKIE_SECURE", "SECURE_HSTS_SECONDS"]
 SHOWN += ["SECURE_PROXY_SSL_HEADER", "CSRF_TRUSTED_ORIGINS", "CACHES", "STORAGES", "QUOTES_LOG_CONTENT"]
+SHOWN += ["QUOTES_RATE_LIMIT", "QUOTES_FEEDBACK_RATE_LIMIT"]
 
 
 def _base_env() -> dict[str, str]:
@@ -89,13 +116,21 @@ def start_ups() -> dict[str, dict[str, Any]]:
 @pytest.mark.system
 @pytest.mark.parametrize(
     ("case", "named"),
-    [(name, name) for name in PRODUCTION] + [(f"{name}={value}", name) for name, value in BAD.items()],
+    [(name, name) for name in PRODUCTION] + [(f"{name}={value}", name) for name, value in BAD],
 )
 def test_a_missing_or_bad_value_stops_start_up_naming_the_variable(
     start_ups: dict[str, dict[str, Any]], case: str, named: str
 ) -> None:
     error = start_ups[case].get("error", "it started")
     assert error.startswith("django.core.exceptions.ImproperlyConfigured: ") and named in error, error
+    if named in FORMS and "=" in case:
+        assert f"{named} {FORMS[named]}" in error and repr(case.split("=", 1)[1]) in error, error
+
+
+@pytest.mark.system
+def test_a_rate_in_the_short_form_other_limiters_teach_is_taken(start_ups: dict[str, dict[str, Any]]) -> None:
+    values = start_ups["short rates"]["values"]
+    assert (values["QUOTES_RATE_LIMIT"], values["QUOTES_FEEDBACK_RATE_LIMIT"]) == ("20/minute", "100/2 hour")
 
 
 @pytest.mark.system

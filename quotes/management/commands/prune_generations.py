@@ -1,5 +1,6 @@
-"""`python manage.py prune_generations [--dry-run] [--batch-size N]`, daily: delete request-log
-rows and refusal counts past QUOTES_LOG_RETENTION_DAYS (0: keep all). Quotes voted on or shared
+"""`python manage.py prune_generations [--dry-run] [--batch-size N]`, daily: mark lost the rows a dead
+process left `running` (quotes.services.generations_mark_lost); delete request-log rows and
+refusal counts past QUOTES_LOG_RETENTION_DAYS (0: keep all). Quotes voted on or shared
 (a POST; a bot opening the permalink keeps nothing) stay for QUOTES_KEPT_QUOTE_RETENTION_DAYS (0:
 for good) with only what their permalink page and the analytics use. Short batches: live log
 writes (SQLite's one writer) never wait long.
@@ -17,6 +18,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from quotes.models import Generation, Refusal, Vote
+from quotes.services import generations_mark_lost, lost_before
 
 #: Rows per transaction. Below SQLite's oldest limit of 999 parameters in one statement.
 DEFAULT_BATCH = 500
@@ -64,6 +66,15 @@ class Command(BaseCommand):
         if log_days < 0 or kept_days < 0:
             # A negative retention would put the cut-off in the future: every row would go.
             raise CommandError("The retention settings (QUOTES_*_RETENTION_DAYS) must be 0 or more.")
+        if options["dry_run"]:
+            lost = Generation.objects.filter(
+                status=Generation.Status.RUNNING, created_at__lt=lost_before()
+            ).count()
+            self.stdout.write(f"Would mark {lost:,} rows lost (left running by a process that died).")
+        else:
+            self.stdout.write(
+                f"Marked {generations_mark_lost():,} rows lost (left running by a process that died)."
+            )
         if not log_days:
             self.stdout.write("QUOTES_LOG_RETENTION_DAYS is 0: every log row is kept.")
             return

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from quotes import generations, limits
+from quotes import generations, limits, personas
 from quotes.backends import reset_backends
 from quotes.errors import ErrorCode, QuoteError
 from quotes.models import Persona
@@ -27,10 +27,8 @@ class Command(BaseCommand):
 
     async def _run(self, slug: str, topic: str | None) -> None:
         try:
-            quote = await generations.parse({"persona": slug, "topic": topic})
-            generation = await generations.start(
-                quote, limits.Client("cli"), await limits.admit(limits.Client("cli")), transport="cli"
-            )
+            params = {"persona": slug, "topic": topic}
+            generation = await generations.begin(limits.Client("cli"), transport="cli", params=params)
             model = ""
             async for event in generation.read():
                 if type(event) is Meta:
@@ -40,7 +38,8 @@ class Command(BaseCommand):
                     self.stdout.flush()
                 elif type(event) is Error:
                     raise CommandError(f"{event.message} ({event.code})")
-            self.stdout.write(f"\n  — {model} as {quote.persona.name}")
+            active = personas.peek(slug)
+            self.stdout.write(f"\n  — {model} as {active.persona.name if active else slug}")
         except QuoteError as exc:
             if exc.code == ErrorCode.UNKNOWN_PERSONA:
                 slugs = ", ".join([p.slug async for p in Persona.objects.active()])
