@@ -50,10 +50,11 @@ def free_port() -> int:
 
 
 def client_address(index: int) -> str:
-    """Loopback address `index` (127.0.0.2 upwards, 250 to a /24; 127.0.0.1 is the servers'): a
-    client of its own to the app (its own rate count and slots), as a visitor on another machine
-    is. Linux answers on every address of 127.0.0.0/8."""
-    return f"127.0.{index // 250}.{2 + index % 250}"
+    """Loopback address `index`, each in a /24 of its own (127.1.0.2, 127.1.1.2, ...; 127.0.0.1 is
+    the servers'): a client of its own to the app (its own rate count and slots, and its own
+    network's), as a visitor on another network is. Linux answers on every address of 127.0.0.0/8.
+    A test of neighbours picks addresses of one /24 itself."""
+    return f"127.{1 + index // 256 % 254}.{index % 256}.2"
 
 
 def client_at(address: str, timeout: float = 30) -> httpx.Client:

@@ -1,14 +1,17 @@
-"""Who may start a stream, and how much the site may spend: one check at the top of the stream
-view and the WebSocket's start, before any work.
+"""Who may start a stream: one check at the top of the stream view and the WebSocket's start,
+before any work.
 
 1. This process's open streams against QUOTES_MAX_OPEN_STREAMS (503 `over_capacity`), or its
    drain (503 `server_draining`), both with Retry-After.
 2. The client's rate limit and its network's (an IPv4 /24, an IPv6 /48), moving windows kept by
    the `limits` package in Redis with REDIS_URL (in memory without it, or while Redis is down):
    429 `rate_limited` with Retry-After.
-3. The client's concurrent streams (429 `too_many_streams`): a `Slot`, held by the generation
-   that starts until it ends, dropped connection or not.
-
+3. The client's concurrent streams (QUOTES_MAX_CONCURRENT_STREAMS) and its network's (six times
+   that, and no more than a quarter of this process's streams, but always one client's worth):
+   429 `too_many_streams`. With
+   Redis the client's and the network's bounds hold across every process (a client that changes
+   its cookie to land on each process gets no more); while Redis is down, each process's own.
+   The `Slot` taken is held by the generation that starts until it ends, dropped connection or not.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hmac
 import logging
 import math
 import time
+import uuid
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -28,6 +32,8 @@ from django.conf import settings
 from limits import RateLimitItem, parse
 from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
 
 from streaming.generation import Generations, generations
 
@@ -76,6 +82,8 @@ class Limiter:
         self.memory = MovingWindowRateLimiter(MemoryStorage())
         self.shared: MovingWindowRateLimiter | None = None
         self.pool: redis.asyncio.ConnectionPool | None = None
+        self.client: redis.asyncio.Redis | None = None
+        self.holds: AsyncScript | None = None
         if settings.REDIS_URL:
             self.pool = redis.asyncio.ConnectionPool.from_url(
                 settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2
@@ -87,6 +95,8 @@ class Limiter:
                 connection_pool=self.pool,  # type: ignore[arg-type]  # typed narrower than it is
             )
             self.shared = MovingWindowRateLimiter(storage)
+            self.client = redis.asyncio.Redis(connection_pool=self.pool)
+            self.holds = self.client.register_script(_HOLD)
         self.shared_down_until = 0.0
 
     async def hit(self, item: RateLimitItem, key: str) -> int | None:
@@ -102,13 +112,45 @@ class Limiter:
         except Exception as exc:
             if limiter is self.memory:
                 raise
-            if not self.shared_down_until:
-                logger.warning("Redis is unavailable for rate limits (%s): counting in this process", exc)
-            self.shared_down_until = time.monotonic() + cache.RETRY_S
+            self._down(exc)
             return await self.hit(item, key)
         if self.shared_down_until and limiter is self.shared:
             self.shared_down_until = 0.0
         return max(1, math.ceil(reset - time.time()))
+
+    async def hold(self, slot: Slot, caps: list[int]) -> int:
+        """A place for `slot` under each of its keys' caps across the processes: 0, else the
+        number of the key that is full. Without Redis, or while it is down: 0 (this process's own
+        counts stand)."""
+        if self.holds is None or time.monotonic() < self.shared_down_until:
+            return 0
+        place = uuid.uuid4().hex
+        lease_s = settings.QUOTES_POLICY.total_timeout_s + settings.QUOTES_RESUME_GRACE_S + 30
+        keys = [f"quotes:open:{key}" for key in slot.keys]
+        try:
+            full = int(await self.holds(keys=keys, args=[lease_s, place, *caps]))
+        except (RedisError, OSError) as exc:
+            self._down(exc)
+            return 0
+        if not full:
+            slot.shared = place
+        return full
+
+    async def let_go(self, place: str, keys: list[str]) -> None:
+        if self.client is None:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.zrem(f"quotes:open:{key}", place)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:  # its lease lapses instead
+            self._down(exc)
+
+    def _down(self, exc: BaseException) -> None:
+        if not self.shared_down_until:
+            logger.warning("Redis is unavailable for the limits (%s): counting in this process", exc)
+        self.shared_down_until = time.monotonic() + cache.RETRY_S
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -179,26 +221,59 @@ async def count_vote(client: Client, quote_id: str) -> None:
         raise QuoteError(ErrorCode.RATE_LIMITED, message, 429, retry_after=retry_after)
 
 
-# -- this process's streams --------------------------------------------------------------------
+# -- streams open at once ------------------------------------------------------------------------
+
+#: Takes a place for ARGV[2] under each key's cap (ARGV[3..]) unless one is full: 0, else the
+#: number of the full key. A place is a member of a sorted set, scored by when its lease ends (a
+#: killed process's places lapse).
+_HOLD = """
+local time = redis.call('TIME')
+local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  if redis.call('ZCARD', key) >= tonumber(ARGV[2 + i]) then return i end
+end
+for _, key in ipairs(KEYS) do
+  redis.call('ZADD', key, now + tonumber(ARGV[1]), ARGV[2])
+  redis.call('EXPIRE', key, math.ceil(tonumber(ARGV[1])) + 1)
+end
+return 0
+"""
+
+
+def network_streams() -> int:
+    """A network's streams at most, across the site: six clients' worth."""
+    return int(settings.QUOTES_MAX_CONCURRENT_STREAMS) * NETWORK_FACTOR
 
 
 class Slot:
-    """One of this process's open streams and one of its client's: taken by `admit`, given back
-    by the generation that starts with it when it ends (or by the request, if none starts)."""
+    """One of this process's open streams, and one of its client's and its network's (here, and
+    with Redis, across every process): taken by `admit`, given back by the generation that starts
+    with it when it ends (or by the request, if none starts)."""
 
-    def __init__(self, registry: Generations, client_key: str) -> None:
+    def __init__(self, registry: Generations, client: Client) -> None:
         self.registry: Generations | None = registry
-        self.client_key = client_key
+        self.keys = [key for key in (client.key, client.network) if key]
+        self.shared = ""  # its place in Redis, once taken
         registry.open += 1
-        registry.per_client[client_key] += 1
+        registry.per_client.update(self.keys)
 
     def release(self) -> None:
         registry, self.registry = self.registry, None
-        if registry is not None:
-            registry.open -= 1
-            registry.per_client[self.client_key] -= 1
-            if registry.per_client[self.client_key] <= 0:
-                del registry.per_client[self.client_key]
+        if registry is None:
+            return
+        registry.open -= 1
+        registry.per_client.subtract(self.keys)
+        for key in self.keys:
+            if registry.per_client[key] <= 0:
+                del registry.per_client[key]
+        if self.shared:
+            task = asyncio.get_running_loop().create_task(limiter().let_go(self.shared, self.keys))
+            _letting_go.add(task)
+            task.add_done_callback(_letting_go.discard)
+
+
+_letting_go: set[asyncio.Task[None]] = set()
 
 
 def check_capacity() -> None:
@@ -212,19 +287,44 @@ def check_capacity() -> None:
         raise QuoteError(ErrorCode.OVER_CAPACITY, message, 503, retry_after=OVER_CAPACITY_RETRY_S)
 
 
+def too_many(network: bool) -> QuoteError:
+    if network:
+        message = (
+            f"Your network already has {network_streams()} quotes being written. Wait for one to finish."
+        )
+    else:
+        message = (
+            f"You already have {settings.QUOTES_MAX_CONCURRENT_STREAMS} quotes being written. "
+            "Wait for one to finish."
+        )
+    return QuoteError(ErrorCode.TOO_MANY_STREAMS, message, 429, retry_after=TOO_MANY_STREAMS_RETRY_S)
+
+
 async def admit(client: Client) -> Slot:
-    """The stream's admission: capacity, rate limits, then the client's concurrent streams."""
+    """The stream's admission: capacity, rate limits, then the client's and its network's
+    concurrent streams (here first, with no I/O; then across the processes, in Redis)."""
     check_capacity()
     await count_stream(client)
     check_capacity()  # again: other requests came in while this one was counted
     registry = generations()
     if registry.per_client[client.key] >= settings.QUOTES_MAX_CONCURRENT_STREAMS:
-        message = (
-            f"You already have {settings.QUOTES_MAX_CONCURRENT_STREAMS} quotes being written. "
-            "Wait for one to finish."
-        )
-        raise QuoteError(ErrorCode.TOO_MANY_STREAMS, message, 429, retry_after=TOO_MANY_STREAMS_RETRY_S)
-    return Slot(registry, client.key)
+        raise too_many(network=False)
+    here = min(
+        network_streams(), max(settings.QUOTES_MAX_CONCURRENT_STREAMS, settings.QUOTES_MAX_OPEN_STREAMS // 4)
+    )
+    if client.network and registry.per_client[client.network] >= here:
+        raise too_many(network=True)
+    slot = Slot(registry, client)
+    caps = [settings.QUOTES_MAX_CONCURRENT_STREAMS, network_streams()][: len(slot.keys)]
+    try:
+        full = await limiter().hold(slot, caps)
+    except BaseException:
+        slot.release()
+        raise
+    if full:
+        slot.release()
+        raise too_many(network=full == 2)
+    return slot
 
 
 # -- WebSockets --------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import pytest
 
 from harness import scaleout
 from harness.faults.layout import PERSONA, Layout
-from harness.services import client_address
+from harness.services import client_address, client_at
 
 pytestmark = pytest.mark.system
 
@@ -193,3 +193,46 @@ def test_a_thousand_streams_offered_get_a_stream_or_a_503_and_keep_their_pace(la
     figures = f"gaps p50 {statistics.median(gaps):.3f} p99 {gaps[int(0.99 * len(gaps))]:.3f} s; spans {spans[-1]:.2f} s"
     assert gaps[int(0.99 * len(gaps))] < 0.5 and spans[-1] < 1.9 + 1.0, figures
     print(f"{dict(by_status)}; {Counter(o.code for o in refused)}; {figures}")
+
+
+# -- streams open at once, across the processes (issue 39, point 2) ------------------------------
+
+
+def test_a_client_and_a_network_get_their_streams_across_every_process_not_per_process(
+    layout: Layout,
+) -> None:
+    """A client that reaches each process (a cookie rotated for each request does it through
+    nginx; here, each process's own port) had each process's caps: 3 streams per client and 18
+    per network, per process. Redis holds them for the site."""
+    layout.use_tokens(400, 20)  # 20 s: every stream still open when the last is asked for
+    a, b = layout.daphnes
+    opened: list[tuple[str, str, httpx.Client]] = []  # (process url, quote id, its client)
+
+    def ask(address: str, daphne_url: str, stack: contextlib.ExitStack) -> tuple[int, str]:
+        client = stack.enter_context(contextlib.closing(client_at(address)))
+        response = stack.enter_context(
+            client.stream(
+                "POST", daphne_url + STREAM, json={"persona": PERSONA, "topic": secrets.token_hex(4)}
+            )
+        )
+        if response.status_code != 200:
+            response.read()
+            return response.status_code, response.json()["error"]["message"]
+        next(response.iter_lines())
+        opened.append((daphne_url, response.headers["x-quote-id"], client))
+        return 200, ""
+
+    with contextlib.ExitStack() as stack:
+        one = [ask("127.0.77.2", d.url, stack) for d in (a, b, a, b)]
+        neighbours = [ask(f"127.0.78.{2 + n // 3}", (a, b)[n % 2].url, stack) for n in range(21)]
+        stranger = ask("127.0.79.2", b.url, stack)
+        for url, quote, client in opened:  # Stop gives each place back at once
+            assert client.post(f"{url}/api/quotes/{quote}/stop").json()["stopped"] is True
+        again = ask("127.0.77.2", a.url, stack)
+
+    assert [status for status, _ in one] == [200, 200, 200, 429]
+    assert "You already have 3 quotes being written" in one[-1][1]
+    statuses = [status for status, _ in neighbours]
+    assert statuses.count(200) == 18 and statuses.count(429) == 3, statuses
+    assert all("Your network already has 18" in said for status, said in neighbours if status == 429)
+    assert stranger[0] == 200 and again[0] == 200
