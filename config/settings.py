@@ -291,10 +291,10 @@ QUOTES_DRAIN_TIMEOUT_S = env.number("QUOTES_DRAIN_TIMEOUT_S", default=20.0, low=
 
 # Admission (quotes/limits.py).
 QUOTES_MAX_OPEN_STREAMS = env.number(
-    "QUOTES_MAX_OPEN_STREAMS", default=100, low=1, high=100_000, integer=True
+    "QUOTES_MAX_OPEN_STREAMS", default=100, low=1, high=1_000_000, integer=True
 )
 QUOTES_MAX_CONCURRENT_STREAMS = env.number(
-    "QUOTES_MAX_CONCURRENT_STREAMS", default=3, low=1, high=1000, integer=True
+    "QUOTES_MAX_CONCURRENT_STREAMS", default=3, low=1, high=1_000_000, integer=True
 )
 QUOTES_RATE_LIMIT = env.rate("QUOTES_RATE_LIMIT", default="20/minute")
 QUOTES_FEEDBACK_RATE_LIMIT = env.rate("QUOTES_FEEDBACK_RATE_LIMIT", default="30/minute")

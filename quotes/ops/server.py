@@ -55,12 +55,16 @@ def draining_server(**options: Any) -> Server:
 
 def mark_lost_rows() -> None:
     """The rows a process that died (this one's previous life, say) left `running`: marked lost."""
+    from django.db import DatabaseError
+
     from quotes.services import generations_mark_lost
 
     try:
         if marked := generations_mark_lost():
             logger.warning("%d log rows left running by a process that died were marked lost", marked)
-    except Exception:
+    except DatabaseError as exc:  # not migrated yet, or down: the next start, or the prune, marks them
+        logger.warning("the rows left running were not marked lost: %s", exc)
+    except Exception:  # the server starts all the same
         logger.exception("the rows left running could not be marked lost")
 
 

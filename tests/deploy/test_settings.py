@@ -49,8 +49,8 @@ BAD = [
 #: What a refusal says of each variable's form, and what is taken.
 FORMS = {
     "QUOTES_DAILY_SPEND_LIMIT_USD": "must be an amount of US dollars from 0 to 1000000",
-    "QUOTES_MAX_OPEN_STREAMS": "must be a whole number from 1 to 100000",
-    "QUOTES_MAX_CONCURRENT_STREAMS": "must be a whole number from 1 to 1000",
+    "QUOTES_MAX_OPEN_STREAMS": "must be a whole number from 1 to 1000000",
+    "QUOTES_MAX_CONCURRENT_STREAMS": "must be a whole number from 1 to 1000000",
     "AI_TOTAL_TIMEOUT": "must be a number from 0.1 to 3600",
     "QUOTES_DRAIN_TIMEOUT_S": "must be a number from 0 to 3600",
     "QUOTES_RATE_LIMIT": "must be a rate such as 20/minute",
