@@ -79,10 +79,9 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
     def model_and_state(self, obj: Persona) -> str:
         """The model, marked when it (or a fallback) cannot serve: retired, or unknown to the catalog."""
         fallbacks = obj.fallback_models if isinstance(obj.fallback_models, list) else []
-        problems = [
-            f"{m} {problem}" for m in (obj.model, *fallbacks) if (problem := catalog.model_problem(m))
-        ]
-        return f"{obj.model} ⚠ " + "; ".join(problems) if problems else obj.model
+        marks = [f" ⚠ {problem}"] if (problem := catalog.model_problem(obj.model)) else []
+        marks += [f" ⚠ its fallback {m} {said}" for m in fallbacks if (said := catalog.model_problem(m))]
+        return obj.model + "".join(marks)
 
     @admin.display(description="Version")
     def current_version(self, obj: Persona) -> str:

@@ -116,8 +116,8 @@ def test_admin_marks_a_persona_on_a_retired_model_and_its_form_refuses_it(admin_
     Persona.objects.filter(slug="alan-watts").update(model=retired)
     Persona.objects.filter(slug="mark-twain").update(fallback_models=["@cf/nobody/nothing"])
     listing = admin_client.get("/admin/quotes/persona/").content.decode()
-    assert f"{retired} ⚠ {retired} was retired by Cloudflare on 2026-05-30: use {successor}" in listing
-    assert "⚠ @cf/nobody/nothing is not in the Workers AI catalog" in listing
+    assert f"{retired} ⚠ was retired by Cloudflare on 2026-05-30: use {successor}" in listing
+    assert "⚠ its fallback @cf/nobody/nothing is not in the Workers AI catalog" in listing
     assert listing.count("⚠") == 2
 
     persona = watts()
