@@ -31,6 +31,7 @@ test:
 # The fast part: no real servers, no second database. QUOTES_TEST_WORKERS=0 runs it in one process;
 # scripts/test says why --dist load.
 check: lint
+	cd packages/streaming && ../../.venv/bin/pytest -q -p no:django -p no:cacheprovider
 	.venv/bin/pytest -m "unit or integration" -n $${QUOTES_TEST_WORKERS:-2} --dist load
 
 lint:

@@ -160,7 +160,7 @@ def raw_runner(server: Any, max_tokens: int) -> Callable[[str], StreamTiming]:
 def backend_runner(
     backend: Any, loop: asyncio.AbstractEventLoop, max_tokens: int
 ) -> Callable[[str], StreamTiming]:
-    from streaming.events import Done, Error, Token
+    from streaming import Done, Error, Token
 
     async def stream(topic: str) -> StreamTiming:
         timing = StreamTiming(started=time.perf_counter())
@@ -310,7 +310,7 @@ def parallel_rows(
     backend: Any, loop: asyncio.AbstractEventLoop, args: argparse.Namespace
 ) -> list[list[object]]:
     """N requests at once on the backend's slots, against the same N one after the other."""
-    from streaming.events import Done, Token
+    from streaming import Done, Token
 
     async def one(topic: str) -> tuple[int, float, float]:
         request = make_request(topic, args.parallel_tokens)

@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.voice --measure artifacts/bench/voice/<run>   # figures again
 
 Writes `--per-persona` quotes per persona on each topic, through the app's own generation
-(`quotes.generations.start`, as `manage.py quote` does, the answer cache off) and the embedded
+(`quotes.streams.begin`, as `manage.py quote` does, the answer cache off) and the embedded
 model (AI_BACKEND=local), on a fresh SQLite database migrated from scratch, so the personas are
 the seeded ones with their seeded voice examples. One generation at a time; the personas take
 turns, as on a site where visitors ask for different personas.
@@ -212,18 +212,18 @@ def prepare(personas: list[Any], args: argparse.Namespace, rng: random.Random) -
 
 
 async def generate(persona: Any, topic: str) -> Quote:
-    from quotes import generations, limits
+    from quotes import streams
     from quotes.backends import get_backend
-    from streaming.events import Error, Token, Usage
+    from quotes.clients import Client
+    from streaming import Error, Token, Usage
 
     quote = Quote(persona=persona.slug, name=persona.name, topic=topic)
     backend: Any = get_backend("local")
     started = time.perf_counter()
     # The persona as prepare() changed it (unsaved), not as the database has it: no parse().
-    client = limits.Client("bench")
-    asked = generations.Quote(persona, None, generations.clean_topic(topic, default=""), fresh=True)
-    generation = await generations.start(asked, client, await limits.admit(client), transport="bench")
-    async for event in generation.read():
+    asked = streams.Quote.of(persona, None, streams.clean_topic(topic, default=""), fresh=True)
+    stream = await streams.begin(Client("bench"), transport="bench", quote=asked, preview=True)
+    async for event in stream.read():
         if type(event) is Token:
             if quote.ttft_ms is None:
                 quote.ttft_ms = (time.perf_counter() - started) * 1000
@@ -248,7 +248,7 @@ async def time_first_token(persona: Any, topic: str, *, cache: bool) -> tuple[fl
     or off (off: the whole frame is read), and the prompt's length."""
     from quotes.backends import get_backend
     from quotes.backends.local import completion_body, quote_lead
-    from streaming.events import Token, Usage
+    from streaming import Token, Usage
 
     backend: Any = get_backend("local")
     request = persona.build_request(topic=topic)

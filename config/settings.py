@@ -17,7 +17,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 from limits import parse
 
-from streaming.policy import Policy
+from streaming import Policy
 
 django_stubs_ext.monkeypatch()  # typed generics such as admin.ModelAdmin[Persona] at run time
 

@@ -23,7 +23,7 @@ from django.core.cache import BaseCache, caches
 from django.core.cache.backends.locmem import LocMemCache
 from redis.exceptions import RedisError
 
-from streaming.events import Done, Event, Meta, from_json, to_json
+from streaming import Done, Event, Meta, from_json, to_json
 
 from .backends.base import GenerationRequest
 
@@ -32,24 +32,33 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRY_S = 2.0
-_down_until = 0.0
-_failing = False
-_stores: dict[str, BaseCache] = {}
+
+
+class Shared:
+    """The process's cache objects, and whether the cache failed lately (left alone until
+    `down_until`)."""
+
+    def __init__(self) -> None:
+        self.stores: dict[str, BaseCache] = {}
+        self.down_until = 0.0
+        self.failing = False
+
+
+shared = Shared()
 
 
 def store(alias: str = "default") -> BaseCache:
     """The process's one cache object for `alias`. (Django makes one per request context under
     ASGI, and a RedisCache one opens a connection pool of its own that nothing closes.)"""
     key = f"{alias}:{json.dumps(settings.CACHES[alias], sort_keys=True, default=str)}"
-    if key not in _stores:
-        _stores[key] = caches.create_connection(alias)
-    return _stores[key]
+    if key not in shared.stores:
+        shared.stores[key] = caches.create_connection(alias)
+    return shared.stores[key]
 
 
 async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
     """`operation(*args, **kwargs)` on a worker thread; None when the cache fails or is resting."""
-    global _down_until, _failing
-    if time.monotonic() < _down_until:
+    if time.monotonic() < shared.down_until:
         return None
     try:
         if isinstance(getattr(operation, "__self__", None), LocMemCache):
@@ -57,12 +66,12 @@ async def call(operation: Callable[..., T], *args: Any, **kwargs: Any) -> T | No
         else:
             result = await sync_to_async(operation, thread_sensitive=False)(*args, **kwargs)
     except (RedisError, OSError) as exc:
-        if not _failing:
+        if not shared.failing:
             logger.warning("the cache is unavailable (%s); serving without it", type(exc).__name__)
-        _failing, _down_until = True, time.monotonic() + RETRY_S
+        shared.failing, shared.down_until = True, time.monotonic() + RETRY_S
         return None
-    if _failing:
-        _failing = False
+    if shared.failing:
+        shared.failing = False
         logger.info("the cache answers again")
     return result
 

@@ -1,5 +1,5 @@
-"""The WebSocket transport: a thin one over the same generations as the HTTP stream, as JSON
-frames. A start is admitted and counted exactly like an HTTP stream; one generation is read at a
+"""The WebSocket transport: a thin one over the same streams as the HTTP one, as JSON frames. A
+start is admitted and counted exactly like an HTTP stream; one stream is read at a
 time, in a task of its own (Channels handles one message at a time, and a cancel must get
 through). A client holds at most QUOTES_MAX_SOCKETS sockets here (its network six times that);
 a socket that starts nothing for QUOTES_SOCKET_IDLE_S, or keeps sending refused frames, is
@@ -16,13 +16,15 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 from django.urls import path
 
-from streaming.events import Meta, merged
-from streaming.generation import Generation
+from streaming import Meta, Stream, merged
 
-from . import generations, limits, rows
+from . import rows, streams
+from .clients import Client
 from .encoders import WebSocketEncoder, encode
 from .errors import ErrorCode, QuoteError
+from .rate_limits import count_stream
 from .security import frame_too_large
+from .sockets import close_socket, open_socket
 
 CLOSE_POLICY = 4008  # too many refused frames, idle, too many sockets
 CLOSE_TOO_BIG = 4009
@@ -36,18 +38,18 @@ UNKNOWN_FRAME = QuoteError(
 
 
 class QuoteConsumer(AsyncJsonWebsocketConsumer):
-    channel_layer_alias = "none"  # a socket streams its own generation: no channel layer
+    channel_layer_alias = "none"  # a socket streams its own stream: no channel layer
     task: asyncio.Task[None] | None = None
-    generation: Generation | None = None
-    client: limits.Client | None = None
+    stream: Stream | None = None
+    client: Client | None = None
     idle: asyncio.TimerHandle | None = None
     refusals = 0
 
     async def connect(self) -> None:
         user = self.scope.get("user")
         user_id = user.pk if user is not None and user.is_authenticated else None
-        client = limits.Client.of((self.scope.get("client") or ("",))[0] or "", user_id)
-        if not limits.open_socket(client):
+        client = Client.of((self.scope.get("client") or ("",))[0] or "", user_id)
+        if not open_socket(client):
             await self.close(code=CLOSE_POLICY)  # before accept: the handshake gets a 403
             return
         self.client = client
@@ -58,8 +60,8 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         if self.idle is not None:
             self.idle.cancel()
         if self.client is not None:
-            limits.close_socket(self.client)
-        await self._stop_reading()  # gone, not stopped: the generation runs on for its grace
+            close_socket(self.client)
+        await self._stop_reading()  # gone, not stopped: the stream runs on for its grace
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
@@ -79,9 +81,9 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             if kind == "start":
                 await self._start(content)  # type: ignore[arg-type]
             elif kind == "resume":
-                await limits.count_stream(self._client())
-                generation, after = generations.find(content.get("last_event_id"))  # type: ignore[union-attr]
-                self._read(generation, after)
+                await count_stream(self._client())
+                stream, after = streams.find(content.get("last_event_id"))  # type: ignore[union-attr]
+                self._read(stream, after)
             elif kind == "cancel":
                 if await self._stop_reading(stop=True):
                     await self.send_json({"type": "cancelled"})
@@ -91,18 +93,16 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
             await self._refuse(exc, content.get("persona") if isinstance(content, dict) else None)
 
     async def _start(self, content: dict[str, Any]) -> None:
-        generation = await generations.begin(self._client(), transport="websocket", params=content)
-        self._read(generation, 0)
+        stream = await streams.begin(self._client(), transport="websocket", params=content)
+        self._read(stream, 0)
 
-    def _read(self, generation: Generation, after: int) -> None:
+    def _read(self, stream: Stream, after: int) -> None:
         if self.idle is not None:
             self.idle.cancel()
         self.refusals = 0
-        self.generation = generation
-        meta = merged(generation.events[:after]) if after else Meta()
-        frames = encode(
-            generation.read(after), WebSocketEncoder(), generation.id, meta, after, resumed=bool(after)
-        )
+        self.stream = stream
+        meta = merged(stream.events[:after]) if after else Meta()
+        frames = encode(stream.read(after), WebSocketEncoder(), stream.id, meta, after, resumed=bool(after))
         self.task = asyncio.create_task(self._send(frames))
 
     async def _send(self, frames: Any) -> None:
@@ -114,20 +114,20 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
         self._idle_from_now()
 
     async def _stop_reading(self, *, stop: bool = False) -> bool:
-        """Stop reading the generation; with `stop`, stop it too and wait for its row."""
-        task, generation = self.task, self.generation
-        self.task = self.generation = None
+        """Stop reading the stream; with `stop`, stop it too and wait for its row."""
+        task, stream = self.task, self.stream
+        self.task = self.stream = None
         if task is None or task.done():
             return False
-        if stop and generation is not None:
-            await generations.stop(generation.id, self._client())
+        if stop and stream is not None:
+            await streams.stop(stream.id, self._client())
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         self._idle_from_now()
         return True
 
-    def _client(self) -> limits.Client:
+    def _client(self) -> Client:
         assert self.client is not None
         return self.client
 

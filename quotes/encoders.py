@@ -1,14 +1,15 @@
-"""From a generation's events to what each client reads: one loop (`encode`) driving one small
+"""From a stream's events to what each client reads: one loop (`encode`) driving one small
 encoder per wire format (Workers AI's JSON SSE, EventSource, htmx fragments, WebSocket frames),
-and `stream_response`, which answers an HTTP request with the stream or, when the generation
-fails before its first token, with the encoder's `error_answer` at the error's real status.
+and `stream_response`, which answers an HTTP request with the stream or, when the stream fails
+before its first token, with the encoder's `error_answer` at the error's real status.
 
-Every event a client is sent carries its number in the generation (`<id>.<key>:<n>`), which is
-what it resumes from; keep-alive pings carry none. A generation cut by the drain ends with
-`reconnect` (resume elsewhere) instead of its error."""
+Every event a client is sent carries its number in the stream (`<id>.<key>:<n>`), which is what
+it resumes from; keep-alive pings carry none. A stream cut by the drain ends with `reconnect`
+(resume elsewhere) instead of its error."""
 
 from __future__ import annotations
 
+import html
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import asdict
@@ -17,17 +18,17 @@ from typing import Any, Generic, TypeVar
 from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.urls import reverse
 
-from streaming import sse
-from streaming.events import Done, Error, Event, Meta, Ping, Token, Usage, merged
-from streaming.generation import Generation
+from streaming import Done, Error, Event, Meta, Ping, Stream, Token, Usage, merged, sse
 
 from .backends.catalog import doc_url
 from .errors import ErrorCode, QuoteError, envelope
-from .generations import event_id
+from .streams import event_id
 
 Out = TypeVar("Out")
 Answer = TypeVar("Answer")
 RECONNECT_MS = 1000
+#: Workers AI's (and OpenAI's) last event of a stream.
+DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -54,16 +55,16 @@ class Encoder(Generic[Out, Answer]):
 async def encode(
     events: AsyncGenerator[Event, None],
     encoder: Encoder[Out, Any],
-    generation_id: str,
+    stream_id: str,
     meta: Meta,
     after: int,
     *,
     first: Event | None = None,
     resumed: bool = False,
 ) -> AsyncGenerator[Out, None]:
-    """Drive `events` (a generation's, after its `after`-th; `first` read already) into
+    """Drive `events` (a stream's, after its `after`-th; `first` read already) into
     `encoder` up to the end. `meta`: what the events before them said."""
-    n, usage, sent_text, prefix = after, None, resumed, event_id(generation_id, 0)[:-1]
+    n, usage, sent_text, prefix = after, None, resumed, event_id(stream_id, 0)[:-1]
     async with aclosing(events):
         if not resumed and (out := encoder.start(meta)) is not None:
             yield encoder.identify(out, f"{prefix}{n}")
@@ -99,12 +100,12 @@ async def encode(
 
 
 async def stream_response(
-    generation: Generation, encoder: Encoder[bytes, HttpResponse], after: int = 0
+    stream: Stream, encoder: Encoder[bytes, HttpResponse], after: int = 0
 ) -> HttpResponseBase:
     """Wait for the first token (or an error) before answering, so an error before any text
     gets its real status; then stream. A resume (`after` > 0) streams at once."""
-    events = generation.read(after)
-    meta, n, first = merged(generation.events[:after]), after, None
+    events = stream.read(after)
+    meta, n, first = merged(stream.events[:after]), after, None
     if not after:
         first = await anext(events)
         while type(first) is Meta:
@@ -114,12 +115,23 @@ async def stream_response(
             await events.aclose()
             return encoder.error_answer(first, meta)
     headers = {**SSE_HEADERS, **meta_headers(meta)}
-    body = encode(events, encoder, generation.id, meta, n, first=first, resumed=bool(after))
+    body = encode(events, encoder, stream.id, meta, n, first=first, resumed=bool(after))
     return StreamingHttpResponse(body, content_type="text/event-stream", headers=headers)
 
 
+def response_headers(meta: Meta) -> dict[str, str]:
+    """The upstream's headers with the fallback step and the cache status, as AI Gateway names
+    them: an answer from either cache (ours, or the gateway's) reads as a HIT."""
+    headers = dict(meta.headers)
+    if meta.step is not None:
+        headers["cf-aig-step"] = str(meta.step)
+    if meta.cache_status and headers.get("cf-aig-cache-status", "").upper() != "HIT":
+        headers["cf-aig-cache-status"] = meta.cache_status
+    return headers
+
+
 def meta_headers(meta: Meta) -> dict[str, str]:
-    headers = meta.response_headers()
+    headers = response_headers(meta)
     if meta.model:
         headers["X-Quote-Model"] = meta.model
         headers["X-Quote-Model-Url"] = doc_url(meta.model)
@@ -147,7 +159,7 @@ def meta_payload(meta: Meta) -> dict[str, Any]:
     return {
         "model": meta.model,
         "model_url": doc_url(meta.model) if meta.model else "",
-        "cache_status": meta.response_headers().get("cf-aig-cache-status", "").upper(),
+        "cache_status": response_headers(meta).get("cf-aig-cache-status", "").upper(),
         "id": meta.id,
         "permalink": permalink_of(meta.id),
     }
@@ -184,7 +196,7 @@ class WorkersAIEncoder(SSEEncoder):
         return sse.data({"response": "", "usage": usage_payload(usage)})
 
     def done(self, meta: Meta, usage: Usage | None) -> bytes:
-        return sse.DONE
+        return DONE
 
     def error(self, error: Error) -> bytes:
         return sse.named("error", envelope(error.code, error.message))
@@ -201,7 +213,7 @@ class EventSourceEncoder(WorkersAIEncoder):
         return sse.retry(RECONNECT_MS)
 
     def done(self, meta: Meta, usage: Usage | None) -> bytes:
-        return sse.DONE + sse.named("done", {"id": meta.id, "permalink": permalink_of(meta.id)})
+        return DONE + sse.named("done", {"id": meta.id, "permalink": permalink_of(meta.id)})
 
 
 class HtmxEncoder(SSEEncoder):
@@ -222,7 +234,7 @@ class HtmxEncoder(SSEEncoder):
             self.space += text
             return None
         text, self.space = self.space + text, ""
-        return sse.fragment(text)
+        return sse.event(html.escape(text, quote=False))  # an HTML fragment htmx's hx-sse swaps in
 
     def done(self, meta: Meta, usage: Usage | None) -> bytes:
         return sse.named("done", {**meta_payload(meta), "usage": usage_payload(usage)})

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
 
-from streaming.events import Error
+from streaming import Endings, Error, Outcomes
 
 
 class ErrorCode(StrEnum):
@@ -104,12 +104,43 @@ def envelope(code: str, message: str, **extra: Any) -> dict[str, dict[str, Any]]
 _RETRY = "Please try again shortly."
 
 
+#: How a stream ends by itself, and how the retry policy ends one, in the site's words.
+ENDINGS = Endings(
+    abandoned=Error(ErrorCode.ABANDONED, "Nobody came back for this quote: it was stopped.", 410),
+    ended_early=Error(ErrorCode.INTERNAL_ERROR, "The model ended without finishing the quote.", 500),
+    failed=Error(ErrorCode.INTERNAL_ERROR, "Something went wrong while writing the quote.", 500),
+)
+OUTCOMES = Outcomes(
+    retryable=frozenset(
+        {
+            ErrorCode.UPSTREAM_UNREACHABLE,
+            ErrorCode.UPSTREAM_UNAVAILABLE,
+            ErrorCode.UPSTREAM_CAPACITY,
+            ErrorCode.UPSTREAM_TIMEOUT,
+            ErrorCode.UPSTREAM_DROPPED,
+        }
+    ),
+    final=frozenset(
+        {
+            ErrorCode.UPSTREAM_AUTH,
+            ErrorCode.BUSY,
+            ErrorCode.REQUEST_TOO_LARGE,
+            ErrorCode.CONTEXT_WINDOW_EXCEEDED,
+        }
+    ),
+    first_token_timeout=Error(
+        ErrorCode.UPSTREAM_TIMEOUT, "The model took too long to start writing. Please try again shortly.", 504
+    ),
+    idle_timeout=Error(ErrorCode.IDLE_TIMEOUT, "The model stopped writing mid-quote.", 504),
+    deadline=Error(ErrorCode.DEADLINE_EXCEEDED, "The quote took too long to write.", 504),
+    ended_early=ENDINGS.ended_early,
+)
+STOPPED = Error(ErrorCode.STOPPED, "The quote was stopped.", 409)
+DRAINED = Error(ErrorCode.SERVER_DRAINING, "This server is restarting: resume elsewhere.", 503, retry_after=1)
+
+
 def busy(message: str = "The model is busy with other quotes. Please try again in a moment.") -> Error:
     return Error(code=ErrorCode.BUSY, message=message, status=503)
-
-
-def stopped() -> Error:
-    return Error(code=ErrorCode.STOPPED, message="The quote was stopped.", status=409)
 
 
 def upstream_auth() -> Error:

@@ -73,52 +73,58 @@ class Outage:
         return QuoteError(ErrorCode.SERVICE_UNAVAILABLE, message, 503, retry_after=retry_after)
 
 
-outage = Outage()
-_entries: dict[str, ActivePersona] = {}  # fresh under `_under`
-_known: dict[str, ActivePersona] = {}  # as last loaded, whatever happened since: an outage's
-_slugs: tuple[frozenset[str], float] | None = None
-_under: object = None
+class Memory:
+    """What this process holds of the personas (one object: the signals reach it from any thread)."""
+
+    def __init__(self) -> None:
+        self.outage = Outage()
+        self.entries: dict[str, ActivePersona] = {}  # fresh under `under`
+        self.known: dict[str, ActivePersona] = {}  # as last loaded, whatever happened since: an outage's
+        self.slugs: tuple[frozenset[str], float] | None = None
+        self.under: object = None
+
+
+memory = Memory()
 
 
 async def get_active(slug: str) -> ActivePersona | None:
     """The active persona called `slug` with its current version, or None; raises the 503 while
     the database is down and this process never loaded it."""
-    global _under, _slugs
     current = await cache.call(cache.store().get, VERSION_KEY, "")
-    if current is None or current != _under:  # a change, or no shared cache to tell: reload
-        _entries.clear()
-        _slugs, _under = None, current
+    if current is None or current != memory.under:  # a change, or no shared cache to tell: reload
+        memory.entries.clear()
+        memory.slugs, memory.under = None, current
     now = time.monotonic()
-    entry = _entries.get(slug)
+    entry = memory.entries.get(slug)
     if entry is not None and now - entry.loaded_at <= MAX_AGE_S:
         return entry
-    if outage.waiting:
+    if memory.outage.waiting:
         return _last_known(slug)
     try:
-        if _slugs is None or now - _slugs[1] > MAX_AGE_S:
-            _slugs = (await sync_to_async(_load_slugs, thread_sensitive=False)(), now)
-        entry = await sync_to_async(_load, thread_sensitive=False)(slug, now) if slug in _slugs[0] else None
+        if memory.slugs is None or now - memory.slugs[1] > MAX_AGE_S:
+            memory.slugs = (await sync_to_async(_load_slugs, thread_sensitive=False)(), now)
+        entry = await sync_to_async(_load, thread_sensitive=False)(slug, now) if slug in memory.slugs[0] else None
     except UNREACHABLE as exc:
-        outage.failed(exc)
+        memory.outage.failed(exc)
         return _last_known(slug)
-    outage.recovered()
+    memory.outage.recovered()
     if entry is None:
-        _entries.pop(slug, None)
-        _known.pop(slug, None)
+        memory.entries.pop(slug, None)
+        memory.known.pop(slug, None)
         return None
-    _entries[slug] = _known[slug] = entry
+    memory.entries[slug] = memory.known[slug] = entry
     return entry
 
 
 def peek(slug: object) -> ActivePersona | None:
     """The persona as this process last loaded it, with no I/O (to count a refusal against)."""
-    return _known.get(slug) if isinstance(slug, str) else None
+    return memory.known.get(slug) if isinstance(slug, str) else None
 
 
 def _last_known(slug: str) -> ActivePersona:
-    known = _known.get(slug)
+    known = memory.known.get(slug)
     if known is None:
-        raise outage.error()
+        raise memory.outage.error()
     return known
 
 
@@ -141,13 +147,12 @@ def _load(slug: str, now: float) -> ActivePersona | None:
 
 def bump(*, signal: object = None, instance: object = None, **_: Any) -> None:
     """Persona data changed: forget it here, and tell every process through the shared cache."""
-    global _slugs, _under
     if isinstance(instance, Persona) and (signal is post_delete or not instance.is_active):
-        for slug, known in list(_known.items()):
+        for slug, known in list(memory.known.items()):
             if known.persona.pk == instance.pk:
-                del _known[slug]
-    _entries.clear()
-    _slugs, _under = None, object()
+                del memory.known[slug]
+    memory.entries.clear()
+    memory.slugs, memory.under = None, object()
     try:
         cache.store().set(VERSION_KEY, uuid.uuid4().hex, timeout=None)
     except Exception:  # Redis down: each process reads the database again within MAX_AGE_S

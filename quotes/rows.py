@@ -17,7 +17,6 @@ import datetime as dt
 import json
 import logging
 import time
-import weakref
 from collections import Counter
 from contextvars import Context
 from decimal import Decimal
@@ -28,13 +27,13 @@ from django.db import IntegrityError, InternalError, close_old_connections, conn
 from django.db.models import F
 from django.utils import timezone
 
-from streaming.events import Done, Error, Token, Usage, merged
-from streaming.generation import Generation as LiveGeneration
+from streaming import Done, Error, Stream, Token, Usage, merged
 
+from . import state
 from .errors import QuoteError
 from .models import Generation, Refusal
 from .ops import metrics
-from .personas import UNREACHABLE, outage, peek
+from .personas import UNREACHABLE, memory, peek
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +52,10 @@ CANCELLED = frozenset({"stopped", "abandoned", "server_draining"})
 WAIT_FOR_DATABASE: tuple[type[Exception], ...] = (*UNREACHABLE, InternalError)
 
 
-def finish_fields(row: Generation, generation: LiveGeneration, end: Done | Error) -> None:
+def finish_fields(row: Generation, stream: Stream, end: Done | Error) -> None:
     """What a generation's events say, onto its row: status, text, usage, timings (its cost is
-    the bill's: quotes.generations.Bill)."""
-    events = generation.events
+    the bill's: quotes.streams.Bill)."""
+    events = stream.events
     meta = merged(events)
     usage = next((e for e in reversed(events) if type(e) is Usage), None)
     row.model = (meta.model or row.model)[:200]
@@ -72,9 +71,9 @@ def finish_fields(row: Generation, generation: LiveGeneration, end: Done | Error
         row.prompt_tokens = min(max(usage.prompt_tokens, 0), MAX_COUNT)
         row.completion_tokens = min(max(usage.completion_tokens, 0), MAX_COUNT)
     now = asyncio.get_running_loop().time()
-    if generation.first_token_at is not None:
-        row.ttft_ms = (generation.first_token_at - generation.started_at) * 1000
-    row.duration_ms = (now - generation.started_at) * 1000
+    if stream.first_token_at is not None:
+        row.ttft_ms = (stream.first_token_at - stream.started_at) * 1000
+    row.duration_ms = (now - stream.started_at) * 1000
 
 
 def _storable(text: str) -> str:
@@ -141,7 +140,7 @@ class RowWriter:
             waiting.done.set_result(None)
         self.waiting.clear()
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Flush, then stop the writer (and close its database connection)."""
         await self.flush(10.0)
         if self._task is not None and not self._task.done():
@@ -200,7 +199,7 @@ class RowWriter:
                     await self._write_refusals()
             except WAIT_FOR_DATABASE as exc:
                 if not isinstance(exc, InternalError):
-                    outage.failed(exc)
+                    memory.outage.failed(exc)
                 elif not self.failing:
                     logger.warning("the database refuses the log's writes; rows wait in memory: %s", exc)
                 self.failing = f"{type(exc).__name__}: {exc}"[:200]
@@ -211,7 +210,7 @@ class RowWriter:
                 continue
             if self.failing:
                 self.failing = ""
-                outage.recovered()
+                memory.outage.recovered()
             backoff = 0.25
 
     async def _write(self, row: Generation, final: bool) -> None:
@@ -287,13 +286,10 @@ def lost(row: Generation, why: str, *, counted: bool = True) -> None:
     logger.error("log row not written (%s): %s", why, json.dumps(record["fields"], ensure_ascii=False))
 
 
-_writers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RowWriter] = weakref.WeakKeyDictionary()
-
-
 def write_refusals_left() -> None:
     """At exit, once nothing answers any more: the refusals counted since the last write (sync)."""
     try:
-        for rows in list(_writers.values()):
+        for rows in state.every(RowWriter):
             for key, count in rows.refusals.items():
                 _add_refusals(*key, count)
             rows.refusals.clear()
@@ -302,8 +298,5 @@ def write_refusals_left() -> None:
 
 
 def writer() -> RowWriter:
-    """The running event loop's row writer."""
-    loop = asyncio.get_running_loop()
-    if loop not in _writers:
-        _writers[loop] = RowWriter()
-    return _writers[loop]
+    """The running event loop's row writer (a part of quotes.state)."""
+    return state.of(RowWriter)

@@ -1,15 +1,11 @@
-"""Who is asking, and whether to believe them: client addresses as limits count them, trusted
-proxies' forwarded headers, refusing pages of another origin (HTTP and WebSocket), the WebSocket's
-frame cap, and django-axes' hooks for the admin login.
+"""Whether to believe a request: refusing pages of another origin (HTTP and WebSocket), which bad
+input counts against the client, the WebSocket's frame cap, and django-axes' hooks for the admin
+login.
 """
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import math
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,129 +20,8 @@ from django.http.request import split_domain_port, validate_host
 from django.shortcuts import render
 from django.utils.http import is_same_domain
 
+from .clients import ASGIApp, Receive, Scope, Send, client_address, header_values
 from .errors import ErrorCode, QuoteError
-
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-def _address(text: str) -> Address | None:
-    try:
-        address = ipaddress.ip_address(text.strip())
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped  # ::ffff:192.0.2.1 is 192.0.2.1, whichever stack accepted it
-    return address
-
-
-def client_address(ip: str) -> str:
-    """The address an anonymous client is counted by: an IPv6 one as its QUOTES_IPV6_PREFIX network
-    (a /64, what one subscriber or instance is given: no rotating out), as its first address; what
-    is no address (a unix socket's peer), as it is."""
-    address = _address(ip)
-    if address is None:
-        return ip
-    if isinstance(address, ipaddress.IPv6Address):
-        network = ipaddress.IPv6Network((int(address), settings.QUOTES_IPV6_PREFIX), strict=False)
-        return str(network.network_address)
-    return str(address)
-
-
-def client_network(ip: str) -> str:
-    """The network the coarser rate limit counts an address by (QUOTES_IPV6_NETWORK_PREFIX,
-    QUOTES_IPV4_NETWORK_PREFIX); "" when it is not an address."""
-    address = _address(ip)
-    if address is None:
-        return ""
-    v6 = isinstance(address, ipaddress.IPv6Address)
-    prefix = settings.QUOTES_IPV6_NETWORK_PREFIX if v6 else settings.QUOTES_IPV4_NETWORK_PREFIX
-    return str(ipaddress.ip_network((int(address), prefix), strict=False))
-
-
-@dataclass(frozen=True, slots=True)
-class TrustedProxies:
-    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
-    #: a unix socket has no peer address: only a local process (nginx) can reach it
-    unix: bool
-
-    @staticmethod
-    @functools.lru_cache(maxsize=8)
-    def parse(entries: tuple[str, ...]) -> TrustedProxies:
-        networks = tuple(ipaddress.ip_network(entry, strict=False) for entry in entries if entry != "unix")
-        return TrustedProxies(networks=networks, unix="unix" in entries)
-
-    def trusts(self, address: Address) -> bool:
-        return any(address in network for network in self.networks)
-
-    def trusts_peer(self, client: Sequence[Any] | None) -> bool:
-        if not client or not client[0]:
-            return self.unix
-        address = _address(str(client[0]))
-        return address is not None and self.trusts(address)
-
-    def forwarded_client(self, hops: list[str]) -> str | None:
-        """The client in an X-Forwarded-For chain: the first hop from the right that is not a
-        trusted proxy (each appends the address it saw; what is left of it, the client wrote)."""
-        for hop in reversed(hops):
-            address = _hop_address(hop)
-            if address is None:
-                return None  # garbage (or "unknown") where an address should be: believe none
-            if not self.trusts(address):
-                return str(address)
-        first = _hop_address(hops[0]) if hops else None  # every hop a proxy of ours
-        return str(first) if first is not None else None
-
-
-def _hop_address(hop: str) -> Address | None:
-    """One X-Forwarded-For entry: `192.0.2.1`, `192.0.2.1:4711`, `2001:db8::1` or `[2001:db8::1]:4711`."""
-    hop = hop.strip()
-    if hop.startswith("["):
-        hop = hop[1 : hop.find("]")] if "]" in hop else ""
-    elif hop.count(":") == 1:
-        hop = hop.partition(":")[0]
-    return _address(hop)
-
-
-def _header_values(scope: Scope, name: bytes) -> list[str]:
-    return [value.decode("latin-1") for key, value in scope.get("headers", ()) if key.lower() == name]
-
-
-class TrustedProxyMiddleware:
-    """Pure ASGI, around the whole app (HTTP and WebSocket): when the peer is one of
-    QUOTES_TRUSTED_PROXIES, the client and scheme it forwarded (X-Forwarded-For, -Proto) replace
-    the peer's in the scope. Not daphne's `--proxy-headers`, which believes whoever connects."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            proxies = TrustedProxies.parse(tuple(settings.QUOTES_TRUSTED_PROXIES))
-            if proxies.trusts_peer(scope.get("client")):
-                scope = _forwarded_scope(scope, proxies)
-        await self.app(scope, receive, send)
-
-
-def _forwarded_scope(scope: Scope, proxies: TrustedProxies) -> Scope:
-    hops = [
-        hop for value in _header_values(scope, b"x-forwarded-for") for hop in value.split(",") if hop.strip()
-    ]
-    protos = _header_values(scope, b"x-forwarded-proto")
-    if not hops and not protos:
-        return scope
-    scope = dict(scope)  # the server's dict is its own
-    client = proxies.forwarded_client(hops) if hops else None
-    if client is not None:
-        scope["client"] = (client, 0)  # the client's port is not forwarded
-    proto = protos[-1].strip().lower() if protos else ""
-    if proto in ("http", "https"):
-        scope["scheme"] = proto if scope["type"] == "http" else proto.replace("http", "ws")
-    return scope
-
 
 #: `Sec-Fetch-Site` of a request no other page made: this site's own, or `none` (typed, a
 #: bookmark, another application), which no page can make a browser send.
@@ -223,10 +98,10 @@ class SameOriginWebSocketMiddleware:
 
 
 def _websocket_from_this_origin(scope: Scope) -> bool:
-    origins = _header_values(scope, b"origin")
+    origins = header_values(scope, b"origin")
     if len(origins) != 1:
         return False
-    fetch_sites = _header_values(scope, b"sec-fetch-site")
+    fetch_sites = header_values(scope, b"sec-fetch-site")
     return not comes_from_elsewhere(
         fetch_site=fetch_sites[-1] if fetch_sites else None,
         origin=origins[0],
@@ -235,7 +110,7 @@ def _websocket_from_this_origin(scope: Scope) -> bool:
 
 
 def _websocket_own_origin(scope: Scope) -> str | None:
-    hosts = _header_values(scope, b"host")
+    hosts = header_values(scope, b"host")
     if len(hosts) != 1:
         return None
     domain, _port = split_domain_port(hosts[0])

@@ -23,7 +23,6 @@ import datetime as dt
 import logging
 import math
 import time
-import weakref
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -32,7 +31,7 @@ from django.conf import settings
 from django.core.cache import BaseCache
 from redis.exceptions import RedisError
 
-from . import cache
+from . import cache, state
 from .errors import ErrorCode, QuoteError
 
 logger = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ class Counters:
             return self.known.get(key, 0)
         return int(value or 0) + self.owed.get(key, 0)
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         if self._retry is not None:
             self._retry.cancel()
         if self._redis is not None:
@@ -174,21 +173,9 @@ class Counters:
                     continue
 
 
-_counters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Counters] = weakref.WeakKeyDictionary()
-
-
 def counters() -> Counters:
-    """The running event loop's counters (one loop per server process)."""
-    loop = asyncio.get_running_loop()
-    if loop not in _counters:
-        _counters[loop] = Counters()
-    return _counters[loop]
-
-
-async def close() -> None:
-    """Close this event loop's connection to Redis (the end of a test's loop)."""
-    if (running := _counters.pop(asyncio.get_running_loop(), None)) is not None:
-        await running.close()
+    """The running event loop's counters (a part of quotes.state)."""
+    return state.of(Counters)
 
 
 @dataclass(slots=True)

@@ -26,11 +26,12 @@ from django.utils.cache import patch_vary_headers
 from django.views import csrf
 from django.views.decorators.csrf import csrf_exempt
 
-from streaming.events import Error, Meta
+from streaming import Error, Meta
 
-from . import generations, limits, personas, rows, services
+from . import personas, rows, services, streams
 from .backends import backend_for
 from .backends.catalog import doc_url
+from .clients import Client
 from .encoders import (
     EventSourceEncoder,
     HtmxEncoder,
@@ -41,7 +42,8 @@ from .encoders import (
 )
 from .errors import ErrorCode, QuoteError
 from .models import Generation, Persona
-from .personas import UNREACHABLE, outage
+from .personas import UNREACHABLE, memory
+from .rate_limits import count_action, count_stream, count_vote
 from .security import counts_bad_input, refuse_cross_site
 
 #: Marks a response no browser renders as a page (a stream, a JSON error): no CSP for it.
@@ -107,12 +109,18 @@ async def quote_permalink(request: HttpRequest, public_id: uuid.UUID) -> HttpRes
     )
 
 
-async def client_of(request: HttpRequest) -> limits.Client:
+async def client_of(request: HttpRequest) -> Client:
     user_id = None
     if settings.SESSION_COOKIE_NAME in request.COOKIES:  # no session, no user: nothing to load
         user = await request.auser()
         user_id = user.pk if user.is_authenticated else None
-    return limits.Client.of(request.META.get("REMOTE_ADDR") or "", user_id)
+    return Client.of(request.META.get("REMOTE_ADDR") or "", user_id)
+
+
+def from_htmx(request: HttpRequest) -> bool:
+    """The page's htmx asks (its dialect: fragments and named events); an answer that depends on
+    it varies on HX-Request."""
+    return request.headers.get("HX-Request") == "true"
 
 
 # -- the stream ------------------------------------------------------------------------------
@@ -122,7 +130,7 @@ async def client_of(request: HttpRequest) -> limits.Client:
 async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     """POST a JSON body, or GET with query parameters (EventSource); an SSE stream, in htmx's
     dialect for htmx (so every answer varies on HX-Request)."""
-    htmx = request.headers.get("HX-Request") == "true"
+    htmx = from_htmx(request)
     encoder: SSEEncoder = WorkersAIEncoder()
     if htmx:
         encoder = HtmxEncoder()
@@ -150,15 +158,15 @@ async def _stream(
             params = _form_params(request) if form else _api_params(request)
         except QuoteError as exc:
             if exc.status != 406 and counts_bad_input(request):
-                await limits.count_stream(client)
+                await count_stream(client)
             raise
         last_event_id = request.headers.get("Last-Event-ID") or params.get("last_event_id")
         if last_event_id:
-            await limits.count_stream(client)
-            generation, after = generations.find(last_event_id)
-            return await stream_response(generation, encoder, after)
-        generation = await generations.begin(client, transport=transport, params=params)
-        return await stream_response(generation, encoder)
+            await count_stream(client)
+            stream, after = streams.find(last_event_id)
+            return await stream_response(stream, encoder, after)
+        stream = await streams.begin(client, transport=transport, params=params)
+        return await stream_response(stream, encoder)
     except QuoteError as exc:
         rows.refused(exc, params.get("persona"), transport)
         response = encoder.error_answer(exc.as_event(), Meta())
@@ -251,7 +259,7 @@ def quote_action(
                 body = _json_body(request) if json_body else {}
                 client = await client_of(request)
                 if counted:
-                    await limits.count_action(action, client)
+                    await count_action(action, client)
                 return await view(request, public_id, client, body)
             except QuoteError as exc:
                 return error_response(exc, {"Allow": "POST"} if exc.status == 405 else None)
@@ -263,24 +271,20 @@ def quote_action(
 
 @csrf_exempt  # refuse_cross_site instead: another site's page cannot stop a visitor's quote
 @quote_action("stop", counted=False)
-async def stop_quote(
-    request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: Any
-) -> JsonResponse:
+async def stop_quote(request: HttpRequest, public_id: uuid.UUID, client: Client, body: Any) -> JsonResponse:
     """Stop the client's own generation now (its row says `stopped`); `stopped` is false when it
     had ended. Anyone else, and an unknown id, gets the same 404. Only those count against the
     budget for stops: a Stop that stops a visitor's own quote saves what it would cost, and is
     never refused."""
-    stopped = await generations.stop(str(public_id), client)
+    stopped = await streams.stop(str(public_id), client)
     if stopped is None:
-        await limits.count_action("stop", client)
+        await count_action("stop", client)
         raise QuoteError(ErrorCode.UNKNOWN_STREAM, "You have no quote with this id.", 404)
     return JsonResponse({"id": str(public_id), "stopped": stopped})
 
 
 @quote_action("share")  # under Django's CSRF check: the page's Permalink and Copy buttons
-async def share_quote(
-    request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: Any
-) -> JsonResponse:
+async def share_quote(request: HttpRequest, public_id: uuid.UUID, client: Client, body: Any) -> JsonResponse:
     """The visitor shared this quote: retention keeps it (services.generation_share)."""
     if not await services.generation_share(public_id=public_id):
         raise QuoteError(ErrorCode.UNKNOWN_QUOTE, "There is no such quote.", 404)
@@ -292,7 +296,7 @@ async def share_quote(
 @csrf_exempt  # JSON only, like the stream API
 @quote_action("feedback", json_body=True)
 async def quote_feedback(
-    request: HttpRequest, public_id: uuid.UUID, client: limits.Client, body: dict[str, Any]
+    request: HttpRequest, public_id: uuid.UUID, client: Client, body: dict[str, Any]
 ) -> JsonResponse:
     """{"value": 1 | -1}: a visitor's thumbs up or down, one per visitor; a new value replaces it."""
     value = body.get("value")
@@ -308,7 +312,7 @@ async def quote_feedback(
         raise QuoteError(ErrorCode.NOT_RATEABLE, "Only a finished quote can be rated.", 409)
     if generation.created_at < timezone.now() - FEEDBACK_WINDOW:
         raise QuoteError(ErrorCode.FEEDBACK_CLOSED, "This quote is too old to be rated now.", 403)
-    await limits.count_vote(client, str(public_id))
+    await count_vote(client, str(public_id))
     await services.generation_feedback_set(generation_id=generation.pk, client_key=client.key, value=value)
     return JsonResponse({"id": str(generation.public_id), "feedback": value})
 
@@ -321,7 +325,7 @@ def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
     JSON (the share button), Django's own page for everyone else."""
     error = Error(ErrorCode.CSRF_FAILED, "This page has expired. Reload it, then try again.", 403)
     response: HttpResponse
-    if request.headers.get("HX-Request") == "true":
+    if from_htmx(request):
         response = HtmxEncoder().error_answer(error, Meta())
     elif "application/json" in request.headers.get("Accept", ""):
         response = error_response(error)
@@ -348,12 +352,12 @@ class DatabaseOutageMiddleware:
         if isinstance(exception, QuoteError) and exception.code == ErrorCode.SERVICE_UNAVAILABLE:
             error = exception
         elif isinstance(exception, UNREACHABLE):
-            outage.failed(exception)
-            error = outage.error()
+            memory.outage.failed(exception)
+            error = memory.outage.error()
         else:
             return None
         response: HttpResponseBase
-        if request.headers.get("HX-Request") == "true":
+        if from_htmx(request):
             response = not_a_document(HtmxEncoder().error_answer(error.as_event(), Meta()))
         elif request.path_info.startswith("/api/") or "application/json" in request.headers.get("Accept", ""):
             response = not_a_document(error_response(error))

@@ -16,7 +16,7 @@ from quotes.backends import get_backend
 from quotes.backends.local import LocalBackend
 from quotes.models import Persona
 from quotes.services import persona_save
-from streaming.events import Token
+from streaming import Token
 
 pytest_plugins = ["tests.fixtures", "tests.llama_server", "tests.redis_server"]
 
@@ -82,15 +82,9 @@ async def _end_of_async_test() -> AsyncIterator[None]:
     """An async test's generations end, and their rows are written, in its own loop while its
     database is there."""
     yield
-    from quotes import limits, spend
-    from quotes.generations import DRAINED
-    from quotes.rows import writer
-    from streaming.generation import generations
+    from quotes import state
 
-    await generations().drain(0, DRAINED)
-    await writer().close()
-    await limits.close()
-    await spend.close()
+    await state.reset()  # its streams ended, its rows written, its connections closed
     await sync_to_async(connections.close_all)()
 
 

@@ -24,7 +24,7 @@ from quotes.backends import reset_backends
 from quotes.backends.workers_ai import WorkersAIBackend
 from quotes.models import Persona
 from quotes.services import persona_save
-from streaming.policy import Policy
+from streaming import Policy
 
 #: Secret-looking credentials: tests assert they never reach an error, a log line or a page.
 TEST_ACCOUNT_ID = "acct-test"

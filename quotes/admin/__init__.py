@@ -42,8 +42,8 @@ from ..backends import catalog
 from ..backends.base import SAMPLING_FIELDS
 from ..encoders import error_response
 from ..errors import ErrorCode, QuoteError
-from ..generations import clean_topic
 from ..models import Generation, Persona, PersonaVersion
+from ..streams import clean_topic
 from . import analytics, charts
 from .forms import PersonaForm, StatsRangeForm
 from .preview import InvalidPersona, preview_persona, stream_preview

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import itertools
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,7 +25,6 @@ from .analytics import STATUSES, BreakdownRow, Bucket, Stats
 Number = float | int | Decimal
 Formatter = Callable[[float], str]
 
-_ids = itertools.count(1)
 
 
 def _join(parts: Iterable[SafeString]) -> SafeString:
@@ -103,7 +102,7 @@ def _svg(frame: _Frame, *, title: str, desc: str, body: SafeString, css_class: s
         css_class=css_class,
         width=frame.width,
         height=frame.height,
-        n=next(_ids),
+        n=hashlib.blake2s(f"{title}{desc}".encode(), digest_size=4).hexdigest(),  # unique on a page
         title=title,
         desc=desc,
         body=body,

@@ -7,7 +7,8 @@ import json
 
 from django.http import HttpRequest, HttpResponseBase, JsonResponse, QueryDict
 
-from .. import generations, limits
+from .. import streams
+from ..clients import Client
 from ..encoders import WorkersAIEncoder, error_response, stream_response
 from ..errors import ErrorCode, QuoteError, envelope
 from ..models import Persona
@@ -58,11 +59,10 @@ def preview_persona(request: HttpRequest, saved: Persona) -> tuple[Persona, obje
 async def stream_preview(
     request: HttpRequest, persona: Persona, topic: str, user_id: int
 ) -> HttpResponseBase:
-    client = limits.Client.of(request.META.get("REMOTE_ADDR") or "", user_id)
+    client = Client.of(request.META.get("REMOTE_ADDR") or "", user_id)
     try:
-        generations.check_context_window(persona, persona.build_request(topic=topic))
-        quote = generations.Quote(persona, None, topic, fresh=True)
-        generation = await generations.begin(client, transport="preview", quote=quote, preview=True)
+        quote = streams.Quote.of(persona, None, topic, fresh=True)
+        stream = await streams.begin(client, transport="preview", quote=quote, preview=True)
     except QuoteError as exc:
         return error_response(exc)
-    return await stream_response(generation, WorkersAIEncoder())
+    return await stream_response(stream, WorkersAIEncoder())

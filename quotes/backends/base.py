@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from streaming.events import Event
+from streaming import Event
 
 Role = Literal["system", "user", "assistant"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 from django.conf import settings
 
-from streaming.events import Done, Error, Event, Meta, Token, Usage
+from streaming import Done, Error, Event, Meta, Token, Usage
 
 from ..errors import ErrorCode, busy
 from .base import GenerationRequest

@@ -17,7 +17,7 @@ import httpx
 from django.conf import settings
 from httpx_sse import SSEError
 
-from streaming.events import UPSTREAM_HEADERS, Done, Error, Event, Meta, Token, Usage
+from streaming import Done, Error, Event, Meta, Token, Usage
 
 from ..errors import (
     Scrubber,
@@ -34,6 +34,9 @@ from .base import SAMPLING_FIELDS, GenerationRequest
 from .upstream_sse import read_error_body, upstream_events
 
 logger = logging.getLogger(__name__)
+
+#: Response headers worth keeping on the row (a request id to quote to the server's operators).
+UPSTREAM_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
 
 # Strict servers (OpenAI itself) answer 400 to parameters they do not know (top_k,
 # repetition_penalty): only OpenAI's are sent.

@@ -14,7 +14,7 @@ import re
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
 
-from streaming.events import Done, Error, Event, Token
+from streaming import Done, Error, Event, Token
 
 from .base import VoiceExample
 
@@ -38,9 +38,8 @@ _APOSTROPHES = ("'", "\u2019")
 _WORD = re.compile(r"[^\W_]+(?:['\u2019][^\W_]+)*")  # "don't" is one word
 
 
-@functools.lru_cache(maxsize=256)
 def parse_examples(text: str) -> tuple[VoiceExample, ...]:
-    """The examples in the admin's text, in its order (cached: every request parses the same text)."""
+    """The examples in the admin's text, in its order (40 µs for seven: no cache)."""
     examples = []
     for raw in text.splitlines():
         line = " ".join(raw.split())

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from django.conf import settings
 
-from streaming.events import Done, Error, Event, Meta, Token, Usage
+from streaming import Done, Error, Event, Meta, Token, Usage
 
 from ..errors import (
     ErrorCode,

@@ -18,12 +18,11 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
 from redis.exceptions import RedisError
 
-from streaming.generation import generations
-
+from .. import state
+from ..admission import DRAINING_RETRY_S, Admission
 from ..backends import get_backend
 from ..backends.local import LocalBackend
 from ..cache import store
-from ..limits import DRAINING_RETRY_S
 from ..models import Persona
 from ..rows import REFUSED_SHOWN_S, writer
 
@@ -103,7 +102,7 @@ async def _run(check: Probe) -> Check:
 
 @require_safe
 async def healthz(request: HttpRequest) -> JsonResponse:
-    if generations().draining:
+    if state.of(Admission).draining:
         return JsonResponse(
             {"status": "draining"},
             status=503,

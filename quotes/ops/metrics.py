@@ -18,8 +18,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from streaming.generation import generations
-
+from .. import state
+from ..admission import Admission
 from ..backends import loaded_backends
 from ..backends.local import LocalBackend
 from ..spend import spent_today
@@ -122,7 +122,7 @@ class ProcessCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         yield GaugeMetricFamily(
-            "quotes_open_streams", "Open streams in this process.", value=generations().open
+            "quotes_open_streams", "Open streams in this process.", value=state.of(Admission).open
         )
         for backend in loaded_backends():
             if isinstance(backend, LocalBackend):

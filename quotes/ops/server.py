@@ -89,13 +89,12 @@ async def drain_then_stop(server: Server) -> None:
     # Imported once daphne has loaded the app, and Django with it.
     from django.conf import settings
 
+    from quotes.admission import drain
     from quotes.backends import reset_backends
-    from quotes.generations import DRAINED
     from quotes.rows import writer
-    from streaming.generation import generations
 
     try:
-        cut = await generations().drain(settings.QUOTES_DRAIN_TIMEOUT_S, DRAINED)
+        cut = await drain(settings.QUOTES_DRAIN_TIMEOUT_S)
         if cut:
             logger.warning(
                 "draining: %d streams still open at the deadline were told to resume elsewhere", cut

@@ -27,7 +27,7 @@ import redis
 
 from harness.workers_ai import FakeWorkersAI
 from quotes import cache as quotes_cache
-from quotes import limits
+from quotes import state
 from quotes.models import Persona
 from tests.asgi import StreamedResponse, post_quote, request
 
@@ -128,7 +128,7 @@ async def in_another_process(asked: Awaitable[StreamedResponse]) -> StreamedResp
     try:
         return await asked
     finally:
-        await limits.close()  # this loop's connections to Redis
+        await state.reset()  # this loop's connections to Redis
 
 
 @pytest.mark.system
@@ -174,8 +174,8 @@ async def test_redis_down_quotes_and_their_4xx_are_served_on_this_process_alone(
     }
     settings.REDIS_URL, settings.CACHES = url, {"default": shared, "counters": shared}
     settings.QUOTES_RATE_LIMIT = "2/minute"
-    for name in ("_down_until", "_failing"):  # the cache's outage ends with this test
-        monkeypatch.setattr(quotes_cache, name, getattr(quotes_cache, name))
+    for name in ("down_until", "failing"):  # the cache's outage ends with this test
+        monkeypatch.setattr(quotes_cache.shared, name, getattr(quotes_cache.shared, name))
 
     with logged("quotes", "django") as records:
         unknown = [(await post_quote({"persona": "nobody"})).status for _ in range(3)]
@@ -187,5 +187,5 @@ async def test_redis_down_quotes_and_their_4xx_are_served_on_this_process_alone(
     assert (broken.status, feedback.status) == (400, 404)
     assert quote.status == 200 and quote.body.endswith(DONE)
     warnings = sorted(r.name for r in records if r.levelno == logging.WARNING and r.name.startswith("quotes"))
-    assert warnings == ["quotes.cache", "quotes.limits"], [r.getMessage() for r in records]
+    assert warnings == ["quotes.cache", "quotes.rate_limits"], [r.getMessage() for r in records]
     assert troubles(records) == []

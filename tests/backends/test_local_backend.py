@@ -20,7 +20,7 @@ from quotes.backends.local import (
     persona_sketch,
     quote_lead,
 )
-from streaming.events import Done, Error, Event, Meta, Token, Usage
+from streaming import Done, Error, Event, Meta, Token, Usage
 from tests.conftest import LONG_COMPLETION, slots_held
 
 

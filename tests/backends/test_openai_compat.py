@@ -20,8 +20,8 @@ from quotes.backends.base import GenerationRequest, Message
 from quotes.backends.openai_compat import OpenAICompatBackend
 from quotes.errors import upstream_auth
 from quotes.models import Generation, Persona
-from streaming.events import Done, Error, Event, Meta, Token, Usage
-from streaming.policy import Policy
+from streaming import Done, Error, Event, Meta, Token, Usage
+from streaming import Policy
 from tests.asgi import StreamedResponse, parse_sse, post_quote
 from tests.llama_server import LlamaServer
 

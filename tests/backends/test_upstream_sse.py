@@ -22,7 +22,7 @@ from harness.workers_ai import EXPECTED_ERRORS, Scenario, render_body
 from quotes.backends.upstream_sse import upstream_events
 from quotes.backends.workers_ai import ERROR_CODES, StreamParser
 from quotes.errors import upstream_malformed
-from streaming.events import Done, Error, Token, Usage
+from streaming import Done, Error, Token, Usage
 
 pytestmark = pytest.mark.unit
 

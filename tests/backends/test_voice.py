@@ -28,7 +28,7 @@ from quotes.backends.voice import (
 )
 from quotes.models import Generation, Persona
 from quotes.services import persona_rollback, persona_save
-from streaming.events import Done, Event, Token, Usage
+from streaming import Done, Event, Token, Usage
 from tests.asgi import parse_sse, post_quote
 
 EXAMPLES = """\

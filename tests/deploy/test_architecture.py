@@ -1,6 +1,7 @@
 """The import rules of docs/architecture.md, read from the source (an AST walk, no imports run):
 
-- streaming/ imports nothing of the project's and nothing of Django or Channels;
+- the stream package (packages/streaming) imports nothing of the project's and nothing of Django
+  or Channels, and no word of the app's is in its code;
 - a backend knows no Django models, no HTTP requests or responses, no generation or row;
 - below the transports (views, consumers, encoders, admin), nothing imports them;
 - nothing imports a private (underscore) name from another module, nor uses a dependency's;
@@ -18,7 +19,13 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("streaming", "quotes", "config")
+#: Each package's folder: its modules are named from the folder's parent.
+PACKAGES = {
+    "streaming": ROOT / "packages/streaming/src/streaming",
+    "quotes": ROOT / "quotes",
+    "config": ROOT / "config",
+}
+STREAMING = "packages/streaming/src/streaming"
 TRANSPORTS = (
     "quotes.views",
     "quotes.consumers",
@@ -30,15 +37,18 @@ TRANSPORTS = (
 
 # What each layer (a folder, or a module) may not import (a module, or any module inside it).
 FORBIDDEN = {
-    "streaming": ("quotes", "config", "django", "channels"),
+    STREAMING: ("quotes", "config", "django", "channels"),
     "quotes/backends": (
         *TRANSPORTS,
-        *("quotes.models", "quotes.generations", "quotes.rows", "quotes.limits", "quotes.cache"),
-        *("django.db", "django.shortcuts", "django.template"),
+        *("quotes.models", "quotes.streams", "quotes.rows", "quotes.admission", "quotes.rate_limits"),
+        *("quotes.cache", "quotes.state", "django.db", "django.shortcuts", "django.template"),
     ),
     **{
         f"quotes/{name}.py": TRANSPORTS
-        for name in ("generations", "rows", "limits", "cache", "personas", "services", "models", "errors")
+        for name in (
+            *("streams", "rows", "admission", "rate_limits", "spend", "sockets", "state", "registry"),
+            *("cache", "personas", "services", "models", "errors", "clients"),
+        )
     },
     "quotes/consumers.py": ("quotes.views", "quotes.admin"),
     "quotes/ops": ("quotes.views", "quotes.consumers", "quotes.admin"),
@@ -49,11 +59,11 @@ PRIVATE_IMPORT_EXCEPTIONS: set[tuple[str, str, str | None]] = set()
 
 
 def modules() -> Iterator[tuple[Path, str]]:
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+    for folder in PACKAGES.values():
+        for path in sorted(folder.rglob("*.py")):
             if "migrations" in path.parts:
                 continue
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            parts = list(path.relative_to(folder.parent).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             yield path, ".".join(parts)
@@ -115,6 +125,18 @@ def test_nothing_imports_a_private_name_across_modules() -> None:
                 continue
             breaches.append(f"{rel}:{line} imports {name or ''} from {source}")
     assert breaches == []
+
+
+def test_the_stream_package_speaks_no_word_of_the_app() -> None:
+    """Its code (not its docs) names no model service, no page library, nothing of quotes."""
+    words = ("cloudflare", "workers ai", "cf-aig", "htmx", "quote", "persona", "django")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted(PACKAGES["streaming"].rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if any(word in line.lower() for word in words)
+    ]
+    assert found == []
 
 
 def test_the_rules_see_a_breach() -> None:

@@ -83,7 +83,7 @@ async def database_down(tmp_path: Path) -> AsyncIterator[Callable[[], Awaitable[
 async def fake(fake: FakeWorkersAI, workers_ai_settings: Any) -> AsyncIterator[FakeWorkersAI]:
     workers_ai_settings.QUOTES_CACHE_TTL = 0
     yield fake
-    personas.outage.recovered()  # the next test starts with no outage in this process
+    personas.memory.outage.recovered()  # the next test starts with no outage in this process
 
 
 def is_quote(body: bytes) -> bool:

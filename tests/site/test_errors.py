@@ -17,7 +17,7 @@ from quotes.errors import (
     upstream_timeout,
 )
 from streaming import sse
-from streaming.events import Error
+from streaming import Error
 
 pytestmark = pytest.mark.unit
 

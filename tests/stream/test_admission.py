@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from harness.workers_ai import FakeWorkersAI, Scenario
-from quotes import generations, limits, spend
+from quotes import spend, streams
+from quotes.clients import Client
+from quotes.rate_limits import count_stream
 from quotes.models import Generation, Persona
 from tests.asgi import post_quote, post_stream, read_events, request
 from tests.fixtures import saved
@@ -89,7 +91,7 @@ async def test_a_limited_client_stays_limited_after_thousands_of_others(
     # (one over HTTP first, to be sure it is the same count).
     assert (await request("PUT", "/api/quotes/stream", client=("10.255.255.1", 1))).status == 405
     for n in range(10_000):
-        await limits.count_stream(limits.Client.of(f"10.{n // 256}.{n % 256}.1"))
+        await count_stream(Client.of(f"10.{n // 256}.{n % 256}.1"))
     assert (await post_quote()).status == 429
 
 
@@ -101,7 +103,7 @@ async def test_a_burst_never_spends_past_the_daily_ceiling(
     character a token, max_tokens written), atomically in the shared counters: a burst admits
     only what fits, and the real costs, settled at the end, stay under the ceiling."""
     request = persona.build_request(topic=persona.default_topic)
-    most = Decimal(str(generations.most_cost([persona.model], request)))
+    most = Decimal(str(streams.most_cost([persona.model], request)))
     settings.QUOTES_DAILY_SPEND_LIMIT_USD = most * Decimal("3.5")
     fake.default = Scenario(tokens=["tick"] * 10, token_delay_s=0.02)
     burst = await asyncio.gather(*(post_quote(client=(f"198.51.100.{n}", 1)) for n in range(12)))

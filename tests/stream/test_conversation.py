@@ -1,4 +1,4 @@
-"""A quote's topic and follow-up conversation: checked (quotes.generations.clean_topic,
+"""A quote's topic and follow-up conversation: checked (quotes.streams.clean_topic,
 parse_messages, check_context_window), then sent upstream as the persona's chat."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from harness.workers_ai import FakeWorkersAI
 from quotes.backends.base import Message
 from quotes.errors import QuoteError
-from quotes.generations import check_context_window, clean_topic, parse_messages
+from quotes.backends import backend_for
+from quotes.streams import check_context_window, clean_topic, parse_messages
 from quotes.models import Generation, Persona
 from tests.asgi import parse_sse, post_quote
 from tests.fixtures import saved
@@ -75,10 +76,9 @@ def test_a_conversation_must_fit_the_models_context_window() -> None:
     )
     turns = (Message("user", TOO_LONG), Message("assistant", TOO_LONG), Message("user", TOO_LONG))
 
-    check_context_window(persona, persona.build_request(topic="tea", messages=turns[:1]))
-    code, message, status = refusal(
-        check_context_window, persona, persona.build_request(topic="tea", messages=turns)
-    )
+    backend = backend_for(persona)
+    check_context_window(backend, persona.build_request(topic="tea", messages=turns[:1]))
+    code, message, status = refusal(check_context_window, backend, persona.build_request(topic="tea", messages=turns))
     # The embedded model (the tests' AI_BACKEND) answers whatever model the persona names.
     assert (code, status) == ("context_window_exceeded", 400)
     assert "gemma-3-270m" in message and "1024-token context window" in message

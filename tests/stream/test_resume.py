@@ -115,13 +115,12 @@ async def test_a_resume_counts_against_the_rate_limit(fake: FakeWorkersAI, setti
 
 
 async def test_the_drain_tells_open_streams_to_resume_elsewhere(fake: FakeWorkersAI) -> None:
-    from quotes.generations import DRAINED
-    from streaming.generation import generations
+    from quotes.admission import drain
 
     fake.script(Scenario(tokens=["tick"] * 300, token_delay_s=0.02))
     stream = post_stream()
     await read_events(stream, 3)
-    assert await generations().drain(0.1, DRAINED) == 1
+    assert await drain(0.1) == 1
     body = (await stream.read_all()).body
     reconnect = parse_sse(body)[-1]
     assert reconnect["event"] == "reconnect" and json.loads(reconnect["data"])["retry_ms"] == 1000
@@ -130,5 +129,4 @@ async def test_the_drain_tells_open_streams_to_resume_elsewhere(fake: FakeWorker
     assert (refused.status, refused.json()["error"]["code"]) == (503, "server_draining")
     row = await Generation.objects.aget(public_id=stream.response.headers["x-quote-id"])  # type: ignore[union-attr]
     assert (row.status, row.error_code) == ("cancelled", "server_draining")
-    generations().draining = False
     await asyncio.sleep(0)

@@ -7,12 +7,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from quotes import generations, limits, personas
+from quotes import personas, streams
 from quotes.backends import reset_backends
+from quotes.clients import Client
 from quotes.errors import ErrorCode, QuoteError
 from quotes.models import Persona
 from quotes.rows import writer
-from streaming.events import Error, Meta, Token
+from streaming import Error, Meta, Token
 
 
 class Command(BaseCommand):
@@ -28,9 +29,9 @@ class Command(BaseCommand):
     async def _run(self, slug: str, topic: str | None) -> None:
         try:
             params = {"persona": slug, "topic": topic}
-            generation = await generations.begin(limits.Client("cli"), transport="cli", params=params)
+            stream = await streams.begin(Client("cli"), transport="cli", params=params)
             model = ""
-            async for event in generation.read():
+            async for event in stream.read():
                 if type(event) is Meta:
                     model = event.model or model
                 elif type(event) is Token:

@@ -1,15 +1,17 @@
-"""A quote's generation, from the request to its row.
+"""A quote's stream, from the request to its row: the one way one starts, its source, its bill,
+and its record when it ends; a resume and a stop.
 
-    generation = await begin(client, transport=..., params=params)
-        # admission (limits.admit: 503, 429), the input checked (parse: 400, 404), then
+    stream = await begin(client, transport=..., params=params)
+        # admission (quotes.admission: 503, 429), the input checked (parse: 400, 404), then
         # start(quote, client, slot): its source, its row, its task
-    generation.read(after)                           # what a connection streams
+    stream.read(after)                               # what a connection streams
     find(last_event_id), stop(public_id, client)     # a resume, a stop
 
-A generation's source is one of: a cached answer replayed at a pace; another generation of an
-identical request in flight here (coalescing: one upstream call); or the persona's backend under
-the retry and fallback policy. Its task inserts the row as `running`, runs the source, completes
-the row from the generation's events, then lets its readers see the end.
+A stream's source is one of: a cached answer replayed at a pace; another stream of an identical
+request in flight here (coalescing: one upstream call); or the persona's backend under the retry
+and fallback policy. Its row is inserted `running` as it starts; when its source ends, the stream
+awaits `_record` (the row completed, the answer cached, the spend settled, the slot given back)
+before its readers see the end.
 """
 
 from __future__ import annotations
@@ -27,26 +29,24 @@ from typing import Any
 
 from django.conf import settings
 
-from streaming.events import Done, Error, Event, Meta, Token
-from streaming.generation import FAILED, Generation, generations, replay
-from streaming.policy import generate
+from streaming import Done, Error, Event, Meta, Stream, Token, generate, replay
 
-from . import limits, personas, spend
+from . import personas, spend
+from .admission import Slot, admit
 from .backends import backend_for
 from .backends.base import Backend, GenerationRequest, Message
 from .backends.catalog import count_tokens_estimate, estimate_cost, get_model
 from .backends.voice import guard_copies
 from .cache import answer_key, get_answer, store_answer
-from .errors import ErrorCode, QuoteError, stopped
+from .clients import Client
+from .errors import OUTCOMES, STOPPED, ErrorCode, QuoteError
 from .models import Generation as Row
 from .models import Persona, PersonaVersion
 from .ops import metrics
+from .registry import streams
 from .rows import clamp_cost, finish_fields, writer
 
 logger = logging.getLogger(__name__)
-
-STOPPED = stopped()
-DRAINED = Error(ErrorCode.SERVER_DRAINING, "This server is restarting: resume elsewhere.", 503, retry_after=1)
 
 # -- the input ---------------------------------------------------------------------------------
 
@@ -56,9 +56,28 @@ class Quote:
     persona: Persona
     version: PersonaVersion | None
     topic: str
+    #: what the persona's backend is asked: built once, here
+    request: GenerationRequest
+    backend: Backend
     messages: tuple[Message, ...] = ()
     #: a new answer, not a cached one (the page's New quote button)
     fresh: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        persona: Persona,
+        version: PersonaVersion | None,
+        topic: str,
+        messages: tuple[Message, ...] = (),
+        *,
+        fresh: bool = False,
+    ) -> Quote:
+        """The quote, its request checked against the model's context window (400)."""
+        request = persona.build_request(topic=topic, messages=messages)
+        backend = backend_for(persona)
+        check_context_window(backend, request)
+        return cls(persona, version, topic, request, backend, messages, fresh)
 
 
 _SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
@@ -79,10 +98,9 @@ async def parse(params: dict[str, Any]) -> Quote:
     persona = active.persona
     topic = clean_topic(params.get("topic"), default=persona.default_topic)
     messages = parse_messages(params.get("messages"))
-    check_context_window(persona, persona.build_request(topic=topic, messages=messages))
     fresh = params.get("fresh")
     fresh = fresh is True or (isinstance(fresh, str) and fresh.lower() in ("1", "true", "yes"))
-    return Quote(persona, active.version, topic, messages, fresh)
+    return Quote.of(persona, active.version, topic, messages, fresh=fresh)
 
 
 def _encodable(text: str, field: str) -> None:
@@ -144,9 +162,9 @@ def parse_messages(raw: object) -> tuple[Message, ...]:
     return tuple(turns)
 
 
-def check_context_window(persona: Persona, request: GenerationRequest) -> None:
+def check_context_window(backend: Backend, request: GenerationRequest) -> None:
     """The prompts, the turns and the answer's max_tokens must fit the model's context."""
-    model = backend_for(persona).model_name(request.model)
+    model = backend.model_name(request.model)
     info = get_model(model)
     if info is None or info.context_window is None:
         return
@@ -177,34 +195,35 @@ def event_id(public_id: str, number: int) -> str:
     return f"{public_id}.{resume_key(public_id)}:{number}"
 
 
-def find(last_event_id: object) -> tuple[Generation, int]:
-    """The generation a client resumes, and the number of the last event it had; the QuoteError
-    for an id this site never sent (400) or a generation this process keeps no longer (404)."""
+def find(last_event_id: object) -> tuple[Stream, int]:
+    """The stream a client resumes, and the number of the last event it had; the QuoteError for
+    an id this site never sent (400) or a stream this process keeps no longer (404)."""
     match = EVENT_ID.fullmatch(last_event_id.strip()) if isinstance(last_event_id, str) else None
     if match is None:
         message = "`last_event_id` must be an event id this site sent: <generation id>.<key>:<number>."
         raise QuoteError(ErrorCode.INVALID_LAST_EVENT_ID, message, 400)
     public_id, key, after = match[1].lower(), match[2], int(match[3])
-    generation = generations().by_id.get(public_id)
+    stream = streams().get(public_id)
     if (
-        generation is None
+        stream is None
         or not hmac.compare_digest(key, resume_key(public_id))
-        or after > len(generation.events) + 1
+        or after > len(stream.events) + 1
     ):
         message = "This quote cannot be resumed here (unknown, or kept no longer). Ask for a new one."
         raise QuoteError(ErrorCode.RESUME_UNAVAILABLE, message, 404)
-    return generation, after
+    return stream, after
 
 
-async def stop(public_id: str, client: limits.Client) -> bool | None:
-    """Stop the client's own generation now: True, or False when it had ended; None when the
-    client has no such generation here."""
-    generation = generations().by_id.get(public_id)
-    if generation is None or generation.client != client.key:
+async def stop(public_id: str, client: Client) -> bool | None:
+    """Stop the client's own stream now: True, or False when it had ended; None when the client
+    has no such stream here."""
+    live = streams()
+    stream = live.get(public_id)
+    if stream is None or live.owners.get(public_id) != client.key:
         return None
-    if not generation.stop(STOPPED):
+    if not stream.stop(STOPPED):
         return False
-    await asyncio.wait([generation.closed], timeout=5)  # the upstream is closed, the row written
+    await asyncio.wait([stream.closed], timeout=5)  # the upstream is closed, the row written
     return True
 
 
@@ -212,18 +231,18 @@ async def stop(public_id: str, client: limits.Client) -> bool | None:
 
 
 async def begin(
-    client: limits.Client,
+    client: Client,
     *,
     transport: str,
     params: dict[str, Any] | None = None,
     quote: Quote | None = None,
     preview: bool = False,
-) -> Generation:
+) -> Stream:
     """The one way a stream starts, whatever its transport: admission (503, 429), then its input
     (`params` checked by `parse`, or a `quote` made already: the admin's preview), then its
-    generation, which keeps the client's slot until it ends; the slot is given back if it does
-    not start."""
-    slot = await limits.admit(client)
+    stream, which keeps the client's slot until it ends; the slot is given back if it does not
+    start."""
+    slot = await admit(client)
     try:
         if quote is None:
             quote = await parse(params or {})
@@ -233,14 +252,10 @@ async def begin(
         raise
 
 
-async def start(
-    quote: Quote, client: limits.Client, slot: limits.Slot, *, transport: str, preview: bool = False
-) -> Generation:
-    """Start `quote`'s generation for `client`, which holds `slot` until it ends. Raises the
-    503 `budget_exhausted` QuoteError when a paid model would pass today's spend ceiling."""
-    persona, registry = quote.persona, generations()
-    backend = backend_for(persona)
-    request = persona.build_request(topic=quote.topic, messages=quote.messages)
+async def start(quote: Quote, client: Client, slot: Slot, *, transport: str, preview: bool = False) -> Stream:
+    """Start `quote`'s stream for `client`, which holds `slot` until it ends. Raises the 503
+    `budget_exhausted` QuoteError when a paid model would pass today's spend ceiling."""
+    persona, backend, request, live = quote.persona, quote.backend, quote.request, streams()
     ttl = settings.QUOTES_CACHE_TTL if persona.cache_ttl is None else persona.cache_ttl
     key = ""
     if ttl > 0 and not (preview or quote.fresh or settings.AI_GATEWAY_SKIP_CACHE):
@@ -248,7 +263,7 @@ async def start(
             backend=backend.name, request=request, version_id=quote.version.pk if quote.version else None
         )
     cached = await get_answer(key) if key else None
-    joined = registry.joinable(key) if key and cached is None else None
+    joined = live.joinable(key) if key and cached is None else None
     if key:
         metrics.cache_lookup(hit=cached is not None or joined is not None)
     models = [backend.model_name(model) for model in model_chain(persona, request.model)]
@@ -256,18 +271,12 @@ async def start(
     if cached is None and joined is None and backend.paid:
         most = most_cost(models, request)
         reservation = await spend.reserve(persona.pk, persona.daily_spend_limit_usd, most)
-    generation = Generation(
-        str(uuid.uuid4()),
-        client=client.key,
-        grace_s=settings.QUOTES_RESUME_GRACE_S,
-        keepalive_s=settings.QUOTES_KEEPALIVE_S,
-    )
+    public_id = str(uuid.uuid4())
     status = (
         Row.CacheStatus.HIT if cached or joined else Row.CacheStatus.MISS if key else Row.CacheStatus.BYPASS
     )
-    generation.events.append(Meta(model=models[0], cache_status=status.upper(), id=generation.id))
     row = Row(
-        public_id=generation.id,
+        public_id=public_id,
         persona=persona,
         persona_version=None if preview else quote.version,
         backend=backend.name,
@@ -279,74 +288,56 @@ async def start(
         client_hash=client.ip_hash,
         is_preview=preview,
     )
+    source: AsyncGenerator[Event, None]
     if cached is not None:
-        source, joinable = replay(cached, settings.QUOTES_CACHE_REPLAY_PACING_MS / 1000), False
+        source = replay(cached, settings.QUOTES_CACHE_REPLAY_PACING_MS / 1000)
     elif joined is not None:
-        source, joinable = _joined(joined), False
+        source = _joined(joined)
     else:
-        source, joinable = _upstream(backend, persona, quote, request), True
-    registry.add(generation, key if joinable else "")
+        source = _upstream(backend, persona, quote, request)
+    stream = live.open(
+        public_id,
+        key=key if cached is None and joined is None else "",
+        grace_s=settings.QUOTES_RESUME_GRACE_S,
+        keepalive_s=settings.QUOTES_KEEPALIVE_S,
+        events=[Meta(model=models[0], cache_status=status.upper(), id=public_id)],
+    )
+    live.own(public_id, client.key)
+    writer().insert(row)
     bill = Bill(models, request, paid=backend.paid, reservation=reservation)
-    task = asyncio.create_task(_live(generation, source, row, slot, key, ttl, bill, transport))
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
-    return generation
 
-
-#: The generations' tasks (the event loop keeps only weak references to tasks).
-_tasks: set[asyncio.Task[None]] = set()
-
-
-async def _live(
-    generation: Generation,
-    source: AsyncGenerator[Event, None],
-    row: Row,
-    slot: limits.Slot,
-    key: str,
-    ttl: int,
-    bill: Bill,
-    transport: str,
-) -> None:
-    """A generation's life: its row inserted, its source run, its row completed, its end told.
-    Whatever fails at the end, the row is completed, the slot given back and the readers told."""
-    rows = writer()
-    rows.insert(row)
-    end: Done | Error = FAILED
-    try:
-        end = await generation.run(source)
-    finally:
+    async def on_end(stream: Stream, end: Done | Error) -> None:
         try:
-            await _record(generation, end, row, key, ttl, bill, transport)
+            await _record(stream, end, row, key, ttl, bill, transport)
         finally:
             slot.release()
-            generations().ended(generation, key, keep_s=settings.QUOTES_RESUME_TTL_S)
-            generation.close(end)
+
+    stream.start(source, on_end)
+    return stream
 
 
 async def _record(
-    generation: Generation, end: Done | Error, row: Row, key: str, ttl: int, bill: Bill, transport: str
+    stream: Stream, end: Done | Error, row: Row, key: str, ttl: int, bill: Bill, transport: str
 ) -> None:
-    """The row completed from the generation's events, its answer cached, its cost settled; a
-    step that fails is logged and the next still runs."""
+    """The row completed from the stream's events, its answer cached, its cost settled; a step
+    that fails is logged and the next still runs."""
     try:
-        finish_fields(row, generation, end)
-        bill.price(row, generation, end)
+        finish_fields(row, stream, end)
+        bill.price(row, stream, end)
         metrics.stream_finished(row, transport)
     except Exception:
-        logger.exception("generation %s: its row could not be completed from its events", generation.id)
+        logger.exception("stream %s: its row could not be completed from its events", stream.id)
         row.status, row.error_code = Row.Status.ERROR, ErrorCode.INTERNAL_ERROR
     if key and type(end) is Done and row.status == Row.Status.OK and row.cache_status == Row.CacheStatus.MISS:
         try:
-            await store_answer(key, generation.events, ttl=ttl)  # before [DONE]: a client who saw it finds it
+            await store_answer(key, stream.events, ttl=ttl)  # before [DONE]: a client who saw it finds it
         except Exception:
-            logger.exception("generation %s: its answer could not be cached", generation.id)
+            logger.exception("stream %s: its answer could not be cached", stream.id)
     if bill.reservation is not None:
         try:
             await bill.reservation.settle(row.cost_usd)
         except Exception:
-            logger.exception(
-                "generation %s: its spend could not be settled (its reservation stays)", generation.id
-            )
+            logger.exception("stream %s: its spend could not be settled (its reservation stays)", stream.id)
     await writer().finish(row)
 
 
@@ -365,7 +356,7 @@ def _upstream(
         )
         return guard_copies(backend.stream(request), request.examples)
 
-    return generate(attempt, models, settings.QUOTES_POLICY)
+    return generate(attempt, models, settings.QUOTES_POLICY, OUTCOMES)
 
 
 def model_chain(persona: Persona, model: str) -> list[str]:
@@ -412,7 +403,7 @@ class Bill:
     paid: bool
     reservation: spend.Reservation | None
 
-    def price(self, row: Row, generation: Generation, end: Done | Error) -> None:
+    def price(self, row: Row, stream: Stream, end: Done | Error) -> None:
         """The row's cost: its usage at the price of the model asked for; without usage (a stop,
         a drop, a deadline, a server that sends none) an estimate, never $0 (`cost_estimated`):
         the prompt, counted as the reservation counts it, plus the text streamed."""
@@ -423,7 +414,7 @@ class Bill:
             cost = estimate_cost(model, row.prompt_tokens, row.completion_tokens)
             estimated = False
         elif self.paid:
-            text = [event.text for event in generation.events if type(event) is Token]
+            text = [event.text for event in stream.events if type(event) is Token]
             if not text and not (type(end) is Error and end.code in LEFT_WORKING):
                 return  # the upstream refused it: an error answer is not billed
             written = max(len(text), count_tokens_estimate("".join(text)))
@@ -436,7 +427,7 @@ class Bill:
             row.cost_estimated = estimated
 
 
-async def _joined(other: Generation) -> AsyncGenerator[Event, None]:
-    """An identical generation's events, without its own id and cache status."""
+async def _joined(other: Stream) -> AsyncGenerator[Event, None]:
+    """An identical stream's events, without its own id and cache status."""
     async for event in other.follow():
         yield Meta(event.model, event.headers, event.step) if type(event) is Meta else event

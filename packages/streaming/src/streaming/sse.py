@@ -1,13 +1,14 @@
 """Server-Sent Events framing (WHATWG HTML), the bytes a transport writes: one call per token on
-the hot path. Reading an upstream's events is httpx-sse's job."""
+the hot path."""
 
 from __future__ import annotations
 
-import html
 import json
 from typing import Any
 
-DONE = b"data: [DONE]\n\n"
+__all__ = ["PING", "data", "event", "named", "retry", "with_id"]
+
+#: A comment line: it keeps a quiet connection open through proxies, and readers ignore it.
 PING = b": ping\n\n"
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -21,18 +22,13 @@ def event(data: str, *, name: str | None = None, id: str | None = None) -> bytes
 
 
 def data(payload: dict[str, Any]) -> bytes:
-    """An unnamed event whose data is one JSON object (Workers AI's `{"response": ...}`)."""
+    """An unnamed event whose data is one JSON object."""
     return b"data: " + _dumps(payload).encode() + b"\n\n"
 
 
 def named(name: str, payload: dict[str, Any]) -> bytes:
-    """A named event with a JSON object as its data (`meta`, `done`, `error`, `reconnect`)."""
+    """A named event with a JSON object as its data."""
     return event(_dumps(payload), name=name)
-
-
-def fragment(text: str) -> bytes:
-    """Text as an HTML-escaped fragment in an unnamed event (htmx's hx-sse swaps it in)."""
-    return event(html.escape(text, quote=False))
 
 
 def with_id(out: bytes, id: str) -> bytes:

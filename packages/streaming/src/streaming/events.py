@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = ["Done", "Error", "Event", "Meta", "Ping", "Token", "Usage", "from_json", "merged", "to_json"]
+
 
 @dataclass(frozen=True, slots=True)
 class Token:
@@ -28,9 +30,9 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Meta:
-    """Facts known beside the text: the model that answered, upstream headers worth keeping
-    (cf-aig-log-id, ...), the fallback `step`, the `cache_status` (HIT, MISS or BYPASS) and the
-    generation's public `id`. A later Meta updates an earlier one (`merged`)."""
+    """Facts known beside the text: the model that answered, upstream headers worth keeping, the
+    fallback `step` (0: the first model), the `cache_status` (HIT, MISS or BYPASS) and the
+    stream's `id`. A later Meta updates an earlier one (`merged`)."""
 
     model: str = ""
     headers: dict[str, str] = field(default_factory=dict)
@@ -46,16 +48,6 @@ class Meta:
             cache_status=later.cache_status or self.cache_status,
             id=later.id or self.id,
         )
-
-    def response_headers(self) -> dict[str, str]:
-        """The upstream's headers with the fallback step and the cache status: an answer from
-        either cache (ours, or Cloudflare's gateway) reads as a HIT."""
-        headers = dict(self.headers)
-        if self.step is not None:
-            headers["cf-aig-step"] = str(self.step)
-        if self.cache_status and headers.get("cf-aig-cache-status", "").upper() != "HIT":
-            headers["cf-aig-cache-status"] = self.cache_status
-        return headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +83,10 @@ def merged(events: Iterable[Event]) -> Meta:
     return meta
 
 
-# -- a finished answer as JSON (the answer cache) -----------------------------------------------
+# -- a finished answer as JSON (a cache of answers) -------------------------------------------
 # JSON, never pickle: whoever can write to the cache must not run code here. A Token is its text;
 # any other event a one-key object. Reading back is strict: anything else is a ValueError.
 
-UPSTREAM_HEADERS = ("x-request-id", "cf-aig-", "openai-processing-ms")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")
 _HEADER_VALUE = re.compile(r"[^\x00-\x1f\x7f\ud800-\udfff]{0,512}")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -152,10 +143,7 @@ def _is_meta(value: dict[str, Any]) -> bool:
         and (step is None or _count(step))
         and isinstance(headers, dict)
         and all(
-            isinstance(name, str)
-            and _HEADER_NAME.fullmatch(name) is not None
-            and name.lower().startswith(UPSTREAM_HEADERS)
-            and header_safe(text)
+            isinstance(name, str) and _HEADER_NAME.fullmatch(name) is not None and header_safe(text)
             for name, text in headers.items()
         )
     )

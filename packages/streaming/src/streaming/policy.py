@@ -18,18 +18,7 @@ from dataclasses import dataclass
 
 from .events import Done, Error, Event, Meta
 
-#: Worth another attempt at the same model.
-RETRYABLE = frozenset(
-    {
-        "upstream_unreachable",
-        "upstream_unavailable",
-        "upstream_capacity",
-        "upstream_timeout",
-        "upstream_dropped",
-    }
-)
-#: Another model would not do better.
-FINAL = frozenset({"upstream_auth", "busy", "request_too_large", "context_window_exceeded"})
+__all__ = ["Outcomes", "Policy", "generate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +31,32 @@ class Policy:
     total_timeout_s: float = 120.0
 
 
-def timeout_error(*, started: bool, total: bool) -> Error:
-    if total:
-        return Error("deadline_exceeded", "The quote took too long to write.", 504)
-    if started:
-        return Error("idle_timeout", "The model stopped writing mid-quote.", 504)
-    return Error(
-        "upstream_timeout", "The model took too long to start writing. Please try again shortly.", 504
-    )
+@dataclass(frozen=True, slots=True)
+class Outcomes:
+    """The caller's words: which error codes are worth another attempt at the same model
+    (`retryable`), which no other model would do better on (`final`), and the errors the policy
+    ends a stream with itself."""
+
+    retryable: frozenset[str]
+    final: frozenset[str]
+    #: no first token within its share of the first-token deadline
+    first_token_timeout: Error
+    #: no token for `idle_timeout_s` once text flowed
+    idle_timeout: Error
+    #: past `total_timeout_s`
+    deadline: Error
+    #: an attempt ended without a Done or an Error
+    ended_early: Error
+
+    def timeout(self, *, started: bool, total: bool) -> Error:
+        return self.deadline if total else self.idle_timeout if started else self.first_token_timeout
 
 
 async def generate(
-    attempt: Callable[[str], AsyncGenerator[Event, None]], models: Sequence[str], policy: Policy
+    attempt: Callable[[str], AsyncGenerator[Event, None]],
+    models: Sequence[str],
+    policy: Policy,
+    outcomes: Outcomes,
 ) -> AsyncGenerator[Event, None]:
     """`attempt(model)` under the policy: a Meta (the model that answers, its fallback step and
     upstream headers) once text flows, Tokens and Usage, then one Done or Error. A failure
@@ -62,7 +65,7 @@ async def generate(
     deadline = loop.time() + policy.total_timeout_s
     first_token_deadline = min(deadline, loop.time() + policy.ttft_timeout_s)
     attempts_left = len(models) * policy.max_attempts
-    error = Error("internal_error", "Something went wrong while writing the quote.", 500)
+    error = outcomes.ended_early
     meta = Meta()
     watchdog = Watchdog(loop)
     try:
@@ -78,7 +81,7 @@ async def generate(
                     await asyncio.sleep(delay)
                 now = loop.time()
                 if now >= first_token_deadline:
-                    error = timeout_error(started=False, total=now >= deadline)
+                    error = outcomes.timeout(started=False, total=now >= deadline)
                     break
                 first_token_by = now + (first_token_deadline - now) / attempts_left
                 attempts_left -= 1
@@ -90,13 +93,11 @@ async def generate(
                         try:
                             event = await anext(events)
                         except StopAsyncIteration:
-                            event = Error(
-                                "internal_error", "The model ended without finishing the quote.", 500
-                            )
+                            event = outcomes.ended_early
                         except asyncio.CancelledError:
                             if not watchdog.expired():
                                 raise
-                            event = timeout_error(started=started, total=loop.time() >= deadline)
+                            event = outcomes.timeout(started=started, total=loop.time() >= deadline)
                         watchdog.release()
                         if type(event) is Meta:
                             meta = Meta(event.model or meta.model, {**meta.headers, **event.headers}, step)
@@ -113,9 +114,9 @@ async def generate(
                 if started:
                     yield error  # after text, never a retry: it would repeat text
                     return
-                if loop.time() >= first_token_deadline or error.code not in RETRYABLE:
+                if loop.time() >= first_token_deadline or error.code not in outcomes.retryable:
                     break
-            if loop.time() >= first_token_deadline or error.code in FINAL:
+            if loop.time() >= first_token_deadline or error.code in outcomes.final:
                 break
     finally:
         watchdog.close()

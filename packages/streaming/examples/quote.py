@@ -1,0 +1,32 @@
+import asyncio
+import uuid
+
+from streaming import Done, Endings, Error, Streams, Token, sse
+
+streams = Streams(Endings(*(Error(code, code) for code in ("abandoned", "ended_early", "failed"))))
+
+
+async def model():  # any async generator of events: an upstream's tokens, a cached answer, ...
+    for word in "A stream outlives the connection that reads it.".split():
+        await asyncio.sleep(0.2)
+        yield Token(word + " ")
+    yield Done()
+
+
+async def app(scope, receive, send):  # GET /?id=<id>&after=<n> resumes a stream after its n-th event
+    query = dict(pair.split("=", 1) for pair in scope["query_string"].decode().split("&") if "=" in pair)
+    stream = streams.get(query.get("id", ""))
+    if stream is None:
+        stream = streams.open(uuid.uuid4().hex, grace_s=30)  # runs on 30 s for a reader to come back
+        stream.start(model())
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+    )
+    n = int(query.get("after", 0))
+    async for event in stream.read(n):
+        n += 1
+        body = sse.data({"text": event.text}) if type(event) is Token else sse.named("end", {})
+        await send(
+            {"type": "http.response.body", "body": sse.with_id(body, f"{stream.id}:{n}"), "more_body": True}
+        )
+    await send({"type": "http.response.body", "body": b""})
