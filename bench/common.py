@@ -519,8 +519,10 @@ class Log:
 
     def settled(self, generations: int, refusals: int, timeout_s: float = 60.0) -> dict[str, Any]:
         """The counts once `generations` rows are complete (not `running`) and `refusals` are
-        counted, or they stopped moving for 8 s (a refusal count is written up to 5 s after it),
-        or `timeout_s` is up; and the accounting against what the daphnes answered: lost rows
+        counted, or the rows are complete and the counts stopped moving for 8 s (a refusal count
+        is written up to 5 s after it), or `timeout_s` is up (a row may wait long for a database
+        on a busy machine: the rows are never judged on stillness alone); and the accounting
+        against what the daphnes answered: lost rows
         (answered generations without a complete row), extra rows, refusals counted against
         refusals answered (429 and 503 from a daphne)."""
         deadline = time.monotonic() + timeout_s
@@ -532,7 +534,7 @@ class Log:
             if counts != previous:
                 previous, still_since = counts, time.monotonic()
             now = time.monotonic()
-            if (complete >= generations and counts[REFUSALS] >= refusals) or now - still_since > 8:
+            if complete >= generations and (counts[REFUSALS] >= refusals or now - still_since > 8):
                 break
             if now > deadline:
                 break

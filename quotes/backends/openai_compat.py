@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 from django.conf import settings
 from httpx_sse import SSEError
-
 from streaming import Done, Error, Event, Meta, Token, Usage
 
 from ..errors import (
@@ -31,7 +30,7 @@ from ..errors import (
     upstream_unreachable,
 )
 from .base import SAMPLING_FIELDS, GenerationRequest
-from .upstream_sse import read_error_body, upstream_events
+from .upstream_sse import finish_body, read_error_body, upstream_events
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +142,7 @@ class OpenAICompatBackend:
                     if not meta_sent:
                         yield self._meta(response, request.model)
                     ending = Done()
+                    await finish_body(sse)  # the connection goes back to the pool, for the next request
                     break
                 try:
                     chunk = json.loads(data)

@@ -9,12 +9,15 @@ WHATWG rules closed (tests/backends/test_upstream_sse.py pins both in bare httpx
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 
-__all__ = ["ServerSentEvent", "read_error_body", "upstream_events"]
+__all__ = ["ServerSentEvent", "finish_body", "read_error_body", "upstream_events"]
 
 
 def upstream_events(response: httpx.Response) -> AsyncGenerator[ServerSentEvent, None]:
@@ -63,3 +66,16 @@ async def read_error_body(response: httpx.Response, limit: int = 64 * 1024) -> b
     except httpx.HTTPError:
         return b""
     return bytes(body[:limit])
+
+
+#: How long to wait for the end of the body after [DONE] (normally it is already there).
+BODY_END_WAIT_S = 0.05
+
+
+async def finish_body(source: AsyncIterator[Any]) -> None:
+    """Read the body's end after [DONE], so httpx pools the connection and the next request skips
+    the TCP and TLS round trips to Cloudflare; bounded, so a lingering server holds nothing back."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(BODY_END_WAIT_S):
+            async for _ in source:
+                pass

@@ -12,13 +12,12 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import replace
 from typing import Any
 
 import httpx
 from django.conf import settings
-
 from streaming import Done, Error, Event, Meta, Token, Usage
 
 from ..errors import (
@@ -33,7 +32,7 @@ from ..errors import (
     upstream_unreachable,
 )
 from .base import GenerationRequest
-from .upstream_sse import ServerSentEvent, read_error_body, upstream_events
+from .upstream_sse import ServerSentEvent, finish_body, read_error_body, upstream_events
 
 logger = logging.getLogger(__name__)
 
@@ -123,19 +122,6 @@ def _parse_envelope(body: bytes) -> tuple[list[int], str]:
     items = [item for item in errors if isinstance(item, dict)]
     codes = [item["code"] for item in items if isinstance(item.get("code"), int)]
     return codes, next((item["message"] for item in items if isinstance(item.get("message"), str)), "")
-
-
-#: How long to wait for the end of the body after [DONE] (normally it is already there).
-BODY_END_WAIT_S = 0.05
-
-
-async def _finish_body(source: AsyncIterator[Any]) -> None:
-    """Read the body's end after [DONE], so httpx pools the connection and the next request skips
-    the TCP and TLS round trips to Cloudflare; bounded, so a lingering server holds nothing back."""
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(BODY_END_WAIT_S):
-            async for _ in source:
-                pass
 
 
 class StreamParser:
@@ -362,7 +348,7 @@ class WorkersAIBackend:
                             if type(event) is Error:
                                 self._log(event, request, parser.said)
                             else:
-                                await _finish_body(messages)
+                                await finish_body(messages)
                             yield event
                             return
                         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -15,13 +16,13 @@ import httpx
 import pytest
 
 from harness.openai import Reply, ScriptedUpstream
+from harness.workers_ai import KeepAliveUpstream, Scenario
 from quotes.backends import reset_backends
 from quotes.backends.base import GenerationRequest, Message
 from quotes.backends.openai_compat import OpenAICompatBackend
 from quotes.errors import upstream_auth
 from quotes.models import Generation, Persona
-from streaming import Done, Error, Event, Meta, Token, Usage
-from streaming import Policy
+from streaming import Done, Error, Event, Meta, Policy, Token, Usage
 from tests.asgi import StreamedResponse, parse_sse, post_quote
 from tests.llama_server import LlamaServer
 
@@ -347,3 +348,24 @@ async def test_a_stall_before_the_first_token_is_504_and_closes_the_connection(
 
     assert (response.status, response.json()["error"]["code"]) == (504, "upstream_timeout")
     await asyncio.wait_for(upstream.client_gone.wait(), 2)
+
+
+@pytest.mark.integration
+async def test_one_upstream_connection_serves_request_after_request() -> None:
+    """The body's end is read after [DONE] (its chunked terminator), so httpx pools the connection:
+    one for three requests (it opened one per request, about 1.5 ms each: issue 41)."""
+    upstream = KeepAliveUpstream(Scenario(tokens=["One", " line."], openai_style=True))
+    ready = threading.Event()
+    threading.Thread(target=lambda: asyncio.run(upstream.serve(ready)), daemon=True).start()
+    assert ready.wait(10)
+    backend = OpenAICompatBackend(base_url=f"http://127.0.0.1:{upstream.port}/v1", api_key="")
+    try:
+        for _ in range(3):
+            events = await collect(backend)
+            assert (
+                "".join(e.text for e in events if isinstance(e, Token)) == "One line."
+                and events[-1] == Done()
+            )
+    finally:
+        await backend.aclose()
+    assert (upstream.requests, upstream.connections) == (3, 1)

@@ -13,20 +13,18 @@ async def model():  # any async generator of events: an upstream's tokens, a cac
     yield Done()
 
 
-async def app(scope, receive, send):  # GET /?id=<id>&after=<n> resumes a stream after its n-th event
-    query = dict(pair.split("=", 1) for pair in scope["query_string"].decode().split("&") if "=" in pair)
-    stream = streams.get(query.get("id", ""))
-    if stream is None:
-        stream = streams.open(uuid.uuid4().hex, grace_s=30)  # runs on 30 s for a reader to come back
+async def app(scope, receive, send):  # GET /?id=<id>&after=<n>: a stream's events after its n-th
+    query = dict(p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
+    if (stream := streams.get(query.get("id", ""))) is None:  # a new one: it runs on 30 s unread
+        stream = streams.open(uuid.uuid4().hex, grace_s=30)
         stream.start(model())
     await send(
         {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
     )
     n = int(query.get("after", 0))
     async for event in stream.read(n):
-        n += 1
-        body = sse.data({"text": event.text}) if type(event) is Token else sse.named("end", {})
+        n, out = n + 1, sse.data({"text": event.text}) if type(event) is Token else sse.named("end", {})
         await send(
-            {"type": "http.response.body", "body": sse.with_id(body, f"{stream.id}:{n}"), "more_body": True}
+            {"type": "http.response.body", "body": sse.with_id(out, f"{stream.id}:{n}"), "more_body": True}
         )
     await send({"type": "http.response.body", "body": b""})

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from streaming import (
     Done,
     Endings,
@@ -68,6 +67,16 @@ async def test_readers_from_any_offset_get_the_same_events_and_one_end() -> None
     assert await stream.closed == Done()
     assert await collect(stream.read(3)) == [Done()]  # resumed before the end
     assert await collect(stream.read(4)) == []  # resumed after it: nothing more
+
+
+async def test_a_reader_gets_each_event_of_a_burst_as_it_is_published() -> None:
+    """A source whose events are all ready at once (a fast model, one read holding many events):
+    the first reaches the reader before the source has published the rest."""
+    stream = started(words(*(f"w{n}" for n in range(200))))
+    reader = stream.read(0)
+    assert await anext(reader) == Token("w0")
+    assert len(stream.events) < 5
+    assert len(await collect(reader)) == 200  # the 199 others, then Done
 
 
 async def test_stop_cancels_the_source_at_once_and_readers_end_with_the_error() -> None:

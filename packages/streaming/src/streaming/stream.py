@@ -129,6 +129,11 @@ class Stream:
                         self.events.append(event)
                         self._last = self._loop.time()
                         self._wake()
+                        if self.readers or self.followers:
+                            # Each event reaches its readers as it is published, not once the
+                            # source blocks: a burst (a fast model, a read holding many events)
+                            # does not hold the first token back.
+                            await asyncio.sleep(0)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or self._stopped is None:
