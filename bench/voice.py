@@ -212,10 +212,11 @@ def prepare(personas: list[Any], args: argparse.Namespace, rng: random.Random) -
 
 
 async def generate(persona: Any, topic: str) -> Quote:
+    from streaming import Error, Token, Usage
+
     from quotes import streams
     from quotes.backends import get_backend
     from quotes.clients import Client
-    from streaming import Error, Token, Usage
 
     quote = Quote(persona=persona.slug, name=persona.name, topic=topic)
     backend: Any = get_backend("local")
@@ -246,9 +247,10 @@ async def generate(persona: Any, topic: str) -> Quote:
 async def time_first_token(persona: Any, topic: str, *, cache: bool) -> tuple[float, int]:
     """TTFT of the persona's request straight on the backend, with llama.cpp's prompt cache on
     or off (off: the whole frame is read), and the prompt's length."""
+    from streaming import Token, Usage
+
     from quotes.backends import get_backend
     from quotes.backends.local import completion_body, quote_lead
-    from streaming import Token, Usage
 
     backend: Any = get_backend("local")
     request = persona.build_request(topic=topic)

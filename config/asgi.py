@@ -16,8 +16,8 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from quotes.backends import get_backend  # noqa: E402
-from quotes.consumers import websocket_urlpatterns  # noqa: E402
 from quotes.clients import TrustedProxyMiddleware  # noqa: E402
+from quotes.consumers import websocket_urlpatterns  # noqa: E402
 from quotes.security import SameOriginWebSocketMiddleware  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL_PRELOAD:

@@ -16,7 +16,6 @@ import django_stubs_ext
 import environ
 from django.core.exceptions import ImproperlyConfigured
 from limits import parse
-
 from streaming import Policy
 
 django_stubs_ext.monkeypatch()  # typed generics such as admin.ModelAdmin[Persona] at run time

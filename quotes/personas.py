@@ -103,7 +103,9 @@ async def get_active(slug: str) -> ActivePersona | None:
     try:
         if memory.slugs is None or now - memory.slugs[1] > MAX_AGE_S:
             memory.slugs = (await sync_to_async(_load_slugs, thread_sensitive=False)(), now)
-        entry = await sync_to_async(_load, thread_sensitive=False)(slug, now) if slug in memory.slugs[0] else None
+        entry = (
+            await sync_to_async(_load, thread_sensitive=False)(slug, now) if slug in memory.slugs[0] else None
+        )
     except UNREACHABLE as exc:
         memory.outage.failed(exc)
         return _last_known(slug)

@@ -11,12 +11,12 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.core.cache import caches
 from django.db import connections
+from streaming import Token
 
 from quotes.backends import get_backend
 from quotes.backends.local import LocalBackend
 from quotes.models import Persona
 from quotes.services import persona_save
-from streaming import Token
 
 pytest_plugins = ["tests.fixtures", "tests.llama_server", "tests.redis_server"]
 

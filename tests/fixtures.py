@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
+from streaming import Policy
 
 from harness.services import free_port
 from harness.workers_ai import FakeWorkersAI
@@ -24,7 +25,6 @@ from quotes.backends import reset_backends
 from quotes.backends.workers_ai import WorkersAIBackend
 from quotes.models import Persona
 from quotes.services import persona_save
-from streaming import Policy
 
 #: Secret-looking credentials: tests assert they never reach an error, a log line or a page.
 TEST_ACCOUNT_ID = "acct-test"

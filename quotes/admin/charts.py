@@ -26,7 +26,6 @@ Number = float | int | Decimal
 Formatter = Callable[[float], str]
 
 
-
 def _join(parts: Iterable[SafeString]) -> SafeString:
     # Every part comes from format_html or from here: escaped already.
     return mark_safe("".join(parts))

@@ -180,10 +180,20 @@ def test_the_docker_build_context_holds_no_local_secrets_or_data() -> None:
     patterns = dockerignore_patterns()
     local = [".env", ".env.local", "config/.env.prod", "db.sqlite3", "db.sqlite3-journal", ".git/config"]
 
-    assert copied == ["requirements.txt", "packages/", "."]  # the context is the repo root, as the Dockerfile says
+    assert copied == [
+        "requirements.txt",
+        "packages/",
+        ".",
+    ]  # the context is the repo root, as the Dockerfile says
     assert [path for path in context if LOCAL_ONLY.search(path)] == []
     assert [path for path in local if not ignored(path, patterns)] == []
-    needed = ["requirements.txt", "manage.py", "config/settings.py", "quotes/views.py", "packages/streaming/src/streaming/events.py"]
+    needed = [
+        "requirements.txt",
+        "manage.py",
+        "config/settings.py",
+        "quotes/views.py",
+        "packages/streaming/src/streaming/events.py",
+    ]
     assert [path for path in needed if path not in context] == []
     assert any(path.startswith(("static/", "templates/")) for path in context)
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 import httpx
 import pytest
 from django.conf import settings
+from streaming import Done, Error, Event, Meta, Token, Usage
 
 from quotes.backends.base import GenerationRequest, Message
 from quotes.backends.local import (
@@ -20,7 +21,6 @@ from quotes.backends.local import (
     persona_sketch,
     quote_lead,
 )
-from streaming import Done, Error, Event, Meta, Token, Usage
 from tests.conftest import LONG_COMPLETION, slots_held
 
 

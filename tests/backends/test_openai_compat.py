@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from streaming import Done, Error, Event, Meta, Policy, Token, Usage
 
 from harness.openai import Reply, ScriptedUpstream
 from harness.workers_ai import KeepAliveUpstream, Scenario
@@ -22,7 +23,6 @@ from quotes.backends.base import GenerationRequest, Message
 from quotes.backends.openai_compat import OpenAICompatBackend
 from quotes.errors import upstream_auth
 from quotes.models import Generation, Persona
-from streaming import Done, Error, Event, Meta, Policy, Token, Usage
 from tests.asgi import StreamedResponse, parse_sse, post_quote
 from tests.llama_server import LlamaServer
 

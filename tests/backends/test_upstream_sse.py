@@ -16,13 +16,13 @@ import pytest
 from httpx_sse import EventSource, ServerSentEvent
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from streaming import Done, Error, Token, Usage
 
 from harness.workers_ai import ERROR_CODES as FAKE_ERROR_CODES
 from harness.workers_ai import EXPECTED_ERRORS, Scenario, render_body
 from quotes.backends.upstream_sse import upstream_events
 from quotes.backends.workers_ai import ERROR_CODES, StreamParser
 from quotes.errors import upstream_malformed
-from streaming import Done, Error, Token, Usage
 
 pytestmark = pytest.mark.unit
 

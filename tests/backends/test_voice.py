@@ -14,6 +14,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from streaming import Done, Event, Token, Usage
 
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.backends.base import Message, VoiceExample
@@ -28,7 +29,6 @@ from quotes.backends.voice import (
 )
 from quotes.models import Generation, Persona
 from quotes.services import persona_rollback, persona_save
-from streaming import Done, Event, Token, Usage
 from tests.asgi import parse_sse, post_quote
 
 EXAMPLES = """\

@@ -14,11 +14,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from streaming import Done, Error, Event, Meta, Token, Usage
 
 from harness.workers_ai import EXPECTED_ERRORS, FakeWorkersAI, KeepAliveUpstream, Scenario, render_body
 from quotes.backends.base import GenerationRequest, Message
 from quotes.backends.workers_ai import ERROR_CODES, WorkersAIBackend
-from streaming import Done, Error, Event, Meta, Token, Usage
 from tests.fixtures import TEST_ACCOUNT_ID, TEST_API_TOKEN, TEST_GATEWAY_TOKEN
 
 pytestmark = pytest.mark.integration

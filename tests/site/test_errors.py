@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from streaming import Error, sse
 
 from quotes.errors import (
     UPSTREAM_TEXT_LIMIT,
@@ -16,8 +17,6 @@ from quotes.errors import (
     upstream_text,
     upstream_timeout,
 )
-from streaming import sse
-from streaming import Error
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,8 @@ import pytest
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes import spend, streams
 from quotes.clients import Client
-from quotes.rate_limits import count_stream
 from quotes.models import Generation, Persona
+from quotes.rate_limits import count_stream
 from tests.asgi import post_quote, post_stream, read_events, request
 from tests.fixtures import saved
 

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from harness.workers_ai import FakeWorkersAI
+from quotes.backends import backend_for
 from quotes.backends.base import Message
 from quotes.errors import QuoteError
-from quotes.backends import backend_for
-from quotes.streams import check_context_window, clean_topic, parse_messages
 from quotes.models import Generation, Persona
+from quotes.streams import check_context_window, clean_topic, parse_messages
 from tests.asgi import parse_sse, post_quote
 from tests.fixtures import saved
 
@@ -78,7 +78,9 @@ def test_a_conversation_must_fit_the_models_context_window() -> None:
 
     backend = backend_for(persona)
     check_context_window(backend, persona.build_request(topic="tea", messages=turns[:1]))
-    code, message, status = refusal(check_context_window, backend, persona.build_request(topic="tea", messages=turns))
+    code, message, status = refusal(
+        check_context_window, backend, persona.build_request(topic="tea", messages=turns)
+    )
     # The embedded model (the tests' AI_BACKEND) answers whatever model the persona names.
     assert (code, status) == ("context_window_exceeded", 400)
     assert "gemma-3-270m" in message and "1024-token context window" in message

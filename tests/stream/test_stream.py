@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from streaming import Policy
 
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.models import Generation, Persona
 from quotes.services import persona_save
-from streaming import Policy
 from tests.asgi import htmx_form_post, parse_sse, post_quote, post_stream, read_events, request, without_ids
 from tests.fixtures import saved
 

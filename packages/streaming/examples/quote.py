@@ -6,8 +6,8 @@ from streaming import Done, Endings, Error, Streams, Token, sse
 streams = Streams(Endings(*(Error(code, code) for code in ("abandoned", "ended_early", "failed"))))
 
 
-async def model():  # any async generator of events: an upstream's tokens, a cached answer, ...
-    for word in "A stream outlives the connection that reads it.".split():
+async def model(text="A stream outlives the connection that reads it."):  # any async generator of events
+    for word in text.split():
         await asyncio.sleep(0.2)
         yield Token(word + " ")
     yield Done()
