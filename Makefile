@@ -35,6 +35,6 @@ check: lint
 	.venv/bin/pytest -m "unit or integration" -n $${QUOTES_TEST_WORKERS:-2} --dist load
 
 lint:
-	.venv/bin/ruff check .
-	.venv/bin/ruff format --check .
+	.venv/bin/ruff check --no-cache .
+	.venv/bin/ruff format --no-cache --check .
 	.venv/bin/mypy

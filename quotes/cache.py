@@ -22,7 +22,6 @@ from django.conf import settings
 from django.core.cache import BaseCache, caches
 from django.core.cache.backends.locmem import LocMemCache
 from redis.exceptions import RedisError
-
 from streaming import Done, Event, Meta, from_json, to_json
 
 from .backends.base import GenerationRequest

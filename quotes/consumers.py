@@ -15,7 +15,6 @@ from typing import Any
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 from django.urls import path
-
 from streaming import Meta, Stream, merged
 
 from . import rows, streams

@@ -17,7 +17,6 @@ from typing import Any, Generic, TypeVar
 
 from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.urls import reverse
-
 from streaming import Done, Error, Event, Meta, Ping, Stream, Token, Usage, merged, sse
 
 from .backends.catalog import doc_url

@@ -4,7 +4,6 @@ and whose each live stream is (only its client may stop it)."""
 from __future__ import annotations
 
 from django.conf import settings
-
 from streaming import Streams
 
 from . import state

@@ -26,7 +26,6 @@ from django.core import serializers
 from django.db import IntegrityError, InternalError, close_old_connections, connections
 from django.db.models import F
 from django.utils import timezone
-
 from streaming import Done, Error, Stream, Token, Usage, merged
 
 from . import state

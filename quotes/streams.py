@@ -28,7 +28,6 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-
 from streaming import Done, Error, Event, Meta, Stream, Token, generate, replay
 
 from . import personas, spend

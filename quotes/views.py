@@ -25,7 +25,6 @@ from django.utils import timezone
 from django.utils.cache import patch_vary_headers
 from django.views import csrf
 from django.views.decorators.csrf import csrf_exempt
-
 from streaming import Error, Meta
 
 from . import personas, rows, services, streams

@@ -28,7 +28,6 @@ from typing import Any
 
 import httpx
 from django.conf import settings
-
 from streaming import Done, Error, Event, Meta, Token, Usage
 
 from ..errors import ErrorCode, busy

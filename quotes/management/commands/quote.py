@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from streaming import Error, Meta, Token
 
 from quotes import personas, streams
 from quotes.backends import reset_backends
@@ -13,7 +14,6 @@ from quotes.clients import Client
 from quotes.errors import ErrorCode, QuoteError
 from quotes.models import Persona
 from quotes.rows import writer
-from streaming import Error, Meta, Token
 
 
 class Command(BaseCommand):
