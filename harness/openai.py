@@ -60,16 +60,32 @@ class ScriptedUpstream:
         await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Requests one after another on the connection, as HTTP/1.1 keeps it alive: a client that
+        read a whole body sends its next request here."""
         self._writers.append(writer)
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        head = await reader.readuntil(b"\r\n\r\n")
+        try:
+            while await self._exchange(reader, writer):
+                pass
+        except (ConnectionError, asyncio.CancelledError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """One request and its reply; False when the connection is done with."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:  # the client closed its idle connection
+            self.client_gone.set()
+            return False
         line, *header_lines = head.decode("latin-1").split("\r\n")
         headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines if h)}
         body = await reader.readexactly(int(headers.get("content-length", "0")))
         self.requests.append((line, headers, body))
-        watcher = asyncio.create_task(self._watch_eof(reader))
+        watcher = asyncio.create_task(self._watch_eof(reader))  # a client that leaves mid-reply
         reply = self.reply
         try:
             writer.write(
@@ -77,6 +93,8 @@ class ScriptedUpstream:
                 "transfer-encoding: chunked\r\nx-request-id: req-1\r\n\r\n".encode()
             )
             for piece in reply.pieces:
+                if watcher.done():
+                    return False
                 if isinstance(piece, asyncio.Event):
                     await piece.wait()
                 elif isinstance(piece, float):
@@ -84,17 +102,17 @@ class ScriptedUpstream:
                 else:
                     writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     await writer.drain()
-            if reply.finish:
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
-                await watcher
-        except (ConnectionError, asyncio.CancelledError):
-            pass
+            if not reply.finish:
+                return False
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return not watcher.done()
         finally:
             watcher.cancel()
-            writer.close()
 
     async def _watch_eof(self, reader: asyncio.StreamReader) -> None:
+        """Set `client_gone` when the client closes the connection during a reply (a client
+        sends nothing more until the reply ends: it pipelines no request)."""
         with contextlib.suppress(ConnectionError):
             while await reader.read(4096):
                 pass

@@ -10,6 +10,8 @@ it resumes from; keep-alive pings carry none. A stream cut by the drain ends wit
 from __future__ import annotations
 
 import html
+import json
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import asdict
@@ -281,3 +283,121 @@ class WebSocketEncoder(Encoder[dict[str, Any], dict[str, Any]]):
     def identify(self, out: dict[str, Any], id: str) -> dict[str, Any]:
         out["event_id"] = id
         return out
+
+
+# -- OpenAI's Chat Completions ---------------------------------------------------------------
+
+#: OpenAI's code for a model it does not know: a persona this site does not have.
+OPENAI_CODES: dict[str, str] = {ErrorCode.UNKNOWN_PERSONA: "model_not_found"}
+#: The request field an error is about, where the error does not say.
+OPENAI_PARAMS: dict[str, str] = {
+    **dict.fromkeys(
+        (ErrorCode.MISSING_PERSONA, ErrorCode.INVALID_PERSONA, ErrorCode.UNKNOWN_PERSONA), "model"
+    ),
+    ErrorCode.CONTEXT_WINDOW_EXCEEDED: "messages",
+}
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def openai_error(error: QuoteError | Error) -> dict[str, dict[str, Any]]:
+    """OpenAI's error object: `type` as OpenAI's API sends it, `code` the site's stable code."""
+    if error.status == 429:
+        kind = "requests"
+    elif error.status >= 500:
+        kind = "server_error"
+    else:
+        kind = "invalid_request_error"
+    code = OPENAI_CODES.get(error.code, str(error.code))
+    return {
+        "error": {
+            "message": error.message,
+            "type": kind,
+            "param": getattr(error, "param", None) or OPENAI_PARAMS.get(error.code),
+            "code": code,
+        }
+    }
+
+
+def openai_error_response(error: QuoteError | Error, headers: dict[str, str] | None = None) -> JsonResponse:
+    """The JSON error of the /v1 routes; a 429 and a 503 keep Retry-After, which the official SDK
+    honours; a spent budget tells it not to retry today (`x-should-retry`, OpenAI's header)."""
+    headers = {**(headers or {}), **_retry(error)}
+    if error.code == ErrorCode.BUDGET_EXHAUSTED:
+        headers["x-should-retry"] = "false"
+    return JsonResponse(openai_error(error), status=error.status, headers=headers)
+
+
+def completion_id(public_id: str) -> str:
+    return f"chatcmpl-{public_id}"
+
+
+def finish_reason(usage: Usage | None, max_tokens: int | None) -> str:
+    """`length` when the answer used every token it was allowed, else `stop`."""
+    if usage is not None and max_tokens is not None and usage.completion_tokens >= max_tokens:
+        return "length"
+    return "stop"
+
+
+def openai_usage(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+class ChatCompletionsEncoder(SSEEncoder):
+    """OpenAI's stream: `chat.completion.chunk`s (the role first, then one per token, then the
+    finish_reason), the usage chunk when asked for (`include_usage`), then `data: [DONE]`. An
+    error once the stream has begun is a data line holding OpenAI's error object, which the
+    official SDK raises; a stream cut by the drain says where to resume (`last_event_id`).
+    Each chunk's constant part is built once: a token costs one JSON string."""
+
+    def __init__(self, stream_id: str, model: str, *, include_usage: bool, max_tokens: int | None) -> None:
+        self.id, self.model = completion_id(stream_id), model
+        self.created = int(time.time())
+        self.include_usage, self.max_tokens = include_usage, max_tokens
+        self.head = self._chunk({"content": "PLACEHOLDER"}).split(b'"PLACEHOLDER"')
+        self.head[0] = b"data: " + self.head[0]
+        self.head[1] += b"\n\n"
+
+    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
+        choices = (
+            [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        )
+        return _dumps(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **extra,
+            }
+        ).encode()
+
+    def start(self, meta: Meta) -> bytes:
+        return b"data: " + self._chunk({"role": "assistant", "content": ""}) + b"\n\n"
+
+    def token(self, text: str) -> bytes | None:
+        return self.head[0] + _dumps(text).encode() + self.head[1] if text else None
+
+    def done(self, meta: Meta, usage: Usage | None) -> bytes:
+        out = b"data: " + self._chunk({}, finish_reason(usage, self.max_tokens)) + b"\n\n"
+        if self.include_usage and usage is not None:
+            out += b"data: " + self._chunk(None, usage=openai_usage(usage)) + b"\n\n"
+        return out + DONE
+
+    def error(self, error: Error) -> bytes:
+        return sse.data(openai_error(error))
+
+    def reconnect(self, last_event_id: str, retry_ms: int) -> bytes:
+        error = openai_error(Error(ErrorCode.SERVER_DRAINING, RESTARTING, 503, retry_after=1))
+        error["error"]["last_event_id"] = last_event_id
+        return sse.data(error)
+
+    def error_answer(self, error: Error, meta: Meta) -> HttpResponse:
+        return openai_error_response(error, meta_headers(meta))
+
+
+RESTARTING = "The server is restarting: send the request again with this Last-Event-ID header to resume."

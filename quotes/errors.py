@@ -34,6 +34,12 @@ class ErrorCode(StrEnum):
     MESSAGE_TOO_LONG = "message_too_long"
     TOO_MANY_MESSAGES = "too_many_messages"
     CONTEXT_WINDOW_EXCEEDED = "context_window_exceeded"
+    #: a request field of the wrong kind (OpenAI's face: `stream`, `stream_options`, ...)
+    INVALID_PARAMETER = "invalid_parameter"
+    #: max_tokens or temperature outside what the persona allows
+    OUT_OF_RANGE = "out_of_range"
+    #: an OpenAI request field a persona does not take (tools, n > 1, ...)
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
     INVALID_FEEDBACK = "invalid_feedback"
     UNKNOWN_QUOTE = "unknown_quote"
     NOT_RATEABLE = "not_rateable"
@@ -83,14 +89,24 @@ class ErrorCode(StrEnum):
 
 
 class QuoteError(Exception):
-    """A failure with its HTTP `status`, and for one that passes, `retry_after` seconds."""
+    """A failure with its HTTP `status`, and for one that passes, `retry_after` seconds; `param`:
+    the request field at fault, when one is (OpenAI's envelope names it)."""
 
-    def __init__(self, code: ErrorCode, message: str, status: int, *, retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        status: int,
+        *,
+        retry_after: int | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
         self.retry_after = retry_after
+        self.param = param
 
     def as_event(self) -> Error:
         return Error(code=self.code, message=self.message, status=self.status, retry_after=self.retry_after)

@@ -20,10 +20,11 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import re
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from decimal import Decimal
 from typing import Any
 
@@ -34,7 +35,7 @@ from . import personas, spend
 from .admission import Slot, admit
 from .backends import backend_for
 from .backends.base import Backend, GenerationRequest, Message
-from .backends.catalog import count_tokens_estimate, estimate_cost, get_model
+from .backends.catalog import USUAL_RANGES, count_tokens_estimate, estimate_cost, get_model
 from .backends.voice import guard_copies
 from .cache import answer_key, get_answer, store_answer
 from .clients import Client
@@ -61,6 +62,8 @@ class Quote:
     messages: tuple[Message, ...] = ()
     #: a new answer, not a cached one (the page's New quote button)
     fresh: bool = False
+    #: the request's own max_tokens and temperature, within the persona's limits
+    overrides: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(
@@ -71,12 +74,22 @@ class Quote:
         messages: tuple[Message, ...] = (),
         *,
         fresh: bool = False,
+        overrides: dict[str, Any] | None = None,
     ) -> Quote:
         """The quote, its request checked against the model's context window (400)."""
-        request = persona.build_request(topic=topic, messages=messages)
+        request = replace(persona.build_request(topic=topic, messages=messages), **(overrides or {}))
         backend = backend_for(persona)
         check_context_window(backend, request)
-        return cls(persona, version, topic, request, backend, messages, fresh)
+        return cls(
+            persona, version, topic, request, backend, messages, fresh, tuple((overrides or {}).items())
+        )
+
+    def request_for(self, model: str) -> GenerationRequest:
+        """What `model` is asked: the request, or a fallback's own (its examples and overrides)."""
+        if model == self.request.model:
+            return self.request
+        request = self.persona.build_request(topic=self.topic, messages=self.messages, model=model)
+        return replace(request, **dict(self.overrides))
 
 
 _SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
@@ -99,10 +112,46 @@ async def parse(params: dict[str, Any]) -> Quote:
     messages = parse_messages(params.get("messages"))
     fresh = params.get("fresh")
     fresh = fresh is True or (isinstance(fresh, str) and fresh.lower() in ("1", "true", "yes"))
-    return Quote.of(persona, active.version, topic, messages, fresh=fresh)
+    overrides = request_overrides(persona, params)
+    return Quote.of(persona, active.version, topic, messages, fresh=fresh, overrides=overrides)
 
 
-def _encodable(text: str, field: str) -> None:
+def request_overrides(persona: Persona, params: dict[str, Any]) -> dict[str, Any]:
+    """A request's own `max_tokens` (1 to the persona's) and `temperature` (its model's range);
+    outside them a 400 that says the range. A query string's text is read as the number."""
+    overrides: dict[str, Any] = {}
+    value = _number(params.get("max_tokens"))
+    if value is not None:
+        if type(value) is not int or not 1 <= value <= persona.max_tokens:
+            message = f"`max_tokens` must be a whole number from 1 to {persona.max_tokens} for this persona."
+            raise QuoteError(ErrorCode.OUT_OF_RANGE, message, 400, param="max_tokens")
+        overrides["max_tokens"] = value
+    value = _number(params.get("temperature"))
+    if value is not None:
+        info = get_model(backend_for(persona).model_name(persona.model))
+        allowed = info.range("temperature") if info else USUAL_RANGES["temperature"]
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or value not in allowed
+        ):
+            message = f"`temperature` must be a number from {allowed} for this persona's model."
+            raise QuoteError(ErrorCode.OUT_OF_RANGE, message, 400, param="temperature")
+        overrides["temperature"] = float(value)
+    return overrides
+
+
+def _number(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            return int(value) if value.strip().isdigit() else float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def encodable(text: str, field: str) -> None:
     """JSON can carry a lone surrogate ("\\ud800"), which no backend can send and PostgreSQL
     refuses: not text."""
     try:
@@ -117,7 +166,7 @@ def clean_topic(topic: object, *, default: str) -> str:
         return default
     if not isinstance(topic, str):
         raise QuoteError(ErrorCode.INVALID_TOPIC, "`topic` must be a string.", 400)
-    _encodable(topic, "`topic`")
+    encodable(topic, "`topic`")
     # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
     topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
     if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
@@ -126,38 +175,38 @@ def clean_topic(topic: object, *, default: str) -> str:
     return topic or default
 
 
-def parse_messages(raw: object) -> tuple[Message, ...]:
-    """A follow-up conversation: user and assistant turns, ending on the visitor's."""
+def parse_messages(raw: object, turn: str = "Turn {}", first: int = 1) -> tuple[Message, ...]:
+    """A follow-up conversation: user and assistant turns, ending on the visitor's. `turn` names
+    one in a message (OpenAI's face: "messages[{}]", counted from `first`)."""
     if raw is None:
         return ()
     if not isinstance(raw, list):
-        raise QuoteError(
-            ErrorCode.INVALID_MESSAGES, "`messages` must be a list of {role, content} turns.", 400
-        )
+        message = "`messages` must be a list of {role, content} turns."
+        raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400, param="messages")
     if len(raw) > settings.QUOTES_MAX_TURNS:
         message = f"The conversation is too long: at most {settings.QUOTES_MAX_TURNS} turns."
-        raise QuoteError(ErrorCode.TOO_MANY_MESSAGES, message, 400)
+        raise QuoteError(ErrorCode.TOO_MANY_MESSAGES, message, 400, param="messages")
     turns = []
-    for number, turn in enumerate(raw, 1):
-        if not isinstance(turn, dict) or set(turn) != {"role", "content"}:
-            raise QuoteError(
-                ErrorCode.INVALID_MESSAGES, f"Turn {number} must be exactly {{role, content}}.", 400
-            )
-        role, content = turn["role"], turn["content"]
+    for number, item in enumerate(raw, first):
+        name = turn.format(number)
+        if not isinstance(item, dict) or set(item) != {"role", "content"}:
+            message = f"{name} must be exactly {{role, content}}."
+            raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400, param="messages")
+        role, content = item["role"], item["content"]
         if role not in ("user", "assistant"):
-            message = f"Turn {number}: role must be 'user' or 'assistant'."
-            raise QuoteError(ErrorCode.INVALID_MESSAGE_ROLE, message, 400)
+            message = f"{name}: role must be 'user' or 'assistant'."
+            raise QuoteError(ErrorCode.INVALID_MESSAGE_ROLE, message, 400, param="messages")
         if not isinstance(content, str) or not content.strip() or "\x00" in content:
-            message = f"Turn {number}: content must be non-empty text, without NUL characters."
-            raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400)
-        _encodable(content, f"Turn {number}")
+            message = f"{name}: content must be non-empty text, without NUL characters."
+            raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400, param="messages")
+        encodable(content, name)
         if len(content) > settings.QUOTES_MAX_MESSAGE_CHARS:
-            message = f"Turn {number} is too long: at most {settings.QUOTES_MAX_MESSAGE_CHARS} characters."
-            raise QuoteError(ErrorCode.MESSAGE_TOO_LONG, message, 400)
+            message = f"{name} is too long: at most {settings.QUOTES_MAX_MESSAGE_CHARS} characters."
+            raise QuoteError(ErrorCode.MESSAGE_TOO_LONG, message, 400, param="messages")
         turns.append(Message(role, content))
     if turns and turns[-1].role != "user":
         message = "The conversation must end with the visitor's (user) turn."
-        raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400)
+        raise QuoteError(ErrorCode.INVALID_MESSAGES, message, 400, param="messages")
     return tuple(turns)
 
 
@@ -348,11 +397,7 @@ def _upstream(
     models = model_chain(persona, primary.model)
 
     def attempt(model: str) -> AsyncGenerator[Event, None]:
-        request = (
-            primary
-            if model == primary.model
-            else persona.build_request(topic=quote.topic, messages=quote.messages, model=model)
-        )
+        request = quote.request_for(model)
         return guard_copies(backend.stream(request), request.examples)
 
     return generate(attempt, models, settings.QUOTES_POLICY, OUTCOMES)

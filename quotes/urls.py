@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import views
+from . import chat_api, views
 
 app_name = "quotes"
 
@@ -17,4 +17,8 @@ urlpatterns = [
     path("api/quotes/<uuid:public_id>/stop", views.stop_quote, name="stop"),
     # Keeps a quote past the log's retention: the page's Permalink and Copy buttons (Django's CSRF).
     path("api/quotes/<uuid:public_id>/share", views.share_quote, name="share"),
+    # OpenAI's Chat Completions: every persona as a model (quotes.chat_api).
+    path("v1/chat/completions", chat_api.chat_completions, name="chat-completions"),
+    path("v1/models", chat_api.list_models, name="models"),
+    path("v1/models/<str:model>", chat_api.get_model, name="model"),
 ]

@@ -37,6 +37,7 @@ from .encoders import (
     SSEEncoder,
     WorkersAIEncoder,
     error_response,
+    openai_error_response,
     stream_response,
 )
 from .errors import ErrorCode, QuoteError
@@ -199,10 +200,10 @@ def _api_params(request: HttpRequest) -> dict[str, Any]:
         raise QuoteError(
             ErrorCode.METHOD_NOT_ALLOWED, "Use POST with a JSON body, or GET for EventSource.", 405
         )
-    return _json_body(request)
+    return read_json(request)
 
 
-def _json_body(request: HttpRequest) -> dict[str, Any]:
+def read_json(request: HttpRequest) -> dict[str, Any]:
     if request.content_type != "application/json":
         message = "Send the body as JSON with Content-Type: application/json."
         raise QuoteError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, message, 415)
@@ -255,7 +256,7 @@ def quote_action(
                 refuse_cross_site(request)
                 if request.method != "POST":
                     raise QuoteError(ErrorCode.METHOD_NOT_ALLOWED, "Use POST.", 405)
-                body = _json_body(request) if json_body else {}
+                body = read_json(request) if json_body else {}
                 client = await client_of(request)
                 if counted:
                     await count_action(action, client)
@@ -358,6 +359,8 @@ class DatabaseOutageMiddleware:
         response: HttpResponseBase
         if from_htmx(request):
             response = not_a_document(HtmxEncoder().error_answer(error.as_event(), Meta()))
+        elif request.path_info.startswith("/v1/"):  # OpenAI's face: OpenAI's envelope
+            response = not_a_document(openai_error_response(error))
         elif request.path_info.startswith("/api/") or "application/json" in request.headers.get("Accept", ""):
             response = not_a_document(error_response(error))
         else:

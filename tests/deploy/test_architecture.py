@@ -28,6 +28,7 @@ PACKAGES = {
 STREAMING = "packages/streaming/src/streaming"
 TRANSPORTS = (
     "quotes.views",
+    "quotes.chat_api",
     "quotes.consumers",
     "quotes.encoders",
     "quotes.admin",
@@ -50,7 +51,8 @@ FORBIDDEN = {
             *("cache", "personas", "services", "models", "errors", "clients"),
         )
     },
-    "quotes/consumers.py": ("quotes.views", "quotes.admin"),
+    "quotes/consumers.py": ("quotes.views", "quotes.chat_api", "quotes.admin"),
+    "quotes/views.py": ("quotes.chat_api",),
     "quotes/ops": ("quotes.views", "quotes.consumers", "quotes.admin"),
 }
 

@@ -182,6 +182,10 @@ def assert_fine(response: StreamedResponse, status: int, code: str, log: io.Stri
         error = response.json()["error"]
         assert set(response.json()) == {"error"} and set(error) == {"code", "message"}, error
         assert error["code"] == (code or error["code"]) and error["message"].strip(), error
+    assert_no_error_logged(log)
+
+
+def assert_no_error_logged(log: io.StringIO) -> None:
     assert re.findall(r"^.*\b(?:ERROR|CRITICAL)\b.*$", log.getvalue(), re.MULTILINE) == [], log.getvalue()
     assert "Traceback" not in log.getvalue()
 
