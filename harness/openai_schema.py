@@ -17,6 +17,8 @@ from typing import Any
 
 import jsonschema
 
+from harness.workers_ai import first_violation
+
 DESCRIPTION: dict[str, Any] = json.loads(Path(__file__).with_name("openai_chat_completions.json").read_text())
 
 
@@ -40,8 +42,5 @@ def _validator(name: str) -> Any:
 
 def violation(name: str, instance: object) -> str:
     """What the schema `name` (CreateChatCompletionResponse, ...) finds wrong, or "" (valid)."""
-    error = jsonschema.exceptions.best_match(_validator(name).iter_errors(instance))
-    if error is None:
-        return ""
-    where = "/" + "/".join(str(part) for part in error.absolute_path)
-    return f"{name}: {error.validator} at '{where}' not met: {error.message[:300]}"
+    found = first_violation(_validator(name), instance, limit=300)
+    return f"{name}: {found}" if found else ""

@@ -74,11 +74,16 @@ def _validator(model: str) -> Any:
 
 def schema_violation(model: str, body: object) -> str:
     """What the model's published input schema finds wrong with `body`, or "" (valid)."""
-    error = jsonschema.exceptions.best_match(_validator(model).iter_errors(body))
+    return first_violation(_validator(model), body)
+
+
+def first_violation(validator: Any, instance: object, limit: int = 200) -> str:
+    """The most telling error `validator` finds in `instance`, in one line; "" when valid."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
     if error is None:
         return ""
     where = "/" + "/".join(str(part) for part in error.absolute_path)
-    return f"{error.validator} at '{where}' not met: {error.message[:200]}"
+    return f"{error.validator} at '{where}' not met: {error.message[:limit]}"
 
 
 #: Documented Workers AI error codes -> (HTTP status, message): the errors page of Cloudflare's docs

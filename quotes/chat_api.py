@@ -21,7 +21,6 @@ from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
 
-from django.conf import settings
 from django.db.models import Max
 from django.http import HttpRequest, HttpResponseBase, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -39,9 +38,8 @@ from .encoders import (
 )
 from .errors import ErrorCode, QuoteError
 from .models import Persona
-from .rate_limits import count_stream
-from .security import counts_bad_input, refuse_cross_site
-from .views import client_of, not_a_document, read_json
+from .security import refuse_cross_site
+from .views import client_of, count_bad_input, not_a_document, open_stream, read_json
 
 TRANSPORT = "openai"
 ENDED_EARLY = Error(ErrorCode.INTERNAL_ERROR, "The answer ended without finishing.", 500)
@@ -110,13 +108,8 @@ class Chat:
         most = body.get("max_completion_tokens")
         if most is not None and body.get("max_tokens") not in (None, most):
             raise _bad("Send `max_completion_tokens` or `max_tokens`, not both.", "max_tokens")
-        for name, value in (
-            ("max_tokens", body.get("max_tokens", most)),
-            ("temperature", body.get("temperature")),
-        ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-                raise _bad(f"`{name}` must be a number.", name, ErrorCode.OUT_OF_RANGE)
-            self.params[name] = value
+        self.params["max_tokens"] = body.get("max_tokens", most)
+        self.params["temperature"] = body.get("temperature")
 
     @staticmethod
     def _messages(raw: object) -> tuple[str, list[dict[str, str]]]:
@@ -135,14 +128,8 @@ class Chat:
                 "messages",
                 ErrorCode.INVALID_MESSAGES,
             )
-        topic = first["content"]
-        streams.encodable(topic, "messages[0].content")
-        if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
-            message = (
-                f"messages[0] names the quote's topic: at most {settings.QUOTES_MAX_TOPIC_CHARS} characters "
-                "(a longer question goes in a later turn, after the persona's answer)."
-            )
-            raise _bad(message, "messages", ErrorCode.TOPIC_TOO_LONG)
+        field = "messages[0], the quote's topic,"
+        topic = streams.clean_topic(first["content"], default="", field=field, param="messages")
         rest = turns[1:]
         if rest:  # the same checks as the site's follow-up turns, named as this body names them
             streams.parse_messages(rest, turn="messages[{}]", first=1)
@@ -205,15 +192,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
             body = read_json(request)
             chat = Chat(body)
         except QuoteError as exc:
-            if exc.status != 405 and counts_bad_input(request):
-                await count_stream(client)
+            await count_bad_input(request, client, exc)
             raise
-        after = 0
-        if last_event_id := request.headers.get("Last-Event-ID"):
-            await count_stream(client)
-            stream, after = streams.find(last_event_id)
-        else:
-            stream = await streams.begin(client, transport=TRANSPORT, params=chat.params)
+        stream, after = await open_stream(request, client, chat.params, TRANSPORT)
         active = personas.peek(chat.model)
         most = chat.params["max_tokens"] or (active.persona.max_tokens if active else None)
         if chat.stream:

@@ -161,17 +161,18 @@ def encodable(text: str, field: str) -> None:
         raise QuoteError(ErrorCode.INVALID_UNICODE, message, 400) from None
 
 
-def clean_topic(topic: object, *, default: str) -> str:
+def clean_topic(topic: object, *, default: str, field: str = "`topic`", param: str = "topic") -> str:
+    """The topic fit to send; `field` names it in a message (OpenAI's face: its first message)."""
     if topic is None:
         return default
     if not isinstance(topic, str):
-        raise QuoteError(ErrorCode.INVALID_TOPIC, "`topic` must be a string.", 400)
-    encodable(topic, "`topic`")
+        raise QuoteError(ErrorCode.INVALID_TOPIC, f"{field} must be a string.", 400, param=param)
+    encodable(topic, field)
     # Control characters (NUL above all, which PostgreSQL cannot store) go; spaces collapse.
     topic = " ".join("".join(ch for ch in topic if ch.isprintable() or ch.isspace()).split())
     if len(topic) > settings.QUOTES_MAX_TOPIC_CHARS:
-        message = f"The topic is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters."
-        raise QuoteError(ErrorCode.TOPIC_TOO_LONG, message, 400)
+        message = f"{field} is too long: keep it under {settings.QUOTES_MAX_TOPIC_CHARS} characters."
+        raise QuoteError(ErrorCode.TOPIC_TOO_LONG, message, 400, param=param)
     return topic or default
 
 

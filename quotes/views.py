@@ -25,7 +25,7 @@ from django.utils import timezone
 from django.utils.cache import patch_vary_headers
 from django.views import csrf
 from django.views.decorators.csrf import csrf_exempt
-from streaming import Error, Meta
+from streaming import Error, Meta, Stream
 
 from . import personas, rows, services, streams
 from .backends import backend_for
@@ -157,22 +157,34 @@ async def _stream(
         try:
             params = _form_params(request) if form else _api_params(request)
         except QuoteError as exc:
-            if exc.status != 406 and counts_bad_input(request):
-                await count_stream(client)
+            await count_bad_input(request, client, exc)
             raise
-        last_event_id = request.headers.get("Last-Event-ID") or params.get("last_event_id")
-        if last_event_id:
-            await count_stream(client)
-            stream, after = streams.find(last_event_id)
-            return await stream_response(stream, encoder, after)
-        stream = await streams.begin(client, transport=transport, params=params)
-        return await stream_response(stream, encoder)
+        stream, after = await open_stream(request, client, params, transport)
+        return await stream_response(stream, encoder, after)
     except QuoteError as exc:
         rows.refused(exc, params.get("persona"), transport)
         response = encoder.error_answer(exc.as_event(), Meta())
         if exc.status == 405:
             response["Allow"] = "POST" if form else "GET, POST"
         return response
+
+
+async def count_bad_input(request: HttpRequest, client: Client, error: QuoteError) -> None:
+    """A request's mistake counts against the client's stream budget when it comes from this
+    site or from no browser at all; a 406 (a GET no EventSource sent: an <img>) never does."""
+    if error.status != 406 and counts_bad_input(request):
+        await count_stream(client)
+
+
+async def open_stream(
+    request: HttpRequest, client: Client, params: dict[str, Any], transport: str
+) -> tuple[Stream, int]:
+    """The stream a request resumes (Last-Event-ID, or a `last_event_id` field) and the number
+    of the last event it had, or a new one (streams.begin) and 0."""
+    if last_event_id := request.headers.get("Last-Event-ID") or params.get("last_event_id"):
+        await count_stream(client)
+        return streams.find(last_event_id)
+    return await streams.begin(client, transport=transport, params=params), 0
 
 
 def _check_body_size(request: HttpRequest) -> None:

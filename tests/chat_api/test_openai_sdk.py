@@ -36,22 +36,11 @@ RAIN = [{"role": "user", "content": "rain"}]
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[FakeWorkersAI]:
-    with FakeWorkersAI() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(upstream: FakeWorkersAI) -> Iterator[FakeWorkersAI]:
-    upstream.reset()
-    yield upstream
-    upstream.reset()
-
-
-@pytest.fixture(scope="module")
-def site(upstream: FakeWorkersAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+def site(fake_workers_ai_server: FakeWorkersAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     settings = {"QUOTES_METRICS_ALLOW": "127.0.0.0/8"}
-    with start_site(tmp_path_factory.mktemp("site"), **workers_ai_env(upstream), **settings) as running:
+    with start_site(
+        tmp_path_factory.mktemp("site"), **workers_ai_env(fake_workers_ai_server), **settings
+    ) as running:
         yield running
 
 
@@ -83,9 +72,9 @@ def rows(site: Site) -> list[tuple[str, str, str]]:
 
 
 def test_a_streamed_quote_with_usage_and_a_whole_one_through_the_official_sdk(
-    fake: FakeWorkersAI, site: Site
+    fake_workers_ai: FakeWorkersAI, site: Site
 ) -> None:
-    fake.default = Scenario(tokens=TICKS[:5], usage=(40, 5))
+    fake_workers_ai.default = Scenario(tokens=TICKS[:5], usage=(40, 5))
     before = len(rows(site))
 
     with sdk(site) as client:
@@ -117,7 +106,7 @@ def test_a_streamed_quote_with_usage_and_a_whole_one_through_the_official_sdk(
     assert whole.choices[0].finish_reason == "stop" and whole.usage is not None
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (40, 5, 45)
     # The site's own path: three upstream calls asked for the topic, three rows, the metrics.
-    sent = [r.json for r in fake.requests]
+    sent = [r.json for r in fake_workers_ai.requests]
     assert len(sent) == 3 and all("rain" in r["messages"][-1]["content"] for r in sent)
     assert [r["max_tokens"] for r in sent][1] == 5 and sent[2]["temperature"] == 0.2
     assert rows(site)[before:] == [("ok", "", text)] * 3
@@ -125,8 +114,8 @@ def test_a_streamed_quote_with_usage_and_a_whole_one_through_the_official_sdk(
     assert 'transport="openai"' in metrics
 
 
-def test_the_wire_format_is_openais_published_one(fake: FakeWorkersAI, site: Site) -> None:
-    fake.default = Scenario(tokens=TICKS[:3], usage=(10, 3))
+def test_the_wire_format_is_openais_published_one(fake_workers_ai: FakeWorkersAI, site: Site) -> None:
+    fake_workers_ai.default = Scenario(tokens=TICKS[:3], usage=(10, 3))
     body = {
         "model": "alan-watts",
         "messages": RAIN,
@@ -158,7 +147,7 @@ def test_the_wire_format_is_openais_published_one(fake: FakeWorkersAI, site: Sit
 
 
 def test_an_unknown_persona_and_a_temperature_out_of_range_are_the_sdks_errors(
-    fake: FakeWorkersAI, site: Site
+    fake_workers_ai: FakeWorkersAI, site: Site
 ) -> None:
     with sdk(site, max_retries=0) as client:
         with pytest.raises(openai.NotFoundError) as unknown:
@@ -174,18 +163,20 @@ def test_an_unknown_persona_and_a_temperature_out_of_range_are_the_sdks_errors(
     assert (hot.value.code, hot.value.param) == ("out_of_range", "temperature")
     assert "from 0 to 5" in hot.value.message
     assert system.value.code == "invalid_message_role" and "system prompt" in system.value.message
-    assert fake.requests == []  # nothing reached the model
+    assert fake_workers_ai.requests == []  # nothing reached the model
 
 
-def test_a_429_is_retried_by_the_sdk_after_its_retry_after(fake: FakeWorkersAI, tmp_path: Path) -> None:
-    fake.default = Scenario(tokens=TICKS[:2])
+def test_a_429_is_retried_by_the_sdk_after_its_retry_after(
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
+) -> None:
+    fake_workers_ai.default = Scenario(tokens=TICKS[:2])
     statuses: list[tuple[int, str | None]] = []
 
     def seen(response: httpx2.Response) -> None:
         statuses.append((response.status_code, response.headers.get("retry-after")))
 
     settings = {"QUOTES_RATE_LIMIT": "1/3seconds"}
-    with start_site(tmp_path, **workers_ai_env(fake), **settings) as site:
+    with start_site(tmp_path, **workers_ai_env(fake_workers_ai), **settings) as site:
         address = client_address(1)
         # A mistake first, which counts against the client's budget (as on the site's API) ...
         with httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=30) as first:
@@ -198,14 +189,14 @@ def test_a_429_is_retried_by_the_sdk_after_its_retry_after(fake: FakeWorkersAI, 
     assert answer.choices[0].message.content == "".join(TICKS[:2])
     assert [status for status, _ in statuses] == [429, 200], statuses
     assert 1 <= int(statuses[0][1] or 0) <= 3
-    assert len(fake.requests) == 1
+    assert len(fake_workers_ai.requests) == 1
 
 
 def test_a_client_that_closes_the_stream_stops_the_upstream_and_its_row_says_cancelled(
-    fake: FakeWorkersAI, tmp_path: Path
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
 ) -> None:
-    fake.default = Scenario(tokens=TICKS, token_delay_s=0.1)
-    with start_site(tmp_path, **workers_ai_env(fake), QUOTES_RESUME_GRACE_S="0.5") as site:
+    fake_workers_ai.default = Scenario(tokens=TICKS, token_delay_s=0.1)
+    with start_site(tmp_path, **workers_ai_env(fake_workers_ai), QUOTES_RESUME_GRACE_S="0.5") as site:
         got = []
         with sdk(site) as client:
             stream = client.chat.completions.create(model="alan-watts", messages=RAIN, stream=True)
@@ -214,7 +205,7 @@ def test_a_client_that_closes_the_stream_stops_the_upstream_and_its_row_says_can
                 if len(got) == 3:
                     break
             stream.close()
-        [upstream] = fake.wait_for_requests(1)
+        [upstream] = fake_workers_ai.wait_for_requests(1)
         assert upstream.client_disconnected.wait(15), "the upstream call was left running"
         [(status, code, text)] = rows(site)
 
@@ -222,9 +213,9 @@ def test_a_client_that_closes_the_stream_stops_the_upstream_and_its_row_says_can
     assert text.startswith("".join(t for t in got if t)) and len(text) < len("".join(TICKS))
 
 
-def test_a_dropped_stream_resumes_with_last_event_id(fake: FakeWorkersAI, site: Site) -> None:
+def test_a_dropped_stream_resumes_with_last_event_id(fake_workers_ai: FakeWorkersAI, site: Site) -> None:
     release = threading.Event()
-    fake.default = Scenario(tokens=TICKS[:6], stall_after_tokens=3, hold=release)
+    fake_workers_ai.default = Scenario(tokens=TICKS[:6], stall_after_tokens=3, hold=release)
     body = {"model": "alan-watts", "messages": RAIN, "stream": True}
     url = f"{site.url}/v1/chat/completions"
     with httpx.Client(timeout=30) as client:
@@ -246,13 +237,13 @@ def test_a_dropped_stream_resumes_with_last_event_id(fake: FakeWorkersAI, site: 
     assert "".join(t for t in text if t) == "".join(TICKS[:6])
     assert more[-1]["choices"][0]["finish_reason"] == "stop" and rest[-1][1] == "[DONE]"
     assert {chunk["id"] for chunk in more} == {json.loads(seen[0][1])["id"]}
-    assert len(fake.requests) == 1  # one upstream call served both connections
+    assert len(fake_workers_ai.requests) == 1  # one upstream call served both connections
 
 
 def test_the_readmes_python_streams_a_quote(
-    fake: FakeWorkersAI, site: Site, capsys: pytest.CaptureFixture[str]
+    fake_workers_ai: FakeWorkersAI, site: Site, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake.default = Scenario(tokens=TICKS[:4])
+    fake_workers_ai.default = Scenario(tokens=TICKS[:4])
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## The OpenAI-compatible API", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]

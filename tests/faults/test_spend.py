@@ -37,19 +37,6 @@ PRICE_IN, PRICE_OUT = Decimal("0.152"), Decimal("0.287")
 TICKS = tuple(f" tick{n}" for n in range(60))
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[FakeWorkersAI]:
-    with FakeWorkersAI() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(upstream: FakeWorkersAI) -> Iterator[FakeWorkersAI]:
-    upstream.reset()
-    yield upstream
-    upstream.reset()
-
-
 def spend_today(site: Site) -> Decimal:
     text = httpx.get(f"{site.url}/metrics", timeout=10).text
     match = re.search(r"^quotes_spend_today_usd (\S+)$", text, re.M)
@@ -83,19 +70,22 @@ def stopped_after_first_token(client: httpx.Client, site: Site) -> int:
 
 
 def test_quotes_stopped_after_their_first_token_spend_an_estimate_and_meet_the_ceiling(
-    fake: FakeWorkersAI, tmp_path: Path
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
 ) -> None:
     ceiling = Decimal("0.001")  # about five stopped quotes: each bills a prompt of ~1,100 tokens
-    fake.default = Scenario(tokens=TICKS, token_delay_s=0.05, usage=(300, 60))
+    fake_workers_ai.default = Scenario(tokens=TICKS, token_delay_s=0.05, usage=(300, 60))
     settings = {"QUOTES_DAILY_SPEND_LIMIT_USD": str(ceiling), "QUOTES_METRICS_ALLOW": "127.0.0.1/32"}
-    with start_site(tmp_path, **workers_ai_env(fake), **settings) as site, httpx.Client(timeout=30) as client:
+    with (
+        start_site(tmp_path, **workers_ai_env(fake_workers_ai), **settings) as site,
+        httpx.Client(timeout=30) as client,
+    ):
         statuses = [stopped_after_first_token(client, site) for _ in range(12)]
         rows = row_costs(site)
         spent = spend_today(site)
 
     served = statuses.count(200)
     assert 1 <= served < 12 and statuses == [200] * served + [503] * (12 - served), statuses
-    assert len(fake.requests) == served  # a refused quote never reaches Cloudflare
+    assert len(fake_workers_ai.requests) == served  # a refused quote never reaches Cloudflare
     assert [(status, code, estimated) for status, code, _, estimated in rows] == [
         ("cancelled", "stopped", 1)
     ] * served
@@ -106,15 +96,15 @@ def test_quotes_stopped_after_their_first_token_spend_an_estimate_and_meet_the_c
 
 
 def test_an_upstream_that_names_another_model_is_priced_by_the_model_asked_for(
-    fake: FakeWorkersAI, tmp_path: Path
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
 ) -> None:
     """AI_BACKEND=openai on Workers AI's OpenAI-compatible route; the server echoes vLLM's name."""
-    fake.default = Scenario(usage=(100_000, 40), served_model="meta-llama/Llama-3.1-8B-Instruct")
+    fake_workers_ai.default = Scenario(usage=(100_000, 40), served_model="meta-llama/Llama-3.1-8B-Instruct")
     cost = (100_000 * PRICE_IN + 40 * PRICE_OUT) / 10**6  # $0.0152
     env = {
-        **workers_ai_env(fake),
+        **workers_ai_env(fake_workers_ai),
         "AI_BACKEND": "openai",
-        "OPENAI_BASE_URL": fake.openai_base_url(ACCOUNT_ID),
+        "OPENAI_BASE_URL": fake_workers_ai.openai_base_url(ACCOUNT_ID),
         "OPENAI_API_KEY": "sk-test-0123456789abcdef",
         "QUOTES_DAILY_SPEND_LIMIT_USD": "0.04",  # two quotes and a reservation's room
         "QUOTES_METRICS_ALLOW": "127.0.0.1/32",
@@ -140,12 +130,16 @@ def hung_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer
 
 
 def test_a_redis_hung_between_reservations_and_settlements_leaves_the_counter_at_the_rows_costs(
-    fake: FakeWorkersAI, hung_redis: RedisServer, tmp_path: Path
+    fake_workers_ai: FakeWorkersAI, hung_redis: RedisServer, tmp_path: Path
 ) -> None:
     release = threading.Event()
     # Each quote writes a token, then waits for the test: its reservation is taken, its cost not yet.
-    fake.default = Scenario(tokens=TICKS[:3], usage=(1000, 3), stall_after_tokens=1, hold=release)
-    env = {**workers_ai_env(fake), "REDIS_URL": hung_redis.url, "QUOTES_DAILY_SPEND_LIMIT_USD": "5"}
+    fake_workers_ai.default = Scenario(tokens=TICKS[:3], usage=(1000, 3), stall_after_tokens=1, hold=release)
+    env = {
+        **workers_ai_env(fake_workers_ai),
+        "REDIS_URL": hung_redis.url,
+        "QUOTES_DAILY_SPEND_LIMIT_USD": "5",
+    }
     store = redis.Redis.from_url(hung_redis.url)
     with start_site(tmp_path, **env) as site, httpx.Client(timeout=60) as client:
         results: list[int] = []
@@ -158,7 +152,7 @@ def test_a_redis_hung_between_reservations_and_settlements_leaves_the_counter_at
         threads = [threading.Thread(target=quote) for _ in range(4)]
         for thread in threads:
             thread.start()
-        wait_for(lambda: len(fake.requests) == 4, "four quotes reserved and streaming")
+        wait_for(lambda: len(fake_workers_ai.requests) == 4, "four quotes reserved and streaming")
         [key] = store.keys("*quotes:spend:*")
         reserved = int(store.get(key) or 0)
         assert reserved > 0
@@ -167,7 +161,9 @@ def test_a_redis_hung_between_reservations_and_settlements_leaves_the_counter_at
         started = time.monotonic()
         late = threading.Thread(target=quote)  # a reservation taken while Redis hangs
         late.start()
-        wait_for(lambda: len(fake.requests) == 5, "a quote reserved while Redis hangs", timeout_s=30)
+        wait_for(
+            lambda: len(fake_workers_ai.requests) == 5, "a quote reserved while Redis hangs", timeout_s=30
+        )
         release.set()  # every quote ends, and settles, while Redis hangs
         for thread in [*threads, late]:
             thread.join(30)
