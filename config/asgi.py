@@ -1,5 +1,6 @@
-"""ASGI entry point: HTTP through Django's own handler, WebSocket (/ws/quotes/) through Channels,
-both behind the trusted-proxy rule for the client's address."""
+"""ASGI entry point: HTTP through Django's own handler, behind the gate that refuses a stream an
+overloaded process cannot take (quotes.gate); WebSocket (/ws/quotes/) through Channels; both
+behind the trusted-proxy rule for the client's address."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from django.conf import settings  # noqa: E402
 from quotes.backends import get_backend  # noqa: E402
 from quotes.clients import TrustedProxyMiddleware  # noqa: E402
 from quotes.consumers import websocket_urlpatterns  # noqa: E402
+from quotes.gate import Gate  # noqa: E402
 from quotes.security import SameOriginWebSocketMiddleware  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL_PRELOAD:
@@ -26,7 +28,7 @@ if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL_PRELOAD:
 application = TrustedProxyMiddleware(
     ProtocolTypeRouter(
         {
-            "http": django_asgi_app,
+            "http": Gate(django_asgi_app),
             # Only this origin's pages may open a socket, as for the HTTP stream URLs.
             "websocket": SameOriginWebSocketMiddleware(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
         }

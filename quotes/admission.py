@@ -1,8 +1,12 @@
 """Who may start a stream: one check at the top of every way a stream starts (the views, the
 WebSocket's start, the admin's preview, `manage.py quote`: quotes.streams.begin), before any work.
 
-1. This process's open streams against QUOTES_MAX_OPEN_STREAMS (503 `over_capacity`), or its
-   drain (503 `server_draining`), both with Retry-After.
+1. This process's own state, with no I/O (`check_capacity`; quotes.gate asks it too, before
+   Django's middleware, so an overloaded process refuses for almost nothing): its drain (503
+   `server_draining`); its event loop's lag while it serves streams, so that it takes no stream
+   that would slow the ones it has, whatever the host (`Lag`); its open streams against
+   QUOTES_MAX_OPEN_STREAMS, the operator's ceiling (both 503 `over_capacity`). Each with
+   Retry-After.
 2. The client's rate limit and its network's (quotes.rate_limits): 429 `rate_limited`.
 3. The client's concurrent streams (QUOTES_MAX_CONCURRENT_STREAMS) and its network's (six times
    that, and no more than a quarter of this process's streams, but always one client's worth):
@@ -28,6 +32,10 @@ from .registry import streams
 OVER_CAPACITY_RETRY_S = 2
 DRAINING_RETRY_S = 1
 TOO_MANY_STREAMS_RETRY_S = 5
+#: How often the event loop's lag is sampled, and the lag past which a process that serves
+#: streams takes no more: its streams' tokens would wait that long behind other work.
+LAG_PROBE_S = 0.05
+LAG_LIMIT_S = 0.05
 
 
 class Admission:
@@ -39,6 +47,33 @@ class Admission:
         self.per_key: Counter[str] = Counter()
         self.draining = False
         self.letting_go: set[asyncio.Task[None]] = set()
+
+
+class Lag:
+    """How late this process's event loop runs what is due (the pattern of Node's `toobusy`): a
+    timer due every LAG_PROBE_S, how late it fired, smoothed over a few probes (a 1/3 weight),
+    so that one slow moment refuses nothing and a loop that stays late refuses within a few
+    probes. A probe overdue now counts as if it fired now: a burst that holds the loop for
+    longer is seen before it ends. A part of quotes.state; its timer is all it costs."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.smoothed = 0.0
+        self.due = self.loop.time() + LAG_PROBE_S
+        self.timer = self.loop.call_at(self.due, self.probe)
+
+    def probe(self) -> None:
+        now = self.loop.time()
+        self.smoothed += (now - self.due - self.smoothed) / 3
+        self.due = now + LAG_PROBE_S
+        self.timer = self.loop.call_at(self.due, self.probe)
+
+    def seconds(self) -> float:
+        overdue = self.loop.time() - self.due
+        return self.smoothed + (overdue - self.smoothed) / 3 if overdue > self.smoothed else self.smoothed
+
+    async def aclose(self) -> None:
+        self.timer.cancel()
 
 
 def network_streams() -> int:
@@ -74,12 +109,14 @@ class Slot:
 
 
 def check_capacity() -> None:
-    """This process's own refusal, with no I/O: its drain, or its open streams at the cap."""
+    """This process's own refusal, with no I/O: its drain, its loop's lag while it serves
+    streams, or its open streams at the ceiling."""
     admission = state.of(Admission)
     if admission.draining:
         message = "This server is restarting. Please try again in a moment."
         raise QuoteError(ErrorCode.SERVER_DRAINING, message, 503, retry_after=DRAINING_RETRY_S)
-    if admission.open >= settings.QUOTES_MAX_OPEN_STREAMS:
+    lag = state.of(Lag)  # sampled from the first request on
+    if admission.open >= settings.QUOTES_MAX_OPEN_STREAMS or (admission.open and lag.seconds() > LAG_LIMIT_S):
         message = "The site is busy writing other quotes right now. Please try again in a few seconds."
         raise QuoteError(ErrorCode.OVER_CAPACITY, message, 503, retry_after=OVER_CAPACITY_RETRY_S)
 

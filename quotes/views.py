@@ -130,16 +130,21 @@ def from_htmx(request: HttpRequest) -> bool:
 async def stream_quote(request: HttpRequest) -> HttpResponseBase:
     """POST a JSON body, or GET with query parameters (EventSource); an SSE stream, in htmx's
     dialect for htmx (so every answer varies on HX-Request)."""
-    htmx = from_htmx(request)
-    encoder: SSEEncoder = WorkersAIEncoder()
-    if htmx:
-        encoder = HtmxEncoder()
-    elif request.method == "GET" and "text/event-stream" in request.headers.get("Accept", ""):
-        encoder = EventSourceEncoder()
-    transport = "htmx" if htmx else "eventsource" if isinstance(encoder, EventSourceEncoder) else "api"
+    accept = request.headers.get("Accept", "")
+    encoder, transport = stream_dialect(htmx=from_htmx(request), method=request.method or "", accept=accept)
     response = not_a_document(await _stream(request, encoder, transport, form=False))
     patch_vary_headers(response, ("HX-Request",))
     return response
+
+
+def stream_dialect(*, htmx: bool, method: str, accept: str) -> tuple[SSEEncoder, str]:
+    """The stream URL's answer for a request (also quotes.gate's): htmx's fragments, an
+    EventSource's stream, or the JSON API's; and its transport's name."""
+    if htmx:
+        return HtmxEncoder(), "htmx"
+    if method == "GET" and "text/event-stream" in accept:
+        return EventSourceEncoder(), "eventsource"
+    return WorkersAIEncoder(), "api"
 
 
 async def stream_quote_form(request: HttpRequest) -> HttpResponseBase:

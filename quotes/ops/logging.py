@@ -40,8 +40,7 @@ class RequestIdMiddleware:
         markcoroutinefunction(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        incoming = request.headers.get(REQUEST_ID_HEADER, "")
-        request_id = incoming if _VALID_ID.fullmatch(incoming) else uuid.uuid4().hex
+        request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER, ""))
         token = _request_id.set(request_id)
         started = time.perf_counter()
         response = await self.get_response(request)
@@ -50,25 +49,35 @@ class RequestIdMiddleware:
             # Read by ClientErrorFilter on django.request's line, logged after this returns.
             request.announced_refusal = True  # type: ignore[attr-defined]
         path = request.get_full_path() if settings.QUOTES_LOG_CONTENT else request.path
-        access_logger.info(
-            "%s %s %s",
-            request.method,
-            path,
-            response.status_code,
-            extra={
-                "method": request.method,
-                "path": path,
-                "status": response.status_code,
-                # For a stream: the time to its headers, i.e. to the first token.
-                "duration_ms": round((time.perf_counter() - started) * 1000, 1),
-                "streaming": response.streaming,
-            },
-        )
+        log_access(request.method or "", path, response.status_code, started, streaming=response.streaming)
         if not response.streaming:
             # A streamed body is sent later by this same task and its lines keep the id; else
             # forget it, so a caller sharing our context (async_to_sync) does not inherit it.
             _request_id.reset(token)
         return response
+
+
+def request_id_from(incoming: str) -> str:
+    """The proxy's X-Request-ID when it is one, else a new id."""
+    return incoming if _VALID_ID.fullmatch(incoming) else uuid.uuid4().hex
+
+
+def log_access(method: str, path: str, status: int, started: float, *, streaming: bool = False) -> None:
+    """A request's access line; `started` is its perf_counter() at the start."""
+    access_logger.info(
+        "%s %s %s",
+        method,
+        path,
+        status,
+        extra={
+            "method": method,
+            "path": path,
+            "status": status,
+            # For a stream: the time to its headers, i.e. to the first token.
+            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+            "streaming": streaming,
+        },
+    )
 
 
 class RequestIdFilter(logging.Filter):

@@ -19,7 +19,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from .. import state
-from ..admission import Admission
+from ..admission import LAG_LIMIT_S, Admission, Lag
 from ..backends import loaded_backends
 from ..backends.local import LocalBackend
 from ..spend import spent_today
@@ -110,10 +110,12 @@ def row_lost() -> None:
 
 
 class ProcessCollector(Collector):
-    """Read when scraped: this process's open streams, and the embedded model's slots."""
+    """Read when scraped: this process's open streams, its event loop's lag (what admission
+    reads), and the embedded model's slots."""
 
     NAMES = (
         "quotes_open_streams",
+        "quotes_event_loop_lag_seconds",
         *(f"quotes_local_model_{n}" for n in ("slots", "slots_in_use", "queue_length")),
     )
 
@@ -123,6 +125,11 @@ class ProcessCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         yield GaugeMetricFamily(
             "quotes_open_streams", "Open streams in this process.", value=state.of(Admission).open
+        )
+        yield GaugeMetricFamily(
+            "quotes_event_loop_lag_seconds",
+            f"How late this process's event loop runs, smoothed: past {LAG_LIMIT_S} s it takes no new stream.",
+            value=state.of(Lag).seconds(),
         )
         for backend in loaded_backends():
             if isinstance(backend, LocalBackend):

@@ -114,6 +114,7 @@ async def test_metrics_ok_stream_on_the_embedded_model_then_a_cache_hit(
     assert moved(middle, after, "quotes_tokens_total") == 0  # nobody computed the replayed answer
     assert moved(middle, after, "quotes_time_to_first_token_seconds_count", cache="hit") == 1
     assert after.value("quotes_open_streams") == before.value("quotes_open_streams")
+    assert 0 <= after.value("quotes_event_loop_lag_seconds") < 10  # what admission reads
     assert after.value("quotes_local_model_slots") == local_backend.slots
     assert after.value("quotes_local_model_slots_in_use") == 0
     assert after.value("quotes_local_model_queue_length") == after.value("quotes_log_rows_waiting") == 0
