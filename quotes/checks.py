@@ -1,10 +1,12 @@
 """System checks: personas and settings on a Workers AI model Cloudflare retired, or on a Workers AI
 id the catalog does not know. `manage.py check` says the settings'; `manage.py check --database
-default` the personas' too; the server logs both once at start (quotes.ops.server)."""
+default` the personas' too; the server logs both once at start (quotes.ops.server). And Django's
+own security checks, made to see the middleware of quotes.ops.middleware."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from django.apps import AppConfig
@@ -12,8 +14,11 @@ from django.conf import settings
 from django.core import checks
 from django.db import DatabaseError, connections
 from django.db.migrations.recorder import MigrationRecorder
+from django.test.utils import override_settings
+from django.utils.module_loading import import_string
 
 from .backends.catalog import model_problem
+from .ops.middleware import Inline
 
 #: The migration that moves personas off retired models: until it ran, `migrate` will.
 MOVED_OFF_RETIRED = ("quotes", "0015_models_of_today")
@@ -61,3 +66,48 @@ def personas_on_retired_models(
                         )
                     )
     return messages
+
+
+#: Django's warnings that its security, CSRF or X-Frame-Options middleware is missing: they look
+#: for its dotted path in MIDDLEWARE, and settings list the same classes from
+#: quotes.ops.middleware (subclasses that run without thread hops), so settings silence them and
+#: `django_security_checks` gives them again, as quotes.security.W00n, when a class is missing.
+MIDDLEWARE_MISSING = ("security.W001", "security.W002", "security.W003")
+_rerun: ContextVar[bool] = ContextVar("rerun", default=False)
+
+
+@checks.register(checks.Tags.security, deploy=True)
+def django_security_checks(
+    *, app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """Django's security checks as if MIDDLEWARE named Django's own classes: the many that only
+    run when they find its middleware (HSTS, the SSL redirect, X-Frame-Options, the CSRF cookie)
+    judge the settings as they would with Django's paths; what they say beyond a plain run is
+    said here."""
+    if _rerun.get():
+        return []
+    token = _rerun.set(True)
+    try:
+        plain = checks.run_checks(app_configs, tags=[checks.Tags.security], include_deployment_checks=True)
+        with override_settings(MIDDLEWARE=[django_path(path) for path in settings.MIDDLEWARE]):
+            seen = checks.run_checks(app_configs, tags=[checks.Tags.security], include_deployment_checks=True)
+    finally:
+        _rerun.reset(token)
+    return [_relabel(message) for message in seen if message.id in MIDDLEWARE_MISSING or message not in plain]
+
+
+def django_path(path: str) -> str:
+    """The dotted path of the class a quotes.ops.middleware class runs; else `path`."""
+    cls = import_string(path)
+    if not (isinstance(cls, type) and issubclass(cls, Inline)):
+        return path
+    shipped = cls.shipped()
+    return f"{shipped.__module__}.{shipped.__qualname__}"
+
+
+def _relabel(message: checks.CheckMessage) -> checks.CheckMessage:
+    if message.id not in MIDDLEWARE_MISSING:
+        return message
+    return checks.CheckMessage(
+        message.level, message.msg, hint=message.hint, obj=message.obj, id=f"quotes.{message.id}"
+    )

@@ -19,7 +19,7 @@ from urllib.parse import parse_qs
 
 from django.conf import settings
 from django.http import HttpResponse
-from django.urls import reverse
+from django.urls import NoReverseMatch, reverse
 from streaming import Meta
 
 from . import chat_api, rows, views
@@ -36,15 +36,13 @@ Message = MutableMapping[str, Any]
 class Gate:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.paths: dict[str, str] = {}
+        self.paths: dict[str, str] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("GET", "POST"):
             return await self.app(scope, receive, send)
-        if not self.paths:
-            self.paths = {
-                reverse(f"quotes:{name}"): name for name in ("stream", "stream-form", "chat-completions")
-            }
+        if self.paths is None:
+            self.paths = _stream_paths()
         url = self.paths.get(scope["path"])
         try:
             check_capacity()  # (with no I/O; most requests stop here)
@@ -71,6 +69,17 @@ class Gate:
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": response.content})
         log_access(scope["method"], scope["path"], response.status_code, started)
+
+
+def _stream_paths() -> dict[str, str]:
+    """The paths of the URLs that start a stream, by their names (those the URLconf has)."""
+    paths = {}
+    for name in ("stream", "stream-form", "chat-completions"):
+        try:
+            paths[reverse(f"quotes:{name}")] = name
+        except NoReverseMatch:
+            continue
+    return paths
 
 
 def _header(scope: Scope, name: bytes) -> str:

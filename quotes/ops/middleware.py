@@ -38,6 +38,11 @@ class Inline:
     sync_capable = False
     async_capable = True
 
+    @classmethod
+    def shipped(cls) -> type[Any]:
+        """The middleware this one runs (its last base)."""
+        return cls.__bases__[-1]
+
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
         this: Any = self
         response = this.process_request(request) if hasattr(this, "process_request") else None
