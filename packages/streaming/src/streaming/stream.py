@@ -124,15 +124,16 @@ class Stream:
                         if type(event) is Done or type(event) is Error:
                             self._outcome = event
                             break
-                        if self.first_token_at is None and type(event) is Token:
+                        first = self.first_token_at is None and type(event) is Token
+                        if first:
                             self.first_token_at = self._loop.time()
                         self.events.append(event)
                         self._last = self._loop.time()
                         self._wake()
-                        if self.readers or self.followers:
-                            # Each event reaches its readers as it is published, not once the
-                            # source blocks: a burst (a fast model, a read holding many events)
-                            # does not hold the first token back.
+                        if first and (self.readers or self.followers):
+                            # The first token reaches its readers before the rest of a burst
+                            # (a fast model, a read holding many events) is published; the
+                            # rest go out as they come, together when they came together.
                             await asyncio.sleep(0)
         except asyncio.CancelledError:
             task = asyncio.current_task()
