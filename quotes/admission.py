@@ -3,10 +3,10 @@ WebSocket's start, the admin's preview, `manage.py quote`: quotes.streams.begin)
 
 1. This process's own state, with no I/O (`check_capacity`; quotes.gate asks it too, before
    Django's middleware, so an overloaded process refuses for almost nothing): its drain (503
-   `server_draining`); its event loop's lag while it serves streams, so that it takes no stream
-   that would slow the ones it has, whatever the host (`Lag`); its open streams against
-   QUOTES_MAX_OPEN_STREAMS, the operator's ceiling (both 503 `over_capacity`). Each with
-   Retry-After.
+   `server_draining`); its event loop's lag while it serves more than a few streams, so that
+   it takes no stream that would slow the ones it has, whatever the host (`Lag`); its open
+   streams against QUOTES_MAX_OPEN_STREAMS, the operator's ceiling (both 503 `over_capacity`).
+   Each with Retry-After.
 2. The client's rate limit and its network's (quotes.rate_limits): 429 `rate_limited`.
 3. The client's concurrent streams (QUOTES_MAX_CONCURRENT_STREAMS) and its network's (six times
    that, and no more than a quarter of this process's streams, but always one client's worth):
@@ -33,9 +33,12 @@ OVER_CAPACITY_RETRY_S = 2
 DRAINING_RETRY_S = 1
 TOO_MANY_STREAMS_RETRY_S = 5
 #: How often the event loop's lag is sampled, and the lag past which a process that serves
-#: streams takes no more: its streams' tokens would wait that long behind other work.
+#: streams takes no more: its streams' tokens would wait that long behind other work
+#: (docs/benchmarks.md: 50, 25, 10 and 5 ms tried under an overload).
 LAG_PROBE_S = 0.05
-LAG_LIMIT_S = 0.05
+LAG_LIMIT_S = 0.01
+#: Streams a process always takes, however late its loop: a burst's set-ups lag it for a moment.
+LAG_FLOOR = 16
 
 
 class Admission:
@@ -110,13 +113,15 @@ class Slot:
 
 def check_capacity() -> None:
     """This process's own refusal, with no I/O: its drain, its loop's lag while it serves
-    streams, or its open streams at the ceiling."""
+    LAG_FLOOR streams or more, or its open streams at the ceiling."""
     admission = state.of(Admission)
     if admission.draining:
         message = "This server is restarting. Please try again in a moment."
         raise QuoteError(ErrorCode.SERVER_DRAINING, message, 503, retry_after=DRAINING_RETRY_S)
     lag = state.of(Lag)  # sampled from the first request on
-    if admission.open >= settings.QUOTES_MAX_OPEN_STREAMS or (admission.open and lag.seconds() > LAG_LIMIT_S):
+    if admission.open >= settings.QUOTES_MAX_OPEN_STREAMS or (
+        admission.open >= LAG_FLOOR and lag.seconds() > LAG_LIMIT_S
+    ):
         message = "The site is busy writing other quotes right now. Please try again in a few seconds."
         raise QuoteError(ErrorCode.OVER_CAPACITY, message, 503, retry_after=OVER_CAPACITY_RETRY_S)
 

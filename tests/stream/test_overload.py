@@ -1,5 +1,5 @@
-"""A process that takes no more streams (its event loop late while it serves streams, or its
-ceiling reached) refuses a new one at quotes.gate, before Django: a 503 with Retry-After in the
+"""A process that takes no more streams (its event loop late while it serves LAG_FLOOR streams
+or more, or its ceiling reached) refuses a new one at quotes.gate, before Django: a 503 with Retry-After in the
 dialect of the URL asked, counted per persona as every refusal is; what the view answers first
 (a resume, another origin's page, a body it refuses) still gets the view's answer."""
 
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from harness.workers_ai import FakeWorkersAI, Scenario
+from quotes.admission import LAG_FLOOR
 from quotes.models import Generation, Persona, Refusal
 from quotes.rows import writer
 from tests.asgi import STREAM_URL, htmx_form_post, parse_sse, post_quote, post_stream, read_events, request
@@ -94,18 +95,19 @@ async def test_what_the_view_answers_first_gets_through_a_full_process(
     assert fake.requests == []
 
 
-async def test_a_process_whose_loop_runs_late_takes_no_new_stream_while_it_serves_one(
+async def test_a_process_whose_loop_runs_late_takes_no_new_stream_while_it_serves_its_floor(
     fake: FakeWorkersAI,
 ) -> None:
     fake.default = Scenario(tokens=["tick"] * 100, token_delay_s=0.05)
-    held = post_stream(client=("198.51.100.1", 1))
-    await read_events(held, 1)
+    held = [post_stream(client=(f"198.51.{n}.1", 1)) for n in range(LAG_FLOOR)]
+    for stream in held:
+        await read_events(stream, 1)
     time.sleep(0.4)  # noqa: ASYNC251 (the loop held, as a burst of requests or a slow callback holds it)
 
     late = await post_quote(client=("198.51.100.2", 1))
 
     assert refused(late) and late.json()["error"]["code"] == "over_capacity"
-    assert len(fake.requests) == 1
+    assert len(fake.requests) == LAG_FLOOR
     # Once the loop keeps time again (a few probes), streams are taken again.
     fake.default = Scenario()
     for _ in range(200):
@@ -113,11 +115,17 @@ async def test_a_process_whose_loop_runs_late_takes_no_new_stream_while_it_serve
             break
         await asyncio.sleep(0.05)
     assert answer.status == 200, answer.body
-    await held.read_all()
+    for stream in held:
+        await stream.disconnect()
 
 
-async def test_a_late_loop_refuses_nothing_while_it_serves_no_stream(fake: FakeWorkersAI) -> None:
-    await post_quote()  # the probe runs from the first request on
-    time.sleep(0.4)  # noqa: ASYNC251 (late, but no stream would be slowed: the first is taken)
+async def test_a_late_loop_refuses_nothing_while_it_serves_fewer_than_its_floor(fake: FakeWorkersAI) -> None:
+    fake.default = Scenario(tokens=["tick"] * 100, token_delay_s=0.05)
+    held = [post_stream(client=(f"198.51.{n}.1", 1)) for n in range(LAG_FLOOR - 1)]
+    for stream in held:
+        await read_events(stream, 1)
+    time.sleep(0.4)  # noqa: ASYNC251 (late, but a burst's set-ups lag a loop for a moment)
 
-    assert (await post_quote()).status == 200
+    assert (await post_quote(client=("198.51.100.2", 1))).status == 200
+    for stream in held:
+        await stream.disconnect()
