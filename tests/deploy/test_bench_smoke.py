@@ -172,6 +172,7 @@ def check_proxy_overhead(output: str) -> None:
             "ratio to direct",
             "tokens/s, request to last",
             "ratio to direct, request to last",
+            "TTFT p50 ms",
         ):
             positive(r[column])
         assert r["tokens"] == "20", r
