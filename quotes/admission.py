@@ -37,8 +37,9 @@ TOO_MANY_STREAMS_RETRY_S = 5
 #: (docs/benchmarks.md: 50, 25, 10 and 5 ms tried under an overload).
 LAG_PROBE_S = 0.05
 LAG_LIMIT_S = 0.01
-#: Streams a process always takes, however late its loop: a burst's set-ups lag it for a moment.
-LAG_FLOOR = 16
+#: Streams a process always takes, however late its loop: a burst's set-ups lag it for a moment
+#: (docs/benchmarks.md: with 16, one process took 16 of a burst of 50 it held at pace).
+LAG_FLOOR = 32
 
 
 class Admission:
