@@ -131,8 +131,8 @@ def _params(scope: Scope, url: str, body: bytes | None) -> dict[str, Any] | None
     if body is None:
         return None
     if scope["method"] == "GET":
-        if url != "stream":
-            return None
+        if url != "stream" or "text/event-stream" not in _header(scope, b"accept"):
+            return None  # only an EventSource may GET a stream (the view's 405, 406)
         fields = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         return {name: values[-1] for name, values in fields.items()}
     content_type = _header(scope, b"content-type").partition(";")[0].strip().lower()

@@ -80,10 +80,11 @@ async def test_what_the_view_answers_first_gets_through_a_full_process(
     )
     not_json = await post_quote(b"{persona")
     too_large = await post_quote({"persona": persona.slug, "topic": "x" * 300})
+    not_eventsource = await request("GET", STREAM_URL, query=f"persona={persona.slug}")
 
     codes = [
         (answer.status, answer.json()["error"]["code"])
-        for answer in (header_resume, body_resume, elsewhere, not_json, too_large)
+        for answer in (header_resume, body_resume, elsewhere, not_json, too_large, not_eventsource)
     ]
     assert codes == [
         (400, "invalid_last_event_id"),
@@ -91,6 +92,7 @@ async def test_what_the_view_answers_first_gets_through_a_full_process(
         (403, "cross_site"),
         (400, "invalid_json"),
         (413, "body_too_large"),
+        (406, "not_acceptable"),
     ]
     assert fake.requests == []
 
