@@ -7,7 +7,8 @@ RSS and threads per open stream.
     .venv/bin/python -m bench.load --streams 100 --duration 20 --repeat 2   # the figures
     .venv/bin/python -m bench.load --ladder 100,300,1000 --duration 60      # the ceiling, one run each
 
-The app's open-stream cap (QUOTES_MAX_OPEN_STREAMS) is raised to the stream count: this bench
+The app's open-stream cap (QUOTES_MAX_OPEN_STREAMS) is raised to the stream count and its
+admission by the event loop's lag is off (served with bench.naive.stack_settings): this bench
 measures what a stream costs, not who is admitted (bench/scaleout_load.py does).
 
 The upstream (in its own process, like every bench upstream) speaks the Workers AI wire format
@@ -445,7 +446,8 @@ def one_run(streams: int, args: argparse.Namespace, path: str) -> dict[str, Any]
             if path == "naive":
                 server = stack.enter_context(serve_naive(**env))
             else:
-                server = stack.enter_context(serve_app(stack=path == "stack", name=f"load-{path}", **env))
+                # The app too with the stack's settings: no admission by its loop's lag.
+                server = stack.enter_context(serve_app(stack=True, name=f"load-{path}", **env))
             log = Log(server.env["DATABASE_URL"]) if path == "app" else None
             spy = None
             if args.profile:

@@ -3,7 +3,7 @@ Redis, as docs/deployment.md runs them (harness/services.py starts the same serv
 
     .venv/bin/python -m bench.scaleout_load --processes 2 --streams 1000 --duration 20   # overload
     .venv/bin/python -m bench.scaleout_load --processes 1,2 --ladder 60,100,150 --duration 20 \
-        --env QUOTES_MAX_OPEN_STREAMS=100000                                          # capacity
+        --env QUOTES_MAX_OPEN_STREAMS=100000 --env DJANGO_SETTINGS_MODULE=bench.naive.stack_settings
 
 Each run starts fresh servers (one to N daphne processes as deploy/systemd/persona-quotes@.service
 starts them, and nginx in front of them with deploy/nginx's upstream block and locations:

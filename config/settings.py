@@ -293,10 +293,13 @@ QUOTES_RESUME_GRACE_S = env.number("QUOTES_RESUME_GRACE_S", default=10.0, low=0,
 QUOTES_RESUME_TTL_S = 300
 QUOTES_DRAIN_TIMEOUT_S = env.number("QUOTES_DRAIN_TIMEOUT_S", default=20.0, low=0, high=3600)
 
-# Admission (quotes/limits.py).
+# Admission (quotes/admission.py). The event loop's lag decides, with nothing to tune; off (no
+# variable: bench/naive/stack_settings.py, for benches that measure a stream's cost, not who is
+# admitted), only the ceiling limits.
 QUOTES_MAX_OPEN_STREAMS = env.number(
     "QUOTES_MAX_OPEN_STREAMS", default=100, low=1, high=1_000_000, integer=True
 )
+QUOTES_LAG_ADMISSION = True
 QUOTES_MAX_CONCURRENT_STREAMS = env.number(
     "QUOTES_MAX_CONCURRENT_STREAMS", default=3, low=1, high=1_000_000, integer=True
 )

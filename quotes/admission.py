@@ -121,7 +121,7 @@ def check_capacity() -> None:
         raise QuoteError(ErrorCode.SERVER_DRAINING, message, 503, retry_after=DRAINING_RETRY_S)
     lag = state.of(Lag)  # sampled from the first request on
     if admission.open >= settings.QUOTES_MAX_OPEN_STREAMS or (
-        admission.open >= LAG_FLOOR and lag.seconds() > LAG_LIMIT_S
+        settings.QUOTES_LAG_ADMISSION and admission.open >= LAG_FLOOR and lag.seconds() > LAG_LIMIT_S
     ):
         message = "The site is busy writing other quotes right now. Please try again in a few seconds."
         raise QuoteError(ErrorCode.OVER_CAPACITY, message, 503, retry_after=OVER_CAPACITY_RETRY_S)

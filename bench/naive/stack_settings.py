@@ -10,3 +10,6 @@ from __future__ import annotations
 from config.settings import *  # noqa: F403
 
 ROOT_URLCONF = "bench.naive.stack_urls"
+# The benches that serve the app with these settings measure what a stream costs (bench.load, at
+# N streams at once), not who is admitted: no admission by the event loop's lag.
+QUOTES_LAG_ADMISSION = False

@@ -121,6 +121,19 @@ async def test_a_process_whose_loop_runs_late_takes_no_new_stream_while_it_serve
         await stream.disconnect()
 
 
+async def test_with_lag_admission_off_only_the_ceiling_refuses(fake: FakeWorkersAI, settings: Any) -> None:
+    settings.QUOTES_LAG_ADMISSION = False  # (bench/load.py measures a stream's cost so)
+    fake.default = Scenario(tokens=["tick"] * 100, token_delay_s=0.05)
+    held = [post_stream(client=(f"198.51.{n}.1", 1)) for n in range(LAG_FLOOR)]
+    for stream in held:
+        await read_events(stream, 1)
+    time.sleep(0.4)  # noqa: ASYNC251 (late)
+
+    assert (await post_quote(client=("198.51.100.2", 1))).status == 200
+    for stream in held:
+        await stream.disconnect()
+
+
 async def test_a_late_loop_refuses_nothing_while_it_serves_fewer_than_its_floor(fake: FakeWorkersAI) -> None:
     fake.default = Scenario(tokens=["tick"] * 100, token_delay_s=0.05)
     held = [post_stream(client=(f"198.51.{n}.1", 1)) for n in range(LAG_FLOOR - 1)]
