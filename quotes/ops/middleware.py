@@ -5,8 +5,8 @@ Under ASGI, Django runs each MiddlewareMixin middleware's `process_request` and
 thread and back for each, some twenty per request for the nine in settings.MIDDLEWARE. They were
 two thirds of a stream's CPU before its first token (docs/benchmarks.md: 24 ms against 8 ms with
 them out). Their hooks do no I/O: they read and set headers and cookies and make lazy objects.
-So each is wrapped here in an async-native middleware that calls the same public hooks in the
-event loop's thread, in Django's order. The one hook that can do I/O, the session's save, keeps
+So each is listed as a subclass here, async-native, whose same public hooks run in the event
+loop's thread, in Django's order. The one hook that can do I/O, the session's save, keeps
 its thread. Should a hook ever reach the database from here, Django raises
 SynchronousOnlyOperation rather than block the loop, and the suite's requests (pages, forms,
 the admin's login) go through each.
