@@ -117,8 +117,7 @@ async def test_a_process_whose_loop_runs_late_takes_no_new_stream_while_it_serve
             break
         await asyncio.sleep(0.05)
     assert answer.status == 200, answer.body
-    for stream in held:
-        await stream.disconnect()
+    await asyncio.gather(*(stream.disconnect() for stream in held))
 
 
 async def test_with_lag_admission_off_only_the_ceiling_refuses(fake: FakeWorkersAI, settings: Any) -> None:
@@ -128,10 +127,10 @@ async def test_with_lag_admission_off_only_the_ceiling_refuses(fake: FakeWorkers
     for stream in held:
         await read_events(stream, 1)
     time.sleep(0.4)  # noqa: ASYNC251 (late)
+    fake.default = Scenario()  # a short one
 
     assert (await post_quote(client=("198.51.100.2", 1))).status == 200
-    for stream in held:
-        await stream.disconnect()
+    await asyncio.gather(*(stream.disconnect() for stream in held))
 
 
 async def test_a_late_loop_refuses_nothing_while_it_serves_fewer_than_its_floor(fake: FakeWorkersAI) -> None:
@@ -140,7 +139,7 @@ async def test_a_late_loop_refuses_nothing_while_it_serves_fewer_than_its_floor(
     for stream in held:
         await read_events(stream, 1)
     time.sleep(0.4)  # noqa: ASYNC251 (late, but a burst's set-ups lag a loop for a moment)
+    fake.default = Scenario()  # a short one
 
     assert (await post_quote(client=("198.51.100.2", 1))).status == 200
-    for stream in held:
-        await stream.disconnect()
+    await asyncio.gather(*(stream.disconnect() for stream in held))
