@@ -2,7 +2,7 @@
 
 Under ASGI, Django runs each MiddlewareMixin middleware's `process_request` and
 `process_response` (and the handler its `process_view`) through `sync_to_async`: a hop to a
-thread and back for each, some twenty per request for the nine in settings.MIDDLEWARE. They were
+thread and back for each, some fifteen per request for the eight in settings.MIDDLEWARE. They were
 two thirds of a stream's CPU before its first token (docs/benchmarks.md: 24 ms against 8 ms with
 them out). Their hooks do no I/O: they read and set headers and cookies and make lazy objects.
 So each is listed as a subclass here, async-native, whose same public hooks run in the event
