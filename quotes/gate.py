@@ -11,7 +11,6 @@ counted as the view counts it (quotes.rows.refused: the metric, and the persona'
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -28,7 +27,7 @@ from .clients import ASGIApp, Receive, Scope, Send, header_values
 from .encoders import openai_error_response
 from .errors import QuoteError
 from .ops.logging import REQUEST_ID_HEADER, log_access, request_id_from
-from .security import comes_from_elsewhere
+from .security import scope_from_elsewhere
 
 Message = MutableMapping[str, Any]
 
@@ -43,11 +42,10 @@ class Gate:
             return await self.app(scope, receive, send)
         if self.paths is None:
             self.paths = _stream_paths()
-        url = self.paths.get(scope["path"])
-        try:
-            check_capacity()  # (with no I/O; most requests stop here)
-        except QuoteError as error:
-            if url is not None and not _passes(scope, url):
+        if (url := self.paths.get(scope["path"])) is not None and not _passes(scope):
+            try:
+                check_capacity()  # (with no I/O; the streams' requests stop here)
+            except QuoteError as error:
                 return await self.refuse(scope, receive, send, url, error)
         await self.app(scope, receive, send)
 
@@ -87,20 +85,9 @@ def _header(scope: Scope, name: bytes) -> str:
     return values[-1] if values else ""
 
 
-def _passes(scope: Scope, url: str) -> bool:
+def _passes(scope: Scope) -> bool:
     """Requests the gate never refuses: a resume by header, and a page of another origin."""
-    if _header(scope, b"last-event-id"):
-        return True
-    origin = header_values(scope, b"origin")
-    fetch_site = header_values(scope, b"sec-fetch-site")
-    if not origin and not fetch_site:
-        return False
-    own = f"{scope.get('scheme', 'http')}://{_header(scope, b'host')}" if origin else None
-    return comes_from_elsewhere(
-        fetch_site=fetch_site[-1] if fetch_site else None,
-        origin=origin[-1] if origin else None,
-        own_origin=own,
-    )
+    return bool(_header(scope, b"last-event-id")) or scope_from_elsewhere(scope)
 
 
 async def _read_body(receive: Receive) -> tuple[list[Message], bytes | None]:
@@ -144,10 +131,9 @@ def _params(scope: Scope, url: str, body: bytes | None) -> dict[str, Any] | None
     if content_type != "application/json":
         return None
     try:
-        params = json.loads(body)
-    except (ValueError, RecursionError):
+        return views.json_object(body)
+    except QuoteError:
         return None
-    return params if isinstance(params, dict) else None
 
 
 def _answer(

@@ -98,18 +98,22 @@ class SameOriginWebSocketMiddleware:
 
 
 def _websocket_from_this_origin(scope: Scope) -> bool:
+    return len(header_values(scope, b"origin")) == 1 and not scope_from_elsewhere(scope)
+
+
+def scope_from_elsewhere(scope: Scope) -> bool:
+    """`comes_from_elsewhere` read from an ASGI scope's headers (a WebSocket's handshake, or an
+    HTTP request before Django: quotes.gate); this origin is the Host, if ALLOWED_HOSTS has it."""
     origins = header_values(scope, b"origin")
-    if len(origins) != 1:
-        return False
     fetch_sites = header_values(scope, b"sec-fetch-site")
-    return not comes_from_elsewhere(
+    return comes_from_elsewhere(
         fetch_site=fetch_sites[-1] if fetch_sites else None,
-        origin=origins[0],
-        own_origin=_websocket_own_origin(scope),
+        origin=origins[-1] if origins else None,
+        own_origin=_scope_own_origin(scope) if origins else None,
     )
 
 
-def _websocket_own_origin(scope: Scope) -> str | None:
+def _scope_own_origin(scope: Scope) -> str | None:
     hosts = header_values(scope, b"host")
     if len(hosts) != 1:
         return None
@@ -119,7 +123,7 @@ def _websocket_own_origin(scope: Scope) -> str | None:
         allowed = [".localhost", "127.0.0.1", "[::1]"]  # as Django's HttpRequest.get_host
     if not domain or not validate_host(domain, allowed):
         return None
-    scheme = "https" if scope.get("scheme") == "wss" else "http"
+    scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
     return f"{scheme}://{hosts[0]}"
 
 

@@ -225,8 +225,13 @@ def read_json(request: HttpRequest) -> dict[str, Any]:
         message = "Send the body as JSON with Content-Type: application/json."
         raise QuoteError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, message, 415)
     _check_body_size(request)
+    return json_object(request.body)
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """A body that must be one JSON object (also quotes.gate's reading), else the 400."""
     try:
-        params = json.loads(request.body)
+        params = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nested thousands of levels deep
         raise QuoteError(ErrorCode.INVALID_JSON, "The body is not valid JSON (UTF-8).", 400) from None
     if not isinstance(params, dict):
