@@ -244,9 +244,11 @@ class InProcessTiming:
     raw_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
-async def stream_in_process(application: Callable[..., Awaitable[None]], body: bytes) -> InProcessTiming:
-    """POST `body` to /api/quotes/stream through `application` (the ASGI HTTP scope a server
-    would pass) and read the whole answer, timing its first token."""
+async def stream_in_process(
+    application: Callable[..., Awaitable[None]], body: bytes, path: str = STREAM_PATH
+) -> InProcessTiming:
+    """POST `body` to `path` through `application` (the ASGI HTTP scope a server would pass) and
+    read the whole answer, timing its first token and its end."""
     done = asyncio.Event()
     timing = InProcessTiming()
     sent = False
@@ -281,8 +283,8 @@ async def stream_in_process(application: Callable[..., Awaitable[None]], body: b
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": STREAM_PATH,
-        "raw_path": STREAM_PATH.encode(),
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "headers": [

@@ -52,6 +52,7 @@ from harness.workers_ai import Scenario
 
 from .common import (
     ARTIFACTS,
+    NAIVE_PATH,
     PERSONA,
     PYTHON,
     ROOT,
@@ -403,11 +404,14 @@ def profile_section(app: AppServer, args: argparse.Namespace) -> list[str]:
 # -- 4: in-process ----------------------------------------------------------------------------------
 
 WORKER = "from bench.proxy_overhead import in_process_worker as w; w()"
+#: the whole quote's length (the issue's "40-token quote": a start costs more than its tokens)
+QUOTE_TOKENS = 40
 
 
 def in_process_worker() -> None:
-    """Run in a subprocess with the app's environment: drive the ASGI app in-process (Django's
-    handler, no server) interleaved with a direct read of the upstream; then refusals at an
+    """Run in a subprocess with the app's environment and the same-stack settings: drive the ASGI
+    app in-process (Django's handler, no server) interleaved with a direct read of the upstream;
+    whole quotes of QUOTE_TOKENS tokens interleaved with the naive proxy's; then refusals at an
     open-stream cap of 0. Prints one JSON line."""
     import asyncio
     import os
@@ -433,6 +437,16 @@ def in_process_worker() -> None:
                 out["wall"].append(first - timing.started)
                 out["cpu"].append(timing.first_token_cpu - timing.started_cpu)
                 out["direct"].append(direct)
+        # A whole quote, start to end, beside the same-stack naive proxy in this same process.
+        for n in range(warmup + requests):
+            app = await stream_in_process(application, APP_BODY)
+            naive = await stream_in_process(application, direct_body, NAIVE_PATH)
+            assert app.status == naive.status == 200 and app.ended and naive.ended
+            if n >= warmup:
+                out["quote"].append(app.ended - app.started)
+                out["quote_cpu"].append(app.ended_cpu - app.started_cpu)
+                out["naive_quote"].append(naive.ended - naive.started)
+                out["naive_quote_cpu"].append(naive.ended_cpu - naive.started_cpu)
         settings.QUOTES_MAX_OPEN_STREAMS = 0  # every stream refused: over_capacity
         for n in range(warmup + requests):
             timing = await stream_in_process(application, APP_BODY)
@@ -449,9 +463,10 @@ def in_process_worker() -> None:
 def in_process_section(upstream: Upstream, app: AppServer, args: argparse.Namespace) -> list[str]:
     print(f"in-process: {args.in_process_requests} streams and refusals through Django's handler ...")
     path, headers, body = last_request(upstream)
+    upstream.set_scenario(ttft_scenario(QUOTE_TOKENS))
     env = {
         **app.env,
-        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "DJANGO_SETTINGS_MODULE": "bench.naive.stack_settings",
         "BENCH_REQUESTS": str(args.in_process_requests),
         "BENCH_WARMUP": str(args.warmup),
         "BENCH_DIRECT_URL": upstream.base_url + path,
@@ -462,6 +477,7 @@ def in_process_section(upstream: Upstream, app: AppServer, args: argparse.Namesp
     if output.returncode:
         raise RuntimeError(f"the in-process worker failed:\n{output.stderr[-3000:]}")
     data = json.loads(output.stdout.strip().splitlines()[-1])
+    upstream.set_scenario(ttft_scenario(args.ttft_tokens))
     added = [a - d for a, d in zip(data["wall"], data["direct"], strict=True)]
 
     def row(name: str, wall: list[float], cpu: list[float] | None = None) -> list[str]:
@@ -478,8 +494,13 @@ def in_process_section(upstream: Upstream, app: AppServer, args: argparse.Namesp
                 row("stream: POST /api/quotes/stream to its first token", data["wall"], data["cpu"]),
                 row("  added over the direct read", added),
                 row("refusal: 503 over_capacity, whole answer", data["refusal_wall"], data["refusal_cpu"]),
+                row(f"a whole {QUOTE_TOKENS}-token quote, start to end", data["quote"], data["quote_cpu"]),
+                row("  the same-stack naive proxy's", data["naive_quote"], data["naive_quote_cpu"]),
             ],
         ),
+        "",
+        f"CPU of a whole {QUOTE_TOKENS}-token quote p50: "
+        f"{ratio(median(data['quote_cpu']), median(data['naive_quote_cpu']))}x the same-stack naive proxy's (bar: 1.3x).",
         "",
         f"TTFT direct p50 {ms(median(data['direct']))} ms; through the ASGI app in-process p50 "
         f"{ms(median(data['wall']))} ms (added {ms(median(added))} ms). The refusal's headers: "

@@ -182,6 +182,8 @@ def check_proxy_overhead(output: str) -> None:
     for name in (
         "stream: POST /api/quotes/stream to its first token",
         "refusal: 503 over_capacity, whole answer",
+        "a whole 40-token quote, start to end",
+        "the same-stack naive proxy's",
     ):
         r = row(costs, "request", name)
         for column in ("wall p50 ms", "wall p90 ms", "CPU p50 ms", "CPU p90 ms"):
@@ -190,6 +192,9 @@ def check_proxy_overhead(output: str) -> None:
     assert in_process, output[-3000:]
     positive(in_process[1])
     positive(in_process[2])
+    whole = re.search(r"CPU of a whole 40-token quote p50: (\S+)x the same-stack naive proxy's", output)
+    assert whole, output[-3000:]
+    positive(whole[1])
     headers = re.search(r"The refusal's headers: (.*)", output)
     assert headers and "Retry-After" in headers[1].split(", "), output[-3000:]
 
