@@ -1,6 +1,7 @@
 """ASGI entry point: HTTP through Django's own handler, behind the gate that refuses a stream an
 overloaded process cannot take (quotes.gate); WebSocket (/ws/quotes/) through Channels; both
-behind the trusted-proxy rule for the client's address."""
+behind the trusted-proxy rule for the client's address; all inside OpenTelemetry's request span
+when traces are on (quotes.ops.tracing)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,23 @@ from quotes.backends import get_backend  # noqa: E402
 from quotes.clients import TrustedProxyMiddleware  # noqa: E402
 from quotes.consumers import websocket_urlpatterns  # noqa: E402
 from quotes.gate import Gate  # noqa: E402
+from quotes.ops import tracing  # noqa: E402
 from quotes.security import SameOriginWebSocketMiddleware  # noqa: E402
 
 if settings.AI_BACKEND == "local" and settings.LOCAL_MODEL_PRELOAD:
     get_backend()  # starts loading the embedded model on its thread now
 
-application = TrustedProxyMiddleware(
-    ProtocolTypeRouter(
-        {
-            "http": Gate(django_asgi_app),
-            # Only this origin's pages may open a socket, as for the HTTP stream URLs.
-            "websocket": SameOriginWebSocketMiddleware(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-        }
+application = tracing.instrument(
+    TrustedProxyMiddleware(
+        ProtocolTypeRouter(
+            {
+                "http": Gate(django_asgi_app),
+                # Only this origin's pages may open a socket, as for the HTTP stream URLs.
+                "websocket": SameOriginWebSocketMiddleware(
+                    AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+                ),
+            }
+        )
     )
 )
 

@@ -105,6 +105,7 @@ def environment(**overrides: str) -> dict[str, str]:
         "DATABASE_URL",
         "REDIS_URL",
         "LOCAL_MODEL_",
+        "OTEL_",
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     env.update(PRODUCTION)

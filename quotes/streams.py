@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import logging
 import math
 import re
@@ -29,6 +30,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
+from opentelemetry.trace import Span
 from streaming import Done, Error, Event, Meta, Stream, Token, generate, replay
 
 from . import personas, spend
@@ -42,7 +44,7 @@ from .clients import Client
 from .errors import OUTCOMES, STOPPED, ErrorCode, QuoteError
 from .models import Generation as Row
 from .models import Persona, PersonaVersion
-from .ops import metrics
+from .ops import metrics, tracing
 from .registry import streams
 from .rows import clamp_cost, finish_fields, writer
 
@@ -337,13 +339,28 @@ async def start(quote: Quote, client: Client, slot: Slot, *, transport: str, pre
         client_hash=client.ip_hash,
         is_preview=preview,
     )
+    span = None
+    if tracing.TRACER is not None:
+        span = tracing.start_generation(
+            tracing.TRACER,
+            request,
+            backend=backend.name,
+            public_id=public_id,
+            cache_status=status,
+            prompt=persona.slug,
+            version=row.persona_version.number if row.persona_version else None,
+        )
     source: AsyncGenerator[Event, None]
     if cached is not None:
         source = replay(cached, settings.QUOTES_CACHE_REPLAY_PACING_MS / 1000)
+        if span is not None:
+            span.add_event("cache.hit")
     elif joined is not None:
         source = _joined(joined)
+        if span is not None:
+            span.add_event("stream.joined", {"quotes.joined.id": joined.id})
     else:
-        source = _upstream(backend, persona, quote, request)
+        source = _upstream(backend, persona, quote, request, span)
     stream = live.open(
         public_id,
         key=key if cached is None and joined is None else "",
@@ -360,6 +377,8 @@ async def start(quote: Quote, client: Client, slot: Slot, *, transport: str, pre
             await _record(stream, end, row, key, ttl, bill, transport)
         finally:
             slot.release()
+            if span is not None:
+                tracing.end_generation(span, row, row.text)
 
     stream.start(source, on_end)
     return stream
@@ -391,15 +410,22 @@ async def _record(
 
 
 def _upstream(
-    backend: Backend, persona: Persona, quote: Quote, primary: GenerationRequest
+    backend: Backend, persona: Persona, quote: Quote, primary: GenerationRequest, span: Span | None
 ) -> AsyncGenerator[Event, None]:
     """The persona's backend under the retry and fallback policy; a quote never copies eight
-    words in a row from one of the persona's voice examples."""
+    words in a row from one of the persona's voice examples. Each attempt is a child of the
+    generation's `span`, when it is traced."""
     models = model_chain(persona, primary.model)
+    attempts = itertools.count(1)
 
     def attempt(model: str) -> AsyncGenerator[Event, None]:
         request = quote.request_for(model)
-        return guard_copies(backend.stream(request), request.examples)
+        events = guard_copies(backend.stream(request), request.examples)
+        if span is None or tracing.TRACER is None:
+            return events
+        return tracing.attempt(
+            tracing.TRACER, span, events, model=request.model, backend=backend.name, number=next(attempts)
+        )
 
     return generate(attempt, models, settings.QUOTES_POLICY, OUTCOMES)
 
