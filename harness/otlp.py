@@ -6,6 +6,7 @@ what the site exports:
 
     .venv/bin/python -m harness.otlp --port 4318 --out spans.jsonl
     OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 make serve
+    .venv/bin/python -m harness.otlp --out spans.jsonl --tree     # the traces, as trees
 """
 
 from __future__ import annotations
@@ -92,6 +93,29 @@ def serve(port: int, out: Path) -> None:
     server.serve_forever()
 
 
+def tree(spans: list[dict[str, Any]]) -> str:
+    """The spans as indented trees, one per trace, children in start order; each line the span's
+    name, its duration and its attributes (what docs/deployment.md shows of a trace)."""
+    children: dict[str, list[dict[str, Any]]] = {}
+    for span in sorted(spans, key=lambda s: s["start_ns"]):
+        children.setdefault(span["parent_span_id"], []).append(span)
+    lines: list[str] = []
+
+    def show(span: dict[str, Any], depth: int) -> None:
+        took = (span["end_ns"] - span["start_ns"]) / 1e6
+        lines.append(f"{'  ' * depth}{span['name']}  {took:.1f} ms")
+        for key, item in span["attributes"].items():
+            lines.append(f"{'  ' * depth}    {key} = {item!r}")
+        for event in span["events"]:
+            lines.append(f"{'  ' * depth}    event {event['name']} {event['attributes'] or ''}".rstrip())
+        for child in children.get(span["span_id"], []):
+            show(child, depth + 1)
+
+    for root in children.get("", []):
+        show(root, 0)
+    return "\n".join(lines)
+
+
 class Receiver:
     """The receiver in a subprocess, on a free port: `endpoint` for OTEL_EXPORTER_OTLP_ENDPOINT,
     `spans()` what it has received so far."""
@@ -124,6 +148,10 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--port", type=int, default=4318)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the JSON lines file spans go to")
+    parser.add_argument("--tree", action="store_true", help="print the spans in --out as trees, and exit")
     args = parser.parse_args()
-    serve(args.port, args.out)
+    if args.tree:
+        print(tree([json.loads(line) for line in args.out.read_text().splitlines() if line]))
+    else:
+        serve(args.port, args.out)

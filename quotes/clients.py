@@ -146,20 +146,25 @@ def _forwarded_scope(scope: Scope, proxies: TrustedProxies) -> Scope:
 @dataclass(frozen=True, slots=True)
 class Client:
     """Who asks: the user when logged in, else a salted hash of the address (an IPv6 address by
-    its /64); `network` is the salted hash of its /24 or /48, for the coarser limit."""
+    its /64); `network` is the salted hash of its /24 or /48, for the coarser limit; `reader`,
+    what keeps a reader in one arm of an experiment: a salted hash of the browser's CSRF cookie
+    (one per browser, kept across visits), else the key."""
 
     key: str
     ip_hash: str = ""
     network: str = ""
+    reader: str = ""
 
     @classmethod
-    def of(cls, ip: str, user_id: int | None = None) -> Client:
+    def of(cls, ip: str, user_id: int | None = None, cookie: str = "") -> Client:
         ip_hash = _salted(client_address(ip))
         network = client_network(ip)
+        key = f"user:{user_id}" if user_id else f"ip:{ip_hash}"
         return cls(
-            key=f"user:{user_id}" if user_id else f"ip:{ip_hash}",
+            key=key,
             ip_hash=ip_hash,
             network=f"net:{_salted(network)}" if network else "",
+            reader=_salted(f"cookie:{cookie}") if cookie else key,
         )
 
 

@@ -47,7 +47,8 @@ class QuoteConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         user = self.scope.get("user")
         user_id = user.pk if user is not None and user.is_authenticated else None
-        client = Client.of((self.scope.get("client") or ("",))[0] or "", user_id)
+        cookie = self.scope.get("cookies", {}).get(settings.CSRF_COOKIE_NAME, "")
+        client = Client.of((self.scope.get("client") or ("",))[0] or "", user_id, cookie)
         if not open_socket(client):
             await self.close(code=CLOSE_POLICY)  # before accept: the handshake gets a 403
             return

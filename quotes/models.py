@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import string
 import uuid
 from typing import Any
@@ -219,6 +220,10 @@ class PersonaVersion(models.Model):
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    is_draft = models.BooleanField(
+        default=False,
+        help_text="Saved from the form without going live: an experiment can try it on a share of readers.",
+    )
 
     class Meta:
         ordering = ["persona", "-number"]
@@ -233,6 +238,48 @@ class PersonaVersion(models.Model):
         if self.pk is not None:
             raise ValueError("Persona versions are immutable; roll back to make a new one.")
         super().save(*args, **kwargs)
+
+
+class Experiment(models.Model):
+    """A draft version tried on a share of a persona's readers while the others get its live
+    version; a reader keeps one arm for the experiment's life (`arm_of`). At most one runs per
+    persona; it ends promoted (the draft made live) or ended."""
+
+    LIVE, DRAFT = "live", "draft"
+
+    class Outcome(models.TextChoices):
+        RUNNING = "", "running"
+        PROMOTED = "promoted", "draft promoted"
+        ENDED = "ended", "ended"
+
+    persona = models.ForeignKey(Persona, on_delete=models.CASCADE, related_name="experiments")
+    draft = models.ForeignKey(PersonaVersion, on_delete=models.PROTECT, related_name="experiments")
+    share = models.PositiveSmallIntegerField(
+        "readers on the draft (%)", validators=[MinValueValidator(1), MaxValueValidator(99)]
+    )
+    started_at = models.DateTimeField(auto_now_add=True)
+    started_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    ended_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=10, choices=Outcome.choices, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["persona"], condition=models.Q(ended_at__isnull=True), name="one_running_experiment"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.persona}: v{self.draft.number} to {self.share}%"
+
+    def arm_of(self, reader: str) -> str:
+        """The reader's arm: where a hash of the experiment and the reader falls, so the same reader
+        always lands in the same arm and readers spread as the share says."""
+        digest = hashlib.sha256(f"{self.pk}:{reader}".encode()).digest()
+        return self.DRAFT if int.from_bytes(digest[:8], "big") % 100 < self.share else self.LIVE
 
 
 class Generation(models.Model):
@@ -255,6 +302,12 @@ class Generation(models.Model):
     persona = models.ForeignKey(Persona, on_delete=models.PROTECT, related_name="generations")
     persona_version = models.ForeignKey(
         PersonaVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="generations"
+    )
+    experiment = models.ForeignKey(
+        Experiment, null=True, blank=True, on_delete=models.SET_NULL, related_name="generations"
+    )
+    arm = models.CharField(
+        max_length=5, blank=True, choices=[(Experiment.LIVE, "live"), (Experiment.DRAFT, "draft")]
     )
     backend = models.CharField(max_length=20)
     model = models.CharField(max_length=200, help_text="The model that actually answered.")

@@ -20,8 +20,9 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 from django.db.models.signals import post_delete, post_migrate, post_save
 
 from . import cache
+from .backends.base import GENERATION_FIELDS
 from .errors import ErrorCode, QuoteError
-from .models import Persona, PersonaVersion, personas_changed
+from .models import Experiment, Persona, PersonaVersion, personas_changed
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,12 @@ RETRY_S = 2.0
 @dataclass(frozen=True, slots=True)
 class ActivePersona:
     persona: Persona
+    #: its live version
     version: PersonaVersion | None
     loaded_at: float
+    #: its running experiment, and the persona as its draft version has it (never saved)
+    experiment: Experiment | None = None
+    draft: Persona | None = None
 
 
 class Outage:
@@ -142,9 +147,23 @@ def _load(slug: str, now: float) -> ActivePersona | None:
         persona = Persona.objects.active().filter(slug=slug).first()
         if persona is None:
             return None
-        return ActivePersona(persona, persona.versions.order_by("-number").first(), now)
+        version = persona.versions.filter(is_draft=False).order_by("-number").first()
+        experiment = persona.experiments.filter(ended_at__isnull=True).select_related("draft").first()
+        draft = as_of(persona, experiment.draft) if experiment else None
+        return ActivePersona(persona, version, now, experiment, draft)
     finally:
         close_old_connections()
+
+
+def as_of(persona: Persona, version: PersonaVersion) -> Persona:
+    """A copy of `persona` with `version`'s settings, to build requests from (never saved)."""
+    copy = Persona.objects.model(
+        **{f.attname: getattr(persona, f.attname) for f in Persona._meta.concrete_fields}
+    )
+    for name in GENERATION_FIELDS:
+        if name in version.config:
+            setattr(copy, name, version.config[name])
+    return copy
 
 
 def bump(*, signal: object = None, instance: object = None, **_: Any) -> None:
@@ -161,7 +180,7 @@ def bump(*, signal: object = None, instance: object = None, **_: Any) -> None:
         logger.warning("could not tell the other processes that personas changed", exc_info=True)
 
 
-for _model in (Persona, PersonaVersion):
+for _model in (Persona, PersonaVersion, Experiment):
     post_save.connect(bump, sender=_model, dispatch_uid=f"quotes.personas.save.{_model.__name__}")
     post_delete.connect(bump, sender=_model, dispatch_uid=f"quotes.personas.delete.{_model.__name__}")
 personas_changed.connect(bump, dispatch_uid="quotes.personas.changed")

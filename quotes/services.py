@@ -1,4 +1,4 @@
-"""Every write of personas, their versions, the votes on a quote and its being shared: one
+"""Every write of personas, their versions and experiments, the votes on a quote and its being shared: one
 transaction each; and the rows a dead process left `running`, marked lost. Reads live in
 quotes.admin.analytics.
 """
@@ -11,13 +11,14 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Field, Sum
+from django.db.models import Field, Max, Sum
 from django.utils import timezone
 
 from .backends.base import GENERATION_FIELDS
 from .errors import ErrorCode
-from .models import Generation, Persona, PersonaVersion, Vote
+from .models import Experiment, Generation, Persona, PersonaVersion, Vote
 
 
 def persona_has_generations(persona: Persona) -> bool:
@@ -30,20 +31,76 @@ def persona_save(*, persona: Persona, created_by: Any = None, note: str = "") ->
     """Save `persona`, and return a new version when what it sends to the model changed (else None)."""
     persona.save()
     config = persona.generation_config()
-    latest = persona.versions.order_by("-number").first()
+    latest = persona.versions.filter(is_draft=False).order_by("-number").first()
     if latest is not None and latest.config == config:
         return None
+    return _new_version(persona, config, created_by=created_by, note=note)
+
+
+def _new_version(
+    persona: Persona, config: dict[str, Any], *, created_by: Any, note: str, draft: bool = False
+) -> PersonaVersion:
+    number = persona.versions.aggregate(most=Max("number"))["most"] or 0
     return PersonaVersion.objects.create(
         persona=persona,
-        number=(latest.number + 1) if latest else 1,
+        number=number + 1,
         config=config,
         note=note[:200],
         created_by=created_by,
+        is_draft=draft,
     )
 
 
 @transaction.atomic
-def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) -> PersonaVersion | None:
+def persona_save_draft(*, persona: Persona, created_by: Any = None, note: str = "") -> PersonaVersion:
+    """`persona`'s values (checked, not saved) as a draft version: the persona stays as it is, and
+    an experiment can try the draft on a share of its readers."""
+    Persona.objects.select_for_update().filter(pk=persona.pk).values_list("pk", flat=True).get()
+    return _new_version(
+        persona, persona.generation_config(), created_by=created_by, note=note or "draft", draft=True
+    )
+
+
+@transaction.atomic
+def experiment_start(*, persona: Persona, draft: PersonaVersion, share: int, user: Any) -> Experiment:
+    """Try `draft` on `share` percent of `persona`'s readers; ValidationError when it cannot be:
+    not one of its drafts, a share outside 1-99, or an experiment already running."""
+    if draft.persona_id != persona.pk or not draft.is_draft:
+        raise ValidationError("Only a draft version of this persona can be tried.")
+    Persona.objects.select_for_update().filter(pk=persona.pk).values_list("pk", flat=True).get()
+    if persona.experiments.filter(ended_at__isnull=True).exists():
+        raise ValidationError("An experiment is already running for this persona: end it first.")
+    experiment = Experiment(persona=persona, draft=draft, share=share, started_by=user)
+    experiment.full_clean()
+    experiment.save()
+    return experiment
+
+
+@transaction.atomic
+def experiment_finish(*, experiment: Experiment, promote: bool, user: Any) -> PersonaVersion | None:
+    """End `experiment`; with `promote`, its draft becomes the persona's live version (a new
+    version, returned). ValidationError when the draft is no longer valid (a model left the catalog)."""
+    experiment = (
+        Experiment.objects.select_for_update().select_related("persona", "draft").get(pk=experiment.pk)
+    )
+    if experiment.ended_at is not None:
+        raise ValidationError("That experiment has ended already.")
+    new = None
+    if promote:
+        draft = experiment.draft
+        new = persona_rollback(
+            persona=experiment.persona, version=draft, user=user, note=f"promoted draft v{draft.number}"
+        )
+    experiment.ended_at = timezone.now()
+    experiment.outcome = Experiment.Outcome.PROMOTED if promote else Experiment.Outcome.ENDED
+    experiment.save(update_fields=["ended_at", "outcome"])
+    return new
+
+
+@transaction.atomic
+def persona_rollback(
+    *, persona: Persona, version: PersonaVersion, user: Any, note: str = ""
+) -> PersonaVersion | None:
     """Apply `version`'s configuration to `persona` as a new version (None: it has it already). A
     field the version does not record goes back to its default; ValidationError when the old
     configuration is no longer valid (a model left the catalog)."""
@@ -54,7 +111,7 @@ def persona_rollback(*, persona: Persona, version: PersonaVersion, user: Any) ->
         assert isinstance(field, Field)  # a generation field is a concrete column
         setattr(persona, name, version.config.get(name, field.get_default()))
     persona.full_clean()
-    return persona_save(persona=persona, created_by=user, note=f"rollback to v{version.number}")
+    return persona_save(persona=persona, created_by=user, note=note or f"rollback to v{version.number}")
 
 
 @transaction.atomic

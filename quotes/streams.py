@@ -42,8 +42,8 @@ from .backends.voice import guard_copies
 from .cache import answer_key, get_answer, store_answer
 from .clients import Client
 from .errors import OUTCOMES, STOPPED, ErrorCode, QuoteError
+from .models import Experiment, Persona, PersonaVersion
 from .models import Generation as Row
-from .models import Persona, PersonaVersion
 from .ops import metrics, tracing
 from .registry import streams
 from .rows import clamp_cost, finish_fields, writer
@@ -66,6 +66,9 @@ class Quote:
     fresh: bool = False
     #: the request's own max_tokens and temperature, within the persona's limits
     overrides: tuple[tuple[str, Any], ...] = ()
+    #: the persona's running experiment and the reader's arm in it
+    experiment: Experiment | None = None
+    arm: str = ""
 
     @classmethod
     def of(
@@ -77,13 +80,24 @@ class Quote:
         *,
         fresh: bool = False,
         overrides: dict[str, Any] | None = None,
+        experiment: Experiment | None = None,
+        arm: str = "",
     ) -> Quote:
         """The quote, its request checked against the model's context window (400)."""
         request = replace(persona.build_request(topic=topic, messages=messages), **(overrides or {}))
         backend = backend_for(persona)
         check_context_window(backend, request)
         return cls(
-            persona, version, topic, request, backend, messages, fresh, tuple((overrides or {}).items())
+            persona,
+            version,
+            topic,
+            request,
+            backend,
+            messages,
+            fresh,
+            tuple((overrides or {}).items()),
+            experiment,
+            arm,
         )
 
     def request_for(self, model: str) -> GenerationRequest:
@@ -97,8 +111,9 @@ class Quote:
 _SLUG = re.compile(r"[-a-zA-Z0-9_]{1,100}")
 
 
-async def parse(params: dict[str, Any]) -> Quote:
-    """`params` checked: a Quote, or the QuoteError (400, 404) that says what is wrong."""
+async def parse(params: dict[str, Any], reader: str = "") -> Quote:
+    """`params` checked: a Quote, or the QuoteError (400, 404) that says what is wrong. While the
+    persona runs an experiment, `reader`'s arm says which of its versions speaks."""
     slug = params.get("persona")
     if slug is None or slug == "":
         raise QuoteError(
@@ -109,13 +124,26 @@ async def parse(params: dict[str, Any]) -> Quote:
     # Not a slug: never a persona, and PostgreSQL refuses some bytes (NUL) outright.
     if not _SLUG.fullmatch(slug) or (active := await personas.get_active(slug)) is None:
         raise QuoteError(ErrorCode.UNKNOWN_PERSONA, f"There is no persona called {slug[:100]!r}.", 404)
-    persona = active.persona
+    persona, version, experiment, arm = active.persona, active.version, active.experiment, ""
+    if experiment is not None and active.draft is not None and reader:
+        arm = experiment.arm_of(reader)
+        if arm == experiment.DRAFT:
+            persona, version = active.draft, experiment.draft
     topic = clean_topic(params.get("topic"), default=persona.default_topic)
     messages = parse_messages(params.get("messages"))
     fresh = params.get("fresh")
     fresh = fresh is True or (isinstance(fresh, str) and fresh.lower() in ("1", "true", "yes"))
     overrides = request_overrides(persona, params)
-    return Quote.of(persona, active.version, topic, messages, fresh=fresh, overrides=overrides)
+    return Quote.of(
+        persona,
+        version,
+        topic,
+        messages,
+        fresh=fresh,
+        overrides=overrides,
+        experiment=experiment if arm else None,
+        arm=arm,
+    )
 
 
 def request_overrides(persona: Persona, params: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +324,7 @@ async def begin(
     slot = await admit(client)
     try:
         if quote is None:
-            quote = await parse(params or {})
+            quote = await parse(params or {}, client.reader)
         return await start(quote, client, slot, transport=transport, preview=preview)
     except BaseException:
         slot.release()
@@ -338,6 +366,8 @@ async def start(quote: Quote, client: Client, slot: Slot, *, transport: str, pre
         request=asdict(request),
         client_hash=client.ip_hash,
         is_preview=preview,
+        experiment=quote.experiment,
+        arm=quote.arm,
     )
     span = None
     if tracing.TRACER is not None:

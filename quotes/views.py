@@ -114,7 +114,9 @@ async def client_of(request: HttpRequest) -> Client:
     if settings.SESSION_COOKIE_NAME in request.COOKIES:  # no session, no user: nothing to load
         user = await request.auser()
         user_id = user.pk if user.is_authenticated else None
-    return Client.of(request.META.get("REMOTE_ADDR") or "", user_id)
+    return Client.of(
+        request.META.get("REMOTE_ADDR") or "", user_id, request.COOKIES.get(settings.CSRF_COOKIE_NAME, "")
+    )
 
 
 def from_htmx(request: HttpRequest) -> bool:

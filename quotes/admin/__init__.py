@@ -42,7 +42,7 @@ from ..backends import catalog
 from ..backends.base import SAMPLING_FIELDS
 from ..encoders import error_response
 from ..errors import ErrorCode, QuoteError
-from ..models import Generation, Persona, PersonaVersion
+from ..models import Experiment, Generation, Persona, PersonaVersion
 from ..streams import clean_topic
 from . import analytics, charts
 from .forms import PersonaForm, StatsRangeForm
@@ -89,7 +89,31 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         return f"v{count}" if count else "-"
 
     def save_model(self, request: HttpRequest, obj: Persona, form: ModelForm[Persona], change: bool) -> None:
+        if change and "_savedraft" in request.POST:
+            draft = services.persona_save_draft(persona=obj, created_by=request.user)
+            request._draft = draft  # type: ignore[attr-defined]
+            return
         services.persona_save(persona=obj, created_by=request.user)
+
+    def log_change(self, request: HttpRequest, obj: Persona, message: Any) -> Any:
+        draft = getattr(request, "_draft", None)
+        if draft is not None:  # the form's changes went to a draft, not to the persona
+            message = f"Saved as draft v{draft.number} (the live version is unchanged)."
+        return super().log_change(request, obj, message)
+
+    def response_change(self, request: HttpRequest, obj: Persona) -> HttpResponse:
+        draft = getattr(request, "_draft", None)
+        if draft is None:
+            return super().response_change(request, obj)
+        self.message_user(
+            request,
+            f"Saved “{obj}”'s values as draft v{draft.number}; readers still get the live version. "
+            "Try the draft on a share of them below.",
+            messages.SUCCESS,
+        )
+        return HttpResponseRedirect(
+            reverse("admin:quotes_persona_versions", args=[obj.pk]) + f"#v{draft.number}"
+        )
 
     # A persona the log points at is deactivated instead of deleted.
 
@@ -169,6 +193,16 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
                 wrap(self.rollback_view),
                 name="quotes_persona_rollback",
             ),
+            path(
+                "<int:object_id>/experiments/start/",
+                wrap(self.experiment_start_view),
+                name="quotes_persona_experiment_start",
+            ),
+            path(
+                "<int:object_id>/experiments/<int:experiment_id>/finish/",
+                wrap(self.experiment_finish_view),
+                name="quotes_persona_experiment_finish",
+            ),
             # Not admin_view, which is sync: the view checks staff status itself.
             path(
                 "<int:object_id>/preview/",
@@ -195,8 +229,79 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             "title": f"Versions of {persona}",
             "entries": analytics.version_history(persona),
             "can_roll_back": self.has_change_permission(request, persona),
+            "reports": [analytics.experiment_report(e) for e in persona.experiments.select_related("draft")],
+            "running": persona.experiments.filter(ended_at__isnull=True).exists(),
         }
         return TemplateResponse(request, "admin/quotes/persona/versions.html", context)
+
+    def experiment_start_view(self, request: HttpRequest, object_id: int) -> HttpResponse:
+        """POST `number` (a draft version's) and `share` (1-99): the draft goes to that share of readers."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        persona = self._persona_or_404(request, object_id)
+        if not self.has_change_permission(request, persona):
+            raise PermissionDenied
+        number, share = (request.POST.get(name, "").strip() for name in ("number", "share"))
+        if not number.isdigit():
+            raise Http404("No such version.")
+        draft = get_object_or_404(PersonaVersion, persona=persona, number=int(number))
+        try:
+            if not share.isdigit():
+                raise ValidationError("say what share of readers should get the draft, from 1 to 99 %.")
+            experiment = services.experiment_start(
+                persona=persona, draft=draft, share=int(share), user=request.user
+            )
+        except ValidationError as exc:
+            self.message_user(
+                request, f"Cannot start the experiment: {' '.join(exc.messages)}", messages.ERROR
+            )
+        else:
+            self.log_change(
+                request, persona, f"Started an experiment: v{draft.number} to {share}% of readers."
+            )
+            self.message_user(
+                request,
+                f"v{draft.number} now goes to {experiment.share}% of “{persona}”'s readers.",
+                messages.SUCCESS,
+            )
+        return HttpResponseRedirect(reverse("admin:quotes_persona_versions", args=[persona.pk]))
+
+    def experiment_finish_view(
+        self, request: HttpRequest, object_id: int, experiment_id: int
+    ) -> HttpResponse:
+        """POST `action`: `promote` (the draft becomes the live version) or `end`."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        persona = self._persona_or_404(request, object_id)
+        if not self.has_change_permission(request, persona):
+            raise PermissionDenied
+        experiment = get_object_or_404(Experiment, persona=persona, pk=experiment_id)
+        promote = request.POST.get("action") == "promote"
+        try:
+            new = services.experiment_finish(experiment=experiment, promote=promote, user=request.user)
+        except ValidationError as exc:
+            self.message_user(
+                request, f"Cannot finish the experiment: {' '.join(exc.messages)}", messages.ERROR
+            )
+        else:
+            draft = experiment.draft.number
+            said = (
+                f"Promoted draft v{draft}" + (f" (saved as v{new.number})" if new else "")
+                if promote
+                else "Ended the experiment"
+            )
+            self.log_change(request, persona, said + ".")
+            self.message_user(
+                request,
+                said
+                + (
+                    ": every reader gets it now."
+                    if promote
+                    else f"; every reader gets the live version, v{draft} stays a draft."
+                ),
+                messages.SUCCESS,
+            )
+        return HttpResponseRedirect(reverse("admin:quotes_persona_versions", args=[persona.pk]))
 
     def rollback_view(self, request: HttpRequest, object_id: int, number: int) -> HttpResponse:
         if request.method != "POST":
@@ -281,12 +386,25 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
         "feedback",
         "is_preview",
     )
-    list_filter = ("persona", "status", "cache_status", "model", "backend", "created_at", "is_preview")
+    list_filter = ("persona", "status", "cache_status", "model", "backend", "arm", "created_at", "is_preview")
     list_select_related = ("persona",)
     search_fields = ("text", "topic")
     date_hierarchy = "created_at"
     fieldsets = (
-        (None, {"fields": ("created_at", "persona", "persona_version", "is_preview", "topic", "text")}),
+        (
+            None,
+            {
+                "fields": (
+                    "created_at",
+                    "persona",
+                    "persona_version",
+                    ("experiment", "arm"),
+                    "is_preview",
+                    "topic",
+                    "text",
+                )
+            },
+        ),
         (
             "Outcome",
             {
@@ -379,6 +497,7 @@ class GenerationAdmin(admin.ModelAdmin[Generation]):
             "model_rows": charts.breakdown_display(stats.by_model, stats.requests) if stats else [],
             "log_url": reverse("admin:quotes_generation_changelist") + log_query,
             "export_url": reverse("admin:quotes_generation_export") + log_query,
+            "experiment_reports": [analytics.experiment_report(e) for e in analytics.experiments_in(stats)],
             "spend_today": analytics.spend_today(),
             "spend_ceiling": settings.QUOTES_DAILY_SPEND_LIMIT_USD,
             "presets": [(key, label) for key, label in form.fields["range"].choices if key != "custom"],  # type: ignore[attr-defined]

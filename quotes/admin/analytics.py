@@ -30,7 +30,7 @@ from django.utils import timezone
 from ..backends.base import GENERATION_FIELDS
 from ..backends.catalog import get_model
 from ..errors import ErrorCode
-from ..models import Generation, Persona, PersonaVersion, Refusal
+from ..models import Experiment, Generation, Persona, PersonaVersion, Refusal, Vote
 from ..services import lost_before
 
 Bucket = Literal["hour", "day"]
@@ -466,7 +466,99 @@ def version_history(persona: Persona) -> list[VersionEntry]:
             VersionEntry(
                 version=version,
                 diffs=config_diff(older.config if older else None, version.config),
-                is_current=version.config == current,
+                is_current=not version.is_draft and version.config == current,
             )
         )
     return entries
+
+
+# -- experiments ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Arm:
+    """What one arm of an experiment served, and what its readers thought of it."""
+
+    name: str
+    #: the draft's; the live arm's is whatever version is live as each quote is asked
+    version: PersonaVersion | None
+    share: int
+    quotes: int
+    errors: int
+    up: int
+    down: int
+    ttft_p50_ms: float | None
+    mean_tokens: float | None
+    cost_usd: Decimal
+
+    @property
+    def up_share(self) -> float | None:
+        votes = self.up + self.down
+        return self.up / votes if votes else None
+
+    @property
+    def up_interval(self) -> tuple[float, float] | None:
+        """The 95% Wilson score interval of the share of votes that are up."""
+        return wilson(self.up, self.up + self.down)
+
+    @property
+    def error_rate(self) -> float | None:
+        total = self.quotes + self.errors
+        return self.errors / total if total else None
+
+
+def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float] | None:
+    if not trials:
+        return None
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(slots=True)
+class ExperimentReport:
+    experiment: Experiment
+    arms: list[Arm]
+
+
+def experiment_report(experiment: Experiment) -> ExperimentReport:
+    """The experiment's two arms side by side: the live version's readers and the draft's."""
+    rows = Generation.objects.filter(experiment=experiment, is_preview=False)
+    votes = Vote.objects.filter(generation__experiment=experiment).values("generation__arm", "value")
+    tally: dict[tuple[str, int], int] = defaultdict(int)
+    for vote in votes.annotate(n=Count("id")):
+        tally[(vote["generation__arm"], vote["value"])] += vote["n"]
+    arms = []
+    for name, share in ((Experiment.LIVE, 100 - experiment.share), (Experiment.DRAFT, experiment.share)):
+        mine = rows.filter(arm=name)
+        totals = mine.aggregate(
+            quotes=Count("id", filter=Q(status=Generation.Status.OK)),
+            errors=Count("id", filter=Q(status=Generation.Status.ERROR)),
+            cost=Sum("cost_usd"),
+        )
+        ok = mine.filter(status=Generation.Status.OK)
+        ttfts = sorted(t for t in ok.values_list("ttft_ms", flat=True) if t is not None)
+        tokens = [t for t in ok.values_list("completion_tokens", flat=True) if t is not None]
+        arms.append(
+            Arm(
+                name=name,
+                version=experiment.draft if name == Experiment.DRAFT else None,
+                share=share,
+                quotes=totals["quotes"],
+                errors=totals["errors"],
+                up=tally[(name, 1)],
+                down=tally[(name, -1)],
+                ttft_p50_ms=percentile(ttfts, 50),
+                mean_tokens=sum(tokens) / len(tokens) if tokens else None,
+                cost_usd=totals["cost"] or Decimal(0),
+            )
+        )
+    return ExperimentReport(experiment, arms)
+
+
+def experiments_in(stats: Stats | None) -> QuerySet[Experiment]:
+    """The experiments running now, and those that ended in the range shown."""
+    running = Q(ended_at__isnull=True)
+    shown = running | Q(ended_at__gte=stats.since, ended_at__lt=stats.until) if stats else running
+    return Experiment.objects.filter(shown).select_related("persona", "draft")

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry import trace
 
 from harness.daphne import start_site, wait_for, workers_ai_env
-from harness.otlp import Receiver
+from harness.otlp import Receiver, tree
 from harness.workers_ai import FakeWorkersAI, Scenario
 from quotes.models import Persona
 from quotes.ops import tracing
@@ -139,3 +139,4 @@ def test_a_quote_that_falls_back_is_one_trace_of_request_generation_and_two_atte
     assert attempts[0]["attributes"]["error.type"] == "upstream_capacity" and attempts[0]["status"] == ERROR
     assert "error.type" not in attempts[1]["attributes"]
     assert attempts[0]["end_ns"] <= attempts[1]["start_ns"] and attempts[1]["end_ns"] <= span["end_ns"]
+    assert f"\n  chat {first}" in tree(trace_spans) and f"\n    chat {FALLBACK}" in tree(trace_spans)
