@@ -379,6 +379,7 @@ async def start(quote: Quote, client: Client, slot: Slot, *, transport: str, pre
             cache_status=status,
             prompt=persona.slug,
             version=row.persona_version.number if row.persona_version else None,
+            arm=quote.arm,
         )
     source: AsyncGenerator[Event, None]
     if cached is not None:

@@ -94,6 +94,7 @@ def start_generation(
     cache_status: str,
     prompt: str,
     version: int | None,
+    arm: str = "",
 ) -> Span:
     """A generation's span, a child of the request's: what was asked."""
     attributes: dict[str, Any] = {
@@ -108,6 +109,8 @@ def start_generation(
     }
     if version is not None:
         attributes["gen_ai.prompt.version"] = str(version)
+    if arm:
+        attributes["quotes.experiment.arm"] = arm
     if CAPTURE_CONTENT:
         attributes["gen_ai.input.messages"] = json.dumps(
             [{"role": m.role, "parts": [{"type": "text", "content": m.content}]} for m in request.messages]
