@@ -18,7 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCTION = {"DJANGO_SECRET_KEY": "prod-test-" + "k3y" * 20, "DJANGO_ALLOWED_HOSTS": "quotes.example.com"}
 #: Documented in the README's table but read by a library, not by config/settings.py.
-READ_ELSEWHERE = {"OMP_WAIT_POLICY"}
+READ_ELSEWHERE = {
+    "OMP_WAIT_POLICY",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT",
+}
 #: A bad value for each of these (on top of PRODUCTION) stops start-up with a message naming it.
 BAD = [
     ("DJANGO_SECRET_KEY", "dev-only-insecure-key-change-me-0123456789abcdef"),  # config/settings.py's, public
