@@ -374,6 +374,7 @@ async def start(quote: Quote, client: Client, slot: Slot, *, transport: str, pre
         span = tracing.start_generation(
             tracing.TRACER,
             request,
+            model=models[0],
             backend=backend.name,
             public_id=public_id,
             cache_status=status,
@@ -455,7 +456,12 @@ def _upstream(
         if span is None or tracing.TRACER is None:
             return events
         return tracing.attempt(
-            tracing.TRACER, span, events, model=request.model, backend=backend.name, number=next(attempts)
+            tracing.TRACER,
+            span,
+            events,
+            model=backend.model_name(request.model),
+            backend=backend.name,
+            number=next(attempts),
         )
 
     return generate(attempt, models, settings.QUOTES_POLICY, OUTCOMES)

@@ -19,6 +19,7 @@ import os
 from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
 from streaming import Error, Event, Meta, Usage
@@ -67,11 +68,23 @@ def instrument(application: Any) -> Any:
         return application
     from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 
-    return OpenTelemetryMiddleware(
+    traced = OpenTelemetryMiddleware(
         application,
         exclude_spans=["receive", "send"],
         server_request_hook=None if CAPTURE_CONTENT else _no_query,
     )
+
+    async def each_request_its_own_trace(scope: Any, receive: Any, send: Any) -> None:
+        # daphne starts a request on a kept-alive connection from the context of the one before:
+        # its span would be this one's parent. A request continues only the trace it names
+        # (`traceparent`), or starts one.
+        token = otel_context.attach(otel_context.Context())
+        try:
+            await traced(scope, receive, send)
+        finally:
+            otel_context.detach(token)
+
+    return each_request_its_own_trace
 
 
 def _no_query(span: Span, scope: dict[str, Any]) -> None:
@@ -89,6 +102,7 @@ def start_generation(
     tracer: Tracer,
     request: GenerationRequest,
     *,
+    model: str,
     backend: str,
     public_id: str,
     cache_status: str,
@@ -96,11 +110,12 @@ def start_generation(
     version: int | None,
     arm: str = "",
 ) -> Span:
-    """A generation's span, a child of the request's: what was asked."""
+    """A generation's span, a child of the request's: what was asked (`model` as the backend
+    names it: the embedded model's own name)."""
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": PROVIDERS.get(backend, backend),
-        "gen_ai.request.model": request.model,
+        "gen_ai.request.model": model,
         "gen_ai.request.max_tokens": request.max_tokens,
         "gen_ai.request.temperature": request.temperature,
         "gen_ai.prompt.name": prompt,
@@ -115,7 +130,7 @@ def start_generation(
         attributes["gen_ai.input.messages"] = json.dumps(
             [{"role": m.role, "parts": [{"type": "text", "content": m.content}]} for m in request.messages]
         )
-    return tracer.start_span(f"chat {request.model}", kind=SpanKind.INTERNAL, attributes=attributes)
+    return tracer.start_span(f"chat {model}", kind=SpanKind.INTERNAL, attributes=attributes)
 
 
 def end_generation(span: Span, row: Generation, text: str) -> None:

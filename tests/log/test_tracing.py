@@ -108,6 +108,9 @@ def test_a_quote_that_falls_back_is_one_trace_of_request_generation_and_two_atte
                 lambda: any(s["name"] == "GET /api/quotes/stream" for s in receiver.spans()), "the GET's"
             )
     assert "asked-in-private" not in (tmp_path / "spans.jsonl").read_text()
+    # The GET came on the POST's kept-alive connection: a trace of its own all the same.
+    [get] = [s for s in receiver.spans() if s["name"] == "GET /api/quotes/stream"]
+    assert get["parent_span_id"] == "" and get["trace_id"] != span["trace_id"]
     trace_spans = [s for s in receiver.spans() if s["trace_id"] == span["trace_id"]]
     assert span["resource"]["service.name"] == "quotes-under-test"
     assert span["name"] == f"chat {first}"
