@@ -253,7 +253,7 @@ class Experiment(models.Model):
         ENDED = "ended", "ended"
 
     persona = models.ForeignKey(Persona, on_delete=models.CASCADE, related_name="experiments")
-    draft = models.ForeignKey(PersonaVersion, on_delete=models.PROTECT, related_name="experiments")
+    draft = models.ForeignKey(PersonaVersion, on_delete=models.CASCADE, related_name="experiments")
     share = models.PositiveSmallIntegerField(
         "readers on the draft (%)", validators=[MinValueValidator(1), MaxValueValidator(99)]
     )

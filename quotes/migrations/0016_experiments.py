@@ -58,7 +58,7 @@ class Migration(migrations.Migration):
                 (
                     "draft",
                     models.ForeignKey(
-                        on_delete=django.db.models.deletion.PROTECT,
+                        on_delete=django.db.models.deletion.CASCADE,
                         related_name="experiments",
                         to="quotes.personaversion",
                     ),
