@@ -12,7 +12,7 @@ from playwright.sync_api import Browser, Page, expect
 from harness.daphne import environment, manage
 from harness.workers_ai import FakeWorkersAI, Scenario
 
-from .conftest import TOKENS, Site, besides, card_state, open_persona, screenshot
+from .conftest import SCREENSHOTS, TOKENS, Site, besides, card_state, open_persona
 
 pytestmark = pytest.mark.system
 
@@ -111,11 +111,13 @@ def test_browser_admin_tries_a_draft_on_half_the_readers_then_promotes_it(
     expect(live_arm.get_by_test_id("quotes")).to_have_text(str(2 * (READERS - on_draft)))
     expect(live_arm.get_by_test_id("down")).to_have_text(str(READERS - on_draft))
     expect(live_arm.get_by_test_id("up")).to_have_text("0")
-    page.get_by_test_id("experiment").scroll_into_view_if_needed()
-    screenshot(page, "admin-experiment")
 
     # Promoted: the draft is live for every reader, those of the live arm included.
     page.goto(f"{site.url}/admin/quotes/persona/{pk}/history-versions/")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)  # docs/img/persona-experiment.png is this one
+    page.get_by_test_id("experiment").screenshot(
+        path=SCREENSHOTS / "persona-experiment.png", animations="disabled"
+    )
     page.get_by_test_id("promote").click()
     expect(page.get_by_text("every reader gets it now")).to_be_visible()
     expect(page.get_by_test_id("experiment")).to_have_attribute("data-state", "promoted")

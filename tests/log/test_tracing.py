@@ -5,6 +5,7 @@ real receiver process; without it, no provider, no exporter, no span."""
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,52 @@ def test_a_quote_that_falls_back_is_one_trace_of_request_generation_and_two_atte
     assert "error.type" not in attempts[1]["attributes"]
     assert attempts[0]["end_ns"] <= attempts[1]["start_ns"] and attempts[1]["end_ns"] <= span["end_ns"]
     assert f"\n  chat {first}" in tree(trace_spans) and f"\n    chat {FALLBACK}" in tree(trace_spans)
+
+
+@pytest.mark.system
+def test_a_join_a_cache_hit_and_a_stop_are_events_on_their_generations_spans(tmp_path: Path) -> None:
+    with FakeWorkersAI() as fake, Receiver(tmp_path / "spans.jsonl") as receiver:
+        env = {
+            **workers_ai_env(fake),
+            "QUOTES_CACHE_TTL": "3600",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+        }
+        with start_site(tmp_path, **env) as site, httpx.Client(timeout=30) as client:
+            url, body = f"{site.url}/api/quotes/stream", {"persona": "alan-watts", "topic": "tides"}
+            held = threading.Event()
+            fake.script(Scenario(tokens=["Held", " on"], stall_after_tokens=1, hold=held))
+            with client.stream("POST", url, json=body) as first:
+                with client.stream("POST", url, json=body) as joined:  # the same quote, in flight
+                    held.set()
+                    joined.read()
+                first.read()
+            hit = client.post(url, json=body)  # the same quote again: from the cache
+            stopping = threading.Event()
+            fake.script(Scenario(tokens=["Stop", " me"], stall_after_tokens=1, hold=stopping))
+            with client.stream("POST", url, json={**body, "topic": "stops"}) as stopped:
+                answer = client.post(f"{site.url}/api/quotes/{stopped.headers['x-quote-id']}/stop")
+                assert answer.json()["stopped"] is True
+                stopped.read()
+            stopping.set()
+            ids = {
+                "first": first.headers["x-quote-id"],
+                "joined": joined.headers["x-quote-id"],
+                "hit": hit.headers["x-quote-id"],
+                "stopped": stopped.headers["x-quote-id"],
+            }
+            assert len(set(ids.values())) == 4 and len(fake.requests) == 2
+
+            def events() -> dict[str, list[str]]:
+                found = {s["attributes"].get("quotes.generation.id"): s for s in receiver.spans()}
+                return {
+                    name: [e["name"] for e in found[i]["events"]] for name, i in ids.items() if i in found
+                }
+
+            wait_for(lambda: len(events()) == 4, "the four generations' spans")
+    assert events() == {
+        "first": [],
+        "joined": ["stream.joined"],
+        "hit": ["cache.hit"],
+        "stopped": ["stream.stopped"],
+    }
