@@ -157,9 +157,7 @@ def _load(slug: str, now: float) -> ActivePersona | None:
 
 def as_of(persona: Persona, version: PersonaVersion) -> Persona:
     """A copy of `persona` with `version`'s settings, to build requests from (never saved)."""
-    copy = Persona.objects.model(
-        **{f.attname: getattr(persona, f.attname) for f in Persona._meta.concrete_fields}
-    )
+    copy = Persona(**{f.attname: getattr(persona, f.attname) for f in Persona._meta.concrete_fields})
     for name in GENERATION_FIELDS:
         if name in version.config:
             setattr(copy, name, version.config[name])

@@ -146,6 +146,7 @@ def test_the_admin_saves_a_draft_starts_promotes_and_refuses_bad_input(admin_use
     assert persona.system_prompt == live_prompt and draft.config["system_prompt"] == DRAFT_PROMPT
     page = client.get(VERSIONS.format(pk=persona.pk)).content.decode()
     assert f'data-testid="start-{draft.number}"' in page and "draft</span>" in page
+    assert "Make this draft live" in page  # no experiment: a draft can also go live at once
 
     start = f"/admin/quotes/persona/{persona.pk}/experiments/start/"
     assert client.post(start, {"number": "v1", "share": "50"}).status_code == 404
@@ -160,6 +161,7 @@ def test_the_admin_saves_a_draft_starts_promotes_and_refuses_bad_input(admin_use
     assert experiment.share == 50 and "now goes to 50%" in response.content.decode()
     page = client.get(VERSIONS.format(pk=persona.pk)).content.decode()
     assert 'data-testid="arm-draft"' in page and f'data-testid="start-{draft.number}"' not in page
+    assert "Make this draft live" not in page  # while it is tried: Promote, or End
     assert 'data-testid="arm-draft"' in client.get("/admin/quotes/generation/analytics/").content.decode()
 
     finish = f"/admin/quotes/persona/{persona.pk}/experiments/{experiment.pk}/finish/"
