@@ -8,6 +8,7 @@ asked again RETRY_S after its last failure, and anything else is a 503 with Retr
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -157,11 +158,11 @@ def _load(slug: str, now: float) -> ActivePersona | None:
 
 def as_of(persona: Persona, version: PersonaVersion) -> Persona:
     """A copy of `persona` with `version`'s settings, to build requests from (never saved)."""
-    copy = Persona(**{f.attname: getattr(persona, f.attname) for f in Persona._meta.concrete_fields})
+    draft = copy.copy(persona)
     for name in GENERATION_FIELDS:
         if name in version.config:
-            setattr(copy, name, version.config[name])
-    return copy
+            setattr(draft, name, version.config[name])
+    return draft
 
 
 def bump(*, signal: object = None, instance: object = None, **_: Any) -> None:

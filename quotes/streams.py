@@ -372,7 +372,6 @@ async def start(quote: Quote, client: Client, slot: Slot, *, transport: str, pre
     span = None
     if tracing.TRACER is not None:
         span = tracing.start_generation(
-            tracing.TRACER,
             request,
             model=models[0],
             backend=backend.name,
@@ -453,10 +452,9 @@ def _upstream(
     def attempt(model: str) -> AsyncGenerator[Event, None]:
         request = quote.request_for(model)
         events = guard_copies(backend.stream(request), request.examples)
-        if span is None or tracing.TRACER is None:
+        if span is None:
             return events
         return tracing.attempt(
-            tracing.TRACER,
             span,
             events,
             model=backend.model_name(request.model),

@@ -24,7 +24,6 @@ from django.http import (
     HttpRequest,
     HttpResponse,
     HttpResponseBase,
-    HttpResponseNotAllowed,
     HttpResponseRedirect,
     StreamingHttpResponse,
 )
@@ -35,6 +34,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_protect
+from django.views.decorators.http import require_POST
 from django_stubs_ext import StrPromise
 
 from .. import services
@@ -190,17 +190,17 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             ),
             path(
                 "<int:object_id>/history-versions/<int:number>/rollback/",
-                wrap(self.rollback_view),
+                wrap(require_POST(self.rollback_view)),
                 name="quotes_persona_rollback",
             ),
             path(
                 "<int:object_id>/experiments/start/",
-                wrap(self.experiment_start_view),
+                wrap(require_POST(self.experiment_start_view)),
                 name="quotes_persona_experiment_start",
             ),
             path(
                 "<int:object_id>/experiments/<int:experiment_id>/finish/",
-                wrap(self.experiment_finish_view),
+                wrap(require_POST(self.experiment_finish_view)),
                 name="quotes_persona_experiment_finish",
             ),
             # Not admin_view, which is sync: the view checks staff status itself.
@@ -216,6 +216,12 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         persona = self.get_object(request, str(object_id))
         if persona is None:
             raise Http404("No such persona.")
+        return persona
+
+    def _persona_to_change(self, request: HttpRequest, object_id: int) -> Persona:
+        persona = self._persona_or_404(request, object_id)
+        if not self.has_change_permission(request, persona):
+            raise PermissionDenied
         return persona
 
     def versions_view(self, request: HttpRequest, object_id: int) -> HttpResponse:
@@ -236,11 +242,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
 
     def experiment_start_view(self, request: HttpRequest, object_id: int) -> HttpResponse:
         """POST `number` (a draft version's) and `share` (1-99): the draft goes to that share of readers."""
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
-        persona = self._persona_or_404(request, object_id)
-        if not self.has_change_permission(request, persona):
-            raise PermissionDenied
+        persona = self._persona_to_change(request, object_id)
         number, share = (request.POST.get(name, "").strip() for name in ("number", "share"))
         if not number.isdigit():
             raise Http404("No such version.")
@@ -270,11 +272,7 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
         self, request: HttpRequest, object_id: int, experiment_id: int
     ) -> HttpResponse:
         """POST `action`: `promote` (the draft becomes the live version) or `end`."""
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
-        persona = self._persona_or_404(request, object_id)
-        if not self.has_change_permission(request, persona):
-            raise PermissionDenied
+        persona = self._persona_to_change(request, object_id)
         experiment = get_object_or_404(Experiment, persona=persona, pk=experiment_id)
         promote = request.POST.get("action") == "promote"
         try:
@@ -285,30 +283,18 @@ class PersonaAdmin(admin.ModelAdmin[Persona]):
             )
         else:
             draft = experiment.draft.number
-            said = (
-                f"Promoted draft v{draft}" + (f" (saved as v{new.number})" if new else "")
-                if promote
-                else "Ended the experiment"
-            )
+            if promote:
+                said = f"Promoted draft v{draft}" + (f" (saved as v{new.number})" if new else "")
+                told = f"{said}: every reader gets it now."
+            else:
+                said = "Ended the experiment"
+                told = f"{said}; every reader gets the live version, v{draft} stays a draft."
             self.log_change(request, persona, said + ".")
-            self.message_user(
-                request,
-                said
-                + (
-                    ": every reader gets it now."
-                    if promote
-                    else f"; every reader gets the live version, v{draft} stays a draft."
-                ),
-                messages.SUCCESS,
-            )
+            self.message_user(request, told, messages.SUCCESS)
         return HttpResponseRedirect(reverse("admin:quotes_persona_versions", args=[persona.pk]))
 
     def rollback_view(self, request: HttpRequest, object_id: int, number: int) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
-        persona = self._persona_or_404(request, object_id)
-        if not self.has_change_permission(request, persona):
-            raise PermissionDenied
+        persona = self._persona_to_change(request, object_id)
         version = get_object_or_404(PersonaVersion, persona=persona, number=number)
         try:
             new = services.persona_rollback(persona=persona, version=version, user=request.user)

@@ -99,7 +99,6 @@ def _no_query(span: Span, scope: dict[str, Any]) -> None:
 
 
 def start_generation(
-    tracer: Tracer,
     request: GenerationRequest,
     *,
     model: str,
@@ -130,7 +129,8 @@ def start_generation(
         attributes["gen_ai.input.messages"] = json.dumps(
             [{"role": m.role, "parts": [{"type": "text", "content": m.content}]} for m in request.messages]
         )
-    return tracer.start_span(f"chat {model}", kind=SpanKind.INTERNAL, attributes=attributes)
+    assert TRACER is not None  # called only when traces are on
+    return TRACER.start_span(f"chat {model}", kind=SpanKind.INTERNAL, attributes=attributes)
 
 
 def end_generation(span: Span, row: Generation, text: str) -> None:
@@ -160,7 +160,6 @@ def end_generation(span: Span, row: Generation, text: str) -> None:
 
 
 async def attempt(
-    tracer: Tracer,
     parent: Span,
     events: AsyncGenerator[Event, None],
     *,
@@ -169,7 +168,8 @@ async def attempt(
     number: int,
 ) -> AsyncGenerator[Event, None]:
     """One upstream attempt's events, under a child span of its generation's."""
-    span = tracer.start_span(
+    assert TRACER is not None  # a traced generation's attempt
+    span = TRACER.start_span(
         f"chat {model}",
         context=trace.set_span_in_context(parent),
         kind=SpanKind.CLIENT,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from harness.daphne import ROOT, Site, start_site, workers_ai_env
+from harness.daphne import ROOT, Site, environment, manage, start_site, workers_ai_env
 from harness.workers_ai import FakeWorkersAI, Scenario
 
 SCREENSHOTS = ROOT / "artifacts" / "screenshots"
@@ -68,6 +68,24 @@ def problems(page: Page) -> list[str]:
 def besides(problems: list[str], *expected: str) -> list[str]:
     """The problems other than those naming one of `expected` (the browser's own log of a 429, say)."""
     return [p for p in problems if not any(e in p for e in expected)]
+
+
+def with_superuser(site: Site, username: str, password: str) -> Site:
+    """`site` with a superuser `username` (created as an operator would: manage.py)."""
+    env = environment(
+        DJANGO_DEBUG="true", DATABASE_URL=f"sqlite:///{site.db_path}", DJANGO_SUPERUSER_PASSWORD=password
+    )
+    manage(env, "createsuperuser", "--noinput", f"--username={username}", f"--email={username}@example.com")
+    return site
+
+
+def log_in(page: Page, site: Site, username: str, password: str, path: str) -> None:
+    """Log in to the admin through its form, landing on `path`."""
+    page.goto(f"{site.url}/admin/login/?next={path}")
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill(password)
+    page.get_by_role("button", name="Log in").click()
+    page.wait_for_url(f"{site.url}{path}")
 
 
 def open_persona(page: Page, site: Site, transport: str = "htmx") -> Any:

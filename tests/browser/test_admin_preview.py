@@ -8,9 +8,7 @@ import json
 import pytest
 from playwright.sync_api import Page, expect
 
-from harness.daphne import environment, manage
-
-from .conftest import Site, besides, screenshot
+from .conftest import Site, besides, log_in, screenshot, with_superuser
 
 pytestmark = pytest.mark.system
 
@@ -30,10 +28,7 @@ RECORDER = """() => {
 @pytest.fixture(scope="module")
 def admin_site(local_site: Site) -> Site:
     """The embedded model's site, with a superuser `admin` (the test leaves the persona as it was)."""
-    db, password = f"sqlite:///{local_site.db_path}", PASSWORD
-    env = environment(DJANGO_DEBUG="true", DATABASE_URL=db, DJANGO_SUPERUSER_PASSWORD=password)
-    manage(env, "createsuperuser", "--noinput", "--username=admin", "--email=admin@example.com")
-    return local_site
+    return with_superuser(local_site, "admin", PASSWORD)
 
 
 def test_browser_admin_previews_unsaved_edits_then_saves_and_rolls_back(
@@ -46,11 +41,7 @@ def test_browser_admin_previews_unsaved_edits_then_saves_and_rolls_back(
         "SELECT id, system_prompt FROM quotes_persona WHERE slug = 'alan-watts'"
     )
     change_path = f"/admin/quotes/persona/{pk}/change/"
-    page.goto(f"{admin_site.url}/admin/login/?next={change_path}")
-    page.get_by_label("Username").fill("admin")
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    page.wait_for_url(f"{admin_site.url}{change_path}")
+    log_in(page, admin_site, "admin", PASSWORD, change_path)
     expect(page.locator("[data-persona-preview][data-ready=true]")).to_have_count(1)
 
     page.locator("#id_system_prompt").fill(NEW_PROMPT)

@@ -9,10 +9,9 @@ import re
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from harness.daphne import environment, manage
 from harness.workers_ai import FakeWorkersAI, Scenario
 
-from .conftest import SCREENSHOTS, TOKENS, Site, besides, card_state, open_persona
+from .conftest import SCREENSHOTS, TOKENS, Site, besides, card_state, log_in, open_persona, with_superuser
 
 pytestmark = pytest.mark.system
 
@@ -23,13 +22,7 @@ READERS = 16
 
 @pytest.fixture(scope="module")
 def admin_site(workers_site: Site) -> Site:
-    env = environment(
-        DJANGO_DEBUG="true",
-        DATABASE_URL=f"sqlite:///{workers_site.db_path}",
-        DJANGO_SUPERUSER_PASSWORD=PASSWORD,
-    )
-    manage(env, "createsuperuser", "--noinput", "--username=experimenter", "--email=x@example.com")
-    return workers_site
+    return with_superuser(workers_site, "experimenter", PASSWORD)
 
 
 def system_prompt(fake: FakeWorkersAI) -> str:
@@ -66,12 +59,7 @@ def test_browser_admin_tries_a_draft_on_half_the_readers_then_promotes_it(
         "SELECT p.id, p.system_prompt, MAX(v.number) FROM quotes_persona p "
         "JOIN quotes_personaversion v ON v.persona_id = p.id WHERE p.slug = 'alan-watts'"
     )
-    change = f"/admin/quotes/persona/{pk}/change/"
-    page.goto(f"{site.url}/admin/login/?next={change}")
-    page.get_by_label("Username").fill("experimenter")
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    page.wait_for_url(f"{site.url}{change}")
+    log_in(page, site, "experimenter", PASSWORD, f"/admin/quotes/persona/{pk}/change/")
 
     # A draft: the form's values saved aside; readers still get the live version.
     page.locator("#id_system_prompt").fill(DRAFT_PROMPT)
